@@ -1,0 +1,541 @@
+//! The database protocol: what the worker machine asks a store to do, and what it answers.
+//!
+//! Every store (the [memory store](crate::memory), PostgreSQL) applies these requests with the
+//! same semantics; the conformance suite checks that they agree. The rules every store keeps:
+//!
+//! - **The database clock is the only wall clock.** Requests carry durations (`lease_ms`,
+//!   `delay_ms`); the store adds them to its own `now`. Workers never send instants.
+//! - **Fencing.** A write about a task a worker holds names the task and its [`Lease`] (the
+//!   claim generation) and expects a state; when the row no longer matches it changes nothing
+//!   and the task is reported `lost`. A write that was already applied (a re-send after an
+//!   [`DbFailure::Unknown`]) is reported lost too, never applied twice.
+//! - **Eligibility** to be claimed: Pending, or Claimed with an expired lease; `run_at` reached;
+//!   good-until not reached. **Order**: queue priority, task priority, `run_at`, id.
+//! - **Attempts and retries.** `attempts` counts starts and never decreases. `retries` counts
+//!   retries spent; [`Release`](DbRequest::Release) does not spend one.
+
+use std::fmt;
+use std::sync::Arc;
+
+use serde::{Deserialize, Serialize};
+
+use crate::budget::ClaimPolicy;
+use crate::config::{AppConfig, RetryPolicy, is_valid_queue_name};
+use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+
+/// A time on the database's clock: milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DbTime(pub i64);
+
+impl DbTime {
+    /// This time plus `ms` milliseconds (saturating).
+    pub fn plus_ms(self, ms: u64) -> DbTime {
+        DbTime(self.0.saturating_add(i64::try_from(ms).unwrap_or(i64::MAX)))
+    }
+}
+
+/// Correlates a request with its reply. Issued by the worker machine; replies carrying an id
+/// the machine no longer waits for are ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct OpId(pub u64);
+
+impl fmt::Display for OpId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "op{}", self.0)
+    }
+}
+
+/// When a new task becomes claimable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RunAt {
+    /// At once.
+    Now,
+    /// After this many milliseconds on the database clock.
+    DelayMs(u64),
+    /// At this database time (a time in the past means at once).
+    At(DbTime),
+}
+
+/// A task to enqueue.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct NewTask {
+    /// The registered name of the handler that runs it.
+    pub name: String,
+    /// Its arguments, as JSON.
+    pub args: serde_json::Value,
+    /// Its queue; `None` is the default queue (and is the only choice in default queue mode).
+    pub queue: Option<String>,
+    /// Lower runs first within a queue.
+    pub priority: i16,
+    /// When it becomes claimable.
+    pub run_at: RunAt,
+    /// After this database time it expires instead of running.
+    pub good_until: Option<DbTime>,
+    /// Its retry policy; `None` takes the app's default.
+    pub retry: Option<RetryPolicy>,
+    /// An idempotency key: enqueueing the same key and arguments again returns the same task.
+    pub key: Option<String>,
+}
+
+impl NewTask {
+    /// A task with these name and arguments and every other field defaulted.
+    pub fn new(name: impl Into<String>, args: serde_json::Value) -> Self {
+        NewTask {
+            name: name.into(),
+            args,
+            queue: None,
+            priority: 0,
+            run_at: RunAt::Now,
+            good_until: None,
+            retry: None,
+            key: None,
+        }
+    }
+
+    /// The same task in another queue.
+    pub fn queue(mut self, queue: impl Into<String>) -> Self {
+        self.queue = Some(queue.into());
+        self
+    }
+
+    /// The same task with another priority (lower runs first).
+    pub fn priority(mut self, priority: i16) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// The same task, claimable only from `run_at`.
+    pub fn run_at(mut self, run_at: RunAt) -> Self {
+        self.run_at = run_at;
+        self
+    }
+
+    /// The same task, expiring at `good_until`.
+    pub fn good_until(mut self, good_until: DbTime) -> Self {
+        self.good_until = Some(good_until);
+        self
+    }
+
+    /// The same task with its own retry policy.
+    pub fn retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = Some(retry);
+        self
+    }
+
+    /// The same task with an idempotency key.
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+}
+
+/// Why an enqueue was refused. Nothing is written when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EnqueueError {
+    /// The task name is empty or too long.
+    #[error("invalid task name {0:?}: expected 1 to 128 bytes")]
+    InvalidTaskName(String),
+    /// The queue name has characters or a length queues cannot have.
+    #[error("invalid queue name {0:?}: expected 1 to 52 bytes of a-z, 0-9 and _")]
+    InvalidQueueName(String),
+    /// The queue is not one the app configures.
+    #[error("unknown queue {queue:?}: expected one of {known}")]
+    UnknownQueue {
+        /// The queue asked for.
+        queue: String,
+        /// The configured queues, comma-separated.
+        known: String,
+    },
+    /// The task would become claimable after it expires.
+    #[error("run_at {run_at} ms is not before good_until {good_until} ms: the task could never run")]
+    RunAtAfterGoodUntil {
+        /// When it would become claimable.
+        run_at: i64,
+        /// When it would expire.
+        good_until: i64,
+    },
+    /// The task's retry policy breaks a rule.
+    #[error("invalid retry policy: {0}")]
+    InvalidRetryPolicy(String),
+    /// The idempotency key is empty or too long.
+    #[error("invalid idempotency key {0:?}: expected 1 to 256 bytes")]
+    InvalidKey(String),
+    /// The key names a task with other arguments (`PAYLOAD_MISMATCH`).
+    #[error("idempotency key {key:?} already names task {existing} with different arguments")]
+    PayloadMismatch {
+        /// The key.
+        key: String,
+        /// The task it names.
+        existing: TaskId,
+    },
+}
+
+impl EnqueueError {
+    /// The error code callers see for this refusal.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            EnqueueError::PayloadMismatch { .. } => ErrorCode::PayloadMismatch,
+            _ => ErrorCode::User("VALIDATION_FAILED".into()),
+        }
+    }
+}
+
+/// The queue a new task goes to, after checking everything a store checks before writing:
+/// task name, queue, key, retry policy, and run-at against good-until (`now` is the store's).
+pub fn check_new_task(app: &AppConfig, task: &NewTask, now: DbTime) -> Result<String, EnqueueError> {
+    if task.name.is_empty() || task.name.len() > 128 {
+        return Err(EnqueueError::InvalidTaskName(task.name.clone()));
+    }
+    let queue = task.queue.clone().unwrap_or_else(|| default_queue(app));
+    if !is_valid_queue_name(&queue) {
+        return Err(EnqueueError::InvalidQueueName(queue));
+    }
+    if app.queue(&queue).is_none() {
+        let known = app.queues().into_iter().map(|q| q.name).collect::<Vec<_>>().join(", ");
+        return Err(EnqueueError::UnknownQueue { queue, known });
+    }
+    if let Some(key) = &task.key {
+        if key.is_empty() || key.len() > 256 {
+            return Err(EnqueueError::InvalidKey(key.clone()));
+        }
+    }
+    if let Some(policy) = &task.retry {
+        policy.validate().map_err(|e| EnqueueError::InvalidRetryPolicy(e.to_string()))?;
+    }
+    if let Some(good_until) = task.good_until {
+        let run_at = resolve_run_at(task.run_at, now);
+        if run_at >= good_until {
+            return Err(EnqueueError::RunAtAfterGoodUntil { run_at: run_at.0, good_until: good_until.0 });
+        }
+    }
+    Ok(queue)
+}
+
+/// The queue of tasks enqueued without one: `default`, or in custom mode the first queue.
+pub fn default_queue(app: &AppConfig) -> String {
+    app.queues().into_iter().next().map_or_else(|| "default".to_owned(), |q| q.name)
+}
+
+/// The database time a [`RunAt`] means when enqueued at `now`.
+pub fn resolve_run_at(run_at: RunAt, now: DbTime) -> DbTime {
+    match run_at {
+        RunAt::Now => now,
+        RunAt::DelayMs(ms) => now.plus_ms(ms),
+        RunAt::At(at) => at.max(now),
+    }
+}
+
+/// A task as a claim hands it to a worker.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClaimedTask {
+    /// The task.
+    pub id: TaskId,
+    /// The claim generation this worker now holds.
+    pub lease: Lease,
+    /// The registered handler name.
+    pub name: String,
+    /// Its queue.
+    pub queue: String,
+    /// Its arguments.
+    pub args: serde_json::Value,
+    /// Its priority.
+    pub priority: i16,
+    /// Whether the claim also started it (it is Running, `attempt` is this run's number);
+    /// otherwise it is Claimed and `attempt` is the number its start will have.
+    pub started: bool,
+    /// The run this is: 1 for the first.
+    pub attempt: Attempt,
+    /// Retries already spent.
+    pub retries: u32,
+    /// Its retry policy (the app default resolved at enqueue).
+    pub retry: RetryPolicy,
+}
+
+/// A finished run and what it produced.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Completion {
+    /// The task and the lease it ran under.
+    pub task: TaskLease,
+    /// What to record.
+    pub outcome: FinishOutcome,
+}
+
+/// What a finished run records.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishOutcome {
+    /// Completed with this result.
+    Completed(serde_json::Value),
+    /// Failed, and runs again after `delay_ms` unless that is at or past good-until, in which
+    /// case the store fails it with `error` instead.
+    Retry {
+        /// The error of this run.
+        error: TaskError,
+        /// How long to wait before it is claimable again.
+        delay_ms: u64,
+    },
+    /// Failed for good.
+    Failed(TaskError),
+}
+
+/// Identity and shape of a worker, kept in the worker registry.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerInfo {
+    /// The worker.
+    pub worker: WorkerId,
+    /// The queues it serves.
+    pub queues: Vec<String>,
+    /// Its concurrency.
+    pub concurrency: u32,
+}
+
+/// A request the worker machine asks a store to run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum DbRequest {
+    /// Claim tasks for `worker` under `policy`, following [`budget::plan`](crate::budget::plan)
+    /// with the counts the store observes. Claimed rows get `lease = previous + 1`,
+    /// `claimed_by = worker`, `claim_token = token`, a lease until `now + lease_ms`. The first
+    /// `start_now` of them in claim order start at once (Running, `attempts + 1`). Replies
+    /// [`DbReply::Claimed`] in claim order, with `more` set when some eligible row of a served
+    /// queue was left behind.
+    Claim {
+        /// Who claims.
+        worker: WorkerId,
+        /// Stamped on the claimed rows so an unanswered claim can be undone
+        /// ([`DbRequest::AbandonClaim`]).
+        token: u64,
+        /// The caps to respect.
+        policy: Arc<ClaimPolicy>,
+        /// Handlers this worker runs now.
+        my_running: u32,
+        /// Claims this worker holds that have not started.
+        my_claimed: u32,
+        /// How many of the claimed tasks to start in the same statement.
+        start_now: u32,
+        /// The claim lease.
+        lease_ms: u64,
+    },
+    /// Start claimed tasks: Claimed to Running when held by `worker` under that lease and not
+    /// past its claim lease. Past good-until it becomes Expired instead; in soft-cap mode a
+    /// task whose queue is at its cap stays Claimed (`deferred`). Replies
+    /// [`DbReply::Started`].
+    Start {
+        /// Who starts them.
+        worker: WorkerId,
+        /// The tasks and their leases.
+        tasks: Vec<TaskLease>,
+        /// The queue caps to re-check (soft-cap mode).
+        policy: Arc<ClaimPolicy>,
+    },
+    /// Record finished runs, each fenced by lease and state Running: completed and failed
+    /// tasks become terminal (and move to the finished table), retried ones Pending with
+    /// `run_at = now + delay_ms` and `retries + 1`. Replies [`DbReply::Finished`].
+    Finish {
+        /// Who ran them.
+        worker: WorkerId,
+        /// The outcomes.
+        completions: Vec<Completion>,
+    },
+    /// Renew what `worker` holds: Claimed tasks get their lease extended to `now + lease_ms`
+    /// (unless claimed more than `max_renew_age_ms` ago), Running tasks a fresh heartbeat; the
+    /// worker's registry row is marked alive. Replies [`DbReply::Heartbeat`] with the tasks
+    /// no longer held.
+    Heartbeat {
+        /// Who beats.
+        worker: WorkerId,
+        /// Held claims.
+        claimed: Vec<TaskLease>,
+        /// Running tasks.
+        running: Vec<TaskLease>,
+        /// The claim lease.
+        lease_ms: u64,
+        /// Claims older than this are not renewed and expire naturally.
+        max_renew_age_ms: u64,
+    },
+    /// Hand tasks back: Claimed or Running held under that lease becomes Pending without
+    /// spending a retry, claimable at once. Replies [`DbReply::Released`].
+    Release {
+        /// Who holds them.
+        worker: WorkerId,
+        /// The tasks and their leases.
+        tasks: Vec<TaskLease>,
+    },
+    /// Undo a claim whose reply never came: every row still Claimed or Running by `worker`
+    /// under claim `token` goes back to Pending as by [`DbRequest::Release`]. Replies
+    /// [`DbReply::Released`].
+    AbandonClaim {
+        /// Who claimed.
+        worker: WorkerId,
+        /// The claim's token.
+        token: u64,
+    },
+    /// Recover what dead workers left, as one reaper (a store lets one act at a time):
+    /// Claimed tasks with no claimer heartbeat (or claim) for `claimed_stale_ms` back to
+    /// Pending; Running tasks with no runner heartbeat (or start) for `running_stale_ms`
+    /// retried with `WORKER_CRASHED` if their policy allows it before good-until, else Failed;
+    /// Pending tasks past good-until Expired. `None` thresholds skip that step. Replies
+    /// [`DbReply::Reaped`].
+    Reap {
+        /// Who reaps.
+        worker: WorkerId,
+        /// Threshold for stale claims.
+        claimed_stale_ms: Option<u64>,
+        /// Threshold for stale runs.
+        running_stale_ms: Option<u64>,
+        /// Entropy for the jitter of crash retries.
+        entropy: u64,
+    },
+    /// Add or refresh `worker` in the worker registry.
+    RegisterWorker(WorkerInfo),
+    /// Mark `worker` stopped in the worker registry.
+    DeregisterWorker(WorkerId),
+}
+
+impl DbRequest {
+    /// A short name for logs and traces.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DbRequest::Claim { .. } => "claim",
+            DbRequest::Start { .. } => "start",
+            DbRequest::Finish { .. } => "finish",
+            DbRequest::Heartbeat { .. } => "heartbeat",
+            DbRequest::Release { .. } => "release",
+            DbRequest::AbandonClaim { .. } => "abandon_claim",
+            DbRequest::Reap { .. } => "reap",
+            DbRequest::RegisterWorker(_) => "register_worker",
+            DbRequest::DeregisterWorker(_) => "deregister_worker",
+        }
+    }
+}
+
+/// A store's answer to a [`DbRequest`], variant for variant.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub enum DbReply {
+    /// What a [`DbRequest::Claim`] took.
+    Claimed {
+        /// The tasks claimed, in claim order.
+        tasks: Vec<ClaimedTask>,
+        /// Whether the pass saw eligible tasks in the served queues that it did not take (its
+        /// budget or a cap stopped it): the worker claims again when it has room.
+        more: bool,
+    },
+    /// What became of a [`DbRequest::Start`].
+    Started {
+        /// Started, with the number of this run.
+        started: Vec<(TaskId, Attempt)>,
+        /// Past good-until: now Expired, not to run.
+        expired: Vec<TaskId>,
+        /// Queue at its cap: still Claimed, try again later.
+        deferred: Vec<TaskId>,
+        /// Not held under that lease any more.
+        lost: Vec<TaskId>,
+    },
+    /// What became of a [`DbRequest::Finish`].
+    Finished {
+        /// Applied, with the state each task is in now (Pending for a retry).
+        applied: Vec<(TaskId, TaskState)>,
+        /// Not Running under that lease any more: nothing written.
+        lost: Vec<TaskId>,
+    },
+    /// The tasks of a [`DbRequest::Heartbeat`] no longer held.
+    Heartbeat {
+        /// Not held under that lease any more.
+        lost: Vec<TaskId>,
+    },
+    /// What became of a [`DbRequest::Release`] or [`DbRequest::AbandonClaim`].
+    Released {
+        /// Back to Pending.
+        released: Vec<TaskId>,
+        /// Not held under that lease any more.
+        lost: Vec<TaskId>,
+    },
+    /// What a [`DbRequest::Reap`] did.
+    Reaped(ReapReport),
+    /// A registry request was applied.
+    Done,
+}
+
+/// What one reaper pass changed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReapReport {
+    /// Stale claims put back to Pending.
+    pub requeued: Vec<TaskId>,
+    /// Stale runs retried with `WORKER_CRASHED`.
+    pub retried: Vec<TaskId>,
+    /// Stale runs failed with `WORKER_CRASHED`.
+    pub failed: Vec<TaskId>,
+    /// Pending tasks expired.
+    pub expired: Vec<TaskId>,
+}
+
+/// Why a request has no reply. Faults are inputs to the worker machine, not errors of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+pub enum DbFailure {
+    /// The request was not applied: no connection, the pool timed out, the database is down.
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
+    /// The request was sent and no answer came: it may or may not have been applied.
+    #[error("database reply unknown: {0}")]
+    Unknown(String),
+    /// The database refused the request (a bug or a schema mismatch); nothing was applied.
+    #[error("database rejected the request: {0}")]
+    Rejected(String),
+}
+
+/// A task as inspection shows it: its row in the live table or the finished table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// The task.
+    pub id: TaskId,
+    /// Its handler name.
+    pub name: String,
+    /// Its queue.
+    pub queue: String,
+    /// Its state.
+    pub state: TaskState,
+    /// Its priority.
+    pub priority: i16,
+    /// Its arguments.
+    pub args: serde_json::Value,
+    /// Runs started.
+    pub attempts: u32,
+    /// Retries spent.
+    pub retries: u32,
+    /// When it was enqueued.
+    pub enqueued_at: DbTime,
+    /// When it is (or was) claimable.
+    pub run_at: DbTime,
+    /// When it expires.
+    pub good_until: Option<DbTime>,
+    /// When it reached a terminal state.
+    pub finished_at: Option<DbTime>,
+    /// The worker holding it, while Claimed or Running.
+    pub worker: Option<WorkerId>,
+    /// Its result, once Completed.
+    pub result: Option<serde_json::Value>,
+    /// Its last error: the final one once Failed, Expired or Cancelled, the latest retried
+    /// one while it waits for its next run.
+    pub error: Option<TaskError>,
+    /// Its idempotency key.
+    pub key: Option<String>,
+}
+
+/// One finished run of a task, as the attempts history keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// The task.
+    pub task: TaskId,
+    /// Which run.
+    pub attempt: Attempt,
+    /// Who ran it.
+    pub worker: Option<WorkerId>,
+    /// What the task became: Completed, Failed, or Pending when it will be retried.
+    pub outcome: TaskState,
+    /// The error, if it failed.
+    pub error: Option<TaskError>,
+    /// When the run ended.
+    pub finished_at: DbTime,
+}

@@ -1,0 +1,1637 @@
+//! An in-memory store: the database of the [protocol](crate::db) without PostgreSQL.
+//!
+//! [`MemoryStore`] applies the worker machine's [`DbRequest`]s with exactly the semantics the
+//! SQL has, so the core's tests, the deterministic simulation and users' unit tests can run
+//! the whole system with no database. Like the SQL schema it keeps two tables: the live table
+//! (Pending, Claimed and Running tasks, the only ones a claim scans) and the finished table
+//! (terminal tasks with their result or error); a terminal transition moves the row. It also
+//! keeps the attempts history (one record per finished run), the idempotency keys, the worker
+//! registry and the notifications PostgreSQL would send.
+//!
+//! Every request applies atomically: [`MemoryStore::apply`] takes `&mut self`, so no two
+//! requests interleave. That is what `FOR UPDATE SKIP LOCKED` achieves across workers in
+//! PostgreSQL (no row is handed to two claimers, and a claimer never waits for a row another
+//! holds), and the advisory locks around capped claims (the counts a claim sees are the counts
+//! it acts on). A claim here never meets a locked row, so it sees every eligible row: the
+//! PostgreSQL store may claim fewer under contention, never more.
+//!
+//! The store is pure like the rest of the core: `now` is always an argument, and the only
+//! randomness is the `entropy` a [`DbRequest::Reap`] carries. Every state change goes through
+//! [`transition`]; a refused one is a broken invariant of this module and panics. Bad input
+//! (unknown ids, stale leases, other workers' tasks) never panics: it is reported `lost` or
+//! returned as an error.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use serde_json::Value;
+
+use crate::backoff;
+use crate::budget::{self, ClaimCounts, ClaimPolicy, InFlight};
+use crate::config::{AppConfig, RetryPolicy};
+use crate::db::{
+    self, AttemptRecord, ClaimedTask, Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, NewTask,
+    ReapReport, TaskRecord, WorkerInfo,
+};
+use crate::rng::mix;
+use crate::task::{
+    Attempt, ErrorCode, Lease, TaskError, TaskEvent, TaskId, TaskLease, TaskState, WorkerId, transition,
+};
+
+/// The message of the error a task gets when the reaper finds its worker gone.
+pub const WORKER_CRASHED_MESSAGE: &str = "worker stopped sending heartbeats";
+
+/// The message of the error a task gets when its good-until time passes before it runs.
+pub const TASK_EXPIRED_MESSAGE: &str = "good_until passed before the task ran";
+
+/// The message of the error a task gets when it is cancelled.
+pub const TASK_CANCELLED_MESSAGE: &str = "task cancelled";
+
+/// One task's full row, as the live or the finished table holds it.
+///
+/// Invariants the store keeps (and a simulation may check): `claim_expires_at` is set exactly
+/// when the task is Claimed; `claimed_by` and `claim_token` are set while it is Claimed or
+/// Running and cleared when it goes back to Pending (a finished row keeps its last holder);
+/// `lease` and `attempts` never decrease; `result` is set only on Completed rows and
+/// `finished_at` only on terminal ones.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoredTask {
+    /// The task.
+    pub id: TaskId,
+    /// Its handler name.
+    pub name: String,
+    /// Its queue.
+    pub queue: String,
+    /// Lower runs first within the queue.
+    pub priority: i16,
+    /// Its arguments.
+    pub args: Value,
+    /// Its state; terminal states live in the finished table.
+    pub state: TaskState,
+    /// The claim generation: 0 until the first claim, bumped by every claim.
+    pub lease: Lease,
+    /// The worker holding it (see the invariants above).
+    pub claimed_by: Option<WorkerId>,
+    /// The token of the claim request that took it.
+    pub claim_token: Option<u64>,
+    /// When it was last claimed.
+    pub claimed_at: Option<DbTime>,
+    /// When its claim lapses, while it is Claimed.
+    pub claim_expires_at: Option<DbTime>,
+    /// The holder's last heartbeat under the current claim or run.
+    pub heartbeat_at: Option<DbTime>,
+    /// When its latest run started.
+    pub started_at: Option<DbTime>,
+    /// Runs started; never decreases.
+    pub attempts: u32,
+    /// Retries spent.
+    pub retries: u32,
+    /// When it is (or was) claimable.
+    pub run_at: DbTime,
+    /// When it was enqueued.
+    pub enqueued_at: DbTime,
+    /// When it expires.
+    pub good_until: Option<DbTime>,
+    /// Its retry policy (the app's default resolved at enqueue).
+    pub retry: RetryPolicy,
+    /// Its idempotency key.
+    pub key: Option<String>,
+    /// Its result, once Completed.
+    pub result: Option<Value>,
+    /// Its last error (see [`TaskRecord::error`]).
+    pub error: Option<TaskError>,
+    /// When it reached a terminal state.
+    pub finished_at: Option<DbTime>,
+}
+
+impl StoredTask {
+    /// The row as inspection shows it.
+    pub fn record(&self) -> TaskRecord {
+        let held = matches!(self.state, TaskState::Claimed | TaskState::Running);
+        TaskRecord {
+            id: self.id,
+            name: self.name.clone(),
+            queue: self.queue.clone(),
+            state: self.state,
+            priority: self.priority,
+            args: self.args.clone(),
+            attempts: self.attempts,
+            retries: self.retries,
+            enqueued_at: self.enqueued_at,
+            run_at: self.run_at,
+            good_until: self.good_until,
+            finished_at: self.finished_at,
+            worker: if held { self.claimed_by.clone() } else { None },
+            result: self.result.clone(),
+            error: self.error.clone(),
+            key: self.key.clone(),
+        }
+    }
+
+    /// Whether a claim at `now` may take this row, its queue aside: Pending, or Claimed with
+    /// a lapsed lease; `run_at` reached; good-until not reached.
+    pub fn is_claimable(&self, now: DbTime) -> bool {
+        let free = match self.state {
+            TaskState::Pending => true,
+            TaskState::Claimed => self.claim_expires_at.is_some_and(|at| at <= now),
+            _ => false,
+        };
+        free && self.run_at <= now && self.good_until.is_none_or(|at| at > now)
+    }
+
+    /// Whether `worker` holds this row under `lease` (the state is the caller's to check).
+    fn held_by(&self, worker: &WorkerId, lease: Lease) -> bool {
+        self.lease == lease && self.claimed_by.as_ref() == Some(worker)
+    }
+
+    /// Moves the row by `event`, which must be allowed.
+    fn apply_event(&mut self, event: TaskEvent) {
+        match transition(self.state, event) {
+            Ok(to) => self.state = to,
+            Err(err) => panic!("memory store invariant broken on task {}: {err}", self.id),
+        }
+    }
+
+    /// Forgets the holder: the row is no longer claimed by anyone.
+    fn clear_claim(&mut self) {
+        self.claimed_by = None;
+        self.claim_token = None;
+        self.claim_expires_at = None;
+        self.heartbeat_at = None;
+    }
+}
+
+/// Something PostgreSQL would announce with `NOTIFY`, for drivers to deliver.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notification {
+    /// Tasks of this queue may have become claimable (one per statement per queue).
+    TaskReady {
+        /// The queue.
+        queue: String,
+    },
+    /// A task reached a terminal state.
+    TaskFinished {
+        /// The task.
+        task: TaskId,
+        /// Its terminal state.
+        state: TaskState,
+    },
+}
+
+/// Why an operator action was refused. Nothing is changed when one is returned.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AdminError {
+    /// No task has this id.
+    #[error("task {0} not found")]
+    NotFound(TaskId),
+    /// The task is in a state the action does not apply to.
+    #[error("task {task} is {state}: expected {expected}")]
+    WrongState {
+        /// The task.
+        task: TaskId,
+        /// The state it is in.
+        state: TaskState,
+        /// The states the action applies to.
+        expected: &'static str,
+    },
+}
+
+/// Which tasks [`MemoryStore::list`] returns; every field `None` lists them all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskFilter {
+    /// Only tasks of this queue.
+    pub queue: Option<String>,
+    /// Only tasks in this state.
+    pub state: Option<TaskState>,
+    /// At most this many (the lowest ids).
+    pub limit: Option<usize>,
+}
+
+/// A worker as the registry knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRecord {
+    /// What it registered (empty queues and concurrency 0 if it only ever sent heartbeats).
+    pub info: WorkerInfo,
+    /// Its last registration or heartbeat.
+    pub last_seen: DbTime,
+    /// Whether it deregistered (and did not register again since).
+    pub stopped: bool,
+}
+
+/// The in-memory store. See the module docs.
+#[derive(Debug, Clone)]
+pub struct MemoryStore {
+    app: AppConfig,
+    next_id: i64,
+    live: BTreeMap<TaskId, StoredTask>,
+    finished: BTreeMap<TaskId, StoredTask>,
+    keys: BTreeMap<String, TaskId>,
+    history: BTreeMap<TaskId, Vec<AttemptRecord>>,
+    workers: BTreeMap<WorkerId, WorkerRecord>,
+    notifications: Vec<Notification>,
+}
+
+impl MemoryStore {
+    /// An empty store for this application; task ids start at 1.
+    pub fn new(app: AppConfig) -> Self {
+        MemoryStore {
+            app,
+            next_id: 1,
+            live: BTreeMap::new(),
+            finished: BTreeMap::new(),
+            keys: BTreeMap::new(),
+            history: BTreeMap::new(),
+            workers: BTreeMap::new(),
+            notifications: Vec::new(),
+        }
+    }
+
+    /// The application configuration enqueues are checked against.
+    pub fn app(&self) -> &AppConfig {
+        &self.app
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Enqueue
+    // -----------------------------------------------------------------------------------------
+
+    /// Enqueues one task (see [`enqueue_many`](Self::enqueue_many)).
+    pub fn enqueue(&mut self, task: NewTask, now: DbTime) -> Result<TaskId, EnqueueError> {
+        let ids = self.enqueue_many(vec![task], now)?;
+        Ok(ids.into_iter().next().expect("one id per task enqueued"))
+    }
+
+    /// Enqueues tasks as one statement: every task is checked ([`db::check_new_task`]) before
+    /// any is written, and on an error nothing is written. Returns one id per task, in order.
+    ///
+    /// A task whose idempotency key names an existing task (live or finished, or an earlier
+    /// task of the same batch) with the same name and arguments is not written: its id is the
+    /// existing one. The same key with another name or other arguments is
+    /// [`EnqueueError::PayloadMismatch`]. New tasks get ids 1, 2, 3… in order, and each queue
+    /// that received one gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`).
+    pub fn enqueue_many(&mut self, tasks: Vec<NewTask>, now: DbTime) -> Result<Vec<TaskId>, EnqueueError> {
+        let mut rows: Vec<StoredTask> = Vec::new();
+        let mut batch_keys: BTreeMap<String, usize> = BTreeMap::new();
+        let mut ids = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            let queue = db::check_new_task(&self.app, &task, now)?;
+            if let Some(key) = &task.key {
+                let existing = match batch_keys.get(key) {
+                    Some(&index) => rows.get(index),
+                    None => self.keys.get(key).and_then(|id| self.row(*id)),
+                };
+                if let Some(existing) = existing {
+                    if existing.name == task.name && existing.args == task.args {
+                        ids.push(existing.id);
+                        continue;
+                    }
+                    return Err(EnqueueError::PayloadMismatch { key: key.clone(), existing: existing.id });
+                }
+                batch_keys.insert(key.clone(), rows.len());
+            }
+            let id = TaskId(self.next_id.saturating_add(i64::try_from(rows.len()).unwrap_or(i64::MAX)));
+            ids.push(id);
+            rows.push(StoredTask {
+                id,
+                name: task.name,
+                queue,
+                priority: task.priority,
+                args: task.args,
+                state: TaskState::Pending,
+                lease: Lease(0),
+                claimed_by: None,
+                claim_token: None,
+                claimed_at: None,
+                claim_expires_at: None,
+                heartbeat_at: None,
+                started_at: None,
+                attempts: 0,
+                retries: 0,
+                run_at: db::resolve_run_at(task.run_at, now),
+                enqueued_at: now,
+                good_until: task.good_until,
+                retry: task.retry.unwrap_or_else(|| self.app.retry.clone()),
+                key: task.key,
+                result: None,
+                error: None,
+                finished_at: None,
+            });
+        }
+        self.next_id = self.next_id.saturating_add(i64::try_from(rows.len()).unwrap_or(i64::MAX));
+        let mut queues = BTreeSet::new();
+        for row in rows {
+            queues.insert(row.queue.clone());
+            if let Some(key) = &row.key {
+                self.keys.insert(key.clone(), row.id);
+            }
+            self.live.insert(row.id, row);
+        }
+        self.notify_ready(queues);
+        Ok(ids)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The protocol
+    // -----------------------------------------------------------------------------------------
+
+    /// Applies one request of the worker machine atomically at database time `now`, with the
+    /// semantics [`DbRequest`] documents, and returns its reply.
+    pub fn apply(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
+        match request {
+            DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
+                let counts = self.claim_counts(policy, *my_running, *my_claimed, now);
+                let tasks = self.claim(worker, *token, policy, &counts, *start_now, *lease_ms, now);
+                let eligible: u64 = counts.available.values().map(|&n| u64::from(n)).sum();
+                let more = eligible > tasks.len() as u64;
+                DbReply::Claimed { tasks, more }
+            }
+            DbRequest::Start { worker, tasks, policy } => self.start(worker, tasks, policy, now),
+            DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
+            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {
+                self.heartbeat(worker, claimed, running, *lease_ms, *max_renew_age_ms, now)
+            }
+            DbRequest::Release { worker, tasks } => self.release(worker, tasks),
+            DbRequest::AbandonClaim { worker, token } => self.abandon_claim(worker, *token),
+            DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
+                DbReply::Reaped(self.reap(*claimed_stale_ms, *running_stale_ms, *entropy, now))
+            }
+            DbRequest::RegisterWorker(info) => {
+                self.workers
+                    .insert(info.worker.clone(), WorkerRecord { info: info.clone(), last_seen: now, stopped: false });
+                DbReply::Done
+            }
+            DbRequest::DeregisterWorker(worker) => {
+                if let Some(record) = self.workers.get_mut(worker) {
+                    record.stopped = true;
+                }
+                DbReply::Done
+            }
+        }
+    }
+
+    /// The counts a claim pass by a worker with `policy` observes at `now`: the cluster's and
+    /// each served queue's in flight (Running, and Claimed with a live lease), and each served
+    /// queue's eligible rows. `queues` and `available` have an entry for every queue of
+    /// `policy`, zeros included, and for no other queue.
+    pub fn claim_counts(&self, policy: &ClaimPolicy, my_running: u32, my_claimed: u32, now: DbTime) -> ClaimCounts {
+        let mut counts = ClaimCounts { my_running, my_claimed, ..ClaimCounts::default() };
+        for queue in &policy.queues {
+            counts.queues.insert(queue.name.clone(), InFlight::default());
+            counts.available.insert(queue.name.clone(), 0);
+        }
+        for row in self.live.values() {
+            let in_flight = match row.state {
+                TaskState::Running => Some(true),
+                TaskState::Claimed if row.claim_expires_at.is_none_or(|at| at > now) => Some(false),
+                _ => None,
+            };
+            if let Some(running) = in_flight {
+                add_in_flight(&mut counts.cluster, running);
+                if let Some(queue) = counts.queues.get_mut(&row.queue) {
+                    add_in_flight(queue, running);
+                }
+            }
+            if row.is_claimable(now) {
+                if let Some(available) = counts.available.get_mut(&row.queue) {
+                    *available = available.saturating_add(1);
+                }
+            }
+        }
+        counts
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn claim(
+        &mut self,
+        worker: &WorkerId,
+        token: u64,
+        policy: &ClaimPolicy,
+        counts: &ClaimCounts,
+        start_now: u32,
+        lease_ms: u64,
+        now: DbTime,
+    ) -> Vec<ClaimedTask> {
+        let plan = budget::plan(policy, counts);
+        let mut chosen: Vec<TaskId> = Vec::new();
+        let mut taken: BTreeSet<TaskId> = BTreeSet::new();
+        for (queue, take) in &plan.takes {
+            let mut candidates: Vec<&StoredTask> = self
+                .live
+                .values()
+                .filter(|row| &row.queue == queue && row.is_claimable(now) && !taken.contains(&row.id))
+                .collect();
+            candidates.sort_by_key(|row| (row.priority, row.run_at, row.id));
+            for row in candidates.into_iter().take(*take as usize) {
+                chosen.push(row.id);
+                taken.insert(row.id);
+            }
+        }
+        let mut claimed = Vec::with_capacity(chosen.len());
+        for (index, id) in chosen.into_iter().enumerate() {
+            let start = index < start_now as usize;
+            let row = self.live_row(id);
+            row.apply_event(if start { TaskEvent::ClaimAndStart } else { TaskEvent::Claim });
+            row.lease = Lease(row.lease.0.saturating_add(1));
+            row.claimed_by = Some(worker.clone());
+            row.claim_token = Some(token);
+            row.claimed_at = Some(now);
+            let attempt = if start {
+                row.attempts = row.attempts.saturating_add(1);
+                row.started_at = Some(now);
+                row.heartbeat_at = Some(now);
+                row.claim_expires_at = None;
+                row.attempts
+            } else {
+                row.heartbeat_at = None;
+                row.claim_expires_at = Some(now.plus_ms(lease_ms));
+                row.attempts.saturating_add(1)
+            };
+            claimed.push(ClaimedTask {
+                id,
+                lease: row.lease,
+                name: row.name.clone(),
+                queue: row.queue.clone(),
+                args: row.args.clone(),
+                priority: row.priority,
+                started: start,
+                attempt: Attempt(attempt),
+                retries: row.retries,
+                retry: row.retry.clone(),
+            });
+        }
+        claimed
+    }
+
+    fn start(&mut self, worker: &WorkerId, tasks: &[TaskLease], policy: &ClaimPolicy, now: DbTime) -> DbReply {
+        let mut started = Vec::new();
+        let mut expired = Vec::new();
+        let mut deferred = Vec::new();
+        let mut lost = Vec::new();
+        let mut running = self.running_per_queue();
+        for &TaskLease { task: id, lease } in tasks {
+            let Some(row) = self.live.get(&id).filter(|row| row.held_by(worker, lease)) else {
+                lost.push(id);
+                continue;
+            };
+            match row.state {
+                // A re-send of a start that was applied: report it started again.
+                TaskState::Running => {
+                    started.push((id, Attempt(row.attempts)));
+                    continue;
+                }
+                TaskState::Claimed if row.claim_expires_at.is_none_or(|at| at > now) => {}
+                _ => {
+                    lost.push(id);
+                    continue;
+                }
+            }
+            if row.good_until.is_some_and(|at| at <= now) {
+                let error = TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE);
+                self.finish_row(id, TaskEvent::Expire, now, Some(error), None);
+                expired.push(id);
+                continue;
+            }
+            let cap = if policy.hard_cap_mode() {
+                None
+            } else {
+                policy.queues.iter().find(|q| q.name == row.queue).and_then(|q| q.max_concurrency)
+            };
+            let queue_running = running.entry(row.queue.clone()).or_insert(0);
+            if cap.is_some_and(|cap| *queue_running >= cap) {
+                deferred.push(id);
+                continue;
+            }
+            *queue_running += 1;
+            let row = self.live_row(id);
+            row.apply_event(TaskEvent::Start);
+            row.attempts = row.attempts.saturating_add(1);
+            row.started_at = Some(now);
+            row.heartbeat_at = Some(now);
+            row.claim_expires_at = None;
+            started.push((id, Attempt(row.attempts)));
+        }
+        DbReply::Started { started, expired, deferred, lost }
+    }
+
+    fn finish(&mut self, worker: &WorkerId, completions: &[Completion], now: DbTime) -> DbReply {
+        let mut applied = Vec::new();
+        let mut lost = Vec::new();
+        for Completion { task: TaskLease { task: id, lease }, outcome } in completions {
+            let id = *id;
+            let held =
+                self.live.get(&id).is_some_and(|row| row.state == TaskState::Running && row.held_by(worker, *lease));
+            if !held {
+                lost.push(id);
+                continue;
+            }
+            let state = match outcome {
+                FinishOutcome::Completed(result) => {
+                    self.record_attempt(id, TaskState::Completed, None, now);
+                    self.finish_row(id, TaskEvent::Complete, now, None, Some(result.clone()))
+                }
+                FinishOutcome::Failed(error) => self.fail_run(id, error.clone(), now),
+                FinishOutcome::Retry { error, delay_ms } => {
+                    let run_at = now.plus_ms(*delay_ms);
+                    if self.live_row(id).good_until.is_some_and(|at| run_at >= at) {
+                        self.fail_run(id, error.clone(), now)
+                    } else {
+                        self.retry_run(id, error.clone(), run_at, now)
+                    }
+                }
+            };
+            applied.push((id, state));
+        }
+        DbReply::Finished { applied, lost }
+    }
+
+    fn heartbeat(
+        &mut self,
+        worker: &WorkerId,
+        claimed: &[TaskLease],
+        running: &[TaskLease],
+        lease_ms: u64,
+        max_renew_age_ms: u64,
+        now: DbTime,
+    ) -> DbReply {
+        let mut lost = Vec::new();
+        let oldest_renewable = minus_ms(now, max_renew_age_ms);
+        for &TaskLease { task: id, lease } in claimed {
+            match self.live.get_mut(&id) {
+                Some(row) if row.state == TaskState::Claimed && row.held_by(worker, lease) => {
+                    if row.claimed_at.is_some_and(|at| at >= oldest_renewable) {
+                        row.claim_expires_at = Some(now.plus_ms(lease_ms));
+                        row.heartbeat_at = Some(now);
+                    }
+                }
+                _ => lost.push(id),
+            }
+        }
+        for &TaskLease { task: id, lease } in running {
+            match self.live.get_mut(&id) {
+                Some(row) if row.state == TaskState::Running && row.held_by(worker, lease) => {
+                    row.heartbeat_at = Some(now);
+                }
+                _ => lost.push(id),
+            }
+        }
+        self.workers.entry(worker.clone()).and_modify(|record| record.last_seen = now).or_insert_with(|| {
+            WorkerRecord {
+                info: WorkerInfo { worker: worker.clone(), queues: Vec::new(), concurrency: 0 },
+                last_seen: now,
+                stopped: false,
+            }
+        });
+        DbReply::Heartbeat { lost }
+    }
+
+    fn release(&mut self, worker: &WorkerId, tasks: &[TaskLease]) -> DbReply {
+        let mut released = Vec::new();
+        let mut lost = Vec::new();
+        let mut queues = BTreeSet::new();
+        for &TaskLease { task: id, lease } in tasks {
+            let held = self.live.get(&id).is_some_and(|row| {
+                matches!(row.state, TaskState::Claimed | TaskState::Running) && row.held_by(worker, lease)
+            });
+            if held {
+                queues.insert(self.release_row(id));
+                released.push(id);
+            } else {
+                lost.push(id);
+            }
+        }
+        self.notify_ready(queues);
+        DbReply::Released { released, lost }
+    }
+
+    fn abandon_claim(&mut self, worker: &WorkerId, token: u64) -> DbReply {
+        let ids: Vec<TaskId> = self
+            .live
+            .values()
+            .filter(|row| {
+                matches!(row.state, TaskState::Claimed | TaskState::Running)
+                    && row.claimed_by.as_ref() == Some(worker)
+                    && row.claim_token == Some(token)
+            })
+            .map(|row| row.id)
+            .collect();
+        let queues: BTreeSet<String> = ids.iter().map(|&id| self.release_row(id)).collect();
+        self.notify_ready(queues);
+        DbReply::Released { released: ids, lost: Vec::new() }
+    }
+
+    fn reap(
+        &mut self,
+        claimed_stale_ms: Option<u64>,
+        running_stale_ms: Option<u64>,
+        entropy: u64,
+        now: DbTime,
+    ) -> ReapReport {
+        let mut report = ReapReport::default();
+        if let Some(threshold) = claimed_stale_ms {
+            let cutoff = minus_ms(now, threshold);
+            let stale: Vec<TaskId> = self
+                .live
+                .values()
+                .filter(|row| {
+                    row.state == TaskState::Claimed && row.heartbeat_at.or(row.claimed_at).is_some_and(|at| at < cutoff)
+                })
+                .map(|row| row.id)
+                .collect();
+            let queues: BTreeSet<String> = stale.iter().map(|&id| self.release_row(id)).collect();
+            self.notify_ready(queues);
+            report.requeued = stale;
+        }
+        if let Some(threshold) = running_stale_ms {
+            let cutoff = minus_ms(now, threshold);
+            let stale: Vec<TaskId> = self
+                .live
+                .values()
+                .filter(|row| {
+                    row.state == TaskState::Running && row.heartbeat_at.or(row.started_at).is_some_and(|at| at < cutoff)
+                })
+                .map(|row| row.id)
+                .collect();
+            for id in stale {
+                let row = self.live_row(id);
+                let entropy = mix(entropy ^ id.0 as u64);
+                let delay = backoff::retry_delay(&row.retry, row.retries.saturating_add(1), entropy);
+                let run_at = now.plus_ms(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
+                let retry = backoff::may_retry(&row.retry, row.retries, &ErrorCode::WorkerCrashed)
+                    && row.good_until.is_none_or(|at| run_at < at);
+                let error = TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE);
+                if retry {
+                    self.retry_run(id, error, run_at, now);
+                    report.retried.push(id);
+                } else {
+                    self.fail_run(id, error, now);
+                    report.failed.push(id);
+                }
+            }
+        }
+        let expired: Vec<TaskId> = self
+            .live
+            .values()
+            .filter(|row| row.state == TaskState::Pending && row.good_until.is_some_and(|at| at <= now))
+            .map(|row| row.id)
+            .collect();
+        for &id in &expired {
+            let error = TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE);
+            self.finish_row(id, TaskEvent::Expire, now, Some(error), None);
+        }
+        report.expired = expired;
+        report
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Operator actions
+    // -----------------------------------------------------------------------------------------
+
+    /// Cancels a Pending or Claimed task: it becomes Cancelled with error `TASK_CANCELLED`
+    /// (no attempt record); a holder's later writes about it are reported lost.
+    pub fn cancel(&mut self, id: TaskId, now: DbTime) -> Result<(), AdminError> {
+        let state = self.row(id).ok_or(AdminError::NotFound(id))?.state;
+        transition(state, TaskEvent::Cancel).map_err(|_| AdminError::WrongState {
+            task: id,
+            state,
+            expected: "PENDING or CLAIMED",
+        })?;
+        let error = TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE);
+        self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+        Ok(())
+    }
+
+    /// Puts a Failed task back to Pending, claimable at once (`run_at = now`), with its
+    /// retries reset to 0; its attempts, history and last error are kept.
+    pub fn requeue_failed(&mut self, id: TaskId, now: DbTime) -> Result<(), AdminError> {
+        let state = self.row(id).ok_or(AdminError::NotFound(id))?.state;
+        transition(state, TaskEvent::Requeue).map_err(|_| AdminError::WrongState {
+            task: id,
+            state,
+            expected: "FAILED",
+        })?;
+        let mut row = self.finished.remove(&id).expect("a FAILED task is in the finished table");
+        row.apply_event(TaskEvent::Requeue);
+        row.clear_claim();
+        row.retries = 0;
+        row.run_at = now;
+        row.result = None;
+        row.finished_at = None;
+        let queue = row.queue.clone();
+        self.live.insert(id, row);
+        self.notify_ready([queue]);
+        Ok(())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Inspection
+    // -----------------------------------------------------------------------------------------
+
+    /// The task with this id, live or finished.
+    pub fn get(&self, id: TaskId) -> Option<TaskRecord> {
+        self.row(id).map(StoredTask::record)
+    }
+
+    /// The full row of the task with this id, live or finished.
+    pub fn task(&self, id: TaskId) -> Option<&StoredTask> {
+        self.row(id)
+    }
+
+    /// Every row: the live table, then the finished table, each by id.
+    pub fn tasks(&self) -> impl Iterator<Item = &StoredTask> {
+        self.live.values().chain(self.finished.values())
+    }
+
+    /// The attempts history of a task, oldest first (empty for an unknown id).
+    pub fn attempts(&self, id: TaskId) -> Vec<AttemptRecord> {
+        self.history.get(&id).cloned().unwrap_or_default()
+    }
+
+    /// The tasks `filter` selects, live and finished together, by id.
+    pub fn list(&self, filter: &TaskFilter) -> Vec<TaskRecord> {
+        let mut rows: Vec<&StoredTask> = self
+            .tasks()
+            .filter(|row| filter.queue.as_ref().is_none_or(|q| &row.queue == q))
+            .filter(|row| filter.state.is_none_or(|s| row.state == s))
+            .collect();
+        rows.sort_by_key(|row| row.id);
+        rows.into_iter().take(filter.limit.unwrap_or(usize::MAX)).map(StoredTask::record).collect()
+    }
+
+    /// How many tasks each queue has in each state (pairs with none are left out).
+    pub fn counts(&self) -> BTreeMap<(String, TaskState), u64> {
+        let mut counts = BTreeMap::new();
+        for row in self.tasks() {
+            *counts.entry((row.queue.clone(), row.state)).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// The worker registry, by worker id.
+    pub fn workers(&self) -> Vec<WorkerRecord> {
+        self.workers.values().cloned().collect()
+    }
+
+    /// Takes the notifications sent since the last call, in the order they were sent.
+    pub fn take_notifications(&mut self) -> Vec<Notification> {
+        std::mem::take(&mut self.notifications)
+    }
+
+    /// The earliest `run_at` among Pending tasks, past or future: a simulation compares it
+    /// with its clock to skip ahead to the next time a task becomes claimable.
+    pub fn next_run_at(&self) -> Option<DbTime> {
+        self.pending_run_ats().min()
+    }
+
+    /// The earliest `run_at` after `now` among Pending tasks.
+    pub fn next_run_at_after(&self, now: DbTime) -> Option<DbTime> {
+        self.pending_run_ats().filter(|&at| at > now).min()
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Row moves
+    // -----------------------------------------------------------------------------------------
+
+    fn pending_run_ats(&self) -> impl Iterator<Item = DbTime> + '_ {
+        self.live.values().filter(|row| row.state == TaskState::Pending).map(|row| row.run_at)
+    }
+
+    fn row(&self, id: TaskId) -> Option<&StoredTask> {
+        self.live.get(&id).or_else(|| self.finished.get(&id))
+    }
+
+    /// A row of the live table the caller knows is there.
+    fn live_row(&mut self, id: TaskId) -> &mut StoredTask {
+        self.live.get_mut(&id).unwrap_or_else(|| panic!("memory store invariant broken: task {id} is not live"))
+    }
+
+    fn running_per_queue(&self) -> BTreeMap<String, u32> {
+        let mut running = BTreeMap::new();
+        for row in self.live.values() {
+            if row.state == TaskState::Running {
+                *running.entry(row.queue.clone()).or_insert(0) += 1;
+            }
+        }
+        running
+    }
+
+    fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {
+        for queue in queues {
+            self.notifications.push(Notification::TaskReady { queue });
+        }
+    }
+
+    /// Appends the attempt record of the run a live row is finishing.
+    fn record_attempt(&mut self, id: TaskId, outcome: TaskState, error: Option<TaskError>, now: DbTime) {
+        let row = self.live_row(id);
+        let record = AttemptRecord {
+            task: id,
+            attempt: Attempt(row.attempts),
+            worker: row.claimed_by.clone(),
+            outcome,
+            error,
+            finished_at: now,
+        };
+        self.history.entry(id).or_default().push(record);
+    }
+
+    /// Moves a live row by a terminal `event` into the finished table and announces it.
+    fn finish_row(
+        &mut self,
+        id: TaskId,
+        event: TaskEvent,
+        now: DbTime,
+        error: Option<TaskError>,
+        result: Option<Value>,
+    ) -> TaskState {
+        let mut row =
+            self.live.remove(&id).unwrap_or_else(|| panic!("memory store invariant broken: task {id} is not live"));
+        row.apply_event(event);
+        assert!(row.state.is_terminal(), "memory store invariant broken: {event:?} left task {id} in {}", row.state);
+        row.claim_expires_at = None;
+        row.error = error;
+        row.result = result;
+        row.finished_at = Some(now);
+        let state = row.state;
+        self.finished.insert(id, row);
+        self.notifications.push(Notification::TaskFinished { task: id, state });
+        state
+    }
+
+    /// Fails a Running row for good, with its attempt record.
+    fn fail_run(&mut self, id: TaskId, error: TaskError, now: DbTime) -> TaskState {
+        self.record_attempt(id, TaskState::Failed, Some(error.clone()), now);
+        self.finish_row(id, TaskEvent::Fail, now, Some(error), None)
+    }
+
+    /// Puts a Running row back to Pending from `run_at`, spending a retry, with its attempt
+    /// record.
+    fn retry_run(&mut self, id: TaskId, error: TaskError, run_at: DbTime, now: DbTime) -> TaskState {
+        self.record_attempt(id, TaskState::Pending, Some(error.clone()), now);
+        let row = self.live_row(id);
+        row.apply_event(TaskEvent::Retry);
+        row.clear_claim();
+        row.retries = row.retries.saturating_add(1);
+        row.run_at = run_at;
+        row.error = Some(error);
+        row.state
+    }
+
+    /// Hands a Claimed or Running row back to Pending without spending a retry; returns its
+    /// queue.
+    fn release_row(&mut self, id: TaskId) -> String {
+        let row = self.live_row(id);
+        row.apply_event(TaskEvent::Release);
+        row.clear_claim();
+        row.queue.clone()
+    }
+}
+
+fn add_in_flight(in_flight: &mut InFlight, running: bool) {
+    if running {
+        in_flight.running = in_flight.running.saturating_add(1);
+    } else {
+        in_flight.claimed = in_flight.claimed.saturating_add(1);
+    }
+}
+
+/// `now` minus `ms` milliseconds (saturating).
+fn minus_ms(now: DbTime, ms: u64) -> DbTime {
+    DbTime(now.0.saturating_sub(i64::try_from(ms).unwrap_or(i64::MAX)))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::config::{CustomQueue, QueueMode, WorkerConfig};
+    use crate::db::RunAt;
+
+    const T0: DbTime = DbTime(1_000_000);
+    const LEASE_MS: u64 = 60_000;
+
+    fn at(ms: i64) -> DbTime {
+        DbTime(T0.0 + ms)
+    }
+
+    fn w(name: &str) -> WorkerId {
+        WorkerId(name.to_owned())
+    }
+
+    fn custom(queues: Vec<CustomQueue>) -> AppConfig {
+        AppConfig { queue_mode: QueueMode::Custom, custom_queues: queues, ..AppConfig::default() }
+    }
+
+    /// The claim policy of a worker serving every queue of the store's app.
+    fn policy(store: &MemoryStore, concurrency: u32) -> Arc<ClaimPolicy> {
+        let worker = WorkerConfig { concurrency, ..WorkerConfig::default() };
+        Arc::new(ClaimPolicy::from_config(store.app(), &worker))
+    }
+
+    fn add(store: &mut MemoryStore, task: NewTask) -> TaskId {
+        store.enqueue(task, T0).expect("enqueue")
+    }
+
+    fn claim_with(
+        store: &mut MemoryStore,
+        worker: &str,
+        token: u64,
+        policy: &Arc<ClaimPolicy>,
+        start_now: u32,
+        now: DbTime,
+    ) -> Vec<ClaimedTask> {
+        let request = DbRequest::Claim {
+            worker: w(worker),
+            token,
+            policy: Arc::clone(policy),
+            my_running: 0,
+            my_claimed: 0,
+            start_now,
+            lease_ms: LEASE_MS,
+        };
+        match store.apply(&request, now) {
+            DbReply::Claimed { tasks, .. } => tasks,
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn claim(store: &mut MemoryStore, worker: &str, concurrency: u32, now: DbTime) -> Vec<ClaimedTask> {
+        let policy = policy(store, concurrency);
+        claim_with(store, worker, 1, &policy, 0, now)
+    }
+
+    fn ids(tasks: &[ClaimedTask]) -> Vec<i64> {
+        tasks.iter().map(|t| t.id.0).collect()
+    }
+
+    fn lease(task: &ClaimedTask) -> TaskLease {
+        TaskLease { task: task.id, lease: task.lease }
+    }
+
+    fn start(
+        store: &mut MemoryStore,
+        worker: &str,
+        tasks: Vec<TaskLease>,
+        policy: &Arc<ClaimPolicy>,
+        now: DbTime,
+    ) -> DbReply {
+        let request = DbRequest::Start { worker: w(worker), tasks, policy: Arc::clone(policy) };
+        store.apply(&request, now)
+    }
+
+    fn started(reply: &DbReply) -> Vec<(i64, u32)> {
+        match reply {
+            DbReply::Started { started, .. } => started.iter().map(|(id, a)| (id.0, a.0)).collect(),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn finish(store: &mut MemoryStore, worker: &str, task: TaskLease, outcome: FinishOutcome, now: DbTime) -> DbReply {
+        let request = DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome }] };
+        store.apply(&request, now)
+    }
+
+    fn reap(store: &mut MemoryStore, claimed: Option<u64>, running: Option<u64>, now: DbTime) -> ReapReport {
+        let request =
+            DbRequest::Reap { worker: w("reaper"), claimed_stale_ms: claimed, running_stale_ms: running, entropy: 7 };
+        match store.apply(&request, now) {
+            DbReply::Reaped(report) => report,
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn state(store: &MemoryStore, id: TaskId) -> TaskState {
+        store.get(id).expect("task exists").state
+    }
+
+    fn err(code: ErrorCode) -> TaskError {
+        TaskError::new(code, "boom")
+    }
+
+    /// Claims and starts one task of a default-queue store: (id, its lease).
+    fn running_task(store: &mut MemoryStore, task: NewTask, worker: &str, now: DbTime) -> TaskLease {
+        let id = add(store, task);
+        let policy = policy(store, 1);
+        let claimed = claim_with(store, worker, 1, &policy, 1, now);
+        assert_eq!(ids(&claimed), vec![id.0]);
+        lease(&claimed[0])
+    }
+
+    #[test]
+    fn claim_order_is_queue_priority_then_task_priority_run_at_and_id() {
+        let app = custom(vec![CustomQueue::new("low").with_priority(2), CustomQueue::new("high").with_priority(1)]);
+        let mut store = MemoryStore::new(app);
+        let t1 = add(&mut store, NewTask::new("t", json!(1)).queue("low").priority(3));
+        let t2 = add(&mut store, NewTask::new("t", json!(2)).queue("high").priority(5));
+        let t3 = add(&mut store, NewTask::new("t", json!(3)).queue("high").priority(1).run_at(RunAt::DelayMs(500)));
+        let t4 = add(&mut store, NewTask::new("t", json!(4)).queue("high").priority(1).run_at(RunAt::DelayMs(100)));
+        let t5 = add(&mut store, NewTask::new("t", json!(5)).queue("high").priority(1).run_at(RunAt::DelayMs(100)));
+        let t6 = add(&mut store, NewTask::new("t", json!(6)).queue("low").priority(-1));
+        let claimed = claim(&mut store, "a", 10, at(1_000));
+        assert_eq!(ids(&claimed), vec![t4.0, t5.0, t3.0, t2.0, t6.0, t1.0]);
+        assert!(claimed.iter().all(|t| !t.started && t.attempt == Attempt(1) && t.lease == Lease(1)));
+        let row = store.task(t4).unwrap();
+        assert_eq!(row.state, TaskState::Claimed);
+        assert_eq!(row.claimed_by, Some(w("a")));
+        assert_eq!(row.claimed_at, Some(at(1_000)));
+        assert_eq!(row.claim_expires_at, Some(at(1_000).plus_ms(LEASE_MS)));
+        assert_eq!(store.get(t4).unwrap().worker, Some(w("a")));
+    }
+
+    #[test]
+    fn a_budget_smaller_than_the_eligible_rows_takes_the_first_and_says_more() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        for i in 0..5 {
+            add(&mut store, NewTask::new("t", json!(i)));
+        }
+        let request = DbRequest::Claim {
+            worker: w("a"),
+            token: 1,
+            policy: policy(&store, 2),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 0,
+            lease_ms: LEASE_MS,
+        };
+        let DbReply::Claimed { tasks, more } = store.apply(&request, T0) else { panic!() };
+        assert_eq!((ids(&tasks), more), (vec![1, 2], true));
+        let request = DbRequest::Claim {
+            worker: w("b"),
+            token: 1,
+            policy: policy(&store, 10),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 0,
+            lease_ms: LEASE_MS,
+        };
+        let DbReply::Claimed { tasks, more } = store.apply(&request, T0) else { panic!() };
+        assert_eq!((ids(&tasks), more), (vec![3, 4, 5], false));
+    }
+
+    #[test]
+    fn run_at_in_the_future_is_not_claimed_until_reached() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("t", json!(null)).run_at(RunAt::DelayMs(1_000)));
+        assert_eq!(store.next_run_at(), Some(at(1_000)));
+        assert_eq!(store.next_run_at_after(at(1_000)), None);
+        assert!(claim(&mut store, "a", 4, at(999)).is_empty());
+        assert_eq!(ids(&claim(&mut store, "a", 4, at(1_000))), vec![id.0]);
+        assert_eq!(store.next_run_at(), None);
+    }
+
+    #[test]
+    fn good_until_passed_is_not_claimed_and_expires() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("t", json!(null)).good_until(at(100)));
+        let claimed_one = add(&mut store, NewTask::new("t", json!(2)).good_until(at(100)));
+        let policy = policy(&store, 1);
+        // The second is claimed before its good-until, and expires when started after it.
+        let claimed = claim_with(&mut store, "a", 1, &policy, 0, at(50));
+        assert_eq!(ids(&claimed), vec![id.0]);
+        let reply = start(&mut store, "a", vec![lease(&claimed[0])], &policy, at(100));
+        assert_eq!(reply, DbReply::Started { started: vec![], expired: vec![id], deferred: vec![], lost: vec![] });
+        assert!(claim(&mut store, "b", 4, at(100)).is_empty());
+        store.take_notifications();
+        let report = reap(&mut store, None, None, at(100));
+        assert_eq!(report.expired, vec![claimed_one]);
+        for task in [id, claimed_one] {
+            let record = store.get(task).unwrap();
+            assert_eq!(record.state, TaskState::Expired);
+            assert_eq!(record.error.unwrap().code, ErrorCode::TaskExpired);
+            assert_eq!(record.finished_at, Some(at(100)));
+            assert!(store.attempts(task).is_empty());
+        }
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskFinished { task: claimed_one, state: TaskState::Expired }]
+        );
+    }
+
+    #[test]
+    fn hard_mode_queue_cap_counts_running_and_live_claims() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("q").with_max_concurrency(2)]));
+        for i in 0..5 {
+            add(&mut store, NewTask::new("t", json!(i)));
+        }
+        let a = policy(&store, 1);
+        let first = claim_with(&mut store, "a", 1, &a, 1, T0);
+        assert_eq!(ids(&first), vec![1]);
+        assert_eq!(ids(&claim(&mut store, "b", 5, T0)), vec![2]);
+        assert!(claim(&mut store, "c", 5, T0).is_empty());
+        let counts = store.claim_counts(&policy(&store, 5), 0, 0, T0);
+        assert_eq!(counts.queues["q"], InFlight { running: 1, claimed: 1 });
+        assert_eq!(counts.cluster, InFlight { running: 1, claimed: 1 });
+        assert_eq!(counts.available["q"], 3);
+        // B's claim lapses: no longer in flight, and claimable again, first by id.
+        let later = at(LEASE_MS as i64);
+        assert_eq!(store.claim_counts(&a, 0, 0, later).queues["q"], InFlight { running: 1, claimed: 0 });
+        assert_eq!(ids(&claim(&mut store, "c", 5, later)), vec![2]);
+        assert_eq!(store.task(TaskId(2)).unwrap().lease, Lease(2));
+    }
+
+    #[test]
+    fn hard_mode_cluster_cap_bounds_every_worker() {
+        let mut app = custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]);
+        app.cluster_wide_cap = Some(3);
+        let mut store = MemoryStore::new(app);
+        for i in 0..4 {
+            add(&mut store, NewTask::new("t", json!(i)).queue("a"));
+            add(&mut store, NewTask::new("t", json!(i)).queue("b"));
+        }
+        let p = policy(&store, 2);
+        assert_eq!(claim_with(&mut store, "w1", 1, &p, 2, T0).len(), 2);
+        assert_eq!(claim(&mut store, "w2", 5, T0).len(), 1);
+        assert!(claim(&mut store, "w3", 5, T0).is_empty());
+    }
+
+    #[test]
+    fn soft_mode_queue_cap_counts_running_only_and_start_defers_at_the_cap() {
+        let mut app = custom(vec![CustomQueue::new("q").with_max_concurrency(1)]);
+        app.prefetch_buffer = 2;
+        app.claim_lease_ms = Some(LEASE_MS);
+        let mut store = MemoryStore::new(app);
+        for i in 0..3 {
+            add(&mut store, NewTask::new("t", json!(i)));
+        }
+        let p = policy(&store, 1);
+        let a = claim_with(&mut store, "a", 1, &p, 0, T0);
+        let b = claim_with(&mut store, "b", 1, &p, 0, T0);
+        // In hard mode the second claimer would have got nothing: the claim holds the slot.
+        assert_eq!((ids(&a), ids(&b)), (vec![1], vec![2]));
+        assert_eq!(started(&start(&mut store, "a", vec![lease(&a[0])], &p, at(1))), vec![(1, 1)]);
+        let reply = start(&mut store, "b", vec![lease(&b[0])], &p, at(2));
+        assert_eq!(
+            reply,
+            DbReply::Started { started: vec![], expired: vec![], deferred: vec![TaskId(2)], lost: vec![] }
+        );
+        assert_eq!(state(&store, TaskId(2)), TaskState::Claimed);
+        // Now Running fills the cap: nothing more is claimed.
+        assert!(claim_with(&mut store, "c", 1, &p, 0, at(3)).is_empty());
+        finish(&mut store, "a", lease(&a[0]), FinishOutcome::Completed(json!("ok")), at(4));
+        assert_eq!(started(&start(&mut store, "b", vec![lease(&b[0])], &p, at(5))), vec![(2, 1)]);
+    }
+
+    #[test]
+    fn a_lapsed_claim_is_reclaimed_under_a_higher_lease_and_the_old_holder_is_fenced() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("t", json!(null)));
+        let p = policy(&store, 1);
+        let old = lease(&claim_with(&mut store, "a", 1, &p, 0, T0)[0]);
+        let lapsed = at(LEASE_MS as i64);
+        // Lapsed but not yet reclaimed: too late to start.
+        assert_eq!(started(&start(&mut store, "a", vec![old], &p, lapsed)), vec![]);
+        let new = claim_with(&mut store, "b", 9, &p, 0, lapsed);
+        assert_eq!((ids(&new), new[0].lease, new[0].attempt), (vec![id.0], Lease(2), Attempt(1)));
+        let new = lease(&new[0]);
+        let lost = |reply: DbReply| match reply {
+            DbReply::Started { lost, .. }
+            | DbReply::Finished { lost, .. }
+            | DbReply::Heartbeat { lost }
+            | DbReply::Released { lost, .. } => lost,
+            other => panic!("unexpected reply {other:?}"),
+        };
+        let heartbeat = |claimed: Vec<TaskLease>, running: Vec<TaskLease>| DbRequest::Heartbeat {
+            worker: w("a"),
+            claimed,
+            running,
+            lease_ms: LEASE_MS,
+            max_renew_age_ms: 180_000,
+        };
+        assert_eq!(lost(start(&mut store, "a", vec![old], &p, lapsed)), vec![id]);
+        assert_eq!(lost(store.apply(&heartbeat(vec![old], vec![]), lapsed)), vec![id]);
+        let release = DbRequest::Release { worker: w("a"), tasks: vec![old] };
+        assert_eq!(lost(store.apply(&release, lapsed)), vec![id]);
+        // The new holder runs it; the old holder's writes about the run change nothing.
+        assert_eq!(started(&start(&mut store, "b", vec![new], &p, lapsed)), vec![(id.0, 1)]);
+        // Even the same worker name under the old lease is fenced.
+        assert_eq!(lost(start(&mut store, "b", vec![old], &p, lapsed)), vec![id]);
+        assert_eq!(lost(store.apply(&heartbeat(vec![], vec![old]), lapsed)), vec![id]);
+        let done = FinishOutcome::Completed(json!(1));
+        assert_eq!(lost(finish(&mut store, "a", old, done.clone(), lapsed)), vec![id]);
+        assert_eq!(state(&store, id), TaskState::Running);
+        let reply = finish(&mut store, "b", new, done.clone(), lapsed);
+        assert_eq!(reply, DbReply::Finished { applied: vec![(id, TaskState::Completed)], lost: vec![] });
+        // A re-send of an applied finish is lost, never applied twice.
+        assert_eq!(lost(finish(&mut store, "b", new, done, lapsed)), vec![id]);
+        assert_eq!(store.attempts(id).len(), 1);
+    }
+
+    #[test]
+    fn start_is_idempotent_for_its_holder() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        add(&mut store, NewTask::new("t", json!(null)));
+        let p = policy(&store, 1);
+        let held = lease(&claim_with(&mut store, "a", 1, &p, 0, T0)[0]);
+        assert_eq!(started(&start(&mut store, "a", vec![held], &p, at(1))), vec![(1, 1)]);
+        assert_eq!(started(&start(&mut store, "a", vec![held], &p, at(2))), vec![(1, 1)]);
+        let row = store.task(held.task).unwrap();
+        assert_eq!((row.attempts, row.started_at, row.claim_expires_at), (1, Some(at(1)), None));
+    }
+
+    #[test]
+    fn start_now_starts_the_first_n_of_the_reply() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b").with_priority(2)]));
+        add(&mut store, NewTask::new("t", json!(1)).queue("b"));
+        add(&mut store, NewTask::new("t", json!(2)).queue("a"));
+        add(&mut store, NewTask::new("t", json!(3)).queue("b"));
+        let p = policy(&store, 5);
+        let claimed = claim_with(&mut store, "a", 1, &p, 2, T0);
+        let shape: Vec<(i64, bool, u32)> = claimed.iter().map(|t| (t.id.0, t.started, t.attempt.0)).collect();
+        assert_eq!(shape, vec![(2, true, 1), (1, true, 1), (3, false, 1)]);
+        let row = store.task(TaskId(2)).unwrap();
+        assert_eq!(row.state, TaskState::Running);
+        assert_eq!((row.attempts, row.started_at, row.heartbeat_at), (1, Some(T0), Some(T0)));
+        assert_eq!(row.claim_expires_at, None);
+        assert_eq!(store.task(TaskId(3)).unwrap().attempts, 0);
+        assert_eq!(state(&store, TaskId(3)), TaskState::Claimed);
+    }
+
+    #[test]
+    fn retry_waits_its_delay_then_runs_again() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let first = running_task(&mut store, NewTask::new("t", json!(null)), "a", T0);
+        let id = first.task;
+        let retry = FinishOutcome::Retry { error: err(ErrorCode::TaskError), delay_ms: 5_000 };
+        let reply = finish(&mut store, "a", first, retry, at(10));
+        assert_eq!(reply, DbReply::Finished { applied: vec![(id, TaskState::Pending)], lost: vec![] });
+        let row = store.task(id).unwrap();
+        assert_eq!((row.retries, row.attempts, row.run_at), (1, 1, at(5_010)));
+        assert_eq!((row.claimed_by.clone(), row.claim_token, row.heartbeat_at), (None, None, None));
+        assert_eq!(store.get(id).unwrap().error, Some(err(ErrorCode::TaskError)));
+        assert_eq!(store.next_run_at(), Some(at(5_010)));
+        assert!(claim(&mut store, "b", 1, at(5_009)).is_empty());
+        let again = claim(&mut store, "b", 1, at(5_010));
+        assert_eq!((again[0].attempt, again[0].retries, again[0].lease), (Attempt(2), 1, Lease(2)));
+    }
+
+    #[test]
+    fn a_retry_at_or_past_good_until_fails_instead() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let held = running_task(&mut store, NewTask::new("t", json!(null)).good_until(at(10_000)), "a", T0);
+        let retry = FinishOutcome::Retry { error: err(ErrorCode::TaskError), delay_ms: 9_000 };
+        let reply = finish(&mut store, "a", held, retry, at(1_000));
+        assert_eq!(reply, DbReply::Finished { applied: vec![(held.task, TaskState::Failed)], lost: vec![] });
+        let record = store.get(held.task).unwrap();
+        assert_eq!((record.error, record.retries), (Some(err(ErrorCode::TaskError)), 0));
+        assert_eq!(store.attempts(held.task)[0].outcome, TaskState::Failed);
+        // One millisecond earlier it retries.
+        let held = running_task(&mut store, NewTask::new("t", json!(2)).good_until(at(10_000)), "a", T0);
+        let retry = FinishOutcome::Retry { error: err(ErrorCode::TaskError), delay_ms: 8_999 };
+        let reply = finish(&mut store, "a", held, retry, at(1_000));
+        assert_eq!(reply, DbReply::Finished { applied: vec![(held.task, TaskState::Pending)], lost: vec![] });
+    }
+
+    #[test]
+    fn reaper_requeues_stale_claims() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        add(&mut store, NewTask::new("t", json!(1)));
+        add(&mut store, NewTask::new("t", json!(2)));
+        let claimed = claim(&mut store, "a", 2, T0);
+        let beat = DbRequest::Heartbeat {
+            worker: w("a"),
+            claimed: vec![lease(&claimed[1])],
+            running: vec![],
+            lease_ms: LEASE_MS,
+            max_renew_age_ms: 180_000,
+        };
+        assert_eq!(store.apply(&beat, at(10_000)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(store.task(TaskId(2)).unwrap().claim_expires_at, Some(at(10_000).plus_ms(LEASE_MS)));
+        store.take_notifications();
+        assert_eq!(reap(&mut store, Some(30_000), None, at(30_000)).requeued, vec![]);
+        let report = reap(&mut store, Some(30_000), None, at(30_001));
+        assert_eq!(report, ReapReport { requeued: vec![TaskId(1)], ..ReapReport::default() });
+        let row = store.task(TaskId(1)).unwrap();
+        assert_eq!((row.state, row.claimed_by.clone(), row.claim_expires_at), (TaskState::Pending, None, None));
+        assert_eq!((row.retries, row.attempts, row.lease), (0, 0, Lease(1)));
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        // `None` skips the step.
+        assert_eq!(reap(&mut store, None, None, at(1_000_000)), ReapReport::default());
+    }
+
+    #[test]
+    fn reaper_retries_stale_runs_when_the_policy_lists_worker_crashed_and_fails_the_rest() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let crash_retry = RetryPolicy::fixed(vec![10]).with_jitter(false);
+        let no_crash = RetryPolicy::fixed(vec![10]).with_codes(vec![ErrorCode::TaskError]);
+        let retried = running_task(&mut store, NewTask::new("t", json!(1)).retry(crash_retry.clone()), "a", T0);
+        let failed = running_task(&mut store, NewTask::new("t", json!(2)).retry(no_crash), "a", T0);
+        let near_expiry =
+            running_task(&mut store, NewTask::new("t", json!(3)).retry(crash_retry).good_until(at(40_000)), "a", T0);
+        let alive = running_task(&mut store, NewTask::new("t", json!(4)), "b", T0);
+        let beat = DbRequest::Heartbeat {
+            worker: w("b"),
+            claimed: vec![],
+            running: vec![alive],
+            lease_ms: LEASE_MS,
+            max_renew_age_ms: 180_000,
+        };
+        store.apply(&beat, at(20_000));
+        store.take_notifications();
+        let now = at(30_001);
+        let report = reap(&mut store, None, Some(30_000), now);
+        assert_eq!(
+            report,
+            ReapReport {
+                retried: vec![retried.task],
+                failed: vec![failed.task, near_expiry.task],
+                ..ReapReport::default()
+            }
+        );
+        let row = store.task(retried.task).unwrap();
+        assert_eq!((row.state, row.retries, row.run_at), (TaskState::Pending, 1, now.plus_ms(10_000)));
+        assert_eq!(row.error.as_ref().unwrap().code, ErrorCode::WorkerCrashed);
+        assert_eq!(row.claimed_by, None);
+        let history = store.attempts(retried.task);
+        assert_eq!(
+            (history.len(), history[0].outcome, history[0].worker.clone()),
+            (1, TaskState::Pending, Some(w("a")))
+        );
+        let record = store.get(failed.task).unwrap();
+        assert_eq!(record.state, TaskState::Failed);
+        assert_eq!(record.error, Some(TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE)));
+        assert_eq!(store.attempts(failed.task)[0].outcome, TaskState::Failed);
+        assert_eq!(state(&store, alive.task), TaskState::Running);
+        assert_eq!(
+            store.take_notifications(),
+            vec![
+                Notification::TaskFinished { task: failed.task, state: TaskState::Failed },
+                Notification::TaskFinished { task: near_expiry.task, state: TaskState::Failed },
+            ]
+        );
+        // The worker that was thought dead finds out when it writes.
+        let late = finish(&mut store, "a", retried, FinishOutcome::Completed(json!(1)), now);
+        assert_eq!(late, DbReply::Finished { applied: vec![], lost: vec![retried.task] });
+    }
+
+    #[test]
+    fn cancel_takes_pending_and_claimed_tasks_and_refuses_running_ones() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let pending = add(&mut store, NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(1_000)));
+        let p = policy(&store, 1);
+        let running = running_task(&mut store, NewTask::new("t", json!(2)), "a", T0);
+        let claimed_id = add(&mut store, NewTask::new("t", json!(3)));
+        let claimed = lease(&claim_with(&mut store, "a", 2, &p, 0, T0)[0]);
+        assert_eq!(claimed.task, claimed_id);
+        store.take_notifications();
+        store.cancel(pending, at(1)).unwrap();
+        store.cancel(claimed_id, at(2)).unwrap();
+        for id in [pending, claimed_id] {
+            let record = store.get(id).unwrap();
+            assert_eq!(record.state, TaskState::Cancelled);
+            assert_eq!(record.error.unwrap().code, ErrorCode::TaskCancelled);
+            assert!(store.attempts(id).is_empty());
+        }
+        let refused = store.cancel(running.task, at(3)).unwrap_err();
+        assert_eq!(refused.to_string(), format!("task {} is RUNNING: expected PENDING or CLAIMED", running.task));
+        assert_eq!(store.cancel(TaskId(99), at(3)), Err(AdminError::NotFound(TaskId(99))));
+        assert_eq!(
+            store.cancel(pending, at(3)).unwrap_err().to_string(),
+            "task 1 is CANCELLED: expected PENDING or CLAIMED"
+        );
+        assert_eq!(started(&start(&mut store, "a", vec![claimed], &p, at(4))), vec![]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![
+                Notification::TaskFinished { task: pending, state: TaskState::Cancelled },
+                Notification::TaskFinished { task: claimed_id, state: TaskState::Cancelled },
+            ]
+        );
+    }
+
+    #[test]
+    fn requeue_failed_puts_a_failed_task_back_at_once() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let held = running_task(&mut store, NewTask::new("t", json!(null)), "a", T0);
+        let retry = FinishOutcome::Retry { error: err(ErrorCode::TaskError), delay_ms: 1_000 };
+        finish(&mut store, "a", held, retry, at(1));
+        let p = policy(&store, 1);
+        let again = lease(&claim_with(&mut store, "a", 2, &p, 1, at(1_001))[0]);
+        finish(&mut store, "a", again, FinishOutcome::Failed(err(ErrorCode::TaskError)), at(1_002));
+        assert_eq!(state(&store, held.task), TaskState::Failed);
+        assert_eq!(store.requeue_failed(TaskId(42), at(1_003)), Err(AdminError::NotFound(TaskId(42))));
+        store.take_notifications();
+        store.requeue_failed(held.task, at(2_000)).unwrap();
+        let record = store.get(held.task).unwrap();
+        assert_eq!((record.state, record.retries, record.attempts), (TaskState::Pending, 0, 2));
+        assert_eq!((record.run_at, record.finished_at), (at(2_000), None));
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(store.tasks().next().map(|t| t.id), Some(held.task), "back in the live table");
+        let third = claim(&mut store, "b", 1, at(2_000));
+        assert_eq!((third[0].attempt, third[0].retries, third[0].lease), (Attempt(3), 0, Lease(3)));
+        assert_eq!(store.attempts(held.task).len(), 2);
+        let refused = store.requeue_failed(held.task, at(2_001)).unwrap_err();
+        assert_eq!(refused.to_string(), "task 1 is CLAIMED: expected FAILED");
+    }
+
+    #[test]
+    fn idempotency_keys_dedupe_same_payloads_and_refuse_others() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("t", json!({"n": 1})).key("k"));
+        store.take_notifications();
+        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).key("k"), at(5)), Ok(id));
+        assert!(store.take_notifications().is_empty());
+        assert_eq!(store.tasks().count(), 1);
+        assert_eq!(
+            store.enqueue(NewTask::new("t", json!({"n": 2})).key("k"), at(5)),
+            Err(EnqueueError::PayloadMismatch { key: "k".into(), existing: id })
+        );
+        assert_eq!(
+            store.enqueue(NewTask::new("other", json!({"n": 1})).key("k"), at(5)),
+            Err(EnqueueError::PayloadMismatch { key: "k".into(), existing: id })
+        );
+        // A finished task still owns its key.
+        store.cancel(id, at(6)).unwrap();
+        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).key("k"), at(7)), Ok(id));
+    }
+
+    #[test]
+    fn enqueue_many_is_all_or_nothing_and_dedupes_within_the_batch() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let existing = add(&mut store, NewTask::new("t", json!(0)).key("k0"));
+        let bad_batch = vec![
+            NewTask::new("t", json!(1)),
+            NewTask::new("t", json!(0)).key("k0"),
+            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(3)).key("k1"),
+        ];
+        assert_eq!(
+            store.enqueue_many(bad_batch, T0),
+            Err(EnqueueError::PayloadMismatch { key: "k1".into(), existing: TaskId(3) })
+        );
+        assert_eq!(store.tasks().count(), 1);
+        let batch = vec![
+            NewTask::new("t", json!(1)),
+            NewTask::new("t", json!(0)).key("k0"),
+            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(2)).key("k1"),
+        ];
+        let ids = store.enqueue_many(batch, T0).unwrap();
+        assert_eq!(ids, vec![TaskId(2), existing, TaskId(3), TaskId(3)]);
+        assert_eq!(store.tasks().count(), 3);
+        assert_eq!(add(&mut store, NewTask::new("t", json!(9))), TaskId(4));
+    }
+
+    #[test]
+    fn refused_enqueues_write_nothing() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a")]));
+        let refusals = [
+            NewTask::new("t", json!(1)).queue("b"),
+            NewTask::new("t", json!(1)).queue("Bad-Name"),
+            NewTask::new("t", json!(1)).queue("a").run_at(RunAt::DelayMs(100)).good_until(at(100)),
+            NewTask::new("", json!(1)),
+        ];
+        assert!(matches!(store.enqueue(refusals[0].clone(), T0), Err(EnqueueError::UnknownQueue { .. })));
+        assert!(matches!(store.enqueue(refusals[1].clone(), T0), Err(EnqueueError::InvalidQueueName(_))));
+        assert!(matches!(store.enqueue(refusals[2].clone(), T0), Err(EnqueueError::RunAtAfterGoodUntil { .. })));
+        let mut batch = vec![NewTask::new("t", json!(0))];
+        batch.extend(refusals);
+        assert!(store.enqueue_many(batch, T0).is_err());
+        assert_eq!(store.tasks().count(), 0);
+        assert!(store.take_notifications().is_empty());
+        // No task means the default queue: the first queue in custom mode.
+        let id = add(&mut store, NewTask::new("t", json!(1)));
+        assert_eq!((id, store.get(id).unwrap().queue), (TaskId(1), "a".to_owned()));
+    }
+
+    #[test]
+    fn abandon_claim_releases_exactly_that_tokens_rows() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        for i in 0..5 {
+            add(&mut store, NewTask::new("t", json!(i)));
+        }
+        let p = policy(&store, 2);
+        assert_eq!(ids(&claim_with(&mut store, "a", 1, &p, 1, T0)), vec![1, 2]);
+        let one = policy(&store, 1);
+        assert_eq!(ids(&claim_with(&mut store, "a", 2, &one, 0, T0)), vec![3]);
+        assert_eq!(ids(&claim_with(&mut store, "b", 1, &one, 0, T0)), vec![4]);
+        store.take_notifications();
+        let reply = store.apply(&DbRequest::AbandonClaim { worker: w("a"), token: 1 }, at(1));
+        assert_eq!(reply, DbReply::Released { released: vec![TaskId(1), TaskId(2)], lost: vec![] });
+        let states: Vec<TaskState> = (1..=5).map(|i| state(&store, TaskId(i))).collect();
+        use TaskState::{Claimed, Pending};
+        assert_eq!(states, vec![Pending, Pending, Claimed, Claimed, Pending]);
+        let one = store.task(TaskId(1)).unwrap();
+        assert_eq!((one.attempts, one.retries, one.lease), (1, 0, Lease(1)), "attempts never decrease");
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        let again = store.apply(&DbRequest::AbandonClaim { worker: w("a"), token: 1 }, at(2));
+        assert_eq!(again, DbReply::Released { released: vec![], lost: vec![] });
+        assert!(store.take_notifications().is_empty());
+    }
+
+    #[test]
+    fn notifications_come_one_per_statement_per_queue() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]));
+        let batch = vec![
+            NewTask::new("t", json!(1)).queue("a"),
+            NewTask::new("t", json!(2)).queue("b"),
+            NewTask::new("t", json!(3)).queue("a"),
+            NewTask::new("t", json!(4)).queue("a"),
+        ];
+        store.enqueue_many(batch, T0).unwrap();
+        let ready = |q: &str| Notification::TaskReady { queue: q.into() };
+        assert_eq!(store.take_notifications(), vec![ready("a"), ready("b")]);
+        let claimed = claim(&mut store, "w", 4, T0);
+        assert!(store.take_notifications().is_empty());
+        let tasks = claimed.iter().map(lease).collect();
+        store.apply(&DbRequest::Release { worker: w("w"), tasks }, at(1));
+        assert_eq!(store.take_notifications(), vec![ready("a"), ready("b")]);
+        let p = policy(&store, 4);
+        let claimed = claim_with(&mut store, "w", 2, &p, 4, at(2));
+        let completions = claimed
+            .iter()
+            .map(|t| Completion { task: lease(t), outcome: FinishOutcome::Completed(json!(t.id.0)) })
+            .collect();
+        store.apply(&DbRequest::Finish { worker: w("w"), completions }, at(3));
+        let finished: Vec<Notification> =
+            claimed.iter().map(|t| Notification::TaskFinished { task: t.id, state: TaskState::Completed }).collect();
+        assert_eq!(store.take_notifications(), finished);
+        assert_eq!(store.get(claimed[0].id).unwrap().result, Some(json!(claimed[0].id.0)));
+    }
+
+    #[test]
+    fn the_attempts_history_has_one_record_per_finished_run() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let first = running_task(&mut store, NewTask::new("t", json!(null)), "a", T0);
+        let retry = FinishOutcome::Retry { error: err(ErrorCode::TaskTimeout), delay_ms: 1_000 };
+        finish(&mut store, "a", first, retry, at(10));
+        let p = policy(&store, 1);
+        let second = lease(&claim_with(&mut store, "b", 3, &p, 0, at(1_010))[0]);
+        // A released run writes no record, and the release spends no retry.
+        assert_eq!(started(&start(&mut store, "b", vec![second], &p, at(1_011))), vec![(1, 2)]);
+        let release = DbRequest::Release { worker: w("b"), tasks: vec![second] };
+        assert_eq!(store.apply(&release, at(1_012)), DbReply::Released { released: vec![first.task], lost: vec![] });
+        let third = lease(&claim_with(&mut store, "c", 4, &p, 1, at(1_013))[0]);
+        finish(&mut store, "c", third, FinishOutcome::Completed(json!("done")), at(1_020));
+        let history = store.attempts(first.task);
+        type Shape = (u32, Option<WorkerId>, TaskState, Option<ErrorCode>, DbTime);
+        let shape: Vec<Shape> = history
+            .into_iter()
+            .map(|r| (r.attempt.0, r.worker, r.outcome, r.error.map(|e| e.code), r.finished_at))
+            .collect();
+        assert_eq!(
+            shape,
+            vec![
+                (1, Some(w("a")), TaskState::Pending, Some(ErrorCode::TaskTimeout), at(10)),
+                (3, Some(w("c")), TaskState::Completed, None, at(1_020)),
+            ]
+        );
+        let record = store.get(first.task).unwrap();
+        assert_eq!((record.state, record.attempts, record.retries, record.error), (TaskState::Completed, 3, 1, None));
+        assert_eq!(store.attempts(TaskId(77)), vec![]);
+    }
+
+    #[test]
+    fn heartbeats_renew_young_claims_only_and_mark_the_worker_seen() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        add(&mut store, NewTask::new("t", json!(null)));
+        let held = lease(&claim(&mut store, "a", 1, T0)[0]);
+        let beat = DbRequest::Heartbeat {
+            worker: w("a"),
+            claimed: vec![held],
+            running: vec![],
+            lease_ms: LEASE_MS,
+            max_renew_age_ms: 100_000,
+        };
+        assert_eq!(store.apply(&beat, at(100_000)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(store.task(held.task).unwrap().claim_expires_at, Some(at(160_000)));
+        // Too old to renew: left to lapse, yet still held.
+        assert_eq!(store.apply(&beat, at(100_001)), DbReply::Heartbeat { lost: vec![] });
+        let row = store.task(held.task).unwrap();
+        assert_eq!((row.claim_expires_at, row.heartbeat_at), (Some(at(160_000)), Some(at(100_000))));
+        assert_eq!(
+            store.workers(),
+            vec![WorkerRecord {
+                info: WorkerInfo { worker: w("a"), queues: vec![], concurrency: 0 },
+                last_seen: at(100_001),
+                stopped: false,
+            }]
+        );
+        let info = WorkerInfo { worker: w("a"), queues: vec!["default".into()], concurrency: 4 };
+        assert_eq!(store.apply(&DbRequest::RegisterWorker(info.clone()), at(100_002)), DbReply::Done);
+        store.apply(&DbRequest::DeregisterWorker(w("a")), at(100_003));
+        store.apply(&DbRequest::DeregisterWorker(w("nobody")), at(100_003));
+        assert_eq!(store.workers(), vec![WorkerRecord { info, last_seen: at(100_002), stopped: true }]);
+    }
+
+    #[test]
+    fn inspection_lists_filters_and_counts() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]));
+        for i in 0..3 {
+            add(&mut store, NewTask::new("t", json!(i)).queue("a"));
+            add(&mut store, NewTask::new("t", json!(i)).queue("b"));
+        }
+        store.cancel(TaskId(1), T0).unwrap();
+        let filter = TaskFilter { queue: Some("a".into()), ..TaskFilter::default() };
+        let listed: Vec<i64> = store.list(&filter).iter().map(|r| r.id.0).collect();
+        assert_eq!(listed, vec![1, 3, 5]);
+        let filter = TaskFilter { state: Some(TaskState::Pending), limit: Some(2), ..TaskFilter::default() };
+        let listed: Vec<i64> = store.list(&filter).iter().map(|r| r.id.0).collect();
+        assert_eq!(listed, vec![2, 3]);
+        let counts = store.counts();
+        assert_eq!(counts[&("a".to_owned(), TaskState::Pending)], 2);
+        assert_eq!(counts[&("a".to_owned(), TaskState::Cancelled)], 1);
+        assert_eq!(counts[&("b".to_owned(), TaskState::Pending)], 3);
+        assert_eq!(counts.len(), 3);
+    }
+}

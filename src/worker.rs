@@ -1,0 +1,1065 @@
+//! The sans-IO worker machine: it decides what a worker does and does none of it.
+//!
+//! A [`Worker`] holds everything one worker process knows: the tasks it claimed, which of them
+//! run, the completions it has not written yet, its timers and its database backoff. It is
+//! driven by inputs and drained of outputs; it never reads a clock, sleeps, spawns or talks to
+//! a database. Whoever drives it (the `driver` feature's async loop, the simulation, a
+//! hand-written loop) does those things and reports back.
+//!
+//! # The calling contract
+//!
+//! Methods come in four kinds (after quinn-proto's `Connection`):
+//!
+//! - **inputs**: [`Worker::handle_input`] for something that happened (a database reply, a
+//!   handler finished, a notification, a shutdown request) and [`Worker::handle_timeout`] when
+//!   the deadline of [`Worker::poll_timeout`] is reached;
+//! - **outputs**: [`Worker::poll_command`] (run this database request, spawn this handler,
+//!   abort that one) and [`Worker::poll_event`] (for observers);
+//! - **the next deadline**: [`Worker::poll_timeout`];
+//! - **getters**: [`Worker::stats`], [`Worker::is_stopped`] and friends.
+//!
+//! After **every** input, drain `poll_command` until `None` and execute each command, drain
+//! `poll_event`, then read `poll_timeout` and call `handle_timeout` no earlier than its deadline.
+//! `now` must never go backwards between calls. An early or spurious `handle_timeout` does
+//! nothing. Every [`Command::Db`] must eventually be answered with exactly one
+//! [`Input::Db`] carrying the same [`OpId`]: a reply, or a [`DbFailure`] (`Unknown` when the
+//! request was sent and no answer came). Every [`Command::Spawn`] must eventually be answered
+//! with an [`Input::TaskFinished`] unless an [`Command::Abort`] for it came first (an answer
+//! after an abort is ignored). Replies may come in any order.
+//!
+//! # What it does
+//!
+//! - Claims with one request per pass, sized by [`ClaimPolicy::local_budget`]; claims again at
+//!   once after a pass that left work behind, otherwise when a notification arrives or the poll
+//!   interval passes (by deployment mode). Notifications that arrive while a claim is in
+//!   flight coalesce into one more pass.
+//! - In hard-cap mode claimed tasks start in the claim itself; in soft-cap mode the tasks past
+//!   the free permits wait in a buffer and start in batches as permits free up.
+//! - Writes completions in batches: the first at once, and while one batch is in flight the
+//!   next accumulates (up to `completion_batch_max`). A handler's permit is freed when it
+//!   finishes, before its completion is written (tasker's backpressure rule).
+//! - Renews leases and sends liveness for everything it holds in one request per heartbeat
+//!   interval; runs the reaper every check interval.
+//! - Backs off on database errors (`min(max, initial·2^(n−1))·U(0.75, 1.25)`) and re-sends what
+//!   was not confirmed; undoes claims whose reply never came.
+//! - On shutdown stops claiming, hands buffered claims back, lets handlers finish within the
+//!   grace period, then aborts the rest and returns them to Pending without spending a retry.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backoff::{self, DbBackoff};
+use crate::budget::ClaimPolicy;
+use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
+use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport, WorkerInfo};
+use crate::rng::{Rng, mix};
+use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+
+/// Something that happened, reported to [`Worker::handle_input`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// The answer to the [`Command::Db`] with this op id.
+    Db {
+        /// The request's op id.
+        op: OpId,
+        /// The store's reply, or why there is none.
+        reply: Result<DbReply, DbFailure>,
+    },
+    /// A handler spawned by [`Command::Spawn`] returned.
+    TaskFinished {
+        /// The task.
+        task: TaskId,
+        /// The lease it ran under.
+        lease: Lease,
+        /// What it returned. A panic is reported as a failure with `UNHANDLED_ERROR`, undecodable
+        /// arguments as `WORKER_SERIALIZATION_ERROR`, an unknown task name as
+        /// `WORKER_RESOLUTION_ERROR`.
+        outcome: TaskOutcome,
+    },
+    /// A notification said a task is ready in this queue.
+    Notified {
+        /// The queue.
+        queue: String,
+    },
+    /// The notification listener connected (`true`) or lost its connection (`false`). While it
+    /// is down the worker polls even in [`DeploymentMode::EventDrivenOnly`].
+    Listener {
+        /// Whether it is listening now.
+        connected: bool,
+    },
+    /// Stop gracefully.
+    Shutdown,
+}
+
+/// What a handler returned.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TaskOutcome {
+    /// A result.
+    Success(serde_json::Value),
+    /// An error.
+    Failure(TaskError),
+}
+
+/// Something for the driver to do, drained with [`Worker::poll_command`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Command {
+    /// Run this database request and report the answer as [`Input::Db`] with the same op id.
+    Db {
+        /// Correlates the reply.
+        op: OpId,
+        /// What to run.
+        request: DbRequest,
+    },
+    /// Run this task's handler and report [`Input::TaskFinished`].
+    Spawn(TaskRun),
+    /// Stop this handler if it still runs; its answer, if any, will be ignored.
+    Abort {
+        /// The task.
+        task: TaskId,
+        /// The lease it ran under.
+        lease: Lease,
+    },
+}
+
+/// A task to run, as [`Command::Spawn`] hands it over.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskRun {
+    /// The task.
+    pub id: TaskId,
+    /// The lease to report back with.
+    pub lease: Lease,
+    /// Which run this is (1 for the first).
+    pub attempt: Attempt,
+    /// The handler's registered name.
+    pub name: String,
+    /// The queue.
+    pub queue: String,
+    /// The arguments.
+    pub args: serde_json::Value,
+    /// When the machine will time the handler out, if it has a timeout.
+    pub deadline: Option<Instant>,
+}
+
+/// Why a task left this worker's hands without this worker finishing it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LostReason {
+    /// A write about it found another lease or state: another worker or the reaper took it.
+    LeaseLost,
+    /// A re-sent completion (after an unanswered one) found it already moved, most likely by
+    /// the first send.
+    Unconfirmed,
+}
+
+/// Something observers may want to know, drained with [`Worker::poll_event`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Event {
+    /// A task was claimed.
+    Claimed {
+        /// The task.
+        task: TaskId,
+        /// Its queue.
+        queue: String,
+    },
+    /// A task's handler was spawned.
+    Started {
+        /// The task.
+        task: TaskId,
+        /// Which run.
+        attempt: Attempt,
+    },
+    /// A task's outcome was written: Completed, Failed, or Pending for a retry.
+    Finished {
+        /// The task.
+        task: TaskId,
+        /// The state it is in now.
+        state: TaskState,
+    },
+    /// A task expired before it could start.
+    Expired {
+        /// The task.
+        task: TaskId,
+    },
+    /// A handler ran past its timeout and was aborted.
+    TimedOut {
+        /// The task.
+        task: TaskId,
+    },
+    /// A task left this worker's hands.
+    Lost {
+        /// The task.
+        task: TaskId,
+        /// Why.
+        reason: LostReason,
+    },
+    /// A database request failed; the worker waits `retry_in` before trying again.
+    DbUnavailable {
+        /// Failures in a row.
+        failures: u32,
+        /// The wait before the next try.
+        retry_in: Duration,
+        /// The failure.
+        error: DbFailure,
+    },
+    /// The database answered again after failures.
+    DbRecovered,
+    /// The reaper changed something.
+    Reaped(ReapReport),
+    /// `db_retry_max_attempts` failures in a row: the worker is shutting down.
+    GaveUp,
+    /// Shutdown finished: nothing is held and nothing is in flight (or the database was down
+    /// after the grace period and `abandoned` tasks were left to the reaper).
+    Drained {
+        /// Tasks left behind unwritten.
+        abandoned: usize,
+    },
+}
+
+/// The worker's named timers; [`Worker::poll_timeout`] says which is due next.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Timer {
+    /// Claim again if nothing woke the worker sooner.
+    Poll,
+    /// Renew leases and send liveness.
+    Heartbeat,
+    /// Run the reaper.
+    Reaper,
+    /// Try the database again after a failure.
+    DbRetry,
+    /// The shutdown grace period ends.
+    ShutdownGrace,
+    /// A handler's timeout.
+    HandlerTimeout(TaskId),
+}
+
+/// Counters an operator can read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Tasks claimed.
+    pub claimed: u64,
+    /// Handlers spawned.
+    pub started: u64,
+    /// Tasks completed (written).
+    pub completed: u64,
+    /// Tasks failed for good (written).
+    pub failed: u64,
+    /// Runs that failed and will be retried (written).
+    pub retried: u64,
+    /// Tasks that expired at start.
+    pub expired: u64,
+    /// Handlers timed out.
+    pub timed_out: u64,
+    /// Tasks lost to another lease holder.
+    pub lost: u64,
+    /// Notifications that arrived while a claim was already due and added nothing.
+    pub notifications_coalesced: u64,
+    /// Claim requests sent.
+    pub claim_passes: u64,
+    /// Database failures.
+    pub db_failures: u64,
+}
+
+/// What the worker knows of one task it holds.
+#[derive(Debug, Clone)]
+struct Held {
+    lease: Lease,
+    attempt: Attempt,
+    name: String,
+    queue: String,
+    args: serde_json::Value,
+    retries: u32,
+    retry: RetryPolicy,
+    stage: Stage,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stage {
+    /// Claimed, waiting for a permit (soft-cap mode).
+    Buffered,
+    /// A start request is out.
+    Starting,
+    /// The handler runs.
+    Running { deadline: Option<Instant> },
+    /// The handler returned (or was cut off); its outcome waits to be written.
+    Finishing,
+    /// Shutdown or a timeout took it away from its handler; it waits to be released.
+    Releasing,
+}
+
+/// An outstanding database request and what it was about.
+#[derive(Debug, Clone)]
+enum Op {
+    Claim { token: u64 },
+    Start(Vec<TaskLease>),
+    Finish { completions: Vec<Completion>, resent: bool },
+    Heartbeat,
+    Release(Vec<TaskLease>),
+    Abandon(u64),
+    Reap,
+    Register,
+    Deregister,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    Running,
+    Draining { grace_over: bool },
+    Stopped,
+}
+
+/// The sans-IO worker machine. See the [module docs](self) for the calling contract.
+#[derive(Debug)]
+pub struct Worker {
+    id: WorkerId,
+    app: AppConfig,
+    config: WorkerConfig,
+    policy: Arc<ClaimPolicy>,
+    served: BTreeSet<String>,
+    rng: Rng,
+    now: Instant,
+    next_op: u64,
+    ops: BTreeMap<OpId, Op>,
+    held: BTreeMap<TaskId, Held>,
+    /// Buffered claims in claim order.
+    buffer: VecDeque<TaskId>,
+    timers: BTreeMap<Timer, Instant>,
+    commands: VecDeque<Command>,
+    events: VecDeque<Event>,
+    /// A claim pass is wanted: a notification, the poll timer, or a pass that left work.
+    more_work: bool,
+    /// The last pass took nothing but saw work: only our own completions or a notification
+    /// can change that before the next poll.
+    cap_blocked: bool,
+    /// Starts were deferred at a queue cap; retried on the next poll or completion.
+    start_blocked: bool,
+    claim_in_flight: bool,
+    start_in_flight: bool,
+    heartbeat_in_flight: bool,
+    reap_in_flight: bool,
+    listening: bool,
+    /// Completions not yet sent, and whether each is a re-send after an unknown reply.
+    completions: VecDeque<(Completion, bool)>,
+    finish_in_flight: bool,
+    releases: Vec<TaskLease>,
+    abandons: Vec<u64>,
+    registered: bool,
+    register_in_flight: bool,
+    deregister_sent: bool,
+    backoff: DbBackoff,
+    db_down: bool,
+    phase: Phase,
+    stats: Stats,
+}
+
+impl Worker {
+    /// A worker machine for `id` with this configuration, starting at `now`. It registers
+    /// itself and claims at once.
+    pub fn new(id: WorkerId, app: AppConfig, config: WorkerConfig, now: Instant) -> Result<Worker, ConfigError> {
+        let mut problems = app.validate().err().map(|e| e.problems).unwrap_or_default();
+        problems.extend(config.validate(&app).err().map(|e| e.problems).unwrap_or_default());
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        let policy = Arc::new(ClaimPolicy::from_config(&app, &config));
+        let served = policy.queues.iter().map(|q| q.name.clone()).collect();
+        let seed =
+            config.seed.unwrap_or_else(|| id.0.bytes().fold(0x6A09_E667_F3BC_C909, |h, b| mix(h ^ u64::from(b))));
+        let mut worker = Worker {
+            id,
+            app,
+            config,
+            policy,
+            served,
+            rng: Rng::new(seed),
+            now,
+            next_op: 1,
+            ops: BTreeMap::new(),
+            held: BTreeMap::new(),
+            buffer: VecDeque::new(),
+            timers: BTreeMap::new(),
+            commands: VecDeque::new(),
+            events: VecDeque::new(),
+            more_work: true,
+            cap_blocked: false,
+            start_blocked: false,
+            claim_in_flight: false,
+            start_in_flight: false,
+            heartbeat_in_flight: false,
+            reap_in_flight: false,
+            listening: false,
+            completions: VecDeque::new(),
+            finish_in_flight: false,
+            releases: Vec::new(),
+            abandons: Vec::new(),
+            registered: false,
+            register_in_flight: false,
+            deregister_sent: false,
+            backoff: DbBackoff::new(),
+            db_down: false,
+            phase: Phase::Running,
+            stats: Stats::default(),
+        };
+        worker.arm(Timer::Heartbeat, now + worker.heartbeat_interval());
+        // The first reap comes after a random part of the interval so that workers started
+        // together do not reap together.
+        let check = worker.app.recovery.check_interval_ms;
+        let first_reap = worker.rng.range(check / 10, check + 1);
+        worker.arm(Timer::Reaper, now + Duration::from_millis(first_reap));
+        worker.pump(now);
+        Ok(worker)
+    }
+
+    /// This worker's id.
+    pub fn id(&self) -> &WorkerId {
+        &self.id
+    }
+
+    /// The claim policy this worker sends with every claim.
+    pub fn policy(&self) -> &ClaimPolicy {
+        &self.policy
+    }
+
+    /// Counters so far.
+    pub fn stats(&self) -> Stats {
+        self.stats
+    }
+
+    /// Handlers running now.
+    pub fn running(&self) -> usize {
+        self.held.values().filter(|t| matches!(t.stage, Stage::Running { .. })).count()
+    }
+
+    /// Claims held that have not started (buffered or starting).
+    pub fn claimed(&self) -> usize {
+        self.held.values().filter(|t| matches!(t.stage, Stage::Buffered | Stage::Starting)).count()
+    }
+
+    /// Every task this worker holds in any stage.
+    pub fn held(&self) -> usize {
+        self.held.len()
+    }
+
+    /// The tasks this worker holds with their leases (for invariant checks).
+    pub fn held_leases(&self) -> impl Iterator<Item = TaskLease> + '_ {
+        self.held.iter().map(|(task, held)| TaskLease { task: *task, lease: held.lease })
+    }
+
+    /// The tasks whose handlers run now, with their leases.
+    pub fn running_leases(&self) -> impl Iterator<Item = TaskLease> + '_ {
+        self.held
+            .iter()
+            .filter(|(_, t)| matches!(t.stage, Stage::Running { .. }))
+            .map(|(task, held)| TaskLease { task: *task, lease: held.lease })
+    }
+
+    /// Whether shutdown has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.phase != Phase::Running
+    }
+
+    /// Whether shutdown has finished: the driver can stop.
+    pub fn is_stopped(&self) -> bool {
+        self.phase == Phase::Stopped
+    }
+
+    /// Database failures in a row right now.
+    pub fn db_failures(&self) -> u32 {
+        self.backoff.failures()
+    }
+
+    /// Reports something that happened. Drain the outputs afterwards.
+    pub fn handle_input(&mut self, input: Input, now: Instant) {
+        self.advance(now);
+        if self.phase == Phase::Stopped {
+            return;
+        }
+        match input {
+            Input::Db { op, reply } => self.on_db(op, reply, now),
+            Input::TaskFinished { task, lease, outcome } => self.on_task_finished(task, lease, outcome),
+            Input::Notified { queue } => self.on_notified(&queue),
+            Input::Listener { connected } => {
+                self.listening = connected;
+                if !self.polls() {
+                    self.timers.remove(&Timer::Poll);
+                } else if !self.timers.contains_key(&Timer::Poll) && self.phase == Phase::Running {
+                    // Deaf in event-driven mode: fall back to polling until the listener is back.
+                    self.arm(Timer::Poll, now + self.poll_interval());
+                }
+            }
+            Input::Shutdown => self.begin_shutdown(now),
+        }
+        self.pump(now);
+    }
+
+    /// Handles every timer due at `now`. Early or repeated calls do nothing harmful.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        self.advance(now);
+        if self.phase == Phase::Stopped {
+            return;
+        }
+        let due: Vec<Timer> = self.timers.iter().filter(|(_, at)| **at <= now).map(|(t, _)| *t).collect();
+        for timer in due {
+            self.timers.remove(&timer);
+            match timer {
+                Timer::Poll => {
+                    self.more_work = true;
+                    self.cap_blocked = false;
+                    self.start_blocked = false;
+                    if self.polls() {
+                        self.arm(Timer::Poll, now + self.poll_interval());
+                    }
+                }
+                Timer::Heartbeat => {
+                    self.send_heartbeat();
+                    self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
+                }
+                Timer::Reaper => {
+                    self.send_reap();
+                    self.arm(Timer::Reaper, now + Duration::from_millis(self.app.recovery.check_interval_ms));
+                }
+                Timer::DbRetry => self.db_down = false,
+                Timer::ShutdownGrace => self.end_grace(),
+                Timer::HandlerTimeout(task) => self.time_out(task),
+            }
+        }
+        self.pump(now);
+    }
+
+    /// The next deadline and its timer; `None` when nothing is scheduled (stopped).
+    pub fn poll_timeout(&self) -> Option<(Instant, Timer)> {
+        self.timers.iter().map(|(timer, at)| (*at, *timer)).min()
+    }
+
+    /// The next command for the driver.
+    #[must_use]
+    pub fn poll_command(&mut self) -> Option<Command> {
+        self.commands.pop_front()
+    }
+
+    /// The next event for observers.
+    #[must_use]
+    pub fn poll_event(&mut self) -> Option<Event> {
+        self.events.pop_front()
+    }
+
+    fn advance(&mut self, now: Instant) {
+        assert!(now >= self.now, "time went backwards: the driver must pass a monotonic now");
+        self.now = now;
+    }
+
+    fn arm(&mut self, timer: Timer, at: Instant) {
+        self.timers.insert(timer, at);
+    }
+
+    fn heartbeat_interval(&self) -> Duration {
+        let r = &self.app.recovery;
+        Duration::from_millis(r.claimer_heartbeat_interval_ms.min(r.runner_heartbeat_interval_ms))
+    }
+
+    fn poll_interval(&self) -> Duration {
+        Duration::from_millis(self.config.poll_interval_ms)
+    }
+
+    /// Whether the poll timer runs: always but in event-driven mode with a live listener.
+    fn polls(&self) -> bool {
+        match self.config.deployment_mode {
+            DeploymentMode::PollingOnly | DeploymentMode::Hybrid => true,
+            DeploymentMode::EventDrivenOnly => !self.listening,
+        }
+    }
+
+    fn send(&mut self, request: DbRequest, op: Op) {
+        let id = OpId(self.next_op);
+        self.next_op += 1;
+        self.ops.insert(id, op);
+        self.commands.push_back(Command::Db { op: id, request });
+    }
+
+    fn executing(&self) -> u32 {
+        self.running() as u32
+    }
+
+    fn count_stage(&self, pred: impl Fn(Stage) -> bool) -> u32 {
+        self.held.values().filter(|t| pred(t.stage)).count() as u32
+    }
+
+    /// Sends whatever is due and allowed. Called after every input.
+    fn pump(&mut self, now: Instant) {
+        if self.phase == Phase::Stopped || self.db_down {
+            self.check_drained();
+            return;
+        }
+        if !self.registered && !self.register_in_flight {
+            self.register_in_flight = true;
+            let info = WorkerInfo {
+                worker: self.id.clone(),
+                queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
+                concurrency: self.config.concurrency,
+            };
+            self.send(DbRequest::RegisterWorker(info), Op::Register);
+        }
+        for token in std::mem::take(&mut self.abandons) {
+            self.send(DbRequest::AbandonClaim { worker: self.id.clone(), token }, Op::Abandon(token));
+        }
+        if !self.releases.is_empty() {
+            let tasks = std::mem::take(&mut self.releases);
+            self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
+        }
+        self.flush_completions();
+        self.start_buffered();
+        self.claim(now);
+        self.check_drained();
+    }
+
+    fn flush_completions(&mut self) {
+        if self.finish_in_flight || self.completions.is_empty() {
+            return;
+        }
+        let n = self.completions.len().min(self.config.completion_batch_max as usize);
+        let batch: Vec<(Completion, bool)> = self.completions.drain(..n).collect();
+        let resent = batch.iter().any(|(_, resent)| *resent);
+        let completions: Vec<Completion> = batch.into_iter().map(|(c, _)| c).collect();
+        self.finish_in_flight = true;
+        self.send(
+            DbRequest::Finish { worker: self.id.clone(), completions: completions.clone() },
+            Op::Finish { completions, resent },
+        );
+    }
+
+    fn start_buffered(&mut self) {
+        if self.start_in_flight || self.start_blocked || self.phase != Phase::Running || self.buffer.is_empty() {
+            return;
+        }
+        let starting = self.count_stage(|s| s == Stage::Starting);
+        let free = self.config.concurrency.saturating_sub(self.executing() + starting);
+        if free == 0 {
+            return;
+        }
+        let mut tasks = Vec::new();
+        while tasks.len() < free as usize {
+            let Some(id) = self.buffer.pop_front() else { break };
+            let held = self.held.get_mut(&id).expect("buffered tasks are held");
+            held.stage = Stage::Starting;
+            tasks.push(TaskLease { task: id, lease: held.lease });
+        }
+        self.start_in_flight = true;
+        let request = DbRequest::Start { worker: self.id.clone(), tasks: tasks.clone(), policy: self.policy.clone() };
+        self.send(request, Op::Start(tasks));
+    }
+
+    fn claim(&mut self, now: Instant) {
+        if self.phase != Phase::Running || self.claim_in_flight || !self.more_work {
+            return;
+        }
+        let running = self.executing();
+        let claimed = self.count_stage(|s| matches!(s, Stage::Buffered | Stage::Starting));
+        if self.policy.local_budget(running, claimed) == 0 {
+            return; // a freed permit calls pump again
+        }
+        let start_now = self.config.concurrency.saturating_sub(running + claimed);
+        self.more_work = false;
+        self.claim_in_flight = true;
+        self.stats.claim_passes += 1;
+        let token = self.next_op;
+        let request = DbRequest::Claim {
+            worker: self.id.clone(),
+            token,
+            policy: self.policy.clone(),
+            my_running: running,
+            my_claimed: claimed,
+            start_now,
+            lease_ms: self.app.effective_claim_lease_ms(),
+        };
+        self.send(request, Op::Claim { token });
+        if self.polls() {
+            self.arm(Timer::Poll, now + self.poll_interval());
+        }
+    }
+
+    fn send_heartbeat(&mut self) {
+        if self.heartbeat_in_flight || self.db_down || self.phase == Phase::Stopped {
+            return;
+        }
+        let mut claimed = Vec::new();
+        let mut running = Vec::new();
+        for (id, held) in &self.held {
+            let lease = TaskLease { task: *id, lease: held.lease };
+            match held.stage {
+                Stage::Buffered | Stage::Starting => claimed.push(lease),
+                // Finishing and releasing tasks are still Running in the database until their
+                // write lands: keep them alive so the reaper does not take them meanwhile.
+                Stage::Running { .. } | Stage::Finishing | Stage::Releasing => running.push(lease),
+            }
+        }
+        self.heartbeat_in_flight = true;
+        let request = DbRequest::Heartbeat {
+            worker: self.id.clone(),
+            claimed,
+            running,
+            lease_ms: self.app.effective_claim_lease_ms(),
+            max_renew_age_ms: self.app.max_claim_renew_age_ms,
+        };
+        self.send(request, Op::Heartbeat);
+    }
+
+    fn send_reap(&mut self) {
+        if self.reap_in_flight || self.db_down || self.phase != Phase::Running {
+            return;
+        }
+        let recovery = &self.app.recovery;
+        let request = DbRequest::Reap {
+            worker: self.id.clone(),
+            claimed_stale_ms: recovery.auto_requeue_stale_claimed.then_some(recovery.claimed_stale_threshold_ms),
+            running_stale_ms: recovery.auto_fail_stale_running.then_some(recovery.running_stale_threshold_ms),
+            entropy: self.rng.next_u64(),
+        };
+        self.reap_in_flight = true;
+        self.send(request, Op::Reap);
+    }
+
+    fn on_notified(&mut self, queue: &str) {
+        if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
+            return;
+        }
+        if self.more_work && !self.cap_blocked {
+            self.stats.notifications_coalesced += 1;
+        }
+        self.more_work = true;
+        self.cap_blocked = false;
+        self.start_blocked = false;
+    }
+
+    fn on_db(&mut self, op: OpId, reply: Result<DbReply, DbFailure>, now: Instant) {
+        let Some(kind) = self.ops.remove(&op) else {
+            return; // a stale or duplicated reply
+        };
+        match reply {
+            Ok(reply) => {
+                if self.backoff.failures() > 0 {
+                    self.backoff.on_success();
+                    self.events.push_back(Event::DbRecovered);
+                }
+                self.on_reply(kind, reply);
+            }
+            Err(failure) => self.on_failure(kind, failure, now),
+        }
+    }
+
+    fn on_reply(&mut self, op: Op, reply: DbReply) {
+        match (op, reply) {
+            (Op::Claim { .. }, DbReply::Claimed { tasks, more }) => self.on_claimed(tasks, more),
+            (Op::Start(_), DbReply::Started { started, expired, deferred, lost }) => {
+                self.start_in_flight = false;
+                for (task, attempt) in started {
+                    self.on_started(task, attempt);
+                }
+                for task in expired {
+                    self.held.remove(&task);
+                    self.stats.expired += 1;
+                    self.events.push_back(Event::Expired { task });
+                }
+                if !deferred.is_empty() {
+                    self.start_blocked = true;
+                }
+                for task in deferred.into_iter().rev() {
+                    if let Some(held) = self.held.get_mut(&task) {
+                        held.stage = Stage::Buffered;
+                        self.buffer.push_front(task);
+                    }
+                }
+                for task in lost {
+                    self.lose(task, LostReason::LeaseLost);
+                }
+            }
+            (Op::Finish { resent, .. }, DbReply::Finished { applied, lost }) => {
+                self.finish_in_flight = false;
+                for (task, state) in applied {
+                    self.held.remove(&task);
+                    match state {
+                        TaskState::Completed => self.stats.completed += 1,
+                        TaskState::Pending => self.stats.retried += 1,
+                        _ => self.stats.failed += 1,
+                    }
+                    self.events.push_back(Event::Finished { task, state });
+                }
+                let reason = if resent { LostReason::Unconfirmed } else { LostReason::LeaseLost };
+                for task in lost {
+                    self.lose(task, reason);
+                }
+                if self.cap_blocked {
+                    // Our own tasks left their queues: room may have opened.
+                    self.cap_blocked = false;
+                    self.more_work = true;
+                }
+                self.start_blocked = false;
+            }
+            (Op::Heartbeat, DbReply::Heartbeat { lost }) => {
+                self.heartbeat_in_flight = false;
+                for task in lost {
+                    self.lose(task, LostReason::LeaseLost);
+                }
+            }
+            (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => {
+                for task in released.into_iter().chain(lost) {
+                    if self.held.get(&task).is_some_and(|t| t.stage == Stage::Releasing) {
+                        self.held.remove(&task);
+                    }
+                }
+            }
+            (Op::Reap, DbReply::Reaped(report)) => {
+                self.reap_in_flight = false;
+                if report != ReapReport::default() {
+                    self.events.push_back(Event::Reaped(report));
+                }
+            }
+            (Op::Register, DbReply::Done) => {
+                self.register_in_flight = false;
+                self.registered = true;
+            }
+            (Op::Deregister, DbReply::Done) => self.stop(0),
+            (op, reply) => {
+                panic!("the store answered {op:?} with {reply:?}: a store must answer each request with its own reply")
+            }
+        }
+    }
+
+    fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool) {
+        self.claim_in_flight = false;
+        let took = tasks.len();
+        for task in tasks {
+            self.stats.claimed += 1;
+            self.events.push_back(Event::Claimed { task: task.id, queue: task.queue.clone() });
+            let started = task.started;
+            let (id, attempt) = (task.id, task.attempt);
+            let stage = if started { Stage::Starting } else { Stage::Buffered };
+            let previous = self.held.insert(
+                id,
+                Held {
+                    lease: task.lease,
+                    attempt,
+                    name: task.name,
+                    queue: task.queue,
+                    args: task.args,
+                    retries: task.retries,
+                    retry: task.retry,
+                    stage,
+                },
+            );
+            assert!(previous.is_none(), "task {id} claimed while this worker already holds it");
+            if self.phase != Phase::Running {
+                // Claimed while shutting down: hand it straight back.
+                self.release(id);
+            } else if started {
+                self.on_started(id, attempt);
+            } else {
+                self.buffer.push_back(id);
+            }
+        }
+        if more {
+            if took > 0 {
+                self.more_work = true;
+            } else {
+                self.cap_blocked = true;
+            }
+        }
+    }
+
+    fn on_started(&mut self, task: TaskId, attempt: Attempt) {
+        let deadline = self.config.handler_timeout_ms.map(|ms| self.now + Duration::from_millis(ms));
+        let shutting_down = self.phase != Phase::Running;
+        let Some(held) = self.held.get_mut(&task) else { return };
+        held.attempt = attempt;
+        if shutting_down {
+            // Started while shutting down: it has not run, so give it back.
+            held.stage = Stage::Running { deadline: None };
+            self.release(task);
+            return;
+        }
+        held.stage = Stage::Running { deadline };
+        let run = TaskRun {
+            id: task,
+            lease: held.lease,
+            attempt,
+            name: held.name.clone(),
+            queue: held.queue.clone(),
+            args: std::mem::take(&mut held.args),
+            deadline,
+        };
+        if let Some(deadline) = deadline {
+            self.arm(Timer::HandlerTimeout(task), deadline);
+        }
+        self.stats.started += 1;
+        self.events.push_back(Event::Started { task, attempt });
+        self.commands.push_back(Command::Spawn(run));
+    }
+
+    fn on_task_finished(&mut self, task: TaskId, lease: Lease, outcome: TaskOutcome) {
+        let Some(held) = self.held.get(&task) else { return };
+        if held.lease != lease || !matches!(held.stage, Stage::Running { .. }) {
+            return; // aborted or superseded: its answer no longer counts
+        }
+        let outcome = match outcome {
+            TaskOutcome::Success(value) => FinishOutcome::Completed(value),
+            TaskOutcome::Failure(error) => self.failure_outcome(task, error),
+        };
+        self.finish(task, outcome, false);
+    }
+
+    fn failure_outcome(&mut self, task: TaskId, error: TaskError) -> FinishOutcome {
+        let held = &self.held[&task];
+        if backoff::may_retry(&held.retry, held.retries, &error.code) {
+            let delay = backoff::retry_delay(&held.retry, held.retries + 1, self.rng.next_u64());
+            FinishOutcome::Retry { error, delay_ms: delay.as_millis() as u64 }
+        } else {
+            FinishOutcome::Failed(error)
+        }
+    }
+
+    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, resent: bool) {
+        let held = self.held.get_mut(&task).expect("finish is called for held tasks");
+        held.stage = Stage::Finishing;
+        let lease = held.lease;
+        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.completions.push_back((Completion { task: TaskLease { task, lease }, outcome }, resent));
+    }
+
+    fn time_out(&mut self, task: TaskId) {
+        let Some(held) = self.held.get(&task) else { return };
+        if !matches!(held.stage, Stage::Running { .. }) {
+            return;
+        }
+        let lease = held.lease;
+        let timeout = self.config.handler_timeout_ms.unwrap_or_default();
+        self.commands.push_back(Command::Abort { task, lease });
+        self.stats.timed_out += 1;
+        self.events.push_back(Event::TimedOut { task });
+        let error = TaskError::new(ErrorCode::TaskTimeout, format!("handler ran past its timeout of {timeout} ms"));
+        let outcome = self.failure_outcome(task, error);
+        self.finish(task, outcome, false);
+    }
+
+    /// Drops a task that is no longer ours, aborting its handler if it runs.
+    fn lose(&mut self, task: TaskId, reason: LostReason) {
+        let Some(held) = self.held.remove(&task) else { return };
+        if matches!(held.stage, Stage::Running { .. }) {
+            self.commands.push_back(Command::Abort { task, lease: held.lease });
+        }
+        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.buffer.retain(|t| *t != task);
+        self.completions.retain(|(c, _)| c.task.task != task);
+        self.stats.lost += 1;
+        self.events.push_back(Event::Lost { task, reason });
+    }
+
+    fn release(&mut self, task: TaskId) {
+        let held = self.held.get_mut(&task).expect("release is called for held tasks");
+        if matches!(held.stage, Stage::Running { .. }) {
+            self.commands.push_back(Command::Abort { task, lease: held.lease });
+        }
+        held.stage = Stage::Releasing;
+        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.buffer.retain(|t| *t != task);
+        self.releases.push(TaskLease { task, lease: held.lease });
+    }
+
+    fn on_failure(&mut self, op: Op, failure: DbFailure, now: Instant) {
+        self.stats.db_failures += 1;
+        let unknown = matches!(failure, DbFailure::Unknown(_));
+        match op {
+            Op::Claim { token } => {
+                self.claim_in_flight = false;
+                self.more_work = true;
+                if unknown {
+                    // The claim may have committed: undo it by its token.
+                    self.abandons.push(token);
+                }
+            }
+            Op::Start(tasks) => {
+                self.start_in_flight = false;
+                // Starting again is idempotent: a started row under our lease counts as started.
+                for lease in tasks.into_iter().rev() {
+                    if let Some(held) = self.held.get_mut(&lease.task) {
+                        held.stage = Stage::Buffered;
+                        self.buffer.push_front(lease.task);
+                    }
+                }
+            }
+            Op::Finish { completions, resent } => {
+                self.finish_in_flight = false;
+                for completion in completions.into_iter().rev() {
+                    self.completions.push_front((completion, resent || unknown));
+                }
+            }
+            Op::Heartbeat => self.heartbeat_in_flight = false,
+            Op::Release(tasks) => self.releases.extend(tasks),
+            Op::Abandon(token) => self.abandons.push(token),
+            Op::Reap => self.reap_in_flight = false,
+            Op::Register => self.register_in_flight = false,
+            Op::Deregister => {
+                // Not worth waiting for: the registry marks silent workers dead anyway.
+                self.stop(0);
+                return;
+            }
+        }
+        let delay = self.backoff.on_failure(&self.app.resilience, &mut self.rng);
+        self.db_down = true;
+        self.arm(Timer::DbRetry, now + delay);
+        self.events.push_back(Event::DbUnavailable {
+            failures: self.backoff.failures(),
+            retry_in: delay,
+            error: failure,
+        });
+        if self.backoff.exhausted(&self.app.resilience) && self.phase == Phase::Running {
+            self.events.push_back(Event::GaveUp);
+            self.begin_shutdown(now);
+        }
+    }
+
+    fn begin_shutdown(&mut self, now: Instant) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        self.phase = Phase::Draining { grace_over: false };
+        self.timers.remove(&Timer::Poll);
+        self.timers.remove(&Timer::Reaper);
+        let buffered: Vec<TaskId> = self.buffer.iter().copied().collect();
+        for task in buffered {
+            self.release(task);
+        }
+        self.arm(Timer::ShutdownGrace, now + Duration::from_millis(self.config.shutdown_grace_ms));
+    }
+
+    fn end_grace(&mut self) {
+        self.phase = Phase::Draining { grace_over: true };
+        let running: Vec<TaskId> =
+            self.held.iter().filter(|(_, t)| matches!(t.stage, Stage::Running { .. })).map(|(id, _)| *id).collect();
+        for task in running {
+            self.release(task);
+        }
+    }
+
+    /// Finishes shutdown once nothing is held or in flight; after the grace period, a database
+    /// that is down does not hold shutdown up.
+    fn check_drained(&mut self) {
+        let Phase::Draining { grace_over } = self.phase else { return };
+        if grace_over && self.db_down {
+            self.stop(self.held.len());
+            return;
+        }
+        let idle = self.held.is_empty()
+            && self.completions.is_empty()
+            && self.releases.is_empty()
+            && self.abandons.is_empty()
+            && self.ops.values().all(|op| matches!(op, Op::Heartbeat | Op::Reap | Op::Register));
+        if idle && !self.deregister_sent && !self.db_down {
+            self.deregister_sent = true;
+            self.send(DbRequest::DeregisterWorker(self.id.clone()), Op::Deregister);
+        }
+    }
+
+    fn stop(&mut self, abandoned: usize) {
+        self.phase = Phase::Stopped;
+        self.timers.clear();
+        self.events.push_back(Event::Drained { abandoned });
+    }
+}

@@ -1,0 +1,443 @@
+//! The worker machine driven by hand: each test scripts the store's replies and checks the
+//! commands, events and timers that come out.
+
+use std::time::{Duration, Instant};
+
+use canter::config::{AppConfig, DeploymentMode, RetryPolicy, WorkerConfig};
+use canter::db::{ClaimedTask, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
+use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
+use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
+use serde_json::json;
+
+struct Harness {
+    worker: Worker,
+    now: Instant,
+    events: Vec<Event>,
+}
+
+impl Harness {
+    fn new(app: AppConfig, config: WorkerConfig) -> (Harness, Vec<Command>) {
+        let now = Instant::now();
+        let worker = Worker::new(WorkerId("w1".into()), app, config, now).expect("valid config");
+        let mut h = Harness { worker, now, events: Vec::new() };
+        let commands = h.drain();
+        (h, commands)
+    }
+
+    fn default(concurrency: u32) -> (Harness, Vec<Command>) {
+        Harness::new(AppConfig::default(), WorkerConfig { concurrency, seed: Some(1), ..WorkerConfig::default() })
+    }
+
+    fn drain(&mut self) -> Vec<Command> {
+        let mut commands = Vec::new();
+        while let Some(c) = self.worker.poll_command() {
+            commands.push(c);
+        }
+        while let Some(e) = self.worker.poll_event() {
+            self.events.push(e);
+        }
+        commands
+    }
+
+    fn input(&mut self, input: Input) -> Vec<Command> {
+        self.worker.handle_input(input, self.now);
+        self.drain()
+    }
+
+    fn reply(&mut self, op: OpId, reply: DbReply) -> Vec<Command> {
+        self.input(Input::Db { op, reply: Ok(reply) })
+    }
+
+    fn fail(&mut self, op: OpId, failure: DbFailure) -> Vec<Command> {
+        self.input(Input::Db { op, reply: Err(failure) })
+    }
+
+    /// Advances to the next deadline and fires it.
+    fn fire(&mut self) -> (Timer, Vec<Command>) {
+        let (at, timer) = self.worker.poll_timeout().expect("a timer is armed");
+        self.now = self.now.max(at);
+        self.worker.handle_timeout(self.now);
+        (timer, self.drain())
+    }
+
+    fn finished(&mut self, run: &canter::worker::TaskRun, outcome: TaskOutcome) -> Vec<Command> {
+        self.input(Input::TaskFinished { task: run.id, lease: run.lease, outcome })
+    }
+}
+
+fn task(id: i64, started: bool) -> ClaimedTask {
+    ClaimedTask {
+        id: TaskId(id),
+        lease: Lease(1),
+        name: "job".into(),
+        queue: "default".into(),
+        args: json!({"n": id}),
+        priority: 0,
+        started,
+        attempt: Attempt(1),
+        retries: 0,
+        retry: RetryPolicy::none(),
+    }
+}
+
+fn db_ops(commands: &[Command]) -> Vec<(OpId, &DbRequest)> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Db { op, request } => Some((*op, request)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn find(commands: &[Command], kind: &str) -> OpId {
+    db_ops(commands)
+        .into_iter()
+        .find(|(_, r)| r.kind() == kind)
+        .unwrap_or_else(|| panic!("no {kind} in {commands:?}"))
+        .0
+}
+
+fn has(commands: &[Command], kind: &str) -> bool {
+    db_ops(commands).iter().any(|(_, r)| r.kind() == kind)
+}
+
+fn spawns(commands: &[Command]) -> Vec<canter::worker::TaskRun> {
+    commands
+        .iter()
+        .filter_map(|c| match c {
+            Command::Spawn(run) => Some(run.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Registers and answers the first claim with `tasks`; returns the commands that followed.
+fn start(h: &mut Harness, first: &[Command], tasks: Vec<ClaimedTask>, more: bool) -> Vec<Command> {
+    let register = find(first, "register_worker");
+    h.reply(register, DbReply::Done);
+    h.reply(find(first, "claim"), DbReply::Claimed { tasks, more })
+}
+
+#[test]
+fn a_new_worker_registers_and_claims_up_to_its_concurrency() {
+    let (_, commands) = Harness::default(4);
+    let claim = db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "claim").unwrap().1.clone();
+    match claim {
+        DbRequest::Claim { my_running, my_claimed, start_now, lease_ms, .. } => {
+            assert_eq!((my_running, my_claimed, start_now, lease_ms), (0, 0, 4, 60_000));
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(has(&commands, "register_worker"));
+}
+
+#[test]
+fn a_claim_that_left_work_behind_claims_again_at_once() {
+    let (mut h, first) = Harness::default(4);
+    let next = start(&mut h, &first, vec![task(1, true), task(2, true)], true);
+    assert_eq!(spawns(&next).len(), 2);
+    match db_ops(&next).iter().find(|(_, r)| r.kind() == "claim").map(|(_, r)| (*r).clone()) {
+        Some(DbRequest::Claim { my_running: 2, start_now: 2, .. }) => {}
+        other => panic!("expected a second claim for the 2 free permits, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_claim_that_found_all_there_was_waits_for_a_notification_or_the_poll() {
+    let (mut h, first) = Harness::default(4);
+    let next = start(&mut h, &first, vec![task(1, true)], false);
+    assert!(!has(&next, "claim"));
+    let (at, timer) = h.worker.poll_timeout().unwrap();
+    assert_eq!(timer, Timer::Poll);
+    assert_eq!(at, h.now + Duration::from_millis(5_000));
+    // A notification for a queue this worker does not serve changes nothing.
+    assert!(!has(&h.input(Input::Notified { queue: "other".into() }), "claim"));
+    assert!(has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+}
+
+#[test]
+fn notifications_during_a_claim_coalesce_into_one_more_pass() {
+    let (mut h, first) = Harness::default(4);
+    for _ in 0..5 {
+        assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    }
+    let next = start(&mut h, &first, vec![], false);
+    assert_eq!(db_ops(&next).iter().filter(|(_, r)| r.kind() == "claim").count(), 1);
+    assert_eq!(h.worker.stats().notifications_coalesced, 4);
+}
+
+#[test]
+fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_listening() {
+    let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    start(&mut h, &first, vec![], false);
+    assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    let (timer, commands) = h.fire();
+    assert_eq!(timer, Timer::Poll);
+    assert!(has(&commands, "claim"));
+
+    let config = WorkerConfig { deployment_mode: DeploymentMode::EventDrivenOnly, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    h.input(Input::Listener { connected: true });
+    start(&mut h, &first, vec![], false);
+    assert_ne!(h.worker.poll_timeout().unwrap().1, Timer::Poll);
+    h.input(Input::Listener { connected: false });
+    assert_eq!(h.worker.poll_timeout().unwrap().1, Timer::Poll, "deaf: falls back to polling");
+}
+
+#[test]
+fn a_cap_blocked_claim_does_not_spin() {
+    let (mut h, first) = Harness::default(4);
+    let next = start(&mut h, &first, vec![], true);
+    assert!(!has(&next, "claim"), "nothing taken but work seen: wait, do not spin");
+    let (timer, commands) = h.fire();
+    assert_eq!(timer, Timer::Poll);
+    assert!(has(&commands, "claim"));
+}
+
+#[test]
+fn completions_batch_while_one_write_is_in_flight() {
+    let (mut h, first) = Harness::default(4);
+    let next = start(&mut h, &first, (1..=4).map(|i| task(i, true)).collect(), false);
+    let runs = spawns(&next);
+    let c1 = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    let finish = find(&c1, "finish");
+    for run in &runs[1..] {
+        assert!(!has(&h.finished(run, TaskOutcome::Success(json!(0))), "finish"));
+    }
+    let after = h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    let (_, request) = db_ops(&after).into_iter().find(|(_, r)| r.kind() == "finish").unwrap();
+    match request {
+        DbRequest::Finish { completions, .. } => assert_eq!(completions.len(), 3),
+        other => panic!("{other:?}"),
+    }
+    assert!(h.events.contains(&Event::Finished { task: TaskId(1), state: TaskState::Completed }));
+}
+
+#[test]
+fn a_freed_permit_claims_again_after_a_full_claim() {
+    let (mut h, first) = Harness::default(2);
+    let next = start(&mut h, &first, vec![task(1, true), task(2, true)], true);
+    assert!(!has(&next, "claim"), "no permit free");
+    let runs = spawns(&next);
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(null)));
+    assert!(has(&after, "claim"), "the permit is free before the completion is written");
+}
+
+#[test]
+fn failures_retry_as_the_policy_says() {
+    let (mut h, first) = Harness::default(2);
+    let mut retried = task(1, true);
+    retried.retry = RetryPolicy::fixed(vec![10, 20]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
+    let mut spent = task(2, true);
+    spent.retry = retried.retry.clone();
+    spent.retries = 2;
+    let runs = spawns(&start(&mut h, &first, vec![retried, spent], false));
+    let c = h.finished(&runs[0], TaskOutcome::Failure(TaskError::new(ErrorCode::User("FLAKY".into()), "x")));
+    h.finished(&runs[1], TaskOutcome::Failure(TaskError::new(ErrorCode::User("FLAKY".into()), "x")));
+    let finish = find(&c, "finish");
+    let DbRequest::Finish { completions, .. } = db_ops(&c).into_iter().find(|(op, _)| *op == finish).unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    match &completions[0].outcome {
+        FinishOutcome::Retry { delay_ms, .. } => assert!((7_500..=12_500).contains(delay_ms), "{delay_ms}"),
+        other => panic!("{other:?}"),
+    }
+    let after = h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Pending)], lost: vec![] });
+    let DbRequest::Finish { completions, .. } =
+        db_ops(&after).into_iter().find(|(_, r)| r.kind() == "finish").unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    assert!(matches!(completions[0].outcome, FinishOutcome::Failed(_)), "no retry left");
+}
+
+#[test]
+fn a_handler_past_its_timeout_is_aborted_and_fails_with_task_timeout() {
+    let config = WorkerConfig { handler_timeout_ms: Some(1_000), ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let runs = spawns(&start(&mut h, &first, vec![task(7, true)], false));
+    assert_eq!(runs[0].deadline, Some(h.now + Duration::from_millis(1_000)));
+    let (timer, commands) = h.fire();
+    assert_eq!(timer, Timer::HandlerTimeout(TaskId(7)));
+    assert!(commands.contains(&Command::Abort { task: TaskId(7), lease: Lease(1) }));
+    let DbRequest::Finish { completions, .. } =
+        db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "finish").unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    assert!(matches!(&completions[0].outcome, FinishOutcome::Failed(e) if e.code == ErrorCode::TaskTimeout));
+    // The late answer of the aborted handler is ignored.
+    assert!(h.finished(&runs[0], TaskOutcome::Success(json!(1))).is_empty());
+}
+
+#[test]
+fn database_errors_back_off_and_the_writes_are_sent_again() {
+    let (mut h, first) = Harness::default(2);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
+    let after = h.fail(finish, DbFailure::Unavailable("connection refused".into()));
+    assert!(after.is_empty(), "nothing is sent while backing off");
+    assert!(matches!(h.events.last(), Some(Event::DbUnavailable { failures: 1, .. })));
+    let (at, timer) = h.worker.poll_timeout().unwrap();
+    assert_eq!(timer, Timer::DbRetry);
+    let wait = at - h.now;
+    assert!(wait >= Duration::from_millis(375) && wait <= Duration::from_millis(625), "{wait:?}");
+    let (_, again) = h.fire();
+    let finish = find(&again, "finish");
+    h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    assert!(h.events.contains(&Event::DbRecovered));
+    assert_eq!(h.worker.db_failures(), 0);
+}
+
+#[test]
+fn a_claim_without_an_answer_is_undone_by_its_token() {
+    let (mut h, first) = Harness::default(2);
+    h.reply(find(&first, "register_worker"), DbReply::Done);
+    let claim = find(&first, "claim");
+    let DbRequest::Claim { token, .. } = db_ops(&first).into_iter().find(|(op, _)| *op == claim).unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    h.fail(claim, DbFailure::Unknown("timed out".into()));
+    let (_, again) = h.fire();
+    let abandon = db_ops(&again).into_iter().find(|(_, r)| r.kind() == "abandon_claim").unwrap().1.clone();
+    assert_eq!(abandon, DbRequest::AbandonClaim { worker: WorkerId("w1".into()), token });
+    assert!(has(&again, "claim"), "and claims afresh");
+}
+
+#[test]
+fn stale_and_duplicate_replies_are_ignored() {
+    let (mut h, first) = Harness::default(2);
+    let claim = find(&first, "claim");
+    h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false });
+    let again = h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false });
+    assert!(spawns(&again).is_empty());
+    assert!(h.reply(OpId(999), DbReply::Done).is_empty());
+    assert_eq!(h.worker.held(), 1);
+}
+
+#[test]
+fn soft_cap_mode_buffers_claims_and_starts_them_as_permits_free() {
+    let app = AppConfig { prefetch_buffer: 2, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+    let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
+    let DbRequest::Claim { start_now, .. } =
+        db_ops(&first).into_iter().find(|(_, r)| r.kind() == "claim").unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    assert_eq!(start_now, 1);
+    let next = start(&mut h, &first, vec![task(1, true), task(2, false), task(3, false)], false);
+    let runs = spawns(&next);
+    assert_eq!(runs.len(), 1);
+    assert_eq!(h.worker.claimed(), 2);
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    let (op, request) = db_ops(&after).into_iter().find(|(_, r)| r.kind() == "start").unwrap();
+    match request {
+        DbRequest::Start { tasks, .. } => assert_eq!(tasks.iter().map(|t| t.task).collect::<Vec<_>>(), vec![TaskId(2)]),
+        other => panic!("{other:?}"),
+    }
+    let started = h.reply(
+        op,
+        DbReply::Started { started: vec![(TaskId(2), Attempt(1))], expired: vec![], deferred: vec![], lost: vec![] },
+    );
+    assert_eq!(spawns(&started)[0].id, TaskId(2));
+}
+
+#[test]
+fn heartbeats_cover_everything_held_and_lost_tasks_are_aborted() {
+    let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
+    h.finished(&runs[1], TaskOutcome::Success(json!(2)));
+    // Several timers can fall due at one instant: fire until the heartbeat goes out.
+    let commands = loop {
+        let (_, commands) = h.fire();
+        if has(&commands, "heartbeat") {
+            break commands;
+        }
+    };
+    let (op, request) = db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "heartbeat").unwrap();
+    match request {
+        DbRequest::Heartbeat { running, .. } => assert_eq!(running.len(), 2, "finishing tasks too"),
+        other => panic!("{other:?}"),
+    }
+    let after = h.reply(op, DbReply::Heartbeat { lost: vec![TaskId(1)] });
+    assert!(after.contains(&Command::Abort { task: TaskId(1), lease: Lease(1) }));
+    assert_eq!(h.worker.running(), 0);
+}
+
+#[test]
+fn graceful_shutdown_waits_for_handlers_then_deregisters() {
+    let (mut h, first) = Harness::default(2);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    assert!(h.input(Input::Shutdown).is_empty(), "nothing to hand back, one handler running");
+    let c = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    let after = h.reply(
+        find(&c, "finish"),
+        DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] },
+    );
+    let deregister = find(&after, "deregister_worker");
+    h.reply(deregister, DbReply::Done);
+    assert!(h.worker.is_stopped());
+    assert!(h.events.contains(&Event::Drained { abandoned: 0 }));
+    assert_eq!(h.worker.poll_timeout(), None);
+}
+
+#[test]
+fn after_the_grace_period_running_tasks_go_back_without_spending_a_retry() {
+    let config = WorkerConfig { shutdown_grace_ms: 2_000, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    start(&mut h, &first, vec![task(1, true)], false);
+    h.input(Input::Shutdown);
+    let shutdown_at = h.now;
+    let commands = loop {
+        let (_, commands) = h.fire();
+        if has(&commands, "release") {
+            break commands;
+        }
+    };
+    assert_eq!(h.now - shutdown_at, Duration::from_millis(2_000), "released when the grace period ends");
+    assert!(commands.contains(&Command::Abort { task: TaskId(1), lease: Lease(1) }));
+    let release = find(&commands, "release");
+    let after = h.reply(release, DbReply::Released { released: vec![TaskId(1)], lost: vec![] });
+    h.reply(find(&after, "deregister_worker"), DbReply::Done);
+    assert!(h.worker.is_stopped());
+}
+
+#[test]
+fn shutdown_hands_buffered_claims_back_at_once() {
+    let app = AppConfig { prefetch_buffer: 4, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+    let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
+    start(&mut h, &first, vec![task(1, true), task(2, false), task(3, false)], false);
+    let commands = h.input(Input::Shutdown);
+    match db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "release").unwrap().1 {
+        DbRequest::Release { tasks, .. } => assert_eq!(tasks.len(), 2),
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_next_deadline_moves_forward_after_every_timeout() {
+    let (mut h, first) = Harness::default(2);
+    start(&mut h, &first, vec![], false);
+    let mut previous = h.now;
+    for _ in 0..50 {
+        let (_, commands) = h.fire();
+        for (op, request) in db_ops(&commands) {
+            let reply = match request {
+                DbRequest::Claim { .. } => DbReply::Claimed { tasks: vec![], more: false },
+                DbRequest::Heartbeat { .. } => DbReply::Heartbeat { lost: vec![] },
+                DbRequest::Reap { .. } => DbReply::Reaped(Default::default()),
+                _ => DbReply::Done,
+            };
+            h.reply(op, reply);
+        }
+        let (next, _) = h.worker.poll_timeout().unwrap();
+        assert!(next > h.now, "busy loop: next deadline {next:?} is not after now");
+        assert!(h.now >= previous);
+        previous = h.now;
+    }
+}
