@@ -9,3 +9,9 @@ pub mod memory;
 pub mod rng;
 pub mod task;
 pub mod worker;
+
+#[cfg(feature = "postgres")]
+pub mod postgres;
+
+#[cfg(feature = "sim")]
+pub mod sim;

@@ -1,0 +1,1 @@
+//! The deterministic simulation harness (feature `sim`): being built (issue 6).
