@@ -1,4 +1,79 @@
 //! Canter: a PostgreSQL-backed distributed task queue with a sans-IO core.
+//!
+//! Applications enqueue tasks; any number of workers claim them with `FOR UPDATE SKIP LOCKED`,
+//! run them under concurrency caps (per worker, per queue across the cluster, across the whole
+//! cluster), write results back, and recover from crashes, outages and lost notifications.
+//!
+//! This crate is the core. Without features it is pure: deterministic state machines driven
+//! by events, with time and randomness passed in. It reads no clock, draws no OS randomness
+//! and does no I/O, so it runs the same under tokio, smol, a hand-written loop or a
+//! deterministic simulation.
+//!
+//! # Modules
+//!
+//! - [`task`]: task states and the transitions between them, ids, lease tokens, error codes.
+//! - [`config`]: all configuration, validated (every violation reported at once).
+//! - [`budget`]: how many tasks one claim pass may take from which queue, under every cap.
+//! - [`backoff`]: retry delays and database-error backoff as pure functions.
+//! - [`db`]: the protocol between the worker machine and a store.
+//! - [`worker`]: the sans-IO worker machine.
+//! - [`memory`]: an in-memory store with exactly the semantics of the SQL, for tests,
+//!   simulation and running without PostgreSQL.
+//! - [`rng`]: a small seeded PRNG.
+//!
+//! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
+//! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness).
+//!
+//! # The calling contract
+//!
+//! A driver owns a [`worker::Worker`] and, in a loop:
+//!
+//! 1. feeds it what happened with [`Worker::handle_input`](worker::Worker::handle_input)
+//!    (a database reply, a finished handler, a notification, a shutdown request), or calls
+//!    [`Worker::handle_timeout`](worker::Worker::handle_timeout) once the deadline from
+//!    [`Worker::poll_timeout`](worker::Worker::poll_timeout) has passed;
+//! 2. drains [`Worker::poll_command`](worker::Worker::poll_command) and does each command (run
+//!    a database request and report its reply with the same op id; spawn a handler and report
+//!    its outcome; abort a handler) and drains
+//!    [`Worker::poll_event`](worker::Worker::poll_event) for observers;
+//! 3. waits until the next deadline or the next input, passing a `now` that never goes back.
+//!
+//! Database faults are inputs, not errors: a reply can be `Unavailable`, or `Unknown` (sent,
+//! no answer), and the machine stays correct under both.
+//!
+//! ```
+//! use std::time::Instant;
+//! use canter::config::{AppConfig, WorkerConfig};
+//! use canter::db::{DbTime, NewTask};
+//! use canter::memory::MemoryStore;
+//! use canter::task::WorkerId;
+//! use canter::worker::{Command, Input, TaskOutcome, Worker};
+//!
+//! let app = AppConfig::default();
+//! let mut store = MemoryStore::new(app.clone());
+//! let db_now = DbTime(1_700_000_000_000);
+//! let id = store.enqueue(NewTask::new("greet", serde_json::json!({"name": "Ada"})), db_now).unwrap();
+//!
+//! let now = Instant::now();
+//! let mut worker = Worker::new(WorkerId("w1".into()), app, WorkerConfig::default(), now).unwrap();
+//! // Drive it until the task is written back.
+//! while !store.get(id).unwrap().state.is_terminal() {
+//!     let Some(command) = worker.poll_command() else { break };
+//!     match command {
+//!         Command::Db { op, request } => {
+//!             let reply = store.apply(&request, db_now);
+//!             worker.handle_input(Input::Db { op, reply: Ok(reply) }, now);
+//!         }
+//!         Command::Spawn(run) => {
+//!             let greeting = format!("hello, {}", run.args["name"].as_str().unwrap());
+//!             let outcome = TaskOutcome::Success(greeting.into());
+//!             worker.handle_input(Input::TaskFinished { task: run.id, lease: run.lease, outcome }, now);
+//!         }
+//!         Command::Abort { .. } => {}
+//!     }
+//! }
+//! assert_eq!(store.get(id).unwrap().result, Some("hello, Ada".into()));
+//! ```
 #![forbid(unsafe_code)]
 
 pub mod backoff;
