@@ -85,6 +85,9 @@ pub mod rng;
 pub mod task;
 pub mod worker;
 
+#[cfg(feature = "driver")]
+pub mod driver;
+
 #[cfg(feature = "postgres")]
 pub mod postgres;
 

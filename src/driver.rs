@@ -1,0 +1,274 @@
+//! The driver (feature `driver`): one async loop that runs a [`Worker`] machine on any runtime.
+//!
+//! The loop does what the machine asks and nothing else: it runs database requests on a
+//! [`Store`], spawns handlers through [`Handlers`] on the [`Runtime`], sleeps until the next
+//! deadline, and feeds back every reply, outcome, notification and timeout. The tokio and smol
+//! adapters implement [`Runtime`] in a few lines each and share everything here.
+//!
+//! It is written against `futures` only. The loop itself is a single task: database requests
+//! run concurrently inside it (they are futures, not spawned tasks), handlers are spawned.
+
+use std::collections::BTreeMap;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use futures::channel::mpsc;
+use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
+use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
+
+use crate::db::{DbFailure, DbReply, DbRequest, OpId};
+use crate::task::{ErrorCode, Lease, TaskError, TaskId};
+use crate::worker::{Command, Event, Input, Stats, TaskOutcome, TaskRun, Worker};
+
+/// What the driver needs from an async runtime: a clock, timers and spawning.
+pub trait Runtime: Send + Sync + 'static {
+    /// The current time. Adapters may return a virtual clock (tokio's paused time).
+    fn now(&self) -> Instant;
+    /// A future that resolves at `deadline`.
+    fn sleep_until(&self, deadline: Instant) -> BoxFuture<'static, ()>;
+    /// Runs `future` in the background.
+    fn spawn(&self, future: BoxFuture<'static, ()>);
+}
+
+/// Where database requests go: the PostgreSQL store, or a memory store behind a lock.
+pub trait Store: Send + Sync + 'static {
+    /// Runs one request of the worker machine.
+    fn execute(&self, request: DbRequest) -> BoxFuture<'static, Result<DbReply, DbFailure>>;
+}
+
+/// The registered task handlers.
+pub trait Handlers: Send + Sync + 'static {
+    /// Runs the handler of `run.name` on `run.args`. An unknown name resolves to a failure
+    /// with `WORKER_RESOLUTION_ERROR`, undecodable arguments to `WORKER_SERIALIZATION_ERROR`.
+    /// A panic inside the future is caught by the driver (`UNHANDLED_ERROR`).
+    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome>;
+}
+
+impl<S: Store + ?Sized> Store for Arc<S> {
+    fn execute(&self, request: DbRequest) -> BoxFuture<'static, Result<DbReply, DbFailure>> {
+        (**self).execute(request)
+    }
+}
+
+impl<H: Handlers + ?Sized> Handlers for Arc<H> {
+    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+        (**self).run(run)
+    }
+}
+
+/// Settings of the loop itself (the machine's live in its own configuration).
+#[derive(Debug, Clone)]
+pub struct DriverOptions {
+    /// A database request with no answer after this long counts as `Unknown`.
+    pub request_timeout: Duration,
+}
+
+impl Default for DriverOptions {
+    fn default() -> Self {
+        DriverOptions { request_timeout: Duration::from_secs(30) }
+    }
+}
+
+/// Called with every event the machine emits, in order. It runs inside the loop: keep it
+/// short and never block (hand work to a channel, as the adapters' hooks do).
+pub type Observer = Box<dyn FnMut(&Event) + Send>;
+
+type DbFuture = Pin<Box<dyn Future<Output = (OpId, Result<DbReply, DbFailure>)> + Send>>;
+
+/// Runs `worker` until it has shut down and drained; returns its final counters.
+///
+/// `inputs` carries what comes from outside: notifications (`Input::Notified`), listener
+/// state (`Input::Listener`) and `Input::Shutdown`. When `inputs` ends, the worker is shut
+/// down gracefully.
+pub async fn run<R, S, H, I>(
+    mut worker: Worker,
+    runtime: Arc<R>,
+    store: S,
+    handlers: H,
+    inputs: I,
+    options: DriverOptions,
+    mut observer: Option<Observer>,
+) -> Stats
+where
+    R: Runtime,
+    S: Store,
+    H: Handlers,
+    I: Stream<Item = Input> + Unpin,
+{
+    let mut inputs = inputs.fuse();
+    let (done_tx, mut done_rx) = mpsc::unbounded::<(TaskId, Lease, TaskOutcome)>();
+    let mut requests: FuturesUnordered<DbFuture> = FuturesUnordered::new();
+    let mut running: BTreeMap<TaskId, AbortHandle> = BTreeMap::new();
+    let mut shutdown_sent = false;
+
+    loop {
+        // 1. Do everything the machine asked for.
+        while let Some(command) = worker.poll_command() {
+            match command {
+                Command::Db { op, request } => {
+                    let reply = store.execute(request);
+                    let timeout = runtime.sleep_until(runtime.now() + options.request_timeout);
+                    let limit = options.request_timeout;
+                    requests.push(Box::pin(async move {
+                        futures::select! {
+                            reply = reply.fuse() => (op, reply),
+                            () = timeout.fuse() => (op, Err(DbFailure::Unknown(format!("no reply within {limit:?}")))),
+                        }
+                    }));
+                }
+                Command::Spawn(run) => {
+                    let (handle, registration) = AbortHandle::new_pair();
+                    if let Some(previous) = running.insert(run.id, handle) {
+                        previous.abort();
+                    }
+                    let handler = handlers.run(&run);
+                    let done = done_tx.clone();
+                    let (task, lease) = (run.id, run.lease);
+                    runtime.spawn(Box::pin(async move {
+                        let caught = Abortable::new(AssertUnwindSafe(handler).catch_unwind(), registration).await;
+                        let outcome = match caught {
+                            Err(_aborted) => return,
+                            Ok(Ok(outcome)) => outcome,
+                            Ok(Err(panic)) => TaskOutcome::Failure(panic_error(panic.as_ref())),
+                        };
+                        let _ = done.unbounded_send((task, lease, outcome));
+                    }));
+                }
+                Command::Abort { task, .. } => {
+                    if let Some(handle) = running.remove(&task) {
+                        handle.abort();
+                    }
+                }
+            }
+        }
+        while let Some(event) = worker.poll_event() {
+            if let Some(observer) = observer.as_mut() {
+                observer(&event);
+            }
+        }
+        if worker.is_stopped() {
+            return worker.stats();
+        }
+
+        // 2. Wait for the first of: a reply, a handler, an outside input, the next deadline.
+        let deadline = worker.poll_timeout().map(|(at, _)| at);
+        let mut sleep = match deadline {
+            Some(at) => runtime.sleep_until(at).fuse(),
+            None => futures::future::pending().boxed().fuse(),
+        };
+        let mut next_reply = requests.select_next_some();
+        let mut next_done = done_rx.select_next_some();
+        let input = futures::select_biased! {
+            (op, reply) = next_reply => Some(Input::Db { op, reply }),
+            (task, lease, outcome) = next_done => Some(Input::TaskFinished { task, lease, outcome }),
+            input = inputs.next() => match input {
+                Some(input) => Some(input),
+                None if !shutdown_sent => Some(Input::Shutdown),
+                None => None,
+            },
+            () = sleep => None,
+        };
+
+        // 3. Feed it back: one input, or the timers that are due.
+        let now = runtime.now();
+        match input {
+            Some(input) => {
+                if let Input::TaskFinished { task, .. } = &input {
+                    running.remove(task);
+                }
+                if matches!(input, Input::Shutdown) {
+                    shutdown_sent = true;
+                }
+                worker.handle_input(input, now);
+            }
+            None => worker.handle_timeout(now),
+        }
+        if inputs.is_terminated() && !shutdown_sent {
+            shutdown_sent = true;
+            worker.handle_input(Input::Shutdown, now);
+        }
+    }
+}
+
+/// The error a panicking handler ends with.
+pub fn panic_error(payload: &(dyn std::any::Any + Send)) -> TaskError {
+    let message = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "the handler panicked".to_owned());
+    TaskError::new(ErrorCode::UnhandledError, format!("handler panicked: {message}"))
+}
+
+/// A [`MemoryStore`](crate::memory::MemoryStore) shared by drivers: the embedded store for
+/// demos and for tests that run the real async loop without PostgreSQL. Its clock is the
+/// runtime's, mapped onto a database time.
+#[derive(Clone)]
+pub struct MemoryBackend {
+    inner: Arc<std::sync::Mutex<MemoryInner>>,
+    clock: Arc<dyn Fn() -> Instant + Send + Sync>,
+}
+
+struct MemoryInner {
+    store: crate::memory::MemoryStore,
+    subscribers: Vec<mpsc::UnboundedSender<Input>>,
+    epoch: Instant,
+    base: crate::db::DbTime,
+}
+
+impl MemoryBackend {
+    /// Shares `store`; `clock` gives the current time (the runtime's `now`). Database time
+    /// starts at `base` and advances with the clock.
+    pub fn new(
+        store: crate::memory::MemoryStore,
+        base: crate::db::DbTime,
+        clock: impl Fn() -> Instant + Send + Sync + 'static,
+    ) -> Self {
+        let epoch = clock();
+        let inner = MemoryInner { store, subscribers: Vec::new(), epoch, base };
+        MemoryBackend { inner: Arc::new(std::sync::Mutex::new(inner)), clock: Arc::new(clock) }
+    }
+
+    /// A stream of the notifications a worker would get from LISTEN: one
+    /// [`Input::Notified`] per queue made ready by an enqueue or a release.
+    pub fn subscribe(&self) -> mpsc::UnboundedReceiver<Input> {
+        let (tx, rx) = mpsc::unbounded();
+        self.lock().subscribers.push(tx);
+        rx
+    }
+
+    /// Runs `f` on the store at the current database time, then delivers the notifications
+    /// it caused.
+    pub fn with_store<T>(&self, f: impl FnOnce(&mut crate::memory::MemoryStore, crate::db::DbTime) -> T) -> T {
+        let now = (self.clock)();
+        let mut inner = self.lock();
+        let db_now = inner.base.plus_ms((now.saturating_duration_since(inner.epoch)).as_millis() as u64);
+        let result = f(&mut inner.store, db_now);
+        inner.notify();
+        result
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, MemoryInner> {
+        // A panic while holding the lock leaves the store as consistent as the last request.
+        self.inner.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+impl MemoryInner {
+    fn notify(&mut self) {
+        for notification in self.store.take_notifications() {
+            if let crate::memory::Notification::TaskReady { queue } = notification {
+                self.subscribers.retain(|tx| tx.unbounded_send(Input::Notified { queue: queue.clone() }).is_ok());
+            }
+        }
+    }
+}
+
+impl Store for MemoryBackend {
+    fn execute(&self, request: DbRequest) -> BoxFuture<'static, Result<DbReply, DbFailure>> {
+        let reply = self.with_store(|store, now| store.apply(&request, now));
+        futures::future::ready(Ok(reply)).boxed()
+    }
+}

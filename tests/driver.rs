@@ -1,0 +1,215 @@
+//! The driver loop on tokio over the shared in-memory store: real handlers, real timers.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
+use canter::db::{DbTime, NewTask};
+use canter::driver::{self, DriverOptions, Handlers, MemoryBackend, Runtime};
+use canter::memory::MemoryStore;
+use canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
+use canter::worker::{Event, Input, TaskOutcome, TaskRun, Worker};
+use futures::FutureExt;
+use futures::future::BoxFuture;
+use serde_json::json;
+
+struct Tokio;
+
+impl Runtime for Tokio {
+    fn now(&self) -> Instant {
+        tokio::time::Instant::now().into_std()
+    }
+
+    fn sleep_until(&self, deadline: Instant) -> BoxFuture<'static, ()> {
+        Box::pin(tokio::time::sleep_until(deadline.into()))
+    }
+
+    fn spawn(&self, future: BoxFuture<'static, ()>) {
+        tokio::spawn(future);
+    }
+}
+
+struct TestHandlers;
+
+impl Handlers for TestHandlers {
+    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+        let args = run.args.clone();
+        match run.name.as_str() {
+            "double" => async move { TaskOutcome::Success(json!(args["n"].as_i64().unwrap_or(0) * 2)) }.boxed(),
+            "sleep" => async move {
+                tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(1))).await;
+                TaskOutcome::Success(json!("slept"))
+            }
+            .boxed(),
+            "boom" => async move { panic!("boom on purpose") }.boxed(),
+            "flaky" => {
+                async move { TaskOutcome::Failure(TaskError::new(ErrorCode::User("FLAKY".into()), "flaky")) }.boxed()
+            }
+            other => {
+                let error =
+                    TaskError::new(ErrorCode::WorkerResolutionError, format!("no handler registered as {other:?}"));
+                futures::future::ready(TaskOutcome::Failure(error)).boxed()
+            }
+        }
+    }
+}
+
+fn app() -> AppConfig {
+    AppConfig {
+        recovery: RecoveryConfig {
+            claimer_heartbeat_interval_ms: 1_000,
+            runner_heartbeat_interval_ms: 1_000,
+            check_interval_ms: 1_000,
+            claimed_stale_threshold_ms: 2_000,
+            running_stale_threshold_ms: 2_000,
+            ..RecoveryConfig::default()
+        },
+        ..AppConfig::default()
+    }
+}
+
+struct Cluster {
+    backend: MemoryBackend,
+    shutdowns: Vec<futures::channel::mpsc::UnboundedSender<Input>>,
+    workers: Vec<tokio::task::JoinHandle<canter::worker::Stats>>,
+    events: Arc<std::sync::Mutex<Vec<Event>>>,
+}
+
+fn cluster(workers: usize, config: WorkerConfig) -> Cluster {
+    let runtime = Arc::new(Tokio);
+    let clock = runtime.clone();
+    let backend = MemoryBackend::new(MemoryStore::new(app()), DbTime(1_700_000_000_000), move || clock.now());
+    let events = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let mut cluster = Cluster { backend: backend.clone(), shutdowns: Vec::new(), workers: Vec::new(), events };
+    for i in 0..workers {
+        let worker = Worker::new(WorkerId(format!("w{i}")), app(), config.clone(), runtime.now()).unwrap();
+        let (shutdown_tx, shutdown_rx) = futures::channel::mpsc::unbounded();
+        let inputs = futures::stream::select(backend.subscribe(), shutdown_rx);
+        let events = cluster.events.clone();
+        let observer: driver::Observer = Box::new(move |event| events.lock().unwrap().push(event.clone()));
+        let handle = tokio::spawn(driver::run(
+            worker,
+            runtime.clone(),
+            backend.clone(),
+            TestHandlers,
+            inputs,
+            DriverOptions::default(),
+            Some(observer),
+        ));
+        cluster.shutdowns.push(shutdown_tx);
+        cluster.workers.push(handle);
+    }
+    cluster
+}
+
+impl Cluster {
+    async fn wait_terminal(&self, ids: &[canter::task::TaskId], within: Duration) {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let all =
+                self.backend.with_store(|store, _| ids.iter().all(|id| store.get(*id).unwrap().state.is_terminal()));
+            if all {
+                return;
+            }
+            assert!(tokio::time::Instant::now() < deadline, "tasks not terminal within {within:?}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    async fn shutdown(self) -> Vec<canter::worker::Stats> {
+        for tx in &self.shutdowns {
+            tx.unbounded_send(Input::Shutdown).unwrap();
+        }
+        let mut stats = Vec::new();
+        for handle in self.workers {
+            stats.push(tokio::time::timeout(Duration::from_secs(10), handle).await.expect("drained").unwrap());
+        }
+        stats
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workers_drain_a_queue_through_the_driver() {
+    let config = WorkerConfig { concurrency: 8, ..WorkerConfig::default() };
+    let cluster = cluster(2, config);
+    let ids = cluster.backend.with_store(|store, now| {
+        let tasks = (0..300).map(|n| NewTask::new("double", json!({"n": n}))).collect();
+        store.enqueue_many(tasks, now).unwrap()
+    });
+    cluster.wait_terminal(&ids, Duration::from_secs(20)).await;
+    let results: Vec<_> = cluster.backend.with_store(|store, _| ids.iter().map(|id| store.get(*id).unwrap()).collect());
+    for (n, record) in results.iter().enumerate() {
+        assert_eq!(record.state, TaskState::Completed);
+        assert_eq!(record.result, Some(json!(n as i64 * 2)));
+        assert_eq!(record.attempts, 1, "no task ran twice");
+    }
+    let stats = cluster.shutdown().await;
+    assert_eq!(stats.iter().map(|s| s.completed).sum::<u64>(), 300);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn panics_unknown_names_and_timeouts_end_with_their_codes() {
+    let config = WorkerConfig { concurrency: 4, handler_timeout_ms: Some(200), ..WorkerConfig::default() };
+    let cluster = cluster(1, config);
+    let flaky = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
+    let ids = cluster.backend.with_store(|store, now| {
+        let tasks = vec![
+            NewTask::new("boom", json!({})),
+            NewTask::new("nobody", json!({})),
+            NewTask::new("sleep", json!({"ms": 5_000})),
+            NewTask::new("flaky", json!({})).retry(flaky),
+        ];
+        store.enqueue_many(tasks, now).unwrap()
+    });
+    cluster.wait_terminal(&ids, Duration::from_secs(10)).await;
+    let codes: Vec<_> = cluster.backend.with_store(|store, _| {
+        ids.iter().map(|id| store.get(*id).unwrap()).map(|r| (r.state, r.error.unwrap().code, r.attempts)).collect()
+    });
+    assert_eq!(
+        codes,
+        vec![
+            (TaskState::Failed, ErrorCode::UnhandledError, 1),
+            (TaskState::Failed, ErrorCode::WorkerResolutionError, 1),
+            (TaskState::Failed, ErrorCode::TaskTimeout, 1),
+            (TaskState::Failed, ErrorCode::User("FLAKY".into()), 2),
+        ]
+    );
+    assert!(cluster.events.lock().unwrap().iter().any(|e| matches!(e, Event::TimedOut { .. })));
+    cluster.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_returns_running_tasks_after_the_grace_period() {
+    let config =
+        WorkerConfig { concurrency: 2, handler_timeout_ms: None, shutdown_grace_ms: 100, ..WorkerConfig::default() };
+    let cluster = cluster(1, config);
+    let ids = cluster.backend.with_store(|store, now| {
+        store.enqueue_many(vec![NewTask::new("sleep", json!({"ms": 60_000})); 2], now).unwrap()
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while cluster.backend.with_store(|s, _| ids.iter().any(|id| s.get(*id).unwrap().state != TaskState::Running)) {
+        assert!(tokio::time::Instant::now() < deadline, "tasks never started");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let started = tokio::time::Instant::now();
+    let backend = cluster.backend.clone();
+    cluster.shutdown().await;
+    assert!(started.elapsed() >= Duration::from_millis(100), "waited for the grace period");
+    backend.with_store(|store, _| {
+        for id in &ids {
+            let record = store.get(*id).unwrap();
+            assert_eq!(record.state, TaskState::Pending, "handed back");
+            assert_eq!(record.retries, 0, "without spending a retry");
+        }
+        assert!(store.workers().iter().all(|w| w.stopped), "deregistered");
+    });
+}
+
+#[test]
+fn a_panic_payload_becomes_an_unhandled_error() {
+    let error = driver::panic_error(&"disk on fire");
+    assert_eq!(error.code, ErrorCode::UnhandledError);
+    assert_eq!(error.message, "handler panicked: disk on fire");
+    let error = driver::panic_error(&String::from("owned"));
+    assert_eq!(error.message, "handler panicked: owned");
+}
