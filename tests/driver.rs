@@ -5,11 +5,10 @@ use std::time::{Duration, Instant};
 
 use canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
 use canter::db::{DbTime, NewTask};
-use canter::driver::{self, DriverOptions, Handlers, MemoryBackend, Runtime};
+use canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
 use canter::memory::MemoryStore;
 use canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
-use canter::worker::{Event, Input, TaskOutcome, TaskRun, Worker};
-use futures::FutureExt;
+use canter::worker::{Event, Input, Worker};
 use futures::future::BoxFuture;
 use serde_json::json;
 
@@ -27,31 +26,58 @@ impl Runtime for Tokio {
     fn spawn(&self, future: BoxFuture<'static, ()>) {
         tokio::spawn(future);
     }
+
+    fn spawn_blocking(&self, work: Box<dyn FnOnce() + Send + 'static>) -> BoxFuture<'static, ()> {
+        let handle = tokio::task::spawn_blocking(work);
+        Box::pin(async move {
+            let _ = handle.await;
+        })
+    }
 }
 
-struct TestHandlers;
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Double {
+    n: i64,
+}
 
-impl Handlers for TestHandlers {
-    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
-        let args = run.args.clone();
-        match run.name.as_str() {
-            "double" => async move { TaskOutcome::Success(json!(args["n"].as_i64().unwrap_or(0) * 2)) }.boxed(),
-            "sleep" => async move {
-                tokio::time::sleep(Duration::from_millis(args["ms"].as_u64().unwrap_or(1))).await;
-                TaskOutcome::Success(json!("slept"))
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Sleep {
+    ms: u64,
+}
+
+fn registry() -> Arc<Registry> {
+    let mut registry = Registry::new();
+    registry.register("double", |args: Double, _| async move { Ok::<_, TaskError>(args.n * 2) }).unwrap();
+    registry
+        .register("sleep", |args: Sleep, _| async move {
+            tokio::time::sleep(Duration::from_millis(args.ms)).await;
+            Ok::<_, TaskError>("slept")
+        })
+        .unwrap();
+    registry
+        .register("boom", |_: serde_json::Value, _| async move {
+            if true {
+                panic!("boom on purpose");
             }
-            .boxed(),
-            "boom" => async move { panic!("boom on purpose") }.boxed(),
-            "flaky" => {
-                async move { TaskOutcome::Failure(TaskError::new(ErrorCode::User("FLAKY".into()), "flaky")) }.boxed()
-            }
-            other => {
-                let error =
-                    TaskError::new(ErrorCode::WorkerResolutionError, format!("no handler registered as {other:?}"));
-                futures::future::ready(TaskOutcome::Failure(error)).boxed()
-            }
-        }
-    }
+            Ok::<(), TaskError>(())
+        })
+        .unwrap();
+    registry
+        .register_blocking("blocking_boom", |_: serde_json::Value, _| -> Result<(), TaskError> {
+            panic!("blocking boom")
+        })
+        .unwrap();
+    registry
+        .register_blocking("spin", |args: Double, ctx: TaskContext| -> Result<String, TaskError> {
+            Ok(format!("{} on attempt {}", args.n, ctx.attempt))
+        })
+        .unwrap();
+    registry
+        .register("flaky", |_: serde_json::Value, _| async move {
+            Err::<(), _>(TaskError::new(ErrorCode::User("FLAKY".into()), "flaky"))
+        })
+        .unwrap();
+    Arc::new(registry)
 }
 
 fn app() -> AppConfig {
@@ -91,7 +117,7 @@ fn cluster(workers: usize, config: WorkerConfig) -> Cluster {
             worker,
             runtime.clone(),
             backend.clone(),
-            TestHandlers,
+            registry().bind(runtime.clone()),
             inputs,
             DriverOptions::default(),
             Some(observer),
@@ -133,18 +159,20 @@ async fn workers_drain_a_queue_through_the_driver() {
     let config = WorkerConfig { concurrency: 8, ..WorkerConfig::default() };
     let cluster = cluster(2, config);
     let ids = cluster.backend.with_store(|store, now| {
-        let tasks = (0..300).map(|n| NewTask::new("double", json!({"n": n}))).collect();
+        let mut tasks: Vec<_> = (0..300).map(|n| NewTask::new("double", json!({"n": n}))).collect();
+        tasks.push(NewTask::new("spin", json!({"n": 7})));
         store.enqueue_many(tasks, now).unwrap()
     });
     cluster.wait_terminal(&ids, Duration::from_secs(20)).await;
     let results: Vec<_> = cluster.backend.with_store(|store, _| ids.iter().map(|id| store.get(*id).unwrap()).collect());
-    for (n, record) in results.iter().enumerate() {
+    for (n, record) in results[..300].iter().enumerate() {
         assert_eq!(record.state, TaskState::Completed);
         assert_eq!(record.result, Some(json!(n as i64 * 2)));
         assert_eq!(record.attempts, 1, "no task ran twice");
     }
+    assert_eq!(results[300].result, Some(json!("7 on attempt 1")), "blocking handlers get their context");
     let stats = cluster.shutdown().await;
-    assert_eq!(stats.iter().map(|s| s.completed).sum::<u64>(), 300);
+    assert_eq!(stats.iter().map(|s| s.completed).sum::<u64>(), 301);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -156,6 +184,8 @@ async fn panics_unknown_names_and_timeouts_end_with_their_codes() {
         let tasks = vec![
             NewTask::new("boom", json!({})),
             NewTask::new("nobody", json!({})),
+            NewTask::new("double", json!({"n": "not a number"})),
+            NewTask::new("blocking_boom", json!({})),
             NewTask::new("sleep", json!({"ms": 5_000})),
             NewTask::new("flaky", json!({})).retry(flaky),
         ];
@@ -170,6 +200,8 @@ async fn panics_unknown_names_and_timeouts_end_with_their_codes() {
         vec![
             (TaskState::Failed, ErrorCode::UnhandledError, 1),
             (TaskState::Failed, ErrorCode::WorkerResolutionError, 1),
+            (TaskState::Failed, ErrorCode::WorkerSerializationError, 1),
+            (TaskState::Failed, ErrorCode::UnhandledError, 1),
             (TaskState::Failed, ErrorCode::TaskTimeout, 1),
             (TaskState::Failed, ErrorCode::User("FLAKY".into()), 2),
         ]

@@ -18,6 +18,10 @@ use futures::channel::mpsc;
 use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
+mod registry;
+
+pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHandle};
+
 use crate::db::{DbFailure, DbReply, DbRequest, OpId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId};
 use crate::worker::{Command, Event, Input, Stats, TaskOutcome, TaskRun, Worker};
@@ -30,6 +34,8 @@ pub trait Runtime: Send + Sync + 'static {
     fn sleep_until(&self, deadline: Instant) -> BoxFuture<'static, ()>;
     /// Runs `future` in the background.
     fn spawn(&self, future: BoxFuture<'static, ()>);
+    /// Runs blocking `work` on a thread meant for it; the future resolves when it is done.
+    fn spawn_blocking(&self, work: Box<dyn FnOnce() + Send + 'static>) -> BoxFuture<'static, ()>;
 }
 
 /// Where database requests go: the PostgreSQL store, or a memory store behind a lock.

@@ -1,0 +1,231 @@
+//! The task registry: handlers by name, with typed arguments and results.
+//!
+//! Registering a handler returns a [`TaskHandle`] that carries its argument and result types,
+//! so enqueueing through the handle is checked at compile time. One registry serves the
+//! workers (as [`Handlers`]) and the clients (for the handles) of a process.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+use futures::channel::oneshot;
+use futures::future::{BoxFuture, FutureExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+use super::{Handlers, Runtime, panic_error};
+use crate::task::{Attempt, ErrorCode, TaskError, TaskId};
+use crate::worker::{TaskOutcome, TaskRun};
+
+/// What a handler knows about the run it is in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskContext {
+    /// The task.
+    pub id: TaskId,
+    /// Which run this is (1 for the first).
+    pub attempt: Attempt,
+    /// The task's queue.
+    pub queue: String,
+}
+
+/// A registered task: its name, argument type `A` and result type `R`.
+pub struct TaskHandle<A, R> {
+    name: Arc<str>,
+    types: PhantomData<fn(A) -> R>,
+}
+
+impl<A, R> TaskHandle<A, R> {
+    /// A handle for a task registered elsewhere (another process) under `name`. Nothing
+    /// checks that its types match that registration: prefer the handle `register` returns.
+    pub fn named(name: impl Into<Arc<str>>) -> Self {
+        TaskHandle { name: name.into(), types: PhantomData }
+    }
+
+    /// The registered name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+}
+
+impl<A, R> Clone for TaskHandle<A, R> {
+    fn clone(&self) -> Self {
+        TaskHandle { name: self.name.clone(), types: PhantomData }
+    }
+}
+
+impl<A, R> fmt::Debug for TaskHandle<A, R> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("TaskHandle").field(&self.name).finish()
+    }
+}
+
+impl<A: Serialize, R> TaskHandle<A, R> {
+    /// The JSON arguments of a call with `args`.
+    pub fn encode(&self, args: &A) -> Result<serde_json::Value, serde_json::Error> {
+        serde_json::to_value(args)
+    }
+}
+
+impl<A, R: DeserializeOwned> TaskHandle<A, R> {
+    /// The typed result from a stored JSON result.
+    pub fn decode_result(&self, value: serde_json::Value) -> Result<R, TaskError> {
+        serde_json::from_value(value).map_err(|e| {
+            TaskError::new(
+                ErrorCode::ResultDeserializationError,
+                format!("result of {} did not decode: {e}", self.name),
+            )
+        })
+    }
+}
+
+type Erased =
+    Arc<dyn Fn(serde_json::Value, TaskContext, &dyn Runtime) -> BoxFuture<'static, TaskOutcome> + Send + Sync>;
+
+/// Why a registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistryError {
+    /// The name is taken.
+    #[error("a task is already registered as {0:?}: expected each name once")]
+    Duplicate(String),
+    /// The name is empty or too long.
+    #[error("invalid task name {0:?}: expected 1 to 128 bytes")]
+    InvalidName(String),
+}
+
+/// Task handlers by name.
+#[derive(Clone, Default)]
+pub struct Registry {
+    handlers: BTreeMap<String, Erased>,
+}
+
+impl fmt::Debug for Registry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.handlers.keys()).finish()
+    }
+}
+
+fn decode<A: DeserializeOwned>(name: &str, args: serde_json::Value) -> Result<A, TaskError> {
+    serde_json::from_value(args).map_err(|e| {
+        TaskError::new(ErrorCode::WorkerSerializationError, format!("arguments of {name} did not decode: {e}"))
+    })
+}
+
+fn encode<R: Serialize>(name: &str, result: Result<R, TaskError>) -> TaskOutcome {
+    match result.and_then(|r| {
+        serde_json::to_value(r).map_err(|e| {
+            TaskError::new(ErrorCode::WorkerSerializationError, format!("result of {name} did not encode: {e}"))
+        })
+    }) {
+        Ok(value) => TaskOutcome::Success(value),
+        Err(error) => TaskOutcome::Failure(error),
+    }
+}
+
+impl Registry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Registry::default()
+    }
+
+    /// The registered names.
+    pub fn names(&self) -> impl Iterator<Item = &str> {
+        self.handlers.keys().map(String::as_str)
+    }
+
+    fn insert<A, R>(&mut self, name: &str, handler: Erased) -> Result<TaskHandle<A, R>, RegistryError> {
+        if name.is_empty() || name.len() > 128 {
+            return Err(RegistryError::InvalidName(name.to_owned()));
+        }
+        if self.handlers.contains_key(name) {
+            return Err(RegistryError::Duplicate(name.to_owned()));
+        }
+        self.handlers.insert(name.to_owned(), handler);
+        Ok(TaskHandle::named(name))
+    }
+
+    /// Registers an async handler under `name`.
+    pub fn register<A, R, F, Fut>(&mut self, name: &str, handler: F) -> Result<TaskHandle<A, R>, RegistryError>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        F: Fn(A, TaskContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<R, TaskError>> + Send + 'static,
+    {
+        let owned: Arc<str> = name.into();
+        let handler = Arc::new(handler);
+        let erased: Erased = Arc::new(move |args, context, _runtime| {
+            let name = owned.clone();
+            match decode::<A>(&name, args) {
+                Ok(args) => handler(args, context).map(move |result| encode(&name, result)).boxed(),
+                Err(error) => futures::future::ready(TaskOutcome::Failure(error)).boxed(),
+            }
+        });
+        self.insert(name, erased)
+    }
+
+    /// Registers a blocking handler under `name`: it runs on the runtime's blocking pool, and
+    /// a panic in it ends the task with `UNHANDLED_ERROR`.
+    pub fn register_blocking<A, R, F>(&mut self, name: &str, handler: F) -> Result<TaskHandle<A, R>, RegistryError>
+    where
+        A: DeserializeOwned + Send + 'static,
+        R: Serialize + Send + 'static,
+        F: Fn(A, TaskContext) -> Result<R, TaskError> + Send + Sync + 'static,
+    {
+        let owned: Arc<str> = name.into();
+        let handler = Arc::new(handler);
+        let erased: Erased = Arc::new(move |args, context, runtime| {
+            let name = owned.clone();
+            let args = match decode::<A>(&name, args) {
+                Ok(args) => args,
+                Err(error) => return futures::future::ready(TaskOutcome::Failure(error)).boxed(),
+            };
+            let (tx, rx) = oneshot::channel();
+            let handler = handler.clone();
+            let done = runtime.spawn_blocking(Box::new(move || {
+                let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler(args, context)));
+                let outcome = match caught {
+                    Ok(result) => encode(&name, result),
+                    Err(panic) => TaskOutcome::Failure(panic_error(panic.as_ref())),
+                };
+                let _ = tx.send(outcome);
+            }));
+            async move {
+                done.await;
+                rx.await.unwrap_or_else(|_| {
+                    TaskOutcome::Failure(TaskError::new(ErrorCode::UnhandledError, "blocking handler vanished"))
+                })
+            }
+            .boxed()
+        });
+        self.insert(name, erased)
+    }
+
+    /// The handlers bound to a runtime, for the driver.
+    pub fn bind<R: Runtime>(self: Arc<Self>, runtime: Arc<R>) -> BoundRegistry<R> {
+        BoundRegistry { registry: self, runtime }
+    }
+}
+
+/// A registry bound to a runtime (blocking handlers need its pool): the driver's [`Handlers`].
+pub struct BoundRegistry<R> {
+    registry: Arc<Registry>,
+    runtime: Arc<R>,
+}
+
+impl<R: Runtime> Handlers for BoundRegistry<R> {
+    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue.clone() };
+        match self.registry.handlers.get(&run.name) {
+            Some(handler) => handler(run.args.clone(), context, &*self.runtime),
+            None => {
+                let error = TaskError::new(
+                    ErrorCode::WorkerResolutionError,
+                    format!("no handler is registered as {:?} on this worker", run.name),
+                );
+                futures::future::ready(TaskOutcome::Failure(error)).boxed()
+            }
+        }
+    }
+}
