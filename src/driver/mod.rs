@@ -18,9 +18,20 @@ use futures::channel::mpsc;
 use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
+mod observe;
 mod registry;
 
+#[cfg(feature = "postgres")]
+mod client;
+#[cfg(feature = "postgres")]
+mod service;
+
+#[cfg(feature = "postgres")]
+pub use client::{Client, ClientError, ResultError, ResultHandle};
+pub use observe::{CounterSnapshot, Counters, HOOK_BUFFER, Hook, HookSink};
 pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHandle};
+#[cfg(feature = "postgres")]
+pub use service::{ServeError, WorkerService};
 
 use crate::db::{DbFailure, DbReply, DbRequest, OpId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId};
@@ -276,5 +287,13 @@ impl Store for MemoryBackend {
     fn execute(&self, request: DbRequest) -> BoxFuture<'static, Result<DbReply, DbFailure>> {
         let reply = self.with_store(|store, now| store.apply(&request, now));
         futures::future::ready(Ok(reply)).boxed()
+    }
+}
+
+#[cfg(feature = "postgres")]
+impl Store for crate::postgres::PgStore {
+    fn execute(&self, request: DbRequest) -> BoxFuture<'static, Result<DbReply, DbFailure>> {
+        let store = self.clone();
+        async move { crate::postgres::PgStore::execute(&store, &request).await }.boxed()
     }
 }

@@ -1,1 +1,53 @@
-//! The PostgreSQL store (feature `postgres`): being built (issue 3).
+//! The PostgreSQL store (feature `postgres`): schema and migrations, the worker machine's
+//! requests, enqueue, results and inspection.
+//!
+//! sqlx is compiled without a runtime feature here; the adapters (or an application's own
+//! `sqlx` dependency) pick the runtime. Everything is plain `sqlx::query` with runtime checks,
+//! prepared and cached per connection by sqlx.
+//!
+//! # Layout in the database
+//!
+//! All objects live in one schema (default [`DEFAULT_SCHEMA`], see [`PgSchema`]), created by
+//! [`migrate`] from the embedded [`MIGRATOR`]:
+//!
+//! - `tasks`: live tasks only (Pending, Claimed, Running), with partial indexes that match the
+//!   claim exactly (`(queue, priority, run_at, id) WHERE state = 'PENDING'`, and in-flight rows
+//!   by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive autovacuum;
+//! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
+//!   that finishes them, so claims cost the same however much history piles up;
+//! - `attempts`: one row per finished run; `task_keys`: idempotency keys of live and finished
+//!   tasks; `workers`: the worker registry with liveness;
+//! - functions `enqueue`, `claim` and `start_tasks` (each one round trip), and `db_now()`, the
+//!   one clock every statement reads (`now()`, unless a test pins `canter.now`).
+//!
+//! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue)
+//! and once per batch of finished tasks (see [`PgSchema`] for the channels).
+//!
+//! # Use
+//!
+//! ```no_run
+//! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
+//! use canter::config::AppConfig;
+//! use canter::db::NewTask;
+//! use canter::postgres::{PgSchema, PgStore};
+//!
+//! let store = PgStore::new(pool, PgSchema::default(), AppConfig::default());
+//! store.migrate().await?;
+//! let id = store.enqueue(NewTask::new("send_email", serde_json::json!({"to": "a@b.c"}))).await?;
+//! let record = store.get(id).await?;
+//! # Ok(())
+//! # }
+//! ```
+
+mod enqueue;
+mod results;
+mod schema;
+mod sql;
+mod store;
+
+pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
+pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
+pub use schema::{
+    DEFAULT_SCHEMA, InvalidSchemaName, MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, migrate,
+};
+pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, claim_lock_keys};

@@ -1,1 +1,1373 @@
-//! The deterministic simulation harness (feature `sim`): being built (issue 6).
+//! The deterministic simulation harness (feature `sim`): many real [`Worker`] machines, one
+//! [`MemoryStore`] as the database, a virtual clock, and faults, all derived from one seed.
+//!
+//! # Shape
+//!
+//! A run is a discrete-event simulation (DESIGN.md §5, aesthetics §2.5, TigerBeetle's VOPR):
+//!
+//! - **One seed derives everything**: [`SimOptions::swarm`] draws the configuration (hard or
+//!   soft caps, queues, leases, intervals, 1 to 5 workers), the task load and the fault mix;
+//!   the same seed then drives every random choice of the run. Nothing reads a clock or the
+//!   OS: two runs of a seed produce the same trace, byte for byte ([`SimReport::trace_hash`]).
+//! - **Virtual time**: `now = epoch + offset`, and the store's clock is
+//!   [`DB_EPOCH_MS`] `+ offset` in ms. Pending work sits in one event queue ordered by
+//!   `(instant, sequence number)`, a total order. Each step takes the earliest of the queue's
+//!   head and every live worker's [`Worker::poll_timeout`], advances the clock to it, and
+//!   delivers exactly **one** input (or one `handle_timeout`); then the worker is drained of
+//!   commands and events, and each command becomes scheduled events: a database request is
+//!   applied after a sampled latency and its reply delivered after another, a spawned handler
+//!   answers after a sampled duration with a sampled outcome, an abort cancels that answer.
+//! - **Faults** ([`FaultOptions`]): latency spikes, outages, requests that fail unapplied,
+//!   requests applied whose reply is lost, rejected requests, duplicated replies, lost,
+//!   duplicated and delayed notifications, listener drops, worker crashes (the process dies
+//!   with its handlers, its in-flight requests may still land, and it restarts under a new
+//!   id) and graceful restarts, slow, hanging, failing and panicking handlers, handler answers
+//!   that arrive after their abort.
+//! - **Invariants after every step** (see [`invariants`](self) in the source): no task lost or
+//!   duplicated; no task run under two live leases and no write from a stale lease applied;
+//!   caps never exceeded (per worker always; per queue and cluster-wide in hard-cap mode;
+//!   Running per queue in soft-cap mode); attempts and leases never decrease; a terminal task
+//!   never changes; nothing starts at or after its good-until; the worker never busy-loops
+//!   (after `handle_timeout(now)` its next deadline is later than `now`).
+//! - **Phases**: a *safety* phase with faults for a seed-derived virtual duration; then the
+//!   faults *heal* (dead workers restart, listeners reconnect) and in the *liveness* phase
+//!   every task must become terminal within a bound computed from the configuration
+//!   ("no liveness" otherwise); finally every worker is asked to shut down and must *drain*:
+//!   stop holding nothing, deregistered.
+//!
+//! # Use
+//!
+//! ```no_run
+//! let report = canter::sim::run_seed(42).unwrap_or_else(|failure| panic!("{failure}"));
+//! println!("{} steps, trace hash {:016x}", report.steps, report.trace_hash);
+//! ```
+//!
+//! A [`SimFailure`] prints the seed, the message, the last trace lines and the command that
+//! replays it. `tests/sim.rs` runs the sweep, the replay and the determinism check.
+
+mod faults;
+mod invariants;
+mod options;
+mod trace;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt;
+use std::panic::{AssertUnwindSafe, catch_unwind};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::json;
+
+use crate::budget::ClaimPolicy;
+use crate::config::{DeploymentMode, WorkerConfig};
+use crate::db::{DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
+use crate::memory::{MemoryStore, Notification};
+use crate::rng::{Rng, mix};
+use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
+use crate::worker::{Command, Event, Input, TaskOutcome, TaskRun, Worker};
+
+pub use faults::{Fate, FaultOptions};
+pub use options::{LoadOptions, SimOptions, USER_ERROR_CODE};
+pub use trace::{DEFAULT_TRACE_LINES, Trace};
+
+use invariants::Checker;
+
+/// The store's clock at virtual time zero: 2023-11-14T22:13:20Z, in ms since the Unix epoch.
+pub const DB_EPOCH_MS: i64 = 1_700_000_000_000;
+
+/// How many trace lines a [`SimFailure`] carries.
+pub const FAILURE_TRACE_LINES: usize = 50;
+
+/// The most database requests one worker may send in one virtual second before the run fails
+/// as a busy loop.
+pub const MAX_REQUESTS_PER_SECOND: u32 = 2_000;
+
+/// What a successful run did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimReport {
+    /// The seed.
+    pub seed: u64,
+    /// Steps taken.
+    pub steps: u64,
+    /// Virtual time at the end.
+    pub elapsed: Duration,
+    /// Virtual time at which the faults healed.
+    pub healed_at: Duration,
+    /// Virtual time at which every task was terminal.
+    pub settled_at: Duration,
+    /// The hash of every trace line: equal for two runs of one seed.
+    pub trace_hash: u64,
+    /// Trace lines recorded.
+    pub trace_lines: u64,
+    /// Workers slots.
+    pub workers: usize,
+    /// Tasks enqueued (distinct ids).
+    pub tasks: usize,
+    /// Final states: completed, failed, expired, and pending in paused queues.
+    pub completed: usize,
+    /// Tasks that failed for good.
+    pub failed: usize,
+    /// Tasks that expired.
+    pub expired: usize,
+    /// Tasks left pending in paused queues (cap 0).
+    pub paused: usize,
+    /// Database requests sent.
+    pub requests: u64,
+    /// Requests that met an injected fault (outage, loss, rejection).
+    pub faulted_requests: u64,
+    /// Worker crashes.
+    pub crashes: u64,
+    /// Worker starts, restarts included.
+    pub starts: u64,
+    /// Handlers spawned.
+    pub spawns: u64,
+    /// Handlers spawned when the store no longer had the task Running under their lease (a
+    /// reply that arrived late): they run as zombies and their writes must be fenced.
+    pub stale_spawns: u64,
+    /// Stale writes the store refused.
+    pub fenced: u64,
+    /// Aborts for handlers the harness did not run (never spawned, or already answered).
+    pub unknown_aborts: u64,
+    /// The most requests one worker sent in one virtual second.
+    pub max_requests_per_second: u32,
+    /// Whether the run injected any fault besides latency.
+    pub faulty: bool,
+}
+
+/// A failed run: the seed, what broke, and the end of the trace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimFailure {
+    /// The seed.
+    pub seed: u64,
+    /// What broke.
+    pub message: String,
+    /// Virtual time of the failure.
+    pub at: Duration,
+    /// The step of the failure.
+    pub step: u64,
+    /// The last trace lines, oldest first.
+    pub trace_tail: Vec<String>,
+    /// The trace hash at the failure.
+    pub trace_hash: u64,
+}
+
+impl SimFailure {
+    /// The shell command that replays this seed with its full trace.
+    pub fn replay_command(&self) -> String {
+        format!("CANTER_SEED={} cargo test --test sim -- --nocapture replay", self.seed)
+    }
+}
+
+impl fmt::Display for SimFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        writeln!(
+            f,
+            "simulation seed {} failed at +{}.{:03}s (step {}): {}",
+            self.seed,
+            self.at.as_secs(),
+            self.at.subsec_millis(),
+            self.step,
+            self.message
+        )?;
+        writeln!(f, "last {} trace lines:", self.trace_tail.len())?;
+        for line in &self.trace_tail {
+            writeln!(f, "  {line}")?;
+        }
+        write!(f, "replay: {}", self.replay_command())
+    }
+}
+
+impl std::error::Error for SimFailure {}
+
+/// Runs seed `seed` with its swarm options and a trace of [`DEFAULT_TRACE_LINES`] lines.
+pub fn run_seed(seed: u64) -> Result<SimReport, SimFailure> {
+    run_seed_with(seed, Trace::default())
+}
+
+/// Runs seed `seed` with its swarm options and this trace (an echoing trace for a replay).
+pub fn run_seed_with(seed: u64, trace: Trace) -> Result<SimReport, SimFailure> {
+    // The one place the harness reads the real clock: only to have an `Instant` to add
+    // durations to. Nothing depends on its value; traces print offsets from it.
+    #[allow(clippy::disallowed_methods)]
+    let epoch = Instant::now();
+    Sim::new(seed, SimOptions::from_seed(seed), trace, epoch).run()
+}
+
+/// Phases of a run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Faults on.
+    Safety,
+    /// Faults healed; every task must become terminal by `deadline`.
+    Liveness { deadline: Instant },
+    /// Every worker was asked to shut down and must stop by `deadline`.
+    Drain { deadline: Instant },
+}
+
+/// A scheduled happening. Events for a worker name its slot and incarnation: when that
+/// incarnation is dead they are dropped (a database request may still land).
+#[derive(Debug, Clone)]
+enum SimEvent {
+    Enqueue { count: u32 },
+    Apply { slot: usize, incarnation: u32, worker: WorkerId, op: OpId, request: DbRequest, fate: Fate },
+    Reply { slot: usize, incarnation: u32, op: OpId, reply: Result<DbReply, DbFailure> },
+    Finished { slot: usize, incarnation: u32, task: TaskId, lease: Lease, outcome: TaskOutcome },
+    Notify { slot: usize, incarnation: u32, queue: String },
+    Listener { slot: usize, incarnation: u32, connected: bool },
+    ListenerDrop { slot: usize, down_ms: u64 },
+    Crash { slot: usize },
+    Shutdown { slot: usize },
+    Restart { slot: usize },
+    Heal,
+}
+
+type Key = (Instant, u64);
+
+/// A handler the harness runs.
+#[derive(Debug, Clone)]
+struct Handler {
+    lease: Lease,
+    /// Its scheduled answer; `None` when it hangs.
+    answer: Option<Key>,
+}
+
+/// One worker process slot: its configuration, and the incarnation living in it, if any.
+#[derive(Debug)]
+struct Slot {
+    config: WorkerConfig,
+    policy: Arc<ClaimPolicy>,
+    incarnation: u32,
+    worker: Option<Worker>,
+    listening: bool,
+    handlers: BTreeMap<TaskId, Handler>,
+    restart_pending: bool,
+    /// The last `Drained` event's abandoned count.
+    abandoned: Option<usize>,
+    /// Whether the incarnation stopped while its database requests were failing.
+    stopped_on_failure: bool,
+    /// What the worker held before its latest input, to judge its `Lost` events.
+    held_before: BTreeMap<TaskId, Lease>,
+    second: u64,
+    requests_this_second: u32,
+}
+
+impl Slot {
+    fn name(&self, index: usize) -> String {
+        format!("w{index}.{}", self.incarnation)
+    }
+}
+
+/// One simulation run. See the [module docs](self).
+#[derive(Debug)]
+pub struct Sim {
+    seed: u64,
+    options: SimOptions,
+    epoch: Instant,
+    now: Instant,
+    rng: Rng,
+    load_rng: Rng,
+    store: MemoryStore,
+    slots: Vec<Slot>,
+    queue: BTreeMap<Key, SimEvent>,
+    next_seq: u64,
+    trace: Trace,
+    checker: Checker,
+    phase: Phase,
+    faults_on: bool,
+    steps: u64,
+    next_task: u64,
+    /// The latest run-at of any task, and the largest retry budget of any task's policy.
+    latest_run_at: DbTime,
+    retry_budget_ms: u64,
+    max_retries: u32,
+    healed_at: Duration,
+    settled_at: Duration,
+    stats: Stats,
+}
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Stats {
+    requests: u64,
+    faulted: u64,
+    crashes: u64,
+    starts: u64,
+    spawns: u64,
+    stale_spawns: u64,
+    unknown_aborts: u64,
+    max_per_second: u32,
+}
+
+impl Sim {
+    /// A run of `options` whose random choices follow `seed`, starting at `epoch`.
+    pub fn new(seed: u64, options: SimOptions, trace: Trace, epoch: Instant) -> Sim {
+        let mut rng = Rng::new(mix(seed));
+        let load_rng = rng.fork();
+        let slots = options
+            .workers
+            .iter()
+            .map(|config| Slot {
+                config: config.clone(),
+                policy: Arc::new(ClaimPolicy::from_config(&options.app, config)),
+                incarnation: 0,
+                worker: None,
+                listening: false,
+                handlers: BTreeMap::new(),
+                restart_pending: false,
+                abandoned: None,
+                held_before: BTreeMap::new(),
+                stopped_on_failure: false,
+                second: 0,
+                requests_this_second: 0,
+            })
+            .collect();
+        Sim {
+            seed,
+            store: MemoryStore::new(options.app.clone()),
+            checker: Checker::new(&options.app),
+            epoch,
+            now: epoch,
+            rng,
+            load_rng,
+            slots,
+            queue: BTreeMap::new(),
+            next_seq: 0,
+            trace,
+            phase: Phase::Safety,
+            faults_on: true,
+            steps: 0,
+            next_task: 0,
+            latest_run_at: DbTime(DB_EPOCH_MS),
+            retry_budget_ms: options::retry_budget_ms(&options.app.retry),
+            max_retries: options.app.retry.max_retries,
+            healed_at: Duration::ZERO,
+            settled_at: Duration::ZERO,
+            stats: Stats::default(),
+            options,
+        }
+    }
+
+    /// The options of this run.
+    pub fn options(&self) -> &SimOptions {
+        &self.options
+    }
+
+    /// Runs to the end: the safety phase, healing, liveness and drain. A panic of the worker
+    /// or the store is caught and reported as a failure with the trace.
+    pub fn run(mut self) -> Result<SimReport, SimFailure> {
+        let outcome = catch_unwind(AssertUnwindSafe(|| self.run_phases()));
+        let message = match outcome {
+            Ok(Ok(())) => return Ok(self.report()),
+            Ok(Err(message)) => message,
+            Err(payload) => {
+                let text = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| (*s).to_owned()))
+                    .unwrap_or_else(|| "a panic without a message".to_owned());
+                format!("PANIC: {text}")
+            }
+        };
+        self.note("sim", format_args!("FAILED: {message}"));
+        Err(SimFailure {
+            seed: self.seed,
+            message,
+            at: self.elapsed(),
+            step: self.steps,
+            trace_tail: self.trace.tail(FAILURE_TRACE_LINES),
+            trace_hash: self.trace.hash(),
+        })
+    }
+
+    fn report(&self) -> SimReport {
+        let mut completed = 0;
+        let mut failed = 0;
+        let mut expired = 0;
+        let mut paused = 0;
+        for ((_, state), n) in self.store.counts() {
+            let n = n as usize;
+            match state {
+                TaskState::Completed => completed += n,
+                TaskState::Failed => failed += n,
+                TaskState::Expired => expired += n,
+                _ => paused += n,
+            }
+        }
+        SimReport {
+            seed: self.seed,
+            steps: self.steps,
+            elapsed: self.elapsed(),
+            healed_at: self.healed_at,
+            settled_at: self.settled_at,
+            trace_hash: self.trace.hash(),
+            trace_lines: self.trace.recorded(),
+            workers: self.slots.len(),
+            tasks: self.checker.enqueued_count(),
+            completed,
+            failed,
+            expired,
+            paused,
+            requests: self.stats.requests,
+            faulted_requests: self.stats.faulted,
+            crashes: self.stats.crashes,
+            starts: self.stats.starts,
+            spawns: self.stats.spawns,
+            stale_spawns: self.stats.stale_spawns,
+            fenced: self.checker.fenced,
+            unknown_aborts: self.stats.unknown_aborts,
+            max_requests_per_second: self.stats.max_per_second,
+            faulty: self.options.faults.any(),
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The loop
+    // ---------------------------------------------------------------------------------------
+
+    fn run_phases(&mut self) -> Result<(), String> {
+        self.setup()?;
+        loop {
+            if self.steps >= self.options.max_steps {
+                return Err(format!("step bound: {} steps without finishing", self.options.max_steps));
+            }
+            self.steps += 1;
+            let timer = self.next_timer();
+            let event_at = self.queue.first_key_value().map(|(key, _)| key.0);
+            match (timer, event_at) {
+                (Some((at, slot)), event) if event.is_none_or(|e| at < e) => {
+                    self.advance(at)?;
+                    self.fire_timer(slot)?;
+                }
+                (_, Some(_)) | (Some(_), None) => {
+                    let (key, event) = self.queue.pop_first().expect("the queue has a head");
+                    self.advance(key.0)?;
+                    self.handle_event(key, event)?;
+                }
+                (None, None) => return Err("nothing left to happen: no event and no timer".into()),
+            }
+            self.check_workers()?;
+            if self.progress()? {
+                return Ok(());
+            }
+        }
+    }
+
+    fn setup(&mut self) -> Result<(), String> {
+        let options = self.options.clone();
+        let app = &options.app;
+        let queues: Vec<String> = app
+            .queues()
+            .iter()
+            .map(|q| match q.max_concurrency {
+                Some(cap) => format!("{}(p{} cap {cap})", q.name, q.priority),
+                None => format!("{}(p{})", q.name, q.priority),
+            })
+            .collect();
+        let header = format!(
+            "seed {} {} queues [{}] cluster_cap {:?} prefetch {} lease {:?} hb {}/{} stale {}/{} reap {} db_retry {}..{} x{} retry {}x{:?}",
+            self.seed,
+            if app.is_hard_cap_mode() { "hard" } else { "soft" },
+            queues.join(" "),
+            app.cluster_wide_cap,
+            app.prefetch_buffer,
+            app.claim_lease_ms,
+            app.recovery.claimer_heartbeat_interval_ms,
+            app.recovery.runner_heartbeat_interval_ms,
+            app.recovery.claimed_stale_threshold_ms,
+            app.recovery.running_stale_threshold_ms,
+            app.recovery.check_interval_ms,
+            app.resilience.db_retry_initial_ms,
+            app.resilience.db_retry_max_ms,
+            app.resilience.db_retry_max_attempts,
+            app.retry.max_retries,
+            app.retry.backoff,
+        );
+        self.note("sim", format_args!("{header}"));
+        for (index, w) in options.workers.iter().enumerate() {
+            self.note(
+                "sim",
+                format_args!(
+                    "slot w{index}: concurrency {} batch {} per_worker {} queues {:?} prio {:?} {:?} poll {} timeout {:?} grace {} completions {}",
+                    w.concurrency,
+                    w.max_claim_batch,
+                    w.max_claim_per_worker,
+                    w.queues,
+                    w.queue_priorities,
+                    w.deployment_mode,
+                    w.poll_interval_ms,
+                    w.handler_timeout_ms,
+                    w.shutdown_grace_ms,
+                    w.completion_batch_max
+                ),
+            );
+        }
+        let load = self.options.load.clone();
+        let faults = self.options.faults.clone();
+        self.note(
+            "sim",
+            format_args!(
+                "load {} tasks over {} ms; safety {} ms; faults {}: latency {}..{} ms, outages {:?}, crashes {:?}, shutdowns {:?}, listener drops {:?}",
+                load.tasks,
+                load.enqueue_window_ms,
+                options.safety_ms,
+                if faults.any() { "on" } else { "off" },
+                faults.latency_min_ms,
+                faults.latency_max_ms,
+                faults.outages,
+                faults.crashes,
+                faults.shutdowns,
+                faults.listener_drops
+            ),
+        );
+        for slot in 0..self.slots.len() {
+            self.start_worker(slot)?;
+        }
+        let mut left = load.tasks;
+        while left > 0 {
+            let count = (self.load_rng.range(1, u64::from(load.batch_max) + 1) as u32).min(left);
+            left -= count;
+            let at = self.load_rng.range(0, load.enqueue_window_ms.max(1));
+            self.schedule_at(Duration::from_millis(at), SimEvent::Enqueue { count });
+        }
+        for &(at, slot) in &faults.crashes {
+            self.schedule_at(Duration::from_millis(at), SimEvent::Crash { slot });
+        }
+        for &(at, slot) in &faults.shutdowns {
+            self.schedule_at(Duration::from_millis(at), SimEvent::Shutdown { slot });
+        }
+        for &(at, slot, down_ms) in &faults.listener_drops {
+            self.schedule_at(Duration::from_millis(at), SimEvent::ListenerDrop { slot, down_ms });
+        }
+        self.schedule_at(Duration::from_millis(self.options.safety_ms), SimEvent::Heal);
+        Ok(())
+    }
+
+    /// The earliest deadline of a live worker, and its slot.
+    fn next_timer(&self) -> Option<(Instant, usize)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(index, slot)| slot.worker.as_ref()?.poll_timeout().map(|(at, _)| (at, index)))
+            .min()
+    }
+
+    fn advance(&mut self, to: Instant) -> Result<(), String> {
+        if to < self.now {
+            return Err(format!("time went backwards: {:?} before now {:?}", to - self.epoch, self.now - self.epoch));
+        }
+        self.now = to;
+        Ok(())
+    }
+
+    fn elapsed(&self) -> Duration {
+        self.now - self.epoch
+    }
+
+    fn db_now(&self) -> DbTime {
+        DbTime(DB_EPOCH_MS + self.elapsed().as_millis() as i64)
+    }
+
+    fn schedule(&mut self, delay: Duration, event: SimEvent) -> Key {
+        let key = (self.now + delay, self.next_seq);
+        self.next_seq += 1;
+        self.queue.insert(key, event);
+        key
+    }
+
+    fn schedule_at(&mut self, at: Duration, event: SimEvent) -> Key {
+        let delay = (self.epoch + at).saturating_duration_since(self.now);
+        self.schedule(delay, event)
+    }
+
+    fn note(&mut self, who: &str, what: fmt::Arguments<'_>) {
+        let at = self.elapsed();
+        self.trace.record(at, who, what);
+    }
+
+    fn is_current(&self, slot: usize, incarnation: u32) -> bool {
+        let s = &self.slots[slot];
+        s.worker.is_some() && s.incarnation == incarnation
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Phases
+    // ---------------------------------------------------------------------------------------
+
+    /// Moves between phases; `true` when the run is over.
+    fn progress(&mut self) -> Result<bool, String> {
+        match self.phase {
+            Phase::Safety => Ok(false),
+            Phase::Liveness { deadline } => {
+                if self.checker.unfinished() == 0 {
+                    self.settled_at = self.elapsed();
+                    let grace = self.slots.iter().map(|s| s.config.shutdown_grace_ms).max().unwrap_or(0);
+                    let deadline = self.now + Duration::from_millis(grace + 120_000);
+                    self.phase = Phase::Drain { deadline };
+                    self.note("sim", format_args!("every task is terminal: shutting every worker down"));
+                    for slot in 0..self.slots.len() {
+                        self.schedule(Duration::ZERO, SimEvent::Shutdown { slot });
+                    }
+                    Ok(false)
+                } else if self.now > deadline {
+                    let db_now = self.db_now();
+                    Err(format!(
+                        "NO LIVENESS: {} tasks still unfinished {:?} after healing at +{:?}:{}",
+                        self.checker.unfinished(),
+                        self.elapsed() - self.healed_at,
+                        self.healed_at,
+                        self.checker.describe_unfinished(&self.store, db_now, 10)
+                    ))
+                } else {
+                    Ok(false)
+                }
+            }
+            Phase::Drain { deadline } => {
+                if self.slots.iter().all(|s| s.worker.is_none()) {
+                    self.finish_checks()?;
+                    Ok(true)
+                } else if self.now > deadline {
+                    let alive: Vec<String> = self
+                        .slots
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, s)| s.worker.is_some())
+                        .map(|(i, s)| format!("{} holding {}", s.name(i), s.worker.as_ref().map_or(0, Worker::held)))
+                        .collect();
+                    Err(format!("NO DRAIN: workers still running after shutdown: {alive:?}"))
+                } else {
+                    Ok(false)
+                }
+            }
+        }
+    }
+
+    fn heal(&mut self) -> Result<(), String> {
+        self.faults_on = false;
+        self.healed_at = self.elapsed();
+        let bound = self.liveness_bound_ms();
+        self.phase = Phase::Liveness { deadline: self.now + Duration::from_millis(bound) };
+        self.note("sim", format_args!("HEAL: faults off; every task must be terminal within {bound} ms"));
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].worker.is_none() {
+                self.start_worker(slot)?;
+            } else if self.slots[slot].config.deployment_mode.listens() && !self.slots[slot].listening {
+                let incarnation = self.slots[slot].incarnation;
+                self.schedule(Duration::from_millis(1), SimEvent::Listener { slot, incarnation, connected: true });
+            }
+        }
+        Ok(())
+    }
+
+    /// How long after healing every task may take to become terminal: generous, but finite.
+    fn liveness_bound_ms(&self) -> u64 {
+        let app = &self.options.app;
+        let r = &app.recovery;
+        let load = &self.options.load;
+        let slots = &self.options.workers;
+        let longest_run = slots.iter().map(|w| load.longest_run_ms(w.handler_timeout_ms)).max().unwrap_or(0);
+        let poll = slots.iter().map(|w| w.poll_interval_ms).max().unwrap_or(0);
+        let recovery = r.running_stale_threshold_ms.max(r.claimed_stale_threshold_ms)
+            + r.check_interval_ms
+            + app.effective_claim_lease_ms().max(app.max_claim_renew_age_ms);
+        let db_backoff = app.resilience.db_retry_max_ms * 5 / 4;
+        let per_attempt = longest_run + poll + recovery + db_backoff + 5_000;
+        // Throughput: the work left, spread over the narrowest cap.
+        let concurrency: u32 = slots.iter().map(|w| w.concurrency).sum();
+        let narrowest = app
+            .queues()
+            .iter()
+            .filter_map(|q| q.max_concurrency.filter(|&cap| cap > 0))
+            .chain(app.cluster_wide_cap)
+            .chain([concurrency])
+            .min()
+            .unwrap_or(1)
+            .max(1);
+        let attempts = u64::from(self.max_retries) + 2;
+        let serial = self.checker.unfinished() as u64 * attempts * (longest_run + 200) / u64::from(narrowest);
+        let run_at_left = u64::try_from(self.latest_run_at.0 - self.db_now().0).unwrap_or(0);
+        run_at_left + attempts * per_attempt + self.retry_budget_ms + serial + 60_000
+    }
+
+    fn finish_checks(&mut self) -> Result<(), String> {
+        let db_now = self.db_now();
+        self.checker.check_store(&self.store, db_now, true)?;
+        for row in self.store.tasks() {
+            let left = matches!(row.state, TaskState::Pending) && self.checker.is_paused(&row.queue);
+            if !row.state.is_terminal() && !left {
+                return Err(format!("after drain task {} is {}", row.id, row.state));
+            }
+        }
+        let stopped: BTreeMap<WorkerId, bool> =
+            self.store.workers().into_iter().map(|r| (r.info.worker.clone(), r.stopped)).collect();
+        for (index, slot) in self.slots.iter().enumerate() {
+            let id = WorkerId(slot.name(index));
+            if slot.stopped_on_failure {
+                // It stopped after its grace period while a request failed (a fault of the
+                // safety phase still in flight): it may leave deregistration to the registry.
+                continue;
+            }
+            if stopped.get(&id) != Some(&true) {
+                return Err(format!("after drain {id} is not deregistered: {:?}", stopped.get(&id)));
+            }
+            if slot.abandoned != Some(0) {
+                return Err(format!("{id} drained with {:?} tasks abandoned", slot.abandoned));
+            }
+        }
+        self.note("sim", format_args!("done: every task terminal, every worker drained"));
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Workers
+    // ---------------------------------------------------------------------------------------
+
+    fn start_worker(&mut self, slot: usize) -> Result<(), String> {
+        let s = &mut self.slots[slot];
+        s.incarnation += 1;
+        s.restart_pending = false;
+        s.listening = false;
+        s.abandoned = None;
+        s.stopped_on_failure = false;
+        s.handlers.clear();
+        let mut config = s.config.clone();
+        config.seed = config.seed.map(|seed| mix(seed ^ u64::from(s.incarnation)));
+        let id = WorkerId(s.name(slot));
+        let worker = Worker::new(id.clone(), self.options.app.clone(), config, self.now)
+            .map_err(|e| format!("worker {id} refused its configuration: {e}"))?;
+        s.worker = Some(worker);
+        let (incarnation, listens) = (s.incarnation, s.config.deployment_mode.listens());
+        self.stats.starts += 1;
+        self.note(&id.0, format_args!("start"));
+        if listens {
+            let delay = Duration::from_millis(self.rng.range(1, 50));
+            self.schedule(delay, SimEvent::Listener { slot, incarnation, connected: true });
+        }
+        self.drain(slot)
+    }
+
+    /// Ends the incarnation in `slot`: its handlers die with it.
+    fn kill(&mut self, slot: usize) {
+        let handlers = std::mem::take(&mut self.slots[slot].handlers);
+        for handler in handlers.values() {
+            if let Some(key) = handler.answer {
+                self.queue.remove(&key);
+            }
+        }
+        let s = &mut self.slots[slot];
+        s.worker = None;
+        s.listening = false;
+    }
+
+    fn schedule_restart(&mut self, slot: usize) {
+        let delay = match self.phase {
+            Phase::Safety => self.rng.range(100, self.options.faults.restart_after_max_ms.max(100) + 1),
+            Phase::Liveness { .. } => 1,
+            Phase::Drain { .. } => return,
+        };
+        if !self.slots[slot].restart_pending {
+            self.slots[slot].restart_pending = true;
+            self.schedule(Duration::from_millis(delay), SimEvent::Restart { slot });
+        }
+    }
+
+    fn fire_timer(&mut self, slot: usize) -> Result<(), String> {
+        let now = self.now;
+        let name = self.slots[slot].name(slot);
+        self.snapshot_held(slot);
+        let worker = self.slots[slot].worker.as_mut().expect("timers come from live workers");
+        let timer = worker.poll_timeout().map(|(_, timer)| timer).expect("the slot's timer is due");
+        worker.handle_timeout(now);
+        let next = worker.poll_timeout();
+        self.note(&name, format_args!("timer {timer:?}"));
+        if let Some((at, next_timer)) = next {
+            if at <= now {
+                return Err(format!(
+                    "BUSY LOOP: after handle_timeout({timer:?}) at +{:?} the next deadline ({next_timer:?}) is +{:?}",
+                    now - self.epoch,
+                    at - self.epoch
+                ));
+            }
+        }
+        self.drain(slot)
+    }
+
+    fn snapshot_held(&mut self, slot: usize) {
+        let s = &mut self.slots[slot];
+        if let Some(worker) = &s.worker {
+            s.held_before = worker.held_leases().map(|t| (t.task, t.lease)).collect();
+        }
+    }
+
+    fn handle_input(&mut self, slot: usize, input: Input) -> Result<(), String> {
+        self.snapshot_held(slot);
+        let now = self.now;
+        let worker = self.slots[slot].worker.as_mut().expect("inputs go to live workers");
+        worker.handle_input(input, now);
+        self.drain(slot)
+    }
+
+    /// Drains the worker in `slot` of commands and events, turning commands into events.
+    fn drain(&mut self, slot: usize) -> Result<(), String> {
+        loop {
+            let Some(worker) = self.slots[slot].worker.as_mut() else { return Ok(()) };
+            let Some(command) = worker.poll_command() else { break };
+            self.on_command(slot, command)?;
+        }
+        let name = self.slots[slot].name(slot);
+        while let Some(event) = self.slots[slot].worker.as_mut().and_then(Worker::poll_event) {
+            match event {
+                Event::Claimed { .. } | Event::Started { .. } => {}
+                Event::Drained { abandoned } => {
+                    self.slots[slot].abandoned = Some(abandoned);
+                    self.note(&name, format_args!("event Drained abandoned {abandoned}"));
+                }
+                Event::Finished { task, state } => self.note(&name, format_args!("event Finished task {task} {state}")),
+                Event::Lost { task, reason } => {
+                    self.note(&name, format_args!("event Lost task {task} {reason:?}"));
+                    self.check_loss(slot, &name, task)?;
+                }
+                other => self.note(&name, format_args!("event {other:?}")),
+            }
+        }
+        let stopped = self.slots[slot].worker.as_ref().is_some_and(Worker::is_stopped);
+        if stopped {
+            let s = &self.slots[slot];
+            let held = s.worker.as_ref().map_or(0, Worker::held);
+            if s.abandoned == Some(0) && held > 0 {
+                return Err(format!("{name} drained with nothing abandoned but still holds {held} tasks"));
+            }
+            if !s.handlers.is_empty() {
+                return Err(format!("{name} stopped with handlers still running: {:?}", s.handlers.keys()));
+            }
+            let failing = s.worker.as_ref().is_some_and(|w| w.db_failures() > 0);
+            self.slots[slot].stopped_on_failure = failing;
+            self.note(
+                &name,
+                format_args!("stopped{}: the process exits", if failing { " with the database failing" } else { "" }),
+            );
+            self.kill(slot);
+            self.schedule_restart(slot);
+        }
+        Ok(())
+    }
+
+    /// A worker may drop a task only when the store no longer runs it for the worker under
+    /// the lease it had: dropping a run the store still holds for it leaves the task to the
+    /// reaper (a spurious `WORKER_CRASHED`, a spent retry or a failure) while the worker is
+    /// healthy. (A dropped claim merely lapses and is claimed again: not judged here.)
+    fn check_loss(&self, slot: usize, name: &str, task: TaskId) -> Result<(), String> {
+        let Some(&lease) = self.slots[slot].held_before.get(&task) else { return Ok(()) };
+        let Some(row) = self.store.task(task) else { return Ok(()) };
+        let held = row.lease == lease && row.claimed_by.as_ref().is_some_and(|w| w.0 == name);
+        if held && row.state == TaskState::Running {
+            return Err(format!(
+                "SPURIOUS LOSS: {name} dropped task {task} lease {lease}, which the store still has {} under that lease for it",
+                row.state
+            ));
+        }
+        Ok(())
+    }
+
+    fn on_command(&mut self, slot: usize, command: Command) -> Result<(), String> {
+        let name = self.slots[slot].name(slot);
+        match command {
+            Command::Db { op, request } => {
+                self.stats.requests += 1;
+                let second = self.elapsed().as_secs();
+                let s = &mut self.slots[slot];
+                if s.second != second {
+                    s.second = second;
+                    s.requests_this_second = 0;
+                }
+                s.requests_this_second += 1;
+                let per_second = s.requests_this_second;
+                self.stats.max_per_second = self.stats.max_per_second.max(per_second);
+                if per_second > MAX_REQUESTS_PER_SECOND {
+                    return Err(format!("BUSY LOOP: {name} sent {per_second} requests in one virtual second"));
+                }
+                self.note(&name, format_args!("-> {} {op} {}", request.kind(), describe_request(&request)));
+                let fate = if self.faults_on { self.options.faults.fate(&mut self.rng) } else { Fate::Delivered };
+                let latency = self.latency();
+                let incarnation = self.slots[slot].incarnation;
+                let worker = WorkerId(name);
+                self.schedule(latency, SimEvent::Apply { slot, incarnation, worker, op, request, fate });
+            }
+            Command::Spawn(run) => self.spawn(slot, &name, run)?,
+            Command::Abort { task, lease } => {
+                let handler = self.slots[slot].handlers.get(&task).cloned();
+                match handler {
+                    Some(handler) if handler.lease == lease => {
+                        self.slots[slot].handlers.remove(&task);
+                        let late = self.faults_on && self.rng.chance(self.options.faults.late_finish_chance);
+                        if let (Some(key), false) = (handler.answer, late) {
+                            self.queue.remove(&key);
+                        }
+                        self.note(
+                            &name,
+                            format_args!(
+                                "abort task {task} lease {lease}{}",
+                                if late { " (its answer will still come)" } else { "" }
+                            ),
+                        );
+                    }
+                    _ => {
+                        self.stats.unknown_aborts += 1;
+                        self.note(&name, format_args!("abort task {task} lease {lease}: no such handler runs"));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn spawn(&mut self, slot: usize, name: &str, run: TaskRun) -> Result<(), String> {
+        self.stats.spawns += 1;
+        if let Some(other) = self.slots[slot].handlers.get(&run.id) {
+            return Err(format!(
+                "{name} spawned task {} lease {} while its handler under lease {} runs",
+                run.id, run.lease, other.lease
+            ));
+        }
+        let fresh = self.store.task(run.id).is_some_and(|row| {
+            row.state == TaskState::Running
+                && row.lease == run.lease
+                && row.claimed_by.as_ref().is_some_and(|w| w.0 == name)
+                && row.attempts == run.attempt.0
+        });
+        if !fresh {
+            self.stats.stale_spawns += 1;
+        }
+        let timeout = self.slots[slot].config.handler_timeout_ms;
+        let load = &self.options.load;
+        let rng = &mut self.rng;
+        let hangs = timeout.is_some() && load.hang_chance > 0.0 && rng.chance(load.hang_chance);
+        let answer = if hangs {
+            self.note(name, format_args!("spawn task {} lease {} attempt {} -> hangs", run.id, run.lease, run.attempt));
+            None
+        } else {
+            let ms = if load.slow_chance > 0.0 && rng.chance(load.slow_chance) {
+                rng.range(1_000, load.slow_max_ms + 1)
+            } else {
+                rng.range(1, load.duration_max_ms + 1)
+            };
+            let outcome = sample_outcome(rng, load, run.id);
+            self.note(
+                name,
+                format_args!(
+                    "spawn task {} lease {} attempt {}{} -> {} in {ms} ms",
+                    run.id,
+                    run.lease,
+                    run.attempt,
+                    if fresh { "" } else { " (stale)" },
+                    describe_outcome(&outcome)
+                ),
+            );
+            let incarnation = self.slots[slot].incarnation;
+            let event = SimEvent::Finished { slot, incarnation, task: run.id, lease: run.lease, outcome };
+            Some(self.schedule(Duration::from_millis(ms), event))
+        };
+        self.slots[slot].handlers.insert(run.id, Handler { lease: run.lease, answer });
+        Ok(())
+    }
+
+    fn latency(&mut self) -> Duration {
+        let faults = &self.options.faults;
+        let ms = if self.faults_on {
+            faults.latency_ms(&mut self.rng)
+        } else {
+            self.rng.range(faults.latency_min_ms, faults.latency_max_ms + 1)
+        };
+        Duration::from_millis(ms)
+    }
+
+    fn check_workers(&self) -> Result<(), String> {
+        for slot in &self.slots {
+            if let Some(worker) = &slot.worker {
+                let handlers: BTreeMap<TaskId, Lease> = slot.handlers.iter().map(|(t, h)| (*t, h.lease)).collect();
+                invariants::check_worker(&self.store, worker, &slot.policy, &handlers)?;
+            }
+        }
+        Ok(())
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // Events
+    // ---------------------------------------------------------------------------------------
+
+    fn handle_event(&mut self, key: Key, event: SimEvent) -> Result<(), String> {
+        match event {
+            SimEvent::Enqueue { count } => self.enqueue(count),
+            SimEvent::Apply { slot, incarnation, worker, op, request, fate } => {
+                self.apply(slot, incarnation, worker, op, request, fate)
+            }
+            SimEvent::Reply { slot, incarnation, op, reply } => {
+                if !self.is_current(slot, incarnation) {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                match &reply {
+                    Ok(_) => self.note(&name, format_args!("<- {op} ok")),
+                    Err(failure) => self.note(&name, format_args!("<- {op} {failure}")),
+                }
+                self.handle_input(slot, Input::Db { op, reply })
+            }
+            SimEvent::Finished { slot, incarnation, task, lease, outcome } => {
+                if !self.is_current(slot, incarnation) {
+                    return Ok(());
+                }
+                let s = &mut self.slots[slot];
+                if s.handlers.get(&task).is_some_and(|h| h.answer == Some(key)) {
+                    s.handlers.remove(&task);
+                }
+                let name = s.name(slot);
+                self.note(
+                    &name,
+                    format_args!("handler of task {task} lease {lease} returned {}", describe_outcome(&outcome)),
+                );
+                self.handle_input(slot, Input::TaskFinished { task, lease, outcome })
+            }
+            SimEvent::Notify { slot, incarnation, queue } => {
+                if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("notified {queue}"));
+                self.handle_input(slot, Input::Notified { queue })
+            }
+            SimEvent::Listener { slot, incarnation, connected } => {
+                if !self.is_current(slot, incarnation) || self.slots[slot].listening == connected {
+                    return Ok(());
+                }
+                self.slots[slot].listening = connected;
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("listener {}", if connected { "connected" } else { "lost" }));
+                self.handle_input(slot, Input::Listener { connected })
+            }
+            SimEvent::ListenerDrop { slot, down_ms } => {
+                if self.slots[slot].worker.is_none() || !self.slots[slot].listening || !self.faults_on {
+                    return Ok(());
+                }
+                let incarnation = self.slots[slot].incarnation;
+                self.schedule(
+                    Duration::from_millis(down_ms),
+                    SimEvent::Listener { slot, incarnation, connected: true },
+                );
+                self.handle_event(key, SimEvent::Listener { slot, incarnation, connected: false })
+            }
+            SimEvent::Crash { slot } => {
+                if self.slots[slot].worker.is_none() || !self.faults_on {
+                    return Ok(());
+                }
+                self.stats.crashes += 1;
+                let name = self.slots[slot].name(slot);
+                let held = self.slots[slot].worker.as_ref().map_or(0, Worker::held);
+                self.note(
+                    &name,
+                    format_args!("CRASH holding {held} tasks, {} handlers die", self.slots[slot].handlers.len()),
+                );
+                self.kill(slot);
+                self.schedule_restart(slot);
+                Ok(())
+            }
+            SimEvent::Shutdown { slot } => {
+                if self.slots[slot].worker.is_none() {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("shutdown requested"));
+                self.handle_input(slot, Input::Shutdown)
+            }
+            SimEvent::Restart { slot } => {
+                self.slots[slot].restart_pending = false;
+                if self.slots[slot].worker.is_some() || matches!(self.phase, Phase::Drain { .. }) {
+                    return Ok(());
+                }
+                self.start_worker(slot)
+            }
+            SimEvent::Heal => self.heal(),
+        }
+    }
+
+    fn apply(
+        &mut self,
+        slot: usize,
+        incarnation: u32,
+        worker: WorkerId,
+        op: OpId,
+        request: DbRequest,
+        fate: Fate,
+    ) -> Result<(), String> {
+        let faults = &self.options.faults;
+        if !self.is_current(slot, incarnation) {
+            // The sender died with the request on the wire: it may still commit.
+            if self.rng.chance(faults.dead_apply_chance) {
+                let reply = self.apply_checked(&worker, op, &request)?;
+                self.note(
+                    "db",
+                    format_args!("{} {op} {worker} (sender dead) -> {}", request.kind(), describe_reply(&reply)),
+                );
+            }
+            return Ok(());
+        }
+        let at_ms = self.elapsed().as_millis() as u64;
+        let fate = if self.faults_on && faults.in_outage(at_ms) { Fate::Unavailable } else { fate };
+        let unknown_after = Duration::from_millis(self.rng.range(1, faults.unknown_after_max_ms.max(1) + 1));
+        let (reply, delay) = match fate {
+            Fate::Unavailable => (Err(DbFailure::Unavailable("connection refused (injected)".into())), self.latency()),
+            Fate::Rejected => (Err(DbFailure::Rejected("rejected (injected)".into())), self.latency()),
+            Fate::LostRequest => (Err(DbFailure::Unknown("request lost (injected)".into())), unknown_after),
+            Fate::LostReply => {
+                self.apply_checked(&worker, op, &request)?;
+                (Err(DbFailure::Unknown("reply lost (injected)".into())), unknown_after)
+            }
+            Fate::Delivered => (Ok(self.apply_checked(&worker, op, &request)?), self.latency()),
+        };
+        if fate != Fate::Delivered {
+            self.stats.faulted += 1;
+            self.note("db", format_args!("{} {op} {worker} fault {fate:?}", request.kind()));
+        }
+        let duplicate = self.faults_on && self.rng.chance(self.options.faults.duplicate_reply_chance);
+        if duplicate {
+            let later = delay + self.latency();
+            self.schedule(later, SimEvent::Reply { slot, incarnation, op, reply: reply.clone() });
+        }
+        self.schedule(delay, SimEvent::Reply { slot, incarnation, op, reply });
+        Ok(())
+    }
+
+    /// Applies `request` to the store with every check around it.
+    fn apply_checked(&mut self, worker: &WorkerId, op: OpId, request: &DbRequest) -> Result<DbReply, String> {
+        let now = self.db_now();
+        let before = self.checker.before(&self.store, request, now);
+        let reply = self.store.apply(request, now);
+        self.note("db", format_args!("{} {op} {worker} -> {}", request.kind(), describe_reply(&reply)));
+        self.checker.after(&self.store, worker, request, &before, &reply, now)?;
+        self.checker.check_store(&self.store, now, true)?;
+        self.notify();
+        Ok(reply)
+    }
+
+    /// Delivers the store's notifications to every listening worker, with faults.
+    fn notify(&mut self) {
+        for notification in self.store.take_notifications() {
+            let Notification::TaskReady { queue } = notification else { continue };
+            let mut lost = Vec::new();
+            for slot in 0..self.slots.len() {
+                if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
+                    continue;
+                }
+                let faults = &self.options.faults;
+                // PostgreSQL does not drop a NOTIFY on a live LISTEN session: notifications are
+                // lost with the connection (listener drops). Random loss is injected only where
+                // a poll makes up for it; in EventDrivenOnly mode it would be lost by design
+                // ("a lost notification leaves work waiting until the next one").
+                let polls = self.slots[slot].config.deployment_mode != DeploymentMode::EventDrivenOnly;
+                if self.faults_on && polls && self.rng.chance(faults.notify_loss_chance) {
+                    lost.push(slot);
+                    continue;
+                }
+                let copies = if self.faults_on && self.rng.chance(faults.notify_duplicate_chance) { 2 } else { 1 };
+                let incarnation = self.slots[slot].incarnation;
+                for _ in 0..copies {
+                    let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
+                    self.schedule(delay, SimEvent::Notify { slot, incarnation, queue: queue.clone() });
+                }
+            }
+            if !lost.is_empty() {
+                self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
+            }
+        }
+    }
+
+    // ---------------------------------------------------------------------------------------
+    // The client
+    // ---------------------------------------------------------------------------------------
+
+    fn enqueue(&mut self, count: u32) -> Result<(), String> {
+        let now = self.db_now();
+        let load = self.options.load.clone();
+        let queues = self.options.app.queues();
+        let mut batch = Vec::new();
+        for _ in 0..count {
+            let rng = &mut self.load_rng;
+            let n = self.next_task;
+            self.next_task += 1;
+            let mut task = NewTask::new("job", json!({ "n": n }));
+            if queues.len() > 1 || rng.chance(0.5) {
+                task.queue = Some(queues[rng.range(0, queues.len() as u64) as usize].name.clone());
+            }
+            let spread = i64::from(load.priority_spread);
+            task.priority = (rng.range(0, (2 * spread + 1) as u64) as i64 - spread) as i16;
+            let delay_ms = if rng.chance(load.delay_chance) { rng.range(1, load.delay_max_ms + 1) } else { 0 };
+            task.run_at = match (delay_ms, rng.range(0, 3)) {
+                (0, 0) => RunAt::At(DbTime(now.0 - 5_000)),
+                (0, _) => RunAt::Now,
+                (ms, 0) => RunAt::At(now.plus_ms(ms)),
+                (ms, _) => RunAt::DelayMs(ms),
+            };
+            if rng.chance(load.good_until_chance) {
+                task.good_until = Some(now.plus_ms(delay_ms + rng.range(1, load.good_until_max_ms + 1)));
+            }
+            if rng.chance(load.retry_chance) {
+                let policy = options::swarm_retry(rng);
+                self.retry_budget_ms = self.retry_budget_ms.max(options::retry_budget_ms(&policy));
+                self.max_retries = self.max_retries.max(policy.max_retries);
+                task.retry = Some(policy);
+            }
+            if rng.chance(load.key_chance) {
+                task.key = Some(format!("key-{n}"));
+            }
+            self.latest_run_at = self.latest_run_at.max(now.plus_ms(delay_ms));
+            batch.push(task);
+        }
+        let keyed: Vec<NewTask> = batch.iter().filter(|t| t.key.is_some()).cloned().collect();
+        let ids = self.store.enqueue_many(batch, now).map_err(|e| format!("enqueue refused: {e}"))?;
+        for &id in &ids {
+            self.checker.enqueued(id);
+        }
+        let listed: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
+        self.note("client", format_args!("enqueue {} -> [{}]", ids.len(), listed.join(" ")));
+        self.checker.check_store(&self.store, now, true)?;
+        // An enqueue retried with the same idempotency key (its first reply was lost) gets the
+        // same task back and writes nothing.
+        for task in keyed {
+            let key = task.key.clone().unwrap_or_default();
+            let before = self.checker.enqueued_count();
+            let id = self.store.enqueue(task, now).map_err(|e| format!("re-enqueue with key {key} refused: {e}"))?;
+            self.checker.enqueued(id);
+            if self.checker.enqueued_count() != before {
+                return Err(format!("re-enqueue with key {key} created task {id}"));
+            }
+            self.checker.check_store(&self.store, now, true)?;
+        }
+        if load.cancel_chance > 0.0 && self.load_rng.chance(load.cancel_chance) {
+            self.cancel_one(now)?;
+        }
+        self.notify();
+        Ok(())
+    }
+
+    /// Cancels a random task enqueued so far; the store refuses unless it is Pending or
+    /// Claimed, and a holder's later writes about it must be fenced.
+    fn cancel_one(&mut self, now: DbTime) -> Result<(), String> {
+        let id = TaskId(self.load_rng.range(1, self.checker.enqueued_count() as u64 + 1) as i64);
+        let state = self.store.task(id).map(|row| row.state).ok_or_else(|| format!("cancel: task {id} not found"))?;
+        match self.store.cancel(id, now) {
+            Ok(()) => {
+                self.note("client", format_args!("cancel task {id} ({state}) -> cancelled"));
+                if !matches!(state, TaskState::Pending | TaskState::Claimed) {
+                    return Err(format!("cancel of task {id} in state {state} was accepted"));
+                }
+            }
+            Err(refusal) => {
+                self.note("client", format_args!("cancel task {id} ({state}) -> refused"));
+                if matches!(state, TaskState::Pending | TaskState::Claimed) {
+                    return Err(format!("cancel of {state} task {id} was refused: {refusal}"));
+                }
+            }
+        }
+        self.checker.check_store(&self.store, now, true)
+    }
+}
+
+fn sample_outcome(rng: &mut Rng, load: &LoadOptions, task: TaskId) -> TaskOutcome {
+    let roll = rng.next_f64();
+    let failure = |code: ErrorCode, message: &str| TaskOutcome::Failure(TaskError::new(code, message));
+    if roll < load.error_chance {
+        if rng.chance(0.7) {
+            failure(ErrorCode::TaskError, "the handler failed")
+        } else {
+            failure(ErrorCode::User(USER_ERROR_CODE.into()), "slow down")
+        }
+    } else if roll < load.error_chance + load.panic_chance {
+        failure(ErrorCode::UnhandledError, "the handler panicked")
+    } else if roll < load.error_chance + load.panic_chance + load.odd_error_chance {
+        if rng.chance(0.5) {
+            failure(ErrorCode::WorkerResolutionError, "no handler named job")
+        } else {
+            failure(ErrorCode::WorkerSerializationError, "bad arguments")
+        }
+    } else {
+        TaskOutcome::Success(json!({ "done": task.0 }))
+    }
+}
+
+fn describe_outcome(outcome: &TaskOutcome) -> String {
+    match outcome {
+        TaskOutcome::Success(_) => "ok".to_owned(),
+        TaskOutcome::Failure(error) => error.code.to_string(),
+    }
+}
+
+fn ids<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    let items: Vec<String> = items.into_iter().map(|i| i.to_string()).collect();
+    format!("[{}]", items.join(" "))
+}
+
+fn describe_request(request: &DbRequest) -> String {
+    let leases = |tasks: &[crate::task::TaskLease]| ids(tasks.iter().map(|t| format!("{}@{}", t.task, t.lease)));
+    match request {
+        DbRequest::Claim { my_running, my_claimed, start_now, .. } => {
+            format!("running {my_running} claimed {my_claimed} start {start_now}")
+        }
+        DbRequest::Start { tasks, .. } | DbRequest::Release { tasks, .. } => leases(tasks),
+        DbRequest::Finish { completions, .. } => ids(completions.iter().map(|c| {
+            let outcome = match &c.outcome {
+                FinishOutcome::Completed(_) => "ok".to_owned(),
+                FinishOutcome::Retry { error, delay_ms } => format!("retry+{delay_ms}ms:{}", error.code),
+                FinishOutcome::Failed(error) => format!("fail:{}", error.code),
+            };
+            format!("{}@{}:{outcome}", c.task.task, c.task.lease)
+        })),
+        DbRequest::Heartbeat { claimed, running, .. } => {
+            format!("claimed {} running {}", leases(claimed), leases(running))
+        }
+        DbRequest::AbandonClaim { token, .. } => format!("token {token}"),
+        DbRequest::Reap { .. } | DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_) => String::new(),
+    }
+}
+
+fn describe_reply(reply: &DbReply) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut part = |name: &str, list: String, empty: bool| {
+        if !empty {
+            parts.push(format!("{name} {list}"));
+        }
+    };
+    match reply {
+        DbReply::Claimed { tasks, more, .. } => {
+            let listed = ids(tasks.iter().map(|t| {
+                format!("{}@{}{}", t.id, t.lease, if t.started { format!("/run{}", t.attempt) } else { String::new() })
+            }));
+            return format!("claimed {listed}{}", if *more { " more" } else { "" });
+        }
+        DbReply::Started { started, expired, deferred, lost } => {
+            part("started", ids(started.iter().map(|(t, a)| format!("{t}/run{a}"))), started.is_empty());
+            part("expired", ids(expired), expired.is_empty());
+            part("deferred", ids(deferred), deferred.is_empty());
+            part("lost", ids(lost), lost.is_empty());
+        }
+        DbReply::Finished { applied, lost } => {
+            part("applied", ids(applied.iter().map(|(t, s)| format!("{t}:{s}"))), applied.is_empty());
+            part("lost", ids(lost), lost.is_empty());
+        }
+        DbReply::Heartbeat { lost } => part("lost", ids(lost), lost.is_empty()),
+        DbReply::Released { released, lost } => {
+            part("released", ids(released), released.is_empty());
+            part("lost", ids(lost), lost.is_empty());
+        }
+        DbReply::Reaped(report) => {
+            part("requeued", ids(&report.requeued), report.requeued.is_empty());
+            part("retried", ids(&report.retried), report.retried.is_empty());
+            part("failed", ids(&report.failed), report.failed.is_empty());
+            part("expired", ids(&report.expired), report.expired.is_empty());
+        }
+        DbReply::Done => return "done".to_owned(),
+    }
+    if parts.is_empty() { "nothing".to_owned() } else { parts.join(" ") }
+}
+
+/// The set of queues the workers of `options` serve between them (every queue of the app, by
+/// construction of [`SimOptions::swarm`]).
+pub fn served_queues(options: &SimOptions) -> BTreeSet<String> {
+    options.workers.iter().flat_map(|w| w.served_queues(&options.app)).map(|q| q.name).collect()
+}

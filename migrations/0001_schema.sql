@@ -1,0 +1,549 @@
+-- Canter schema, version 1: tables, indexes, the clock, and the functions that need more than
+-- one statement (enqueue, claim, start).
+--
+-- Every name here is unqualified: `canter::postgres::migrate` runs this file with `search_path`
+-- set to the target schema alone, so everything lands in that schema, and each function pins
+-- it with `SET search_path FROM CURRENT`. Statements sent from Rust qualify every name instead.
+--
+-- States: the live table `tasks` holds PENDING, CLAIMED and RUNNING tasks only (the rows a
+-- claim scans); a terminal transition moves the row to `finished_tasks` in the same statement.
+
+-- The clock. The database's `now()` is the only wall clock; tests may pin it per session with
+-- `SET canter.now = '<timestamptz>'` (unset or empty: `now()`).
+CREATE FUNCTION db_now() RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$ SELECT coalesce(nullif(current_setting('canter.now', true), '')::timestamptz, now()) $$;
+
+-- Milliseconds since the Unix epoch (the `DbTime` of the Rust API), and back.
+CREATE FUNCTION ms(t timestamptz) RETURNS bigint
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$ SELECT floor(extract(epoch FROM t) * 1000)::bigint $$;
+
+CREATE FUNCTION at_ms(ms bigint) RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$ SELECT timestamptz 'epoch' + ms * interval '1 millisecond' $$;
+
+-- Live tasks. Columns mirror `canter::memory::StoredTask`.
+CREATE TABLE tasks (
+    id               bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME task_id_seq) PRIMARY KEY,
+    name             text        NOT NULL,
+    queue            text        NOT NULL,
+    priority         smallint    NOT NULL,
+    args             jsonb       NOT NULL,
+    state            text        NOT NULL CHECK (state IN ('PENDING', 'CLAIMED', 'RUNNING')),
+    lease            bigint      NOT NULL DEFAULT 0,
+    claimed_by       text,
+    claim_token      bigint,
+    claimed_at       timestamptz,
+    claim_expires_at timestamptz,
+    heartbeat_at     timestamptz,
+    started_at       timestamptz,
+    attempts         integer     NOT NULL DEFAULT 0,
+    retries          integer     NOT NULL DEFAULT 0,
+    run_at           timestamptz NOT NULL,
+    enqueued_at      timestamptz NOT NULL,
+    good_until       timestamptz,
+    retry            jsonb       NOT NULL,
+    key              text,
+    error            jsonb
+) WITH (
+    -- Room for HOT updates (heartbeats touch no indexed column), and vacuum that keeps up with
+    -- a table whose every row is updated and deleted within minutes.
+    fillfactor = 70,
+    autovacuum_vacuum_scale_factor = 0.01,
+    autovacuum_vacuum_threshold = 100,
+    autovacuum_analyze_scale_factor = 0.02,
+    autovacuum_vacuum_cost_delay = 0,
+    autovacuum_vacuum_cost_limit = 10000
+);
+
+-- The claim's pending arm: `queue = $q AND state = 'PENDING' ORDER BY priority, run_at, id`.
+CREATE INDEX tasks_claim_idx ON tasks (queue, priority, run_at, id) WHERE state = 'PENDING';
+-- Tasks in flight: the claim's lapsed-lease arm, cap counts, heartbeats and the reaper.
+CREATE INDEX tasks_in_flight_idx ON tasks (queue, state, claim_expires_at) WHERE state IN ('CLAIMED', 'RUNNING');
+-- The reaper's expiry of pending tasks.
+CREATE INDEX tasks_good_until_idx ON tasks (good_until) WHERE state = 'PENDING' AND good_until IS NOT NULL;
+
+-- Terminal tasks with their result or error; rows come from `tasks` in the finishing statement.
+CREATE TABLE finished_tasks (
+    id           bigint      PRIMARY KEY,
+    name         text        NOT NULL,
+    queue        text        NOT NULL,
+    priority     smallint    NOT NULL,
+    args         jsonb       NOT NULL,
+    state        text        NOT NULL CHECK (state IN ('COMPLETED', 'FAILED', 'CANCELLED', 'EXPIRED')),
+    lease        bigint      NOT NULL,
+    claimed_by   text,
+    claim_token  bigint,
+    claimed_at   timestamptz,
+    heartbeat_at timestamptz,
+    started_at   timestamptz,
+    attempts     integer     NOT NULL,
+    retries      integer     NOT NULL,
+    run_at       timestamptz NOT NULL,
+    enqueued_at  timestamptz NOT NULL,
+    good_until   timestamptz,
+    retry        jsonb       NOT NULL,
+    key          text,
+    error        jsonb,
+    result       jsonb,
+    finished_at  timestamptz NOT NULL
+);
+
+CREATE INDEX finished_tasks_queue_state_idx ON finished_tasks (queue, state, id);
+CREATE INDEX finished_tasks_finished_at_idx ON finished_tasks (finished_at);
+
+-- Idempotency keys, live and finished tasks alike: the one place a key is unique.
+CREATE TABLE task_keys (
+    key     text   PRIMARY KEY,
+    task_id bigint NOT NULL
+);
+
+-- One row per finished run.
+CREATE TABLE attempts (
+    task_id     bigint      NOT NULL,
+    attempt     integer     NOT NULL,
+    worker      text,
+    outcome     text        NOT NULL CHECK (outcome IN ('PENDING', 'COMPLETED', 'FAILED')),
+    error       jsonb,
+    finished_at timestamptz NOT NULL,
+    PRIMARY KEY (task_id, attempt)
+);
+
+-- The worker registry.
+CREATE TABLE workers (
+    id          text        PRIMARY KEY,
+    queues      text[]      NOT NULL DEFAULT '{}',
+    concurrency integer     NOT NULL DEFAULT 0,
+    started_at  timestamptz NOT NULL,
+    last_seen   timestamptz NOT NULL,
+    stopped_at  timestamptz
+);
+
+-- Enqueue a batch as one statement (see `canter::postgres::enqueue`).
+--
+-- The arrays are parallel, one element per task. Every task is checked before any is written;
+-- on a problem the function writes nothing and returns one row naming the first task (in
+-- order) with a problem: `run_at_after_good_until` or `payload_mismatch`. Otherwise, when
+-- `p_write`, it returns one row per task with its id (an existing task's for a key that names
+-- one with the same name and args). With `p_write` false it only checks.
+--
+-- Keys: `task_keys` is inserted with ON CONFLICT DO NOTHING; a key taken by a concurrent
+-- enqueuer between the check and the insert makes the function undo its key rows and check
+-- again (the taker has committed by then), so racing enqueuers of one key get one task.
+CREATE FUNCTION enqueue(
+    p_names text[], p_args jsonb[], p_queues text[], p_priorities smallint[],
+    p_delays bigint[], p_ats bigint[], p_good_until bigint[], p_retry jsonb[], p_keys text[],
+    p_write boolean, p_channel_prefix text)
+RETURNS TABLE (ord bigint, id bigint, problem text, detail_id bigint, run_at_ms bigint, good_until_ms bigint)
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+-- Arrays are only ever read through unnest(...) WITH ORDINALITY and joined on the ordinal:
+-- subscripting an array of variable-width values (or one with NULLs) walks it from the
+-- start, which would make a batch quadratic.
+DECLARE
+    v_now      timestamptz := db_now();
+    v_n        integer := coalesce(cardinality(p_names), 0);
+    v_run_at   timestamptz[];
+    v_existing bigint[];
+    v_same_as  bigint[];
+    v_problem  text[];
+    v_detail   bigint[];
+    v_bad      bigint;
+    v_new_ords bigint[];
+    v_new_ids  bigint[];
+    v_wanted   integer;
+    v_won      integer;
+    v_try      integer := 0;
+BEGIN
+    IF v_n = 0 THEN
+        RETURN;
+    END IF;
+    LOOP
+        v_try := v_try + 1;
+        -- Per task: its run-at, the task its key already names (live or finished), the
+        -- earlier task of this batch with the same key, and its problem if any (its time
+        -- first, then its key).
+        WITH items AS (
+            SELECT i.ord, i.name, i.args, i.key, i.good_until,
+                   CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
+                        WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
+                        ELSE v_now END AS run_at
+            FROM unnest(p_names, p_args, p_delays, p_ats, p_good_until, p_keys)
+                 WITH ORDINALITY AS i(name, args, delay, at, good_until, key, ord)
+        ),
+        existing AS (
+            SELECT k.key, k.task_id, coalesce(t.name, f.name) AS name, coalesce(t.args, f.args) AS args
+            FROM task_keys k
+            LEFT JOIN tasks t ON t.id = k.task_id
+            LEFT JOIN finished_tasks f ON f.id = k.task_id
+            WHERE k.key = ANY (p_keys)
+        ),
+        firsts AS (
+            SELECT DISTINCT ON (it.key) it.key, it.ord, it.name, it.args
+            FROM items it WHERE it.key IS NOT NULL
+            ORDER BY it.key, it.ord
+        ),
+        classified AS (
+            SELECT it.ord, it.run_at, e.task_id AS existing,
+                   CASE WHEN e.key IS NULL AND fi.ord < it.ord THEN fi.ord END AS same_as,
+                   CASE WHEN it.good_until IS NOT NULL AND it.run_at >= at_ms(it.good_until)
+                            THEN 'run_at_after_good_until'
+                        WHEN e.key IS NOT NULL AND e.name IS NOT NULL AND (e.name <> it.name OR e.args <> it.args)
+                            THEN 'payload_mismatch'
+                        WHEN e.key IS NULL AND fi.ord < it.ord AND (fi.name <> it.name OR fi.args <> it.args)
+                            THEN 'payload_mismatch'
+                   END AS problem,
+                   CASE WHEN it.good_until IS NOT NULL AND it.run_at >= at_ms(it.good_until) THEN it.good_until
+                        ELSE coalesce(e.task_id, fi.ord) END AS detail
+            FROM items it
+            LEFT JOIN existing e ON e.key = it.key
+            LEFT JOIN firsts fi ON fi.key = it.key
+        )
+        SELECT array_agg(c.run_at ORDER BY c.ord), array_agg(c.existing ORDER BY c.ord),
+               array_agg(c.same_as ORDER BY c.ord), array_agg(c.problem ORDER BY c.ord),
+               array_agg(c.detail ORDER BY c.ord), min(c.ord) FILTER (WHERE c.problem IS NOT NULL)
+        INTO v_run_at, v_existing, v_same_as, v_problem, v_detail, v_bad
+        FROM classified c;
+
+        IF v_bad IS NOT NULL THEN
+            IF v_problem[v_bad] = 'run_at_after_good_until' THEN
+                RETURN QUERY SELECT v_bad, NULL::bigint, v_problem[v_bad], NULL::bigint, ms(v_run_at[v_bad]),
+                                    v_detail[v_bad];
+            ELSIF v_existing[v_bad] IS NOT NULL THEN
+                RETURN QUERY SELECT v_bad, NULL::bigint, v_problem[v_bad], v_existing[v_bad], NULL::bigint,
+                                    NULL::bigint;
+            ELSE
+                -- The key was first used earlier in this batch: name the id that task would
+                -- have had (the next sequence value plus the new tasks before it).
+                RETURN QUERY
+                SELECT v_bad, NULL::bigint, v_problem[v_bad],
+                       (SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END FROM task_id_seq s)
+                       + (SELECT count(*) FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
+                          WHERE x.ord < v_detail[v_bad] AND x.existing IS NULL AND x.same_as IS NULL),
+                       NULL::bigint, NULL::bigint;
+            END IF;
+            RETURN;
+        END IF;
+        IF NOT p_write THEN
+            RETURN;
+        END IF;
+
+        -- New tasks get ids in batch order.
+        SELECT coalesce(array_agg(n.o ORDER BY n.o), '{}'), coalesce(array_agg(n.id ORDER BY n.o), '{}')
+        INTO v_new_ords, v_new_ids
+        FROM (
+            SELECT s.o, nextval('task_id_seq') AS id
+            FROM (
+                SELECT x.ord AS o FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
+                WHERE x.existing IS NULL AND x.same_as IS NULL
+                ORDER BY x.ord OFFSET 0
+            ) s
+        ) n;
+
+        SELECT count(*) INTO v_wanted
+        FROM unnest(v_new_ords) AS n(o)
+        JOIN unnest(p_keys) WITH ORDINALITY AS i(key, ord) ON i.ord = n.o
+        WHERE i.key IS NOT NULL;
+        IF v_wanted = 0 THEN
+            EXIT;
+        END IF;
+        INSERT INTO task_keys (key, task_id)
+        SELECT i.key, n.id
+        FROM unnest(v_new_ords, v_new_ids) AS n(o, id)
+        JOIN unnest(p_keys) WITH ORDINALITY AS i(key, ord) ON i.ord = n.o
+        WHERE i.key IS NOT NULL
+        ON CONFLICT (key) DO NOTHING;
+        GET DIAGNOSTICS v_won = ROW_COUNT;
+        IF v_won = v_wanted THEN
+            EXIT;
+        END IF;
+        -- A concurrent enqueuer took a key first (it has committed: ON CONFLICT waited for it):
+        -- undo and check again.
+        DELETE FROM task_keys k WHERE k.task_id = ANY (v_new_ids);
+        IF v_try >= 5 THEN
+            RAISE EXCEPTION 'idempotency keys kept changing under this enqueue'
+                USING ERRCODE = 'serialization_failure';
+        END IF;
+    END LOOP;
+
+    INSERT INTO tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, key)
+    OVERRIDING SYSTEM VALUE
+    SELECT n.id, i.name, i.queue, i.priority, i.args, 'PENDING', i.run_at, v_now, at_ms(i.good_until), i.retry, i.key
+    FROM unnest(v_new_ords, v_new_ids) AS n(o, id)
+    JOIN unnest(p_names, p_queues, p_priorities, p_args, v_run_at, p_good_until, p_retry, p_keys)
+         WITH ORDINALITY AS i(name, queue, priority, args, run_at, good_until, retry, key, ord) ON i.ord = n.o
+    ORDER BY n.id;
+
+    -- One notification per queue that received a task.
+    PERFORM pg_notify(p_channel_prefix || q.queue, '')
+    FROM (
+        SELECT DISTINCT i.queue
+        FROM unnest(v_new_ords) AS n(o)
+        JOIN unnest(p_queues) WITH ORDINALITY AS i(queue, ord) ON i.ord = n.o
+    ) q;
+
+    -- Every task's id: new, existing, or the new id of the same key earlier in the batch.
+    RETURN QUERY
+    WITH new AS (SELECT n.o, n.id FROM unnest(v_new_ords, v_new_ids) AS n(o, id))
+    SELECT x.ord, coalesce(a.id, x.existing, b.id), NULL::text, NULL::bigint, NULL::bigint, NULL::bigint
+    FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
+    LEFT JOIN new a ON a.o = x.ord
+    LEFT JOIN new b ON b.o = x.same_as
+    ORDER BY x.ord;
+END;
+$$;
+
+-- One claim pass (see `canter::postgres::store` and `canter::budget::plan`, which this follows).
+--
+-- `p_budget` is the worker's own budget (`ClaimPolicy::local_budget`); the function takes the
+-- advisory locks `p_lock_keys` (sorted; empty when no cap needs a consistent count), lowers the
+-- budget to the cluster cap's room, then per queue in order takes
+-- min(budget left, cap room, max batch) rows of both arms (Pending, and Claimed with a lapsed
+-- lease) with FOR UPDATE SKIP LOCKED in (priority, run_at, id) order. The first `p_start_now`
+-- rows in claim order start at once. Returns the rows in claim order, then one last row with a
+-- NULL id carrying `more`: whether an eligible row of a served queue was left behind.
+CREATE FUNCTION claim(
+    p_worker text, p_token bigint, p_queues text[], p_caps integer[], p_budget integer,
+    p_hard boolean, p_cluster_cap integer, p_max_batch integer, p_lock_keys bigint[],
+    p_start_now integer, p_lease_ms bigint)
+RETURNS TABLE (id bigint, lease bigint, name text, queue text, args jsonb, priority smallint, started boolean,
+               attempt integer, retries integer, retry jsonb, more boolean)
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now   timestamptz := db_now();
+    v_key   bigint;
+    v_left  integer := greatest(p_budget, 0);
+    v_ids   bigint[] := '{}';
+    v_got   bigint[];
+    v_want  integer;
+    v_count integer;
+    v_queue text;
+    v_more  boolean := false;
+BEGIN
+    IF p_lock_keys IS NOT NULL THEN
+        FOREACH v_key IN ARRAY p_lock_keys LOOP
+            PERFORM pg_advisory_xact_lock(v_key);
+        END LOOP;
+    END IF;
+    -- Each statement below takes a fresh snapshot, so the counts include every claim committed
+    -- by the previous holder of the locks.
+    IF p_hard AND p_cluster_cap IS NOT NULL THEN
+        SELECT count(*) INTO v_count FROM tasks t
+        WHERE t.state IN ('CLAIMED', 'RUNNING')
+          AND (t.state = 'RUNNING' OR t.claim_expires_at IS NULL OR t.claim_expires_at > v_now);
+        v_left := least(v_left, greatest(p_cluster_cap - v_count, 0));
+    END IF;
+    FOR i IN 1 .. coalesce(cardinality(p_queues), 0) LOOP
+        v_queue := p_queues[i];
+        v_want := v_left;
+        IF v_want > 0 AND p_caps[i] IS NOT NULL THEN
+            SELECT count(*) INTO v_count FROM tasks t
+            WHERE t.queue = v_queue AND t.state IN ('CLAIMED', 'RUNNING')
+              AND (t.state = 'RUNNING'
+                   OR (p_hard AND (t.claim_expires_at IS NULL OR t.claim_expires_at > v_now)));
+            v_want := least(v_want, greatest(p_caps[i] - v_count, 0));
+        END IF;
+        IF p_max_batch > 0 THEN
+            v_want := least(v_want, p_max_batch);
+        END IF;
+        v_got := '{}';
+        IF v_want > 0 THEN
+            WITH pend AS (
+                SELECT t.id, t.priority, t.run_at FROM tasks t
+                WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
+                  AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                ORDER BY t.priority, t.run_at, t.id
+                LIMIT v_want
+                FOR UPDATE SKIP LOCKED
+            ),
+            lapsed AS (
+                SELECT t.id, t.priority, t.run_at FROM tasks t
+                WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
+                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                ORDER BY t.priority, t.run_at, t.id
+                LIMIT v_want
+                FOR UPDATE SKIP LOCKED
+            )
+            SELECT coalesce(array_agg(c.id ORDER BY c.priority, c.run_at, c.id), '{}') INTO v_got
+            FROM (
+                SELECT u.id, u.priority, u.run_at
+                FROM (SELECT * FROM pend UNION ALL SELECT * FROM lapsed) u
+                ORDER BY u.priority, u.run_at, u.id
+                LIMIT v_want
+            ) c;
+            v_ids := v_ids || v_got;
+            v_left := v_left - cardinality(v_got);
+        END IF;
+        IF NOT v_more AND cardinality(v_got) >= v_want THEN
+            -- Ordered like the claim, so the planner walks the same indexes (EXISTS would drop
+            -- the ORDER BY and LIMIT and invite a sequential scan).
+            v_more := (
+                SELECT t.id FROM tasks t
+                WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
+                  AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                ORDER BY t.priority, t.run_at, t.id
+                LIMIT 1
+            ) IS NOT NULL OR (
+                SELECT t.id FROM tasks t
+                WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
+                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                ORDER BY t.claim_expires_at
+                LIMIT 1
+            ) IS NOT NULL;
+        END IF;
+    END LOOP;
+
+    IF cardinality(v_ids) > 0 THEN
+        RETURN QUERY
+        WITH chosen AS (
+            SELECT c.id, c.ord, c.ord <= p_start_now AS start
+            FROM unnest(v_ids) WITH ORDINALITY AS c(id, ord)
+        ),
+        claimed AS (
+            UPDATE tasks t SET
+                state = CASE WHEN c.start THEN 'RUNNING' ELSE 'CLAIMED' END,
+                lease = t.lease + 1,
+                claimed_by = p_worker,
+                claim_token = p_token,
+                claimed_at = v_now,
+                attempts = t.attempts + CASE WHEN c.start THEN 1 ELSE 0 END,
+                started_at = CASE WHEN c.start THEN v_now ELSE t.started_at END,
+                heartbeat_at = CASE WHEN c.start THEN v_now END,
+                claim_expires_at = CASE WHEN c.start THEN NULL ELSE v_now + p_lease_ms * interval '1 millisecond' END
+            FROM chosen c
+            WHERE t.id = c.id
+            RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, c.start, t.attempts, t.retries, t.retry, c.ord
+        )
+        SELECT c.id, c.lease, c.name, c.queue, c.args, c.priority, c.start,
+               CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, v_more
+        FROM claimed c
+        ORDER BY c.ord;
+    END IF;
+    RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
+                        NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, v_more;
+END;
+$$;
+
+-- Start claimed tasks (see `DbRequest::Start`): Claimed to Running when held by `p_worker`
+-- under that lease with a live claim; Expired instead past good-until; left Claimed
+-- (`deferred`) when its queue is at its cap (`p_cap_queues`/`p_caps`, soft-cap mode only).
+-- Returns one row per input entry, in input order: started, expired, deferred or lost.
+CREATE FUNCTION start_tasks(
+    p_worker text, p_ids bigint[], p_leases bigint[], p_cap_queues text[], p_caps integer[],
+    p_lock_keys bigint[], p_done_channel text, p_expired_error jsonb)
+RETURNS TABLE (ord bigint, id bigint, outcome text, attempt integer)
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+AS $$
+#variable_conflict use_column
+DECLARE
+    v_now     timestamptz := db_now();
+    v_key     bigint;
+    v_ords    bigint[];
+    v_ids     bigint[];
+    v_out     text[];
+    v_attempt integer[];
+    v_expired bigint[];
+BEGIN
+    IF p_lock_keys IS NOT NULL THEN
+        FOREACH v_key IN ARRAY p_lock_keys LOOP
+            PERFORM pg_advisory_xact_lock(v_key);
+        END LOOP;
+    END IF;
+    WITH input AS (
+        SELECT i.id, i.lease, i.ord FROM unnest(p_ids, p_leases) WITH ORDINALITY AS i(id, lease, ord)
+    ),
+    held AS (
+        SELECT t.id, t.lease, t.state, t.queue, t.claim_expires_at, t.good_until, t.attempts
+        FROM tasks t
+        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state IN ('CLAIMED', 'RUNNING')
+        FOR UPDATE
+    ),
+    -- Per task, the first entry naming its current lease decides; later ones echo it.
+    firsts AS (
+        SELECT DISTINCT ON (i.id) i.id, i.ord
+        FROM input i JOIN held h ON h.id = i.id AND h.lease = i.lease
+        ORDER BY i.id, i.ord
+    ),
+    decided AS (
+        SELECT f.id, f.ord, h.queue, h.attempts,
+               CASE WHEN h.state = 'RUNNING' THEN 'started'
+                    WHEN h.claim_expires_at IS NOT NULL AND h.claim_expires_at <= v_now THEN 'lost'
+                    WHEN h.good_until IS NOT NULL AND h.good_until <= v_now THEN 'expired'
+                    ELSE 'candidate' END AS what
+        FROM firsts f JOIN held h ON h.id = f.id
+    ),
+    running AS (
+        SELECT t.queue, count(*) AS n FROM tasks t
+        WHERE t.state = 'RUNNING' AND t.queue = ANY (p_cap_queues)
+        GROUP BY t.queue
+    ),
+    to_start AS (
+        SELECT d.id
+        FROM (
+            SELECT d.id, d.queue, row_number() OVER (PARTITION BY d.queue ORDER BY d.ord) AS n
+            FROM decided d WHERE d.what = 'candidate'
+        ) d
+        LEFT JOIN unnest(p_cap_queues, p_caps) AS c(queue, cap) ON c.queue = d.queue
+        LEFT JOIN running r ON r.queue = d.queue
+        WHERE c.cap IS NULL OR d.n <= c.cap - coalesce(r.n, 0)
+    ),
+    started AS (
+        UPDATE tasks t SET state = 'RUNNING', attempts = t.attempts + 1, started_at = v_now, heartbeat_at = v_now,
+                           claim_expires_at = NULL
+        FROM to_start s
+        WHERE t.id = s.id
+        RETURNING t.id, t.attempts
+    ),
+    expired AS (
+        DELETE FROM tasks t USING decided d
+        WHERE t.id = d.id AND d.what = 'expired'
+        RETURNING t.*
+    ),
+    moved AS (
+        INSERT INTO finished_tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
+                                    heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry,
+                                    key, error, result, finished_at)
+        SELECT e.id, e.name, e.queue, e.priority, e.args, 'EXPIRED', e.lease, e.claimed_by, e.claim_token, e.claimed_at,
+               e.heartbeat_at, e.started_at, e.attempts, e.retries, e.run_at, e.enqueued_at, e.good_until, e.retry,
+               e.key, p_expired_error, NULL, v_now
+        FROM expired e
+        RETURNING finished_tasks.id
+    ),
+    outcome AS (
+        SELECT d.id, coalesce(s.attempts, d.attempts) AS attempts,
+               CASE WHEN d.what = 'candidate' THEN CASE WHEN s.id IS NULL THEN 'deferred' ELSE 'started' END
+                    ELSE d.what END AS result
+        FROM decided d LEFT JOIN started s ON s.id = d.id
+    ),
+    answer AS (
+        SELECT i.ord, i.id,
+               CASE WHEN o.id IS NULL OR h.lease <> i.lease THEN 'lost'
+                    WHEN f.ord = i.ord THEN o.result
+                    WHEN o.result = 'expired' THEN 'lost'
+                    ELSE o.result END AS outcome,
+               o.attempts
+        FROM input i
+        LEFT JOIN held h ON h.id = i.id
+        LEFT JOIN firsts f ON f.id = i.id
+        LEFT JOIN outcome o ON o.id = i.id
+    )
+    SELECT coalesce(array_agg(a.ord ORDER BY a.ord), '{}'), coalesce(array_agg(a.id ORDER BY a.ord), '{}'),
+           coalesce(array_agg(a.outcome ORDER BY a.ord), '{}'), coalesce(array_agg(a.attempts ORDER BY a.ord), '{}'),
+           (SELECT array_agg(m.id) FROM moved m)
+    INTO v_ords, v_ids, v_out, v_attempt, v_expired
+    FROM answer a;
+
+    -- Result waiters learn of expired tasks; payloads stay under the 8000-byte limit.
+    PERFORM pg_notify(p_done_channel, string_agg(e.id::text, ','))
+    FROM unnest(v_expired) WITH ORDINALITY AS e(id, n)
+    GROUP BY (e.n - 1) / 300;
+    RETURN QUERY SELECT a.ord, a.id, a.outcome, a.attempt FROM unnest(v_ords, v_ids, v_out, v_attempt) AS a(ord, id, outcome, attempt);
+END;
+$$;

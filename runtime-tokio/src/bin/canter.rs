@@ -1,0 +1,536 @@
+//! `canter`: run workers, enqueue tasks and inspect the queue from the command line.
+//!
+//! Exit codes: 0 success, 1 failure, 2 usage.
+
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use canter_tokio::canter::config::{Config, RetryPolicy};
+use canter_tokio::canter::db::{DbTime, NewTask, RunAt, TaskRecord};
+use canter_tokio::canter::memory::TaskFilter;
+use canter_tokio::cli::{Args, UsageError, parse_duration};
+use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, builtins};
+use serde_json::Value;
+use sqlx::PgPool;
+use tracing_subscriber::filter::LevelFilter;
+
+const HELP: &str = "\
+canter: a PostgreSQL task queue
+
+usage: canter <command> [options]
+
+commands:
+  migrate     create or upgrade the schema
+  worker      run a worker serving the built-in tasks
+  enqueue     enqueue tasks and print their ids
+  status      counts by queue and status, and live workers
+  list        list tasks
+  show        show one task and its attempts
+  result      print a task's result, optionally waiting for it
+  cancel      cancel a pending or claimed task
+  retry       put a failed task back to pending
+  demo        run the demo: a mixed load through several workers
+
+every command takes --database-url URL (or DATABASE_URL) and --schema NAME (default canter);
+`canter <command> --help` says more.";
+
+const COMMON: &[&str] = &["database-url", "schema"];
+
+enum Failure {
+    Usage(String),
+    Failed(String),
+}
+
+impl From<UsageError> for Failure {
+    fn from(error: UsageError) -> Self {
+        Failure::Usage(error.0)
+    }
+}
+
+type Outcome = Result<(), Failure>;
+
+fn failed(message: impl std::fmt::Display) -> Failure {
+    Failure::Failed(message.to_string())
+}
+
+fn main() -> ExitCode {
+    let raw: Vec<String> = std::env::args().skip(1).collect();
+    let Some(command) = raw.first().cloned() else {
+        eprintln!("{HELP}");
+        return ExitCode::from(2);
+    };
+    if matches!(command.as_str(), "help" | "--help" | "-h") {
+        println!("{HELP}");
+        return ExitCode::SUCCESS;
+    }
+    let rest = &raw[1..];
+    let help = command_help(&command);
+    if help.is_none() {
+        eprintln!("unknown command {command:?}\n\n{HELP}");
+        return ExitCode::from(2);
+    }
+    if rest.iter().any(|a| a == "--help" || a == "-h") {
+        println!("{}", help.unwrap_or_default());
+        return ExitCode::SUCCESS;
+    }
+    // The demo prints its own progress: only warnings from the workers.
+    init_logging(if command == "demo" { LevelFilter::WARN } else { LevelFilter::INFO });
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("cannot start the runtime: {error}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(run(&command, rest)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Failure::Usage(message)) => {
+            eprintln!("canter {command}: {message}\n\n{}", help.unwrap_or_default());
+            ExitCode::from(2)
+        }
+        Err(Failure::Failed(message)) => {
+            eprintln!("canter {command}: {message}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+/// Logs to stderr at `CANTER_LOG` (error, warn, info, debug, trace) or `default`.
+fn init_logging(default: LevelFilter) {
+    let level = std::env::var("CANTER_LOG").ok().and_then(|l| l.parse::<LevelFilter>().ok()).unwrap_or(default);
+    let _ = tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).with_target(false).try_init();
+}
+
+fn command_help(command: &str) -> Option<&'static str> {
+    Some(match command {
+        "migrate" => "usage: canter migrate [--database-url URL] [--schema NAME]",
+        "worker" => {
+            "usage: canter worker [--config FILE] [--database-url URL] [--schema NAME] [--<setting> VALUE]...\n\n\
+             serves the built-in tasks (noop, sleep, fail, panic, echo, cpu) until SIGINT or SIGTERM.\n\
+             every AppConfig and WorkerConfig setting can be given as a flag named after it, e.g.\n\
+             --concurrency 16 --queues default,emails --prefetch-buffer 4 --claim-lease-ms 30000\n\
+             --deployment-mode PollingOnly --check-interval-ms 5000 --custom-queues '[{\"name\":\"a\"}]'\n\
+             --queue-mode custom; flags override the file."
+        }
+        "enqueue" => {
+            "usage: canter enqueue TASK [--args JSON] [--queue Q] [--priority N] [--delay D | --run-at T]\n\
+             \x20                     [--good-until T] [--max-retries N] [--key K] [--count N] [--force]\n\n\
+             D is a duration (500ms, 10s, 2m); T is a duration from now or an RFC 3339 UTC time\n\
+             (2026-11-22T10:00:00Z). --force enqueues a task name the built-in worker does not serve."
+        }
+        "status" => "usage: canter status [--json]",
+        "list" => "usage: canter list [--status S] [--queue Q] [--limit N] [--json]",
+        "show" => "usage: canter show ID [--json]",
+        "result" => "usage: canter result ID [--wait D]",
+        "cancel" => "usage: canter cancel ID",
+        "retry" => "usage: canter retry ID",
+        "demo" => "usage: canter demo [--tasks N] [--workers W] [--concurrency C] [--database-url URL]",
+        _ => return None,
+    })
+}
+
+async fn run(command: &str, raw: &[String]) -> Outcome {
+    match command {
+        "migrate" => {
+            let args = Args::parse(raw, COMMON, &[], false)?;
+            let client = client(&args, Default::default())?;
+            with_retry("migrate", || client.store().migrate()).await?;
+            println!("schema {} is up to date", client.store().schema().name());
+            Ok(())
+        }
+        "worker" => worker(raw).await,
+        "enqueue" => enqueue(raw).await,
+        "status" => status(raw).await,
+        "list" => list(raw).await,
+        "show" => show(raw).await,
+        "result" => result(raw).await,
+        "cancel" | "retry" => admin(command, raw).await,
+        "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
+            canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
+            canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
+        }),
+        _ => Err(Failure::Usage(format!("unknown command {command:?}"))),
+    }
+}
+
+fn database_url(args: &Args) -> Result<String, Failure> {
+    args.value("database-url")
+        .map(str::to_owned)
+        .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
+        .ok_or_else(|| Failure::Usage("no database: pass --database-url URL or set DATABASE_URL".into()))
+}
+
+fn schema(args: &Args) -> Result<PgSchema, Failure> {
+    match args.value("schema") {
+        Some(name) => PgSchema::new(name).map_err(|e| Failure::Usage(e.to_string())),
+        None => Ok(PgSchema::default()),
+    }
+}
+
+fn pool(args: &Args, size: u32) -> Result<PgPool, Failure> {
+    let url = database_url(args)?;
+    canter_tokio::connect(&url, size).map_err(|e| Failure::Usage(format!("invalid database url: {e}")))
+}
+
+fn client(args: &Args, app: canter_tokio::AppConfig) -> Result<Client, Failure> {
+    Ok(Client::new(Arc::new(TokioRuntime), pool(args, 4)?, schema(args)?, app))
+}
+
+/// Runs `op`, retrying with backoff while the database is unreachable, and says so.
+async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+    what: &str,
+    mut op: impl FnMut() -> F,
+) -> Result<T, Failure> {
+    let mut delay = Duration::from_millis(500);
+    for attempt in 1..=6 {
+        match op().await {
+            Ok(value) => return Ok(value),
+            Err(error) => {
+                let text = error.to_string();
+                let unreachable = ["connect", "refused", "timed out", "pool", "closed", "io error", "dns"]
+                    .iter()
+                    .any(|w| text.to_lowercase().contains(w));
+                if !unreachable || attempt == 6 {
+                    return Err(failed(format!("{what} failed: {text}")));
+                }
+                eprintln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/5)");
+                tokio::time::sleep(delay).await;
+                delay = (delay * 2).min(Duration::from_secs(8));
+            }
+        }
+    }
+    unreachable!("the loop returns on its last attempt")
+}
+
+/// The config from `--config FILE` (or defaults) with every other flag laid over it.
+fn worker_config(args: &Args) -> Result<Config, Failure> {
+    let base = match args.value("config") {
+        Some(path) => Config::from_path(std::path::Path::new(path)).map_err(|e| Failure::Usage(e.to_string()))?,
+        None => Config::default(),
+    };
+    let mut json = serde_json::to_value(&base).map_err(failed)?;
+    let defaults = serde_json::to_value(Config::default()).map_err(failed)?;
+    for (flag, value) in &args.values {
+        if ["config", "database-url", "schema"].contains(&flag.as_str()) {
+            continue;
+        }
+        let field = flag.replace('-', "_");
+        let section = [&["worker"][..], &["app"], &["app", "recovery"], &["app", "resilience"], &["app", "retry"]]
+            .into_iter()
+            .find(|path| {
+                let mut node = &defaults;
+                for key in *path {
+                    node = &node[*key];
+                }
+                node.as_object().is_some_and(|o| o.contains_key(&field))
+                    || (path == &["app"] && ["cluster_wide_cap", "claim_lease_ms"].contains(&field.as_str()))
+                    || (path == &["worker"] && ["seed"].contains(&field.as_str()))
+            })
+            .ok_or_else(|| Failure::Usage(format!("unknown option --{flag}: not a configuration setting")))?;
+        let parsed = if field == "queues" {
+            Value::from(value.split(',').filter(|q| !q.is_empty()).map(str::to_owned).collect::<Vec<_>>())
+        } else {
+            serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.clone()))
+        };
+        let mut node = &mut json;
+        for key in section {
+            node = &mut node[*key];
+        }
+        node[field.as_str()] = parsed;
+    }
+    Config::from_json_str(&json.to_string()).map_err(|e| Failure::Usage(e.to_string()))
+}
+
+async fn worker(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, &["config", "database-url", "schema"], &[], true)?;
+    let config = worker_config(&args)?;
+    let size = (config.worker.concurrency / 4).clamp(4, 32);
+    let registry = Arc::new(builtins::registry());
+    let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
+        .map_err(|e| Failure::Usage(e.to_string()))?
+        .schema(schema(&args)?);
+    println!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id());
+    let stats = worker.run().await.map_err(failed)?;
+    println!(
+        "worker stopped: claimed {}, completed {}, failed {}, retried {}, lost {}",
+        stats.claimed, stats.completed, stats.failed, stats.retried, stats.lost
+    );
+    Ok(())
+}
+
+/// An absolute database time from a duration from now or an RFC 3339 UTC timestamp.
+fn db_time(text: &str, now: DbTime) -> Result<DbTime, UsageError> {
+    if let Ok(duration) = parse_duration(text) {
+        return Ok(now.plus_ms(duration.as_millis() as u64));
+    }
+    parse_rfc3339(text)
+        .ok_or_else(|| UsageError(format!("invalid time {text:?}: expected a duration (10m) or 2026-11-22T10:00:00Z")))
+}
+
+/// Milliseconds since the epoch of `YYYY-MM-DDTHH:MM:SS[.fff]Z`.
+fn parse_rfc3339(text: &str) -> Option<DbTime> {
+    let text = text.strip_suffix('Z').or_else(|| text.strip_suffix("+00:00"))?;
+    let (date, time) = text.split_once(['T', ' '])?;
+    let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
+    let (year, month, day) = (d.next()??, d.next()??, d.next()??);
+    let (hms, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
+    let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
+    if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 || second > 60 {
+        return None;
+    }
+    let millis: i64 = format!("{fraction:0<3}")[..3].parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if month <= 2 { year - 1 } else { year };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (month + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(DbTime(((days * 24 + hour) * 60 + minute) * 60_000 + second * 1000 + millis))
+}
+
+async fn enqueue(raw: &[String]) -> Outcome {
+    let values = [
+        "database-url",
+        "schema",
+        "args",
+        "queue",
+        "priority",
+        "delay",
+        "run-at",
+        "good-until",
+        "max-retries",
+        "key",
+        "count",
+    ];
+    let args = Args::parse(raw, &values, &["force"], false)?;
+    let [task] = args.positional.as_slice() else {
+        return Err(Failure::Usage("expected exactly one TASK name".into()));
+    };
+    if !builtins::NAMES.contains(&task.as_str()) && !args.switch("force") {
+        return Err(Failure::Usage(format!(
+            "unknown task name {task:?}: the canter worker serves {}; pass --force to enqueue it anyway",
+            builtins::NAMES.join(", ")
+        )));
+    }
+    let task_args: Value = match args.value("args") {
+        Some(text) => {
+            serde_json::from_str(text).map_err(|e| Failure::Usage(format!("--args is not valid JSON: {e}")))?
+        }
+        None => Value::Object(Default::default()),
+    };
+    if args.value("delay").is_some() && args.value("run-at").is_some() {
+        return Err(Failure::Usage("give --delay or --run-at, not both".into()));
+    }
+    let count: usize = args.parsed("count")?.unwrap_or(1);
+    if count == 0 || count > 1_000_000 {
+        return Err(Failure::Usage("--count must be 1 to 1000000".into()));
+    }
+    let mut app = canter_tokio::AppConfig::default();
+    if let Some(queue) = args.value("queue").filter(|q| *q != "default") {
+        // The command line enqueues into any queue name a worker may be configured with.
+        app.queue_mode = canter_tokio::QueueMode::Custom;
+        app.custom_queues = vec![canter_tokio::CustomQueue::new(queue)];
+    }
+    let client = client(&args, app)?;
+    let now = if args.value("run-at").is_some() || args.value("good-until").is_some() {
+        with_retry("read the database clock", || client.store().now()).await?
+    } else {
+        DbTime(0)
+    };
+    let mut template = NewTask::new(task.clone(), task_args);
+    if let Some(queue) = args.value("queue") {
+        template = template.queue(queue);
+    }
+    if let Some(priority) = args.parsed::<i16>("priority")? {
+        template = template.priority(priority);
+    }
+    if let Some(delay) = args.value("delay") {
+        template = template.run_at(RunAt::DelayMs(parse_duration(delay)?.as_millis() as u64));
+    }
+    if let Some(at) = args.value("run-at") {
+        template = template.run_at(RunAt::At(db_time(at, now)?));
+    }
+    if let Some(until) = args.value("good-until") {
+        template = template.good_until(db_time(until, now)?);
+    }
+    if let Some(retries) = args.parsed::<u32>("max-retries")? {
+        template = template.retry(RetryPolicy::exponential(1, retries));
+    }
+    if let Some(key) = args.value("key") {
+        if count > 1 {
+            return Err(Failure::Usage("--key names one task: it cannot go with --count".into()));
+        }
+        template = template.key(key);
+    }
+    let mut ids = Vec::with_capacity(count);
+    for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
+        let batch = vec![template.clone(); chunk.len()];
+        let store = client.store();
+        ids.extend(with_retry("enqueue", || store.enqueue_many(batch.clone())).await?);
+    }
+    for id in ids {
+        println!("{id}");
+    }
+    Ok(())
+}
+
+async fn status(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &["json"], false)?;
+    let client = client(&args, Default::default())?;
+    let counts = with_retry("read counts", || client.counts()).await?;
+    let workers = with_retry("read workers", || client.workers()).await?;
+    if args.switch("json") {
+        let counts: Vec<Value> = counts
+            .iter()
+            .map(|((queue, state), n)| serde_json::json!({"queue": queue, "state": state, "count": n}))
+            .collect();
+        let workers: Vec<Value> = workers
+            .iter()
+            .map(|w| serde_json::json!({"id": w.info.worker, "queues": w.info.queues, "concurrency": w.info.concurrency, "last_seen_ms": w.last_seen.0, "stopped": w.stopped}))
+            .collect();
+        println!("{}", serde_json::json!({"counts": counts, "workers": workers}));
+        return Ok(());
+    }
+    let mut by_queue: BTreeMap<&str, BTreeMap<TaskState, u64>> = BTreeMap::new();
+    for ((queue, state), n) in &counts {
+        by_queue.entry(queue).or_default().insert(*state, *n);
+    }
+    println!(
+        "{:<20} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9}",
+        "QUEUE", "PENDING", "CLAIMED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "EXPIRED"
+    );
+    for (queue, states) in &by_queue {
+        let n = |s| states.get(&s).copied().unwrap_or(0);
+        println!(
+            "{:<20} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9}",
+            queue,
+            n(TaskState::Pending),
+            n(TaskState::Claimed),
+            n(TaskState::Running),
+            n(TaskState::Completed),
+            n(TaskState::Failed),
+            n(TaskState::Cancelled),
+            n(TaskState::Expired)
+        );
+    }
+    if by_queue.is_empty() {
+        println!("(no tasks)");
+    }
+    let live: Vec<_> = workers.iter().filter(|w| !w.stopped).collect();
+    println!("\n{} live workers", live.len());
+    for w in live {
+        println!("  {}  queues {}  concurrency {}", w.info.worker, w.info.queues.join(","), w.info.concurrency);
+    }
+    Ok(())
+}
+
+fn print_record(record: &TaskRecord) {
+    println!(
+        "{:<8} {:<10} {:<12} {:<12} attempts {} retries {}",
+        record.id, record.state, record.queue, record.name, record.attempts, record.retries
+    );
+}
+
+async fn list(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, &["database-url", "schema", "status", "queue", "limit"], &["json"], false)?;
+    let state =
+        args.value("status").map(|s| s.parse::<TaskState>().map_err(|e| Failure::Usage(e.to_string()))).transpose()?;
+    let filter = TaskFilter {
+        queue: args.value("queue").map(str::to_owned),
+        state,
+        limit: Some(args.parsed::<usize>("limit")?.unwrap_or(50)),
+    };
+    let client = client(&args, Default::default())?;
+    let records = with_retry("list tasks", || client.list(&filter)).await?;
+    if args.switch("json") {
+        println!("{}", serde_json::to_string(&records).map_err(failed)?);
+    } else {
+        for record in &records {
+            print_record(record);
+        }
+    }
+    Ok(())
+}
+
+fn task_id(args: &Args) -> Result<TaskId, Failure> {
+    match args.positional.as_slice() {
+        [id] => id
+            .parse::<i64>()
+            .map(TaskId)
+            .map_err(|_| Failure::Usage(format!("invalid task id {id:?}: expected a number"))),
+        _ => Err(Failure::Usage("expected exactly one task ID".into())),
+    }
+}
+
+async fn show(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &["json"], false)?;
+    let id = task_id(&args)?;
+    let client = client(&args, Default::default())?;
+    let record =
+        with_retry("read the task", || client.get(id)).await?.ok_or_else(|| failed(format!("no task {id}")))?;
+    let attempts = with_retry("read attempts", || client.attempts(id)).await?;
+    if args.switch("json") {
+        println!("{}", serde_json::json!({"task": record, "attempts": attempts}));
+        return Ok(());
+    }
+    println!("{}", serde_json::to_string_pretty(&record).map_err(failed)?);
+    for attempt in attempts {
+        println!("attempt {} by {:?}: {}", attempt.attempt, attempt.worker.map(|w| w.0), attempt.outcome);
+    }
+    Ok(())
+}
+
+async fn result(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, &["database-url", "schema", "wait"], &[], false)?;
+    let id = task_id(&args)?;
+    let client = client(&args, Default::default())?;
+    let record = match args.value("wait") {
+        Some(wait) => {
+            client.wait(id, parse_duration(wait)?).await.map_err(|e| failed(format!("{} ({})", e, e.code())))?
+        }
+        None => with_retry("read the task", || client.get(id)).await?.ok_or_else(|| failed(format!("no task {id}")))?,
+    };
+    match record.state {
+        TaskState::Completed => {
+            println!("{}", record.result.unwrap_or(Value::Null));
+            Ok(())
+        }
+        state if state.is_terminal() => {
+            let error = record.error.map(|e| format!("{e}")).unwrap_or_default();
+            Err(failed(format!("task {id} is {state}: {error}")))
+        }
+        state => Err(failed(format!("task {id} is {state}: no result yet (use --wait)"))),
+    }
+}
+
+async fn admin(command: &str, raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &[], false)?;
+    let id = task_id(&args)?;
+    let client = client(&args, Default::default())?;
+    if command == "cancel" {
+        client.cancel(id).await.map_err(failed)?;
+        println!("task {id} cancelled");
+    } else {
+        client.retry(id).await.map_err(failed)?;
+        println!("task {id} is pending again");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_times() {
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00Z"), Some(DbTime(0)));
+        assert_eq!(parse_rfc3339("2026-11-22T10:00:00.5Z"), Some(DbTime(1_795_341_600_500)));
+        assert_eq!(parse_rfc3339("2026-13-22T10:00:00Z"), None);
+        assert_eq!(parse_rfc3339("yesterday"), None);
+    }
+}

@@ -1,0 +1,133 @@
+//! Command-line parsing for the `canter` program: `--name value`, `--name=value`, switches and
+//! positional arguments, with every unknown flag refused.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+/// A usage error: the program prints it with the command's help and exits with 2.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct UsageError(pub String);
+
+/// Parsed arguments of one command.
+#[derive(Debug, Default)]
+pub struct Args {
+    /// Positional arguments in order.
+    pub positional: Vec<String>,
+    /// `--name value` flags (the last value wins for repeated flags).
+    pub values: BTreeMap<String, String>,
+    /// `--name` switches.
+    pub switches: BTreeSet<String>,
+}
+
+impl Args {
+    /// Parses `raw` accepting the value flags in `values` and the switches in `switches`;
+    /// `open` accepts any other `--name value` too (config fields).
+    pub fn parse(raw: &[String], values: &[&str], switches: &[&str], open: bool) -> Result<Args, UsageError> {
+        let mut args = Args::default();
+        let mut iter = raw.iter();
+        while let Some(arg) = iter.next() {
+            let Some(flag) = arg.strip_prefix("--") else {
+                args.positional.push(arg.clone());
+                continue;
+            };
+            let (name, inline) = match flag.split_once('=') {
+                Some((name, value)) => (name, Some(value.to_owned())),
+                None => (flag, None),
+            };
+            if switches.contains(&name) {
+                if inline.is_some() {
+                    return Err(UsageError(format!("--{name} takes no value")));
+                }
+                args.switches.insert(name.to_owned());
+            } else if values.contains(&name) || open {
+                let value = match inline {
+                    Some(value) => value,
+                    None => iter.next().cloned().ok_or_else(|| UsageError(format!("--{name} needs a value")))?,
+                };
+                args.values.insert(name.to_owned(), value);
+            } else {
+                return Err(UsageError(format!("unknown option --{name}")));
+            }
+        }
+        Ok(args)
+    }
+
+    /// The value of `--name`, if given.
+    pub fn value(&self, name: &str) -> Option<&str> {
+        self.values.get(name).map(String::as_str)
+    }
+
+    /// Whether `--name` was given.
+    pub fn switch(&self, name: &str) -> bool {
+        self.switches.contains(name)
+    }
+
+    /// The value of `--name` parsed as `T`.
+    pub fn parsed<T: std::str::FromStr>(&self, name: &str) -> Result<Option<T>, UsageError>
+    where
+        T::Err: std::fmt::Display,
+    {
+        self.value(name).map(|v| v.parse::<T>().map_err(|e| UsageError(format!("--{name} {v:?}: {e}")))).transpose()
+    }
+}
+
+/// A duration like `500ms`, `10s`, `2m`, `1h` or a bare number of seconds.
+pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
+    let text = text.trim();
+    let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
+    let (number, unit) = text.split_at(split);
+    let value: f64 =
+        number.parse().map_err(|_| UsageError(format!("invalid duration {text:?}: expected e.g. 500ms, 10s, 2m")))?;
+    let seconds = match unit {
+        "ms" => value / 1000.0,
+        "" | "s" => value,
+        "m" => value * 60.0,
+        "h" => value * 3600.0,
+        _ => return Err(UsageError(format!("invalid duration unit {unit:?}: expected ms, s, m or h"))),
+    };
+    if !seconds.is_finite() || seconds < 0.0 {
+        return Err(UsageError(format!("invalid duration {text:?}")));
+    }
+    Ok(std::time::Duration::from_secs_f64(seconds))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strings(args: &[&str]) -> Vec<String> {
+        args.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn flags_switches_and_positionals() {
+        let args = Args::parse(
+            &strings(&["sleep", "--count", "3", "--json", "--queue=fast"]),
+            &["count", "queue"],
+            &["json"],
+            false,
+        )
+        .unwrap();
+        assert_eq!(args.positional, vec!["sleep"]);
+        assert_eq!(args.value("count"), Some("3"));
+        assert_eq!(args.value("queue"), Some("fast"));
+        assert!(args.switch("json"));
+        assert_eq!(args.parsed::<u32>("count").unwrap(), Some(3));
+    }
+
+    #[test]
+    fn unknown_and_incomplete_flags_are_usage_errors() {
+        assert!(Args::parse(&strings(&["--nope", "1"]), &["count"], &[], false).is_err());
+        assert!(Args::parse(&strings(&["--count"]), &["count"], &[], false).is_err());
+        assert!(Args::parse(&strings(&["--json=1"]), &[], &["json"], false).is_err());
+        assert!(Args::parse(&strings(&["--anything", "1"]), &[], &[], true).is_ok());
+    }
+
+    #[test]
+    fn durations() {
+        assert_eq!(parse_duration("500ms").unwrap().as_millis(), 500);
+        assert_eq!(parse_duration("2m").unwrap().as_secs(), 120);
+        assert_eq!(parse_duration("3").unwrap().as_secs(), 3);
+        assert!(parse_duration("3 weeks").is_err());
+    }
+}

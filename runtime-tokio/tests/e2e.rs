@@ -1,0 +1,29 @@
+//! The shared end-to-end suite on tokio, against PostgreSQL (one schema per test).
+
+#[path = "../../tests/common/pg.rs"]
+mod pg;
+
+#[path = "../../tests/e2e/body.rs"]
+mod body;
+
+use std::sync::Arc;
+
+use canter_tokio::TokioRuntime;
+
+macro_rules! scenario {
+    ($name:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let db = pg::TestDb::new().await;
+            let pool = db.pool(20).await;
+            body::$name(Arc::new(TokioRuntime), pool, db.schema.clone()).await;
+        }
+    };
+}
+
+scenario!(many_tasks_through_several_workers);
+scenario!(caps_hold_under_load);
+scenario!(failures_end_with_their_codes);
+scenario!(waiting_timeouts_and_cancel);
+scenario!(graceful_shutdown);
+scenario!(hooks_see_lifecycle_events);

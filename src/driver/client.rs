@@ -1,0 +1,312 @@
+//! The client: enqueue typed tasks, wait for their results, cancel and inspect.
+
+use std::collections::BTreeMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::future::{AbortHandle, Abortable, FutureExt};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use sqlx::PgPool;
+
+use super::{Runtime, TaskHandle};
+use crate::backoff::DbBackoff;
+use crate::config::AppConfig;
+use crate::db::{AttemptRecord, NewTask, TaskRecord};
+use crate::memory::{TaskFilter, WorkerRecord};
+use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
+use crate::rng::Rng;
+use crate::task::{ErrorCode, TaskError, TaskId, TaskState};
+
+/// Why a client call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    /// The arguments did not serialize to JSON.
+    #[error("task arguments did not serialize: {0}")]
+    Arguments(#[from] serde_json::Error),
+    /// The enqueue was refused (bad input, a payload mismatch, or the database failed).
+    #[error(transparent)]
+    Enqueue(#[from] PgEnqueueError),
+    /// A cancel or requeue was refused.
+    #[error(transparent)]
+    Admin(#[from] PgAdminError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl ClientError {
+    /// The error code of this failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ClientError::Enqueue(error) => error.code(),
+            ClientError::Arguments(_) => ErrorCode::User("VALIDATION_FAILED".into()),
+            ClientError::Admin(_) | ClientError::Database(_) => ErrorCode::BrokerError,
+        }
+    }
+}
+
+/// Why waiting for a result gave no result.
+#[derive(Debug, thiserror::Error)]
+pub enum ResultError {
+    /// The task failed for good.
+    #[error("task failed: {0}")]
+    Failed(TaskError),
+    /// The task was cancelled.
+    #[error("task was cancelled")]
+    Cancelled,
+    /// The task expired before it ran.
+    #[error("task expired before it ran")]
+    Expired,
+    /// The wait timed out; the task may still run.
+    #[error("no result within {0:?}: the task may still run")]
+    Timeout(Duration),
+    /// No task has this id.
+    #[error("no task {0}")]
+    NotFound(TaskId),
+    /// The stored result did not decode into the result type.
+    #[error("{0}")]
+    Decode(TaskError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl ResultError {
+    /// The error code of this outcome (`WAIT_TIMEOUT`, `TASK_CANCELLED`, the task's own code…).
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ResultError::Failed(error) | ResultError::Decode(error) => error.code.clone(),
+            ResultError::Cancelled => ErrorCode::TaskCancelled,
+            ResultError::Expired => ErrorCode::TaskExpired,
+            ResultError::Timeout(_) => ErrorCode::WaitTimeout,
+            ResultError::NotFound(_) => ErrorCode::TaskNotFound,
+            ResultError::Database(_) => ErrorCode::BrokerError,
+        }
+    }
+}
+
+struct Inner<R> {
+    store: PgStore,
+    runtime: Arc<R>,
+    router: DoneRouter,
+    /// The router's listening task, started by the first wait.
+    listening: Mutex<Option<AbortHandle>>,
+}
+
+impl<R> Drop for Inner<R> {
+    fn drop(&mut self) {
+        if let Some(handle) = self.listening.lock().unwrap_or_else(PoisonError::into_inner).take() {
+            handle.abort();
+        }
+    }
+}
+
+/// Enqueues tasks and reads their results. Cheap to clone; one listening connection per
+/// client (opened by the first wait) serves every waiter.
+pub struct Client<R> {
+    inner: Arc<Inner<R>>,
+}
+
+impl<R> Clone for Client<R> {
+    fn clone(&self) -> Self {
+        Client { inner: self.inner.clone() }
+    }
+}
+
+impl<R: Runtime> Client<R> {
+    /// A client on `pool`, checking enqueues against `app`, in `schema`.
+    pub fn new(runtime: Arc<R>, pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
+        let store = PgStore::new(pool, schema, app);
+        Client { inner: Arc::new(Inner { store, runtime, router: DoneRouter::new(), listening: Mutex::new(None) }) }
+    }
+
+    /// The underlying store (enqueue without types, inspection, migrations).
+    pub fn store(&self) -> &PgStore {
+        &self.inner.store
+    }
+
+    /// Enqueues `task` with `args`.
+    pub async fn enqueue<A: Serialize, T>(
+        &self,
+        task: &TaskHandle<A, T>,
+        args: &A,
+    ) -> Result<ResultHandle<R, T>, ClientError> {
+        self.enqueue_with(task, args, |t| t).await
+    }
+
+    /// Enqueues `task` with `args`, shaped by `options` (queue, priority, run-at, good-until,
+    /// retry policy, idempotency key: see [`NewTask`]'s builder methods).
+    pub async fn enqueue_with<A: Serialize, T>(
+        &self,
+        task: &TaskHandle<A, T>,
+        args: &A,
+        options: impl FnOnce(NewTask) -> NewTask,
+    ) -> Result<ResultHandle<R, T>, ClientError> {
+        let new = options(NewTask::new(task.name(), task.encode(args)?));
+        let id = self.inner.store.enqueue(new).await?;
+        Ok(self.handle(id))
+    }
+
+    /// Enqueues one `task` per item of `args` in one statement.
+    pub async fn enqueue_many<A: Serialize, T>(
+        &self,
+        task: &TaskHandle<A, T>,
+        args: impl IntoIterator<Item = A>,
+    ) -> Result<Vec<ResultHandle<R, T>>, ClientError> {
+        let tasks = args
+            .into_iter()
+            .map(|a| Ok(NewTask::new(task.name(), task.encode(&a)?)))
+            .collect::<Result<Vec<_>, serde_json::Error>>()?;
+        let ids = self.inner.store.enqueue_many(tasks).await?;
+        Ok(ids.into_iter().map(|id| self.handle(id)).collect())
+    }
+
+    /// Enqueues inside the caller's own transaction (or on any executor): the task exists
+    /// only if that transaction commits.
+    pub async fn enqueue_in<'e, E: sqlx::PgExecutor<'e>, A: Serialize, T>(
+        &self,
+        executor: E,
+        task: &TaskHandle<A, T>,
+        args: &A,
+        options: impl FnOnce(NewTask) -> NewTask,
+    ) -> Result<ResultHandle<R, T>, ClientError> {
+        let new = options(NewTask::new(task.name(), task.encode(args)?));
+        let store = &self.inner.store;
+        let id = enqueue_in(executor, store.schema(), store.app(), new).await?;
+        Ok(self.handle(id))
+    }
+
+    /// A result handle for a task enqueued elsewhere.
+    pub fn handle<T>(&self, id: TaskId) -> ResultHandle<R, T> {
+        ResultHandle { client: self.clone(), id, result: PhantomData }
+    }
+
+    /// The task as stored now.
+    pub async fn get(&self, id: TaskId) -> Result<Option<TaskRecord>, ClientError> {
+        Ok(self.inner.store.get(id).await?)
+    }
+
+    /// The finished runs of a task.
+    pub async fn attempts(&self, id: TaskId) -> Result<Vec<AttemptRecord>, ClientError> {
+        Ok(self.inner.store.attempts(id).await?)
+    }
+
+    /// Cancels a pending or claimed task.
+    pub async fn cancel(&self, id: TaskId) -> Result<(), ClientError> {
+        Ok(self.inner.store.cancel(id).await?)
+    }
+
+    /// Puts a failed task back to Pending with a fresh retry budget.
+    pub async fn retry(&self, id: TaskId) -> Result<(), ClientError> {
+        Ok(self.inner.store.requeue_failed(id).await?)
+    }
+
+    /// Tasks matching `filter`.
+    pub async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, ClientError> {
+        Ok(self.inner.store.list(filter).await?)
+    }
+
+    /// Task counts by queue and state.
+    pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, ClientError> {
+        Ok(self.inner.store.counts().await?)
+    }
+
+    /// The worker registry.
+    pub async fn workers(&self) -> Result<Vec<WorkerRecord>, ClientError> {
+        Ok(self.inner.store.workers().await?)
+    }
+
+    /// Waits until task `id` is terminal, or `timeout` passes.
+    pub async fn wait(&self, id: TaskId, timeout: Duration) -> Result<TaskRecord, ResultError> {
+        self.ensure_listening();
+        let runtime = &self.inner.runtime;
+        let deadline = runtime.sleep_until(runtime.now() + timeout);
+        match self.inner.store.wait_result_with(&self.inner.router, id, deadline).await {
+            Ok(record) => Ok(record),
+            Err(WaitError::Timeout(_)) => Err(ResultError::Timeout(timeout)),
+            Err(WaitError::NotFound(id)) => Err(ResultError::NotFound(id)),
+            Err(WaitError::Database(error)) => Err(ResultError::Database(error)),
+        }
+    }
+
+    /// Starts the one listening connection of this client, kept up with backoff.
+    fn ensure_listening(&self) {
+        let mut listening = self.inner.listening.lock().unwrap_or_else(PoisonError::into_inner);
+        if listening.is_some() {
+            return;
+        }
+        let (handle, registration) = AbortHandle::new_pair();
+        let (store, router, runtime) =
+            (self.inner.store.clone(), self.inner.router.clone(), self.inner.runtime.clone());
+        let resilience = store.app().resilience.clone();
+        let keep_listening = async move {
+            let mut backoff = DbBackoff::new();
+            let mut rng = Rng::new(0x5EED);
+            loop {
+                let _ = router.run(&store).await;
+                // Waiters re-read on every wake: wake them so none sleeps through the outage.
+                router.wake_all();
+                let delay = backoff.on_failure(&resilience, &mut rng);
+                runtime.sleep_until(runtime.now() + delay).await;
+            }
+        };
+        self.inner.runtime.spawn(Box::pin(Abortable::new(keep_listening, registration).map(|_| ())));
+        *listening = Some(handle);
+    }
+}
+
+/// A task's future result, typed `T`.
+pub struct ResultHandle<R, T> {
+    client: Client<R>,
+    id: TaskId,
+    result: PhantomData<fn() -> T>,
+}
+
+impl<R, T> Clone for ResultHandle<R, T> {
+    fn clone(&self) -> Self {
+        ResultHandle { client: self.client.clone(), id: self.id, result: PhantomData }
+    }
+}
+
+impl<R, T> std::fmt::Debug for ResultHandle<R, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ResultHandle").field(&self.id).finish()
+    }
+}
+
+impl<R: Runtime, T: DeserializeOwned> ResultHandle<R, T> {
+    /// The task's id.
+    pub fn id(&self) -> TaskId {
+        self.id
+    }
+
+    /// The task as stored now.
+    pub async fn status(&self) -> Result<Option<TaskRecord>, ClientError> {
+        self.client.get(self.id).await
+    }
+
+    /// Waits for the result, at most `timeout`.
+    pub async fn wait(&self, timeout: Duration) -> Result<T, ResultError> {
+        let record = self.client.wait(self.id, timeout).await?;
+        let error =
+            || record.error.clone().unwrap_or_else(|| TaskError::new(ErrorCode::TaskError, "no error recorded"));
+        match record.state {
+            TaskState::Completed => serde_json::from_value(record.result.clone().unwrap_or_default()).map_err(|e| {
+                ResultError::Decode(TaskError::new(
+                    ErrorCode::ResultDeserializationError,
+                    format!("result of task {} did not decode: {e}", self.id),
+                ))
+            }),
+            TaskState::Cancelled => Err(ResultError::Cancelled),
+            TaskState::Expired => Err(ResultError::Expired),
+            _ => Err(ResultError::Failed(error())),
+        }
+    }
+
+    /// Cancels the task if it has not started.
+    pub async fn cancel(&self) -> Result<(), ClientError> {
+        self.client.cancel(self.id).await
+    }
+}

@@ -1,0 +1,247 @@
+//! Serving a worker against PostgreSQL on any runtime: startup with retries, LISTEN per queue
+//! with reconnects and a poll fallback, traced handlers, hooks and counters, graceful
+//! shutdown. The adapters add only what is their runtime's (timers, spawning, signals).
+
+use std::future::Future;
+use std::sync::Arc;
+
+use futures::channel::mpsc;
+use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
+use futures::stream::StreamExt;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tracing::Instrument;
+
+use super::observe::{Counters, Hook, HookSink};
+use super::{DriverOptions, Handlers, Registry, Runtime};
+use crate::backoff::DbBackoff;
+use crate::config::{AppConfig, ConfigError, ResilienceConfig, WorkerConfig};
+use crate::postgres::{PgSchema, PgStore};
+use crate::rng::{Rng, mix};
+use crate::task::WorkerId;
+use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
+
+/// Everything a worker process serves with. Build it, then [`serve`](WorkerService::serve).
+pub struct WorkerService {
+    /// The application configuration (shared by every worker and client).
+    pub app: AppConfig,
+    /// This worker's configuration.
+    pub config: WorkerConfig,
+    /// The schema the tables live in.
+    pub schema: PgSchema,
+    /// The task handlers.
+    pub registry: Arc<Registry>,
+    /// This worker's id (unique across the cluster).
+    pub id: WorkerId,
+    /// Observers of lifecycle events.
+    pub hooks: Vec<Hook>,
+    /// Apply migrations at startup (otherwise they must already be applied).
+    pub migrate: bool,
+    /// Settings of the driver loop.
+    pub driver: DriverOptions,
+    /// Counters, readable while the worker runs.
+    pub counters: Arc<Counters>,
+}
+
+/// Why a worker could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The configuration breaks a rule.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+}
+
+impl WorkerService {
+    /// A service with these configurations and handlers, in the default schema, with a fresh
+    /// worker id. The configurations are validated here.
+    pub fn new(
+        app: AppConfig,
+        config: WorkerConfig,
+        registry: Arc<Registry>,
+        id: WorkerId,
+    ) -> Result<Self, ConfigError> {
+        let mut problems = app.validate().err().map(|e| e.problems).unwrap_or_default();
+        problems.extend(config.validate(&app).err().map(|e| e.problems).unwrap_or_default());
+        if !problems.is_empty() {
+            return Err(ConfigError { problems });
+        }
+        Ok(WorkerService {
+            app,
+            config,
+            schema: PgSchema::default(),
+            registry,
+            id,
+            hooks: Vec::new(),
+            migrate: true,
+            driver: DriverOptions::default(),
+            counters: Arc::new(Counters::new()),
+        })
+    }
+
+    /// Runs the worker on `runtime` over `pool` until `shutdown` resolves (or the worker gives
+    /// up on the database), then drains it. Database outages, at startup too, are waited out
+    /// with backoff; they never end the worker unless `db_retry_max_attempts` says so.
+    pub async fn serve<R: Runtime>(
+        self,
+        runtime: Arc<R>,
+        pool: PgPool,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<Stats, ServeError> {
+        let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters } = self;
+        let store = PgStore::new(pool, schema, app.clone());
+        let seed =
+            config.seed.unwrap_or_else(|| id.0.bytes().fold(0x243F_6A88_85A3_08D3, |h, b| mix(h ^ u64::from(b))));
+        let (control_tx, mut control_rx) = mpsc::unbounded::<Input>();
+        {
+            let control = control_tx.clone();
+            runtime.spawn(Box::pin(async move {
+                shutdown.await;
+                let _ = control.unbounded_send(Input::Shutdown);
+            }));
+        }
+
+        // Startup: reach the database (and migrate) before claiming, retrying with backoff.
+        let mut backoff = DbBackoff::new();
+        let mut rng = Rng::new(seed);
+        loop {
+            let ready = if migrate {
+                store.migrate().await.map_err(|e| e.to_string())
+            } else {
+                store.now().await.map(|_| ()).map_err(|e| e.to_string())
+            };
+            match ready {
+                Ok(()) => break,
+                Err(error) => {
+                    let delay = backoff.on_failure(&app.resilience, &mut rng);
+                    tracing::warn!(worker = %id, failures = backoff.failures(), retry_in = ?delay, %error, "database not ready at startup");
+                    if backoff.exhausted(&app.resilience) {
+                        tracing::error!(worker = %id, "giving up on the database at startup");
+                        return Ok(Stats::default());
+                    }
+                    let mut sleep = runtime.sleep_until(runtime.now() + delay).fuse();
+                    let mut control = control_rx.next();
+                    futures::select! {
+                        () = sleep => {}
+                        input = control => if matches!(input, Some(Input::Shutdown) | None) {
+                            return Ok(Stats::default());
+                        },
+                    }
+                }
+            }
+        }
+
+        let worker = Worker::new(id.clone(), app.clone(), config.clone(), runtime.now())?;
+        let policy = worker.policy().clone();
+        tracing::info!(
+            worker = %id,
+            queues = ?policy.queues.iter().map(|q| (&q.name, q.priority, q.max_concurrency)).collect::<Vec<_>>(),
+            concurrency = config.concurrency,
+            prefetch_buffer = app.prefetch_buffer,
+            mode = if app.is_hard_cap_mode() { "hard cap" } else { "soft cap" },
+            cluster_wide_cap = ?app.cluster_wide_cap,
+            max_claim_batch = config.max_claim_batch,
+            max_claim_per_worker = worker.policy().max_claimed(),
+            deployment = ?config.deployment_mode,
+            "canter worker starting"
+        );
+
+        let (notes_tx, notes_rx) = mpsc::channel::<Input>(config.coalesce_notifies as usize);
+        let listener = if config.deployment_mode.listens() {
+            let (handle, registration) = AbortHandle::new_pair();
+            let queues = policy.queues.iter().map(|q| q.name.clone()).collect();
+            let listen = listen(
+                runtime.clone(),
+                store.clone(),
+                queues,
+                notes_tx,
+                control_tx.clone(),
+                app.resilience.clone(),
+                mix(seed),
+            );
+            runtime.spawn(Box::pin(Abortable::new(listen, registration).map(|_| ())));
+            Some(handle)
+        } else {
+            None
+        };
+
+        let mut sink = HookSink::start(&*runtime, hooks, counters);
+        let log_id = id.clone();
+        let observer: super::Observer = Box::new(move |event| {
+            log_event(&log_id, event);
+            sink.observe(event);
+        });
+        let handlers = Traced { inner: registry.bind(runtime.clone()) };
+        let inputs = futures::stream::select(control_rx, notes_rx);
+        let stats = super::run(worker, runtime, store, handlers, inputs, driver, Some(observer)).await;
+        if let Some(listener) = listener {
+            listener.abort();
+        }
+        tracing::info!(worker = %id, ?stats, "canter worker stopped");
+        Ok(stats)
+    }
+}
+
+fn log_event(worker: &WorkerId, event: &Event) {
+    match event {
+        Event::DbUnavailable { failures, retry_in, error } => {
+            tracing::warn!(%worker, failures, ?retry_in, %error, "database unavailable")
+        }
+        Event::DbRecovered => tracing::info!(%worker, "database reachable again"),
+        Event::Lost { task, reason } => tracing::warn!(%worker, %task, ?reason, "task lost"),
+        Event::TimedOut { task } => tracing::warn!(%worker, %task, "handler timed out"),
+        Event::GaveUp => tracing::error!(%worker, "too many database failures in a row: shutting down"),
+        Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
+        Event::Drained { abandoned } => tracing::info!(%worker, abandoned, "drained"),
+        _ => {}
+    }
+}
+
+/// Handlers run inside a span per task (id, name, queue, attempt).
+struct Traced<H> {
+    inner: H,
+}
+
+impl<H: Handlers> Handlers for Traced<H> {
+    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+        let span = tracing::info_span!("canter.task", id = %run.id, name = %run.name, queue = %run.queue, attempt = run.attempt.0);
+        self.inner.run(run).instrument(span).boxed()
+    }
+}
+
+/// LISTENs on the queues' channels and turns notifications into wake-ups, reconnecting with
+/// backoff; reports the listener's state so the worker polls while it is deaf.
+async fn listen<R: Runtime>(
+    runtime: Arc<R>,
+    store: PgStore,
+    queues: Vec<String>,
+    mut notes: mpsc::Sender<Input>,
+    control: mpsc::UnboundedSender<Input>,
+    resilience: ResilienceConfig,
+    seed: u64,
+) {
+    let prefix = store.schema().queue_channel_prefix();
+    let channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
+    let mut backoff = DbBackoff::new();
+    let mut rng = Rng::new(seed);
+    loop {
+        if let Ok(mut listener) = PgListener::connect_with(store.pool()).await {
+            if listener.listen_all(channels.iter().map(String::as_str)).await.is_ok() {
+                backoff.on_success();
+                let _ = control.unbounded_send(Input::Listener { connected: true });
+                // Tasks may have arrived unannounced while deaf: one wake-up per queue.
+                for queue in &queues {
+                    let _ = notes.try_send(Input::Notified { queue: queue.clone() });
+                }
+                // A full channel drops the note: wake-ups coalesce anyway.
+                while let Ok(Some(note)) = listener.try_recv().await {
+                    if let Some(queue) = note.channel().strip_prefix(&prefix) {
+                        let _ = notes.try_send(Input::Notified { queue: queue.to_owned() });
+                    }
+                }
+            }
+        }
+        let _ = control.unbounded_send(Input::Listener { connected: false });
+        let delay = backoff.on_failure(&resilience, &mut rng);
+        runtime.sleep_until(runtime.now() + delay).await;
+    }
+}

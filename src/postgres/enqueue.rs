@@ -1,0 +1,216 @@
+//! Enqueueing tasks: one, many in one statement, or inside the caller's own transaction.
+//!
+//! Every enqueue is one statement (`SELECT … FROM <schema>.enqueue(…)` over parallel arrays),
+//! whatever the batch size, and sends at most one notification per queue that received a new
+//! task (on commit). Checks happen before anything is written and a refused batch writes
+//! nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue inside
+//! the caller's transaction never aborts that transaction.
+//!
+//! What is checked, in task order (the first problem wins, as in the memory store): the
+//! rules of [`check_new_task`] (task name, queue name and membership, key, retry policy),
+//! arguments PostgreSQL's `jsonb` cannot store (strings with NUL characters), then on the
+//! database's clock run-at against good-until, and idempotency keys: a key that names a task,
+//! live or finished, with the same name and arguments gives that task's id and writes no new
+//! one; with another name or other arguments it is `PAYLOAD_MISMATCH`. Arguments compare as
+//! `jsonb` values (so `1` and `1.0` are the same arguments). Concurrent enqueuers of one key
+//! get one task.
+
+use serde_json::Value;
+use sqlx::{PgExecutor, Row};
+
+use crate::config::AppConfig;
+use crate::db::{DbTime, EnqueueError, NewTask, RunAt, check_new_task};
+use crate::postgres::schema::PgSchema;
+use crate::postgres::store::{PgStore, db_time, duration};
+use crate::task::{ErrorCode, TaskId};
+
+/// Why an enqueue into PostgreSQL failed. Nothing was written.
+#[derive(Debug, thiserror::Error)]
+pub enum PgEnqueueError {
+    /// The task breaks a rule every store checks (see [`EnqueueError`]).
+    #[error(transparent)]
+    Invalid(#[from] EnqueueError),
+    /// The arguments hold something PostgreSQL cannot store as `jsonb`.
+    #[error("invalid args of task {index} of the batch: {reason}")]
+    InvalidArgs {
+        /// The task's position in the batch (0 for a single enqueue).
+        index: usize,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The database failed; the enqueue may be retried.
+    #[error("enqueue failed: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl PgEnqueueError {
+    /// The error code callers see: `PAYLOAD_MISMATCH`, `VALIDATION_FAILED`, or `BROKER_ERROR`
+    /// for a database failure.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            PgEnqueueError::Invalid(e) => e.code(),
+            PgEnqueueError::InvalidArgs { .. } => ErrorCode::User("VALIDATION_FAILED".into()),
+            PgEnqueueError::Database(_) => ErrorCode::BrokerError,
+        }
+    }
+}
+
+impl PgStore {
+    /// Enqueues one task and returns its id (an existing task's id for a known idempotency key
+    /// with the same arguments).
+    pub async fn enqueue(&self, task: NewTask) -> Result<TaskId, PgEnqueueError> {
+        enqueue_in(self.pool(), self.schema(), self.app(), task).await
+    }
+
+    /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
+    pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
+        enqueue_many_in(self.pool(), self.schema(), self.app(), tasks).await
+    }
+}
+
+/// Enqueues one task with `executor`: a pool, a connection, or the caller's open transaction
+/// (the task then becomes visible, and its notification is sent, when that transaction
+/// commits).
+pub async fn enqueue_in<'e, E: PgExecutor<'e>>(
+    executor: E,
+    schema: &PgSchema,
+    app: &AppConfig,
+    task: NewTask,
+) -> Result<TaskId, PgEnqueueError> {
+    let ids = enqueue_many_in(executor, schema, app, vec![task]).await?;
+    ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
+}
+
+/// Enqueues tasks in one statement with `executor` (see [`enqueue_in`]): every task is checked
+/// before any is written, and on a refusal nothing is. Returns one id per task, in order.
+pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
+    executor: E,
+    schema: &PgSchema,
+    app: &AppConfig,
+    tasks: Vec<NewTask>,
+) -> Result<Vec<TaskId>, PgEnqueueError> {
+    // The checks that need no clock, in order. The database checks the tasks before the first
+    // refused one (without writing), so a problem it finds earlier in the batch still wins.
+    let mut queues = Vec::with_capacity(tasks.len());
+    let mut refused = None;
+    for (index, task) in tasks.iter().enumerate() {
+        // With the earliest possible `now`, only run-at times given as instants are compared
+        // here; the database compares the rest with its own clock.
+        let checked = check_new_task(app, task, DbTime(i64::MIN)).map_err(PgEnqueueError::from).and_then(|queue| {
+            match nul_in(&task.args) {
+                Some(reason) => Err(PgEnqueueError::InvalidArgs { index, reason }),
+                None => Ok(queue),
+            }
+        });
+        match checked {
+            Ok(queue) => queues.push(queue),
+            Err(e) => {
+                refused = Some(e);
+                break;
+            }
+        }
+    }
+    let write = refused.is_none();
+    let tasks = &tasks[..queues.len()];
+    if tasks.is_empty() {
+        return match refused {
+            Some(e) => Err(e),
+            None => Ok(Vec::new()),
+        };
+    }
+
+    let n = tasks.len();
+    let mut names = Vec::with_capacity(n);
+    let mut args = Vec::with_capacity(n);
+    let mut priorities = Vec::with_capacity(n);
+    let mut delays: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut ats: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut good_until: Vec<Option<i64>> = Vec::with_capacity(n);
+    let mut retries = Vec::with_capacity(n);
+    let mut keys: Vec<Option<&str>> = Vec::with_capacity(n);
+    for task in tasks {
+        names.push(task.name.as_str());
+        args.push(&task.args);
+        priorities.push(task.priority);
+        let (delay, at) = match task.run_at {
+            RunAt::Now => (None, None),
+            RunAt::DelayMs(ms) => (Some(duration(ms)), None),
+            RunAt::At(at) => (None, Some(db_time(at))),
+        };
+        delays.push(delay);
+        ats.push(at);
+        good_until.push(task.good_until.map(db_time));
+        let policy = task.retry.as_ref().unwrap_or(&app.retry);
+        retries.push(serde_json::to_value(policy).map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
+        keys.push(task.key.as_deref());
+    }
+    let rows = sqlx::query(schema.sql().enqueue.clone())
+        .bind(names)
+        .bind(args)
+        .bind(&queues)
+        .bind(priorities)
+        .bind(delays)
+        .bind(ats)
+        .bind(good_until)
+        .bind(retries)
+        .bind(keys)
+        .bind(write)
+        .bind(schema.queue_channel_prefix())
+        .fetch_all(executor)
+        .await?;
+
+    let mut ids = Vec::with_capacity(n);
+    for row in rows {
+        if let Some(problem) = row.try_get::<Option<String>, _>("problem")? {
+            let ord: i64 = row.try_get("ord")?;
+            let index = usize::try_from(ord - 1).unwrap_or(0).min(n - 1);
+            let error = match problem.as_str() {
+                "run_at_after_good_until" => EnqueueError::RunAtAfterGoodUntil {
+                    run_at: row.try_get::<Option<i64>, _>("run_at_ms")?.unwrap_or_default(),
+                    good_until: row.try_get::<Option<i64>, _>("good_until_ms")?.unwrap_or_default(),
+                },
+                _ => EnqueueError::PayloadMismatch {
+                    key: tasks[index].key.clone().unwrap_or_default(),
+                    existing: TaskId(row.try_get::<Option<i64>, _>("detail_id")?.unwrap_or_default()),
+                },
+            };
+            return Err(error.into());
+        }
+        ids.push(TaskId(row.try_get("id")?));
+    }
+    match refused {
+        Some(e) => Err(e),
+        None if ids.len() == n => Ok(ids),
+        None => Err(sqlx::Error::Protocol(format!("enqueue returned {} ids for {n} tasks", ids.len())).into()),
+    }
+}
+
+/// Where a NUL character hides in `value` (PostgreSQL's `jsonb` cannot store one), if anywhere.
+fn nul_in(value: &Value) -> Option<String> {
+    match value {
+        Value::String(s) if s.contains('\0') => Some("a string holds a NUL character (\\u0000)".to_owned()),
+        Value::Array(items) => items.iter().find_map(nul_in),
+        Value::Object(map) => map.iter().find_map(|(key, value)| {
+            if key.contains('\0') {
+                Some("an object key holds a NUL character (\\u0000)".to_owned())
+            } else {
+                nul_in(value)
+            }
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    #[test]
+    fn nul_characters_are_found_anywhere() {
+        assert_eq!(nul_in(&json!({"a": [1, "ok"]})), None);
+        assert!(nul_in(&json!({"a": [1, "no\u{0}"]})).is_some());
+        assert!(nul_in(&json!({"k\u{0}": 1})).is_some());
+    }
+}

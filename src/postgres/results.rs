@@ -1,0 +1,379 @@
+//! Results and inspection: a task's status, result or error; its attempts; waiting for it to
+//! finish; cancelling and requeueing by hand; listing and counting; the worker registry.
+//!
+//! # Waiting for a result
+//!
+//! Finishing statements notify the schema's done channel
+//! ([`PgSchema::done_channel`](crate::postgres::PgSchema::done_channel)) with the ids they
+//! finished. A waiter reads the task, and re-reads it after every notification naming it (a
+//! notification can arrive before its commit is visible to another connection, so the
+//! notification itself is never trusted), until it is terminal or the caller's timeout future
+//! resolves. Waiting is runtime-agnostic: the timeout is any future (a runtime's sleep).
+//!
+//! [`PgStore::wait_result`] opens a listening connection per call. A process with many waiters
+//! runs one [`DoneRouter`] instead: one listener routes each notification to the waiters of the
+//! ids it names, and [`PgStore::wait_result_with`] waits through it.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use futures::channel::oneshot;
+use futures::future::{Either, select};
+use serde_json::Value;
+use sqlx::Row;
+use sqlx::postgres::{PgListener, PgRow};
+
+use crate::db::{AttemptRecord, DbTime, TaskRecord, WorkerInfo};
+use crate::memory::{AdminError, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord};
+use crate::postgres::store::{PgStore, count, error_json, json, parse_state};
+use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
+
+/// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
+type AttemptRow = (i64, i32, Option<String>, String, Option<Value>, i64);
+
+/// Why an operator action failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PgAdminError {
+    /// The task is missing or in a state the action does not apply to; nothing changed.
+    #[error(transparent)]
+    Refused(#[from] AdminError),
+    /// The database failed.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+/// Why waiting for a result ended without one.
+#[derive(Debug, thiserror::Error)]
+pub enum WaitError {
+    /// The timeout resolved first; the task may still finish later.
+    #[error("timed out waiting for task {0}")]
+    Timeout(TaskId),
+    /// No task has this id.
+    #[error("task {0} not found")]
+    NotFound(TaskId),
+    /// The database or the listening connection failed.
+    #[error("database error while waiting: {0}")]
+    Database(#[from] sqlx::Error),
+}
+
+impl WaitError {
+    /// The error code callers see: `WAIT_TIMEOUT`, `TASK_NOT_FOUND` or `BROKER_ERROR`.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            WaitError::Timeout(_) => ErrorCode::WaitTimeout,
+            WaitError::NotFound(_) => ErrorCode::TaskNotFound,
+            WaitError::Database(_) => ErrorCode::BrokerError,
+        }
+    }
+}
+
+impl PgStore {
+    /// The task with this id, live or finished.
+    pub async fn get(&self, id: TaskId) -> Result<Option<TaskRecord>, sqlx::Error> {
+        let row = sqlx::query(self.schema().sql().get.clone()).bind(id.0).fetch_optional(self.pool()).await?;
+        row.map(|row| record(&row)).transpose()
+    }
+
+    /// The attempts history of a task, oldest first (empty for an unknown id).
+    pub async fn attempts(&self, id: TaskId) -> Result<Vec<AttemptRecord>, sqlx::Error> {
+        let rows: Vec<AttemptRow> =
+            sqlx::query_as(self.schema().sql().attempts.clone()).bind(id.0).fetch_all(self.pool()).await?;
+        rows.into_iter()
+            .map(|(task, attempt, worker, outcome, error, finished_at)| {
+                Ok(AttemptRecord {
+                    task: TaskId(task),
+                    attempt: Attempt(count(attempt)),
+                    worker: worker.map(WorkerId),
+                    outcome: parse_state(&outcome)?,
+                    error: error.map(json).transpose()?,
+                    finished_at: DbTime(finished_at),
+                })
+            })
+            .collect()
+    }
+
+    /// The tasks `filter` selects, live and finished together, by id.
+    pub async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, sqlx::Error> {
+        let limit = filter.limit.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        let rows = sqlx::query(self.schema().sql().list.clone())
+            .bind(filter.queue.as_deref())
+            .bind(filter.state.map(TaskState::as_str))
+            .bind(limit)
+            .fetch_all(self.pool())
+            .await?;
+        rows.iter().map(record).collect()
+    }
+
+    /// How many tasks each queue has in each state (pairs with none are left out).
+    pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, sqlx::Error> {
+        let rows: Vec<(String, String, i64)> =
+            sqlx::query_as(self.schema().sql().counts.clone()).fetch_all(self.pool()).await?;
+        let mut counts = BTreeMap::new();
+        for (queue, state, n) in rows {
+            *counts.entry((queue, parse_state(&state)?)).or_insert(0) += u64::try_from(n).unwrap_or(0);
+        }
+        Ok(counts)
+    }
+
+    /// The worker registry, by worker id.
+    pub async fn workers(&self) -> Result<Vec<WorkerRecord>, sqlx::Error> {
+        let rows: Vec<(String, Vec<String>, i32, i64, bool)> =
+            sqlx::query_as(self.schema().sql().workers.clone()).fetch_all(self.pool()).await?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, queues, concurrency, last_seen, stopped)| WorkerRecord {
+                info: WorkerInfo { worker: WorkerId(id), queues, concurrency: count(concurrency) },
+                last_seen: DbTime(last_seen),
+                stopped,
+            })
+            .collect())
+    }
+
+    /// Cancels a Pending or Claimed task: it becomes Cancelled with error `TASK_CANCELLED`
+    /// (no attempt record), and its holder's later writes about it are reported lost.
+    pub async fn cancel(&self, id: TaskId) -> Result<(), PgAdminError> {
+        let sql = self.schema().sql();
+        let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
+        let done: Option<i64> = sqlx::query_scalar(sql.cancel.clone())
+            .bind(id.0)
+            .bind(error)
+            .bind(self.schema().done_channel())
+            .fetch_optional(self.pool())
+            .await?;
+        if done.is_some() {
+            return Ok(());
+        }
+        Err(self.refusal(id, "PENDING or CLAIMED").await?.into())
+    }
+
+    /// Puts a Failed task back to Pending, claimable at once, with its retries reset to 0; its
+    /// attempts, history and last error are kept.
+    pub async fn requeue_failed(&self, id: TaskId) -> Result<(), PgAdminError> {
+        let done: Option<i64> = sqlx::query_scalar(self.schema().sql().requeue_failed.clone())
+            .bind(id.0)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_optional(self.pool())
+            .await?;
+        if done.is_some() {
+            return Ok(());
+        }
+        Err(self.refusal(id, "FAILED").await?.into())
+    }
+
+    /// Why an action found nothing to change: the task is missing or in another state.
+    async fn refusal(&self, id: TaskId, expected: &'static str) -> Result<AdminError, sqlx::Error> {
+        let state: Option<String> =
+            sqlx::query_scalar(self.schema().sql().state_of.clone()).bind(id.0).fetch_optional(self.pool()).await?;
+        Ok(match state {
+            None => AdminError::NotFound(id),
+            Some(state) => AdminError::WrongState { task: id, state: parse_state(&state)?, expected },
+        })
+    }
+
+    /// Waits until the task is terminal and returns it, or fails with [`WaitError::Timeout`]
+    /// when `timeout` resolves first. Opens its own listening connection for the wait; see
+    /// [`wait_result_with`](PgStore::wait_result_with) to share one.
+    pub async fn wait_result(&self, id: TaskId, timeout: impl Future<Output = ()>) -> Result<TaskRecord, WaitError> {
+        let wait = async {
+            let mut listener = PgListener::connect_with(self.pool()).await?;
+            listener.listen(&self.schema().done_channel()).await?;
+            loop {
+                // Read after listening, so a finish between the two is not missed.
+                if let Some(record) = self.terminal(id).await? {
+                    return Ok(record);
+                }
+                loop {
+                    match listener.try_recv().await? {
+                        // The connection was lost and re-established: notifications may have
+                        // been missed, so read again.
+                        None => break,
+                        Some(note) if names(note.payload(), id) => break,
+                        Some(_) => {}
+                    }
+                }
+            }
+        };
+        race(wait, timeout, id).await
+    }
+
+    /// Waits like [`wait_result`](PgStore::wait_result), through a shared [`DoneRouter`]
+    /// (whose [`run`](DoneRouter::run) must be driven for waits to see notifications).
+    pub async fn wait_result_with(
+        &self,
+        router: &DoneRouter,
+        id: TaskId,
+        timeout: impl Future<Output = ()>,
+    ) -> Result<TaskRecord, WaitError> {
+        let wait = async {
+            loop {
+                // Subscribe before reading, so a finish between the two is not missed.
+                let signal = router.subscribe(id);
+                if let Some(record) = self.terminal(id).await? {
+                    return Ok(record);
+                }
+                signal.await;
+            }
+        };
+        race(wait, timeout, id).await
+    }
+
+    /// The task if it is terminal; `NotFound` if it does not exist.
+    async fn terminal(&self, id: TaskId) -> Result<Option<TaskRecord>, WaitError> {
+        match self.get(id).await? {
+            None => Err(WaitError::NotFound(id)),
+            Some(record) if record.state.is_terminal() => Ok(Some(record)),
+            Some(_) => Ok(None),
+        }
+    }
+}
+
+async fn race<T>(
+    wait: impl Future<Output = Result<T, WaitError>>,
+    timeout: impl Future<Output = ()>,
+    id: TaskId,
+) -> Result<T, WaitError> {
+    match select(pin!(wait), pin!(timeout)).await {
+        Either::Left((result, _)) => result,
+        Either::Right(((), _)) => Err(WaitError::Timeout(id)),
+    }
+}
+
+/// Whether a done-channel payload (comma-separated ids) names `id`.
+fn names(payload: &str, id: TaskId) -> bool {
+    payload.split(',').any(|part| part.trim().parse::<i64>() == Ok(id.0))
+}
+
+/// Routes done-channel notifications from one listening connection to many waiters.
+///
+/// Cheap to clone (one shared table of waiters). Drive [`run`](DoneRouter::run) on a task of
+/// your runtime; waiters [`subscribe`](DoneRouter::subscribe) to an id and are woken when a
+/// notification names it, and all of them are woken whenever the listening connection was
+/// re-established (notifications may have been lost meanwhile).
+#[derive(Debug, Clone, Default)]
+pub struct DoneRouter {
+    waiters: Arc<Mutex<BTreeMap<TaskId, Vec<oneshot::Sender<()>>>>>,
+}
+
+/// Resolves when a notification names the subscribed task, or when every waiter is woken.
+#[derive(Debug)]
+pub struct DoneSignal {
+    receiver: oneshot::Receiver<()>,
+}
+
+impl Future for DoneSignal {
+    type Output = ();
+
+    fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        // A dropped sender (the router gone) wakes the waiter too: it re-reads.
+        std::pin::Pin::new(&mut self.receiver).poll(cx).map(|_| ())
+    }
+}
+
+impl DoneRouter {
+    /// A router with no waiters.
+    pub fn new() -> Self {
+        DoneRouter::default()
+    }
+
+    /// A signal for the next notification naming `id`.
+    pub fn subscribe(&self, id: TaskId) -> DoneSignal {
+        let (sender, receiver) = oneshot::channel();
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        let list = waiters.entry(id).or_default();
+        list.retain(|s| !s.is_canceled());
+        list.push(sender);
+        DoneSignal { receiver }
+    }
+
+    /// Wakes the waiters of every id a done-channel payload names.
+    pub fn deliver(&self, payload: &str) {
+        let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        for part in payload.split(',') {
+            if let Ok(id) = part.trim().parse::<i64>() {
+                for sender in waiters.remove(&TaskId(id)).unwrap_or_default() {
+                    let _ = sender.send(());
+                }
+            }
+        }
+    }
+
+    /// Wakes every waiter (after a reconnect, when notifications may have been lost).
+    pub fn wake_all(&self) {
+        let waiters = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(PoisonError::into_inner));
+        for sender in waiters.into_values().flatten() {
+            let _ = sender.send(());
+        }
+    }
+
+    /// How many tasks have waiters.
+    pub fn waiting(&self) -> usize {
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner).len()
+    }
+
+    /// Listens on `store`'s done channel and routes notifications until the listener fails
+    /// for good (it reconnects by itself on a lost connection, waking every waiter).
+    pub async fn run(&self, store: &PgStore) -> Result<(), sqlx::Error> {
+        let mut listener = PgListener::connect_with(store.pool()).await?;
+        listener.listen(&store.schema().done_channel()).await?;
+        // Waiters that subscribed before the listener was up re-read now.
+        self.wake_all();
+        loop {
+            match listener.try_recv().await? {
+                Some(note) => self.deliver(note.payload()),
+                None => self.wake_all(),
+            }
+        }
+    }
+}
+
+/// A [`TaskRecord`] from a row of the `get`/`list` statements.
+fn record(row: &PgRow) -> Result<TaskRecord, sqlx::Error> {
+    let state = parse_state(row.try_get("state")?)?;
+    let held = matches!(state, TaskState::Claimed | TaskState::Running);
+    let claimed_by: Option<String> = row.try_get("claimed_by")?;
+    Ok(TaskRecord {
+        id: TaskId(row.try_get("id")?),
+        name: row.try_get("name")?,
+        queue: row.try_get("queue")?,
+        state,
+        priority: row.try_get("priority")?,
+        args: row.try_get("args")?,
+        attempts: count(row.try_get("attempts")?),
+        retries: count(row.try_get("retries")?),
+        enqueued_at: DbTime(row.try_get("enqueued_at")?),
+        run_at: DbTime(row.try_get("run_at")?),
+        good_until: row.try_get::<Option<i64>, _>("good_until")?.map(DbTime),
+        finished_at: row.try_get::<Option<i64>, _>("finished_at")?.map(DbTime),
+        worker: if held { claimed_by.map(WorkerId) } else { None },
+        result: row.try_get("result")?,
+        error: row.try_get::<Option<Value>, _>("error")?.map(json).transpose()?,
+        key: row.try_get("key")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payloads_name_ids() {
+        assert!(names("1,22,333", TaskId(22)));
+        assert!(!names("1,22,333", TaskId(2)));
+        assert!(!names("", TaskId(0)));
+    }
+
+    #[test]
+    fn the_router_wakes_named_waiters_only() {
+        let router = DoneRouter::new();
+        let mut one = router.subscribe(TaskId(1));
+        let mut two = router.subscribe(TaskId(2));
+        router.deliver("1,3");
+        assert_eq!(one.receiver.try_recv(), Ok(Some(())));
+        assert_eq!(two.receiver.try_recv(), Ok(None));
+        router.wake_all();
+        assert_eq!(two.receiver.try_recv(), Ok(Some(())));
+        assert_eq!(router.waiting(), 0);
+    }
+}

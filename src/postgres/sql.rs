@@ -1,0 +1,412 @@
+//! The SQL text of the store's statements, with the schema filled in once per [`PgSchema`].
+//!
+//! Batches travel as parallel arrays expanded with `unnest(...) WITH ORDINALITY`, so a batch of
+//! any size is one prepared statement. Every write about a held task names its lease and the
+//! state it expects, and locks the rows it decides on (`FOR UPDATE`) before deciding, so a
+//! concurrent writer (another worker, the reaper) either went first and the row no longer
+//! matches, or waits. Notifications are sent from the same statement: a `notified` CTE that
+//! the final SELECT cross-joins, so it runs whenever there is something to announce.
+//!
+//! [`PgSchema`]: crate::postgres::PgSchema
+
+use std::sync::Arc;
+
+use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
+
+/// The columns of `finished_tasks`, in the order the moves below fill them.
+const FINISHED_COLUMNS: &str = "id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at, \
+     heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry, key, error, result, finished_at";
+
+/// The columns of a moved live row `m` that `finished_tasks` keeps as they are, in order
+/// after `state`.
+const KEPT: &str = "m.lease, m.claimed_by, m.claim_token, m.claimed_at, m.heartbeat_at, m.started_at, m.attempts, \
+     m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry, m.key";
+
+/// Clears the holder of a row going back to Pending.
+const UNCLAIM: &str =
+    "state = 'PENDING', claimed_by = NULL, claim_token = NULL, claim_expires_at = NULL, heartbeat_at = NULL";
+
+const CLAIM: &str = "\
+SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, more
+FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+const START: &str = "\
+SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
+
+const FINISH: &str = "\
+WITH input AS (
+    SELECT i.id, i.lease, i.kind, i.result, i.error, i.delay_ms, i.ord
+    FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[])
+         WITH ORDINALITY AS i(id, lease, kind, result, error, delay_ms, ord)
+),
+held AS (
+    SELECT t.id, t.lease, t.good_until, t.attempts FROM {s}.tasks t
+    WHERE t.id = ANY ($2::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
+    FOR UPDATE
+),
+chosen AS (
+    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error, h.attempts,
+           {s}.db_now() + i.delay_ms * interval '1 millisecond' AS run_at,
+           CASE WHEN i.kind = 'completed' THEN 'COMPLETED'
+                WHEN i.kind = 'retry'
+                     AND (h.good_until IS NULL OR {s}.db_now() + i.delay_ms * interval '1 millisecond' < h.good_until)
+                    THEN 'PENDING'
+                ELSE 'FAILED' END AS state
+    FROM input i JOIN held h ON h.id = i.id AND h.lease = i.lease
+    ORDER BY i.id, i.ord
+),
+moved AS (
+    DELETE FROM {s}.tasks t USING chosen c
+    WHERE t.id = c.id AND c.state <> 'PENDING'
+    RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, m.new_state, {kept},
+           CASE WHEN m.new_state = 'COMPLETED' THEN NULL ELSE m.new_error END,
+           CASE WHEN m.new_state = 'COMPLETED' THEN m.new_result END,
+           {s}.db_now()
+    FROM moved m
+),
+retried AS (
+    UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error
+    FROM chosen c
+    WHERE t.id = c.id AND c.state = 'PENDING'
+),
+history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
+    SELECT c.id, c.attempts, $1, c.state, CASE WHEN c.state = 'COMPLETED' THEN NULL ELSE c.error END, {s}.db_now()
+    FROM chosen c
+),
+notified AS (
+    SELECT count(pg_notify($8, n.ids)) AS n
+    FROM (
+        SELECT string_agg(m.id::text, ',') AS ids
+        FROM (SELECT m.id, (row_number() OVER () - 1) / 300 AS chunk FROM moved m) m
+        GROUP BY m.chunk
+    ) n
+)
+SELECT i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
+ORDER BY i.ord";
+
+const HEARTBEAT: &str = "\
+WITH claimed_in AS (
+    SELECT c.id, c.lease, c.ord FROM unnest($2::bigint[], $3::bigint[]) WITH ORDINALITY AS c(id, lease, ord)
+),
+running_in AS (
+    SELECT r.id, r.lease, r.ord FROM unnest($4::bigint[], $5::bigint[]) WITH ORDINALITY AS r(id, lease, ord)
+),
+held_claimed AS (
+    SELECT t.id, t.lease, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
+    FROM {s}.tasks t
+    WHERE t.id = ANY ($2::bigint[]) AND t.state = 'CLAIMED' AND t.claimed_by = $1
+    FOR UPDATE
+),
+renewed AS (
+    UPDATE {s}.tasks t
+    SET claim_expires_at = {s}.db_now() + $6 * interval '1 millisecond', heartbeat_at = {s}.db_now()
+    FROM held_claimed h
+    WHERE t.id = h.id AND h.renewable
+      AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)
+),
+held_running AS (
+    SELECT t.id, t.lease FROM {s}.tasks t
+    WHERE t.id = ANY ($4::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
+    FOR UPDATE
+),
+beaten AS (
+    UPDATE {s}.tasks t SET heartbeat_at = {s}.db_now()
+    FROM held_running h
+    WHERE t.id = h.id AND EXISTS (SELECT 1 FROM running_in r WHERE r.id = h.id AND r.lease = h.lease)
+),
+seen AS (
+    INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen)
+    VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now())
+    ON CONFLICT (id) DO UPDATE SET last_seen = EXCLUDED.last_seen
+)
+SELECT l.id FROM (
+    SELECT 0 AS list, c.ord, c.id FROM claimed_in c
+    WHERE NOT EXISTS (SELECT 1 FROM held_claimed h WHERE h.id = c.id AND h.lease = c.lease)
+    UNION ALL
+    SELECT 1, r.ord, r.id FROM running_in r
+    WHERE NOT EXISTS (SELECT 1 FROM held_running h WHERE h.id = r.id AND h.lease = r.lease)
+) l
+ORDER BY l.list, l.ord";
+
+const RELEASE: &str = "\
+WITH input AS (
+    SELECT i.id, i.lease, i.ord FROM unnest($2::bigint[], $3::bigint[]) WITH ORDINALITY AS i(id, lease, ord)
+),
+held AS (
+    SELECT t.id, t.lease FROM {s}.tasks t
+    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    FOR UPDATE
+),
+chosen AS (
+    SELECT DISTINCT ON (i.id) i.id, i.ord
+    FROM input i JOIN held h ON h.id = i.id AND h.lease = i.lease
+    ORDER BY i.id, i.ord
+),
+released AS (
+    UPDATE {s}.tasks t SET {unclaim}
+    FROM chosen c
+    WHERE t.id = c.id
+    RETURNING t.queue
+),
+notified AS (
+    SELECT count(pg_notify($4 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM released r) q
+)
+SELECT i.id, c.id IS NOT NULL AS released
+FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
+ORDER BY i.ord";
+
+const ABANDON: &str = "\
+WITH released AS (
+    UPDATE {s}.tasks t SET {unclaim}
+    WHERE t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1 AND t.claim_token = $2
+    RETURNING t.id, t.queue
+),
+notified AS (
+    SELECT count(pg_notify($3 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM released r) q
+)
+SELECT r.id FROM released r CROSS JOIN notified ORDER BY r.id";
+
+const REAP_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
+
+const REAP_CLAIMED: &str = "\
+WITH stale AS (
+    SELECT t.id FROM {s}.tasks t
+    WHERE t.state = 'CLAIMED'
+      AND coalesce(t.heartbeat_at, t.claimed_at) < {s}.db_now() - $1 * interval '1 millisecond'
+    FOR UPDATE SKIP LOCKED
+),
+released AS (
+    UPDATE {s}.tasks t SET {unclaim}
+    FROM stale s
+    WHERE t.id = s.id
+    RETURNING t.id, t.queue
+),
+notified AS (
+    SELECT count(pg_notify($2 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM released r) q
+)
+SELECT r.id FROM released r CROSS JOIN notified ORDER BY r.id";
+
+const REAP_RUNNING_SELECT: &str = "\
+SELECT t.id, t.retry, t.retries FROM {s}.tasks t
+WHERE t.state = 'RUNNING'
+  AND coalesce(t.heartbeat_at, t.started_at) < {s}.db_now() - $1 * interval '1 millisecond'
+ORDER BY t.id
+FOR UPDATE SKIP LOCKED";
+
+const REAP_RUNNING_APPLY: &str = "\
+WITH input AS (
+    SELECT i.id, i.delay_ms, i.may_retry FROM unnest($1::bigint[], $2::bigint[], $3::boolean[]) AS i(id, delay_ms, may_retry)
+),
+chosen AS (
+    SELECT t.id, t.attempts, t.claimed_by, {s}.db_now() + i.delay_ms * interval '1 millisecond' AS run_at,
+           CASE WHEN i.may_retry
+                     AND (t.good_until IS NULL OR {s}.db_now() + i.delay_ms * interval '1 millisecond' < t.good_until)
+                    THEN 'PENDING'
+                ELSE 'FAILED' END AS state
+    FROM input i JOIN {s}.tasks t ON t.id = i.id AND t.state = 'RUNNING'
+),
+moved AS (
+    DELETE FROM {s}.tasks t USING chosen c
+    WHERE t.id = c.id AND c.state = 'FAILED'
+    RETURNING t.*
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, 'FAILED', {kept}, $4, NULL, {s}.db_now()
+    FROM moved m
+),
+retried AS (
+    UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = $4
+    FROM chosen c
+    WHERE t.id = c.id AND c.state = 'PENDING'
+),
+history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
+    SELECT c.id, c.attempts, c.claimed_by, c.state, $4, {s}.db_now() FROM chosen c
+),
+notified AS (
+    SELECT count(pg_notify($5, n.ids)) AS n
+    FROM (
+        SELECT string_agg(m.id::text, ',') AS ids
+        FROM (SELECT m.id, (row_number() OVER () - 1) / 300 AS chunk FROM moved m) m
+        GROUP BY m.chunk
+    ) n
+)
+SELECT c.id, c.state FROM chosen c CROSS JOIN notified ORDER BY c.id";
+
+const REAP_EXPIRE: &str = "\
+WITH expired AS (
+    DELETE FROM {s}.tasks t
+    WHERE t.state = 'PENDING' AND t.id IN (
+        SELECT x.id FROM {s}.tasks x
+        WHERE x.state = 'PENDING' AND x.good_until <= {s}.db_now()
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING t.*
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, 'EXPIRED', {kept}, $1, NULL, {s}.db_now()
+    FROM expired m
+),
+notified AS (
+    SELECT count(pg_notify($2, n.ids)) AS n
+    FROM (
+        SELECT string_agg(e.id::text, ',') AS ids
+        FROM (SELECT e.id, (row_number() OVER () - 1) / 300 AS chunk FROM expired e) e
+        GROUP BY e.chunk
+    ) n
+)
+SELECT e.id FROM expired e CROSS JOIN notified ORDER BY e.id";
+
+const REGISTER_WORKER: &str = "\
+INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, stopped_at)
+VALUES ($1, $2, $3, {s}.db_now(), {s}.db_now(), NULL)
+ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, concurrency = EXCLUDED.concurrency,
+    started_at = EXCLUDED.started_at, last_seen = EXCLUDED.last_seen, stopped_at = NULL";
+
+const DEREGISTER_WORKER: &str = "UPDATE {s}.workers SET stopped_at = {s}.db_now() WHERE id = $1";
+
+const ENQUEUE: &str = "\
+SELECT ord, id, problem, detail_id, run_at_ms, good_until_ms
+FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
+const RECORD: &str = "\
+SELECT t.id, t.name, t.queue, t.state, t.priority, t.args, t.attempts, t.retries, {s}.ms(t.enqueued_at) AS enqueued_at,
+       {s}.ms(t.run_at) AS run_at, {s}.ms(t.good_until) AS good_until, NULL::bigint AS finished_at, t.claimed_by,
+       NULL::jsonb AS result, t.error, t.key
+FROM {s}.tasks t
+WHERE {live}
+UNION ALL
+SELECT f.id, f.name, f.queue, f.state, f.priority, f.args, f.attempts, f.retries, {s}.ms(f.enqueued_at),
+       {s}.ms(f.run_at), {s}.ms(f.good_until), {s}.ms(f.finished_at), f.claimed_by, f.result, f.error, f.key
+FROM {s}.finished_tasks f
+WHERE {finished}";
+
+const ATTEMPTS: &str = "\
+SELECT task_id, attempt, worker, outcome, error, {s}.ms(finished_at) FROM {s}.attempts
+WHERE task_id = $1 ORDER BY attempt";
+
+const COUNTS: &str = "\
+SELECT queue, state, count(*) FROM {s}.tasks GROUP BY queue, state
+UNION ALL
+SELECT queue, state, count(*) FROM {s}.finished_tasks GROUP BY queue, state";
+
+const WORKERS: &str = "\
+SELECT id, queues, concurrency, {s}.ms(last_seen), stopped_at IS NOT NULL FROM {s}.workers ORDER BY id COLLATE \"C\"";
+
+const CANCEL: &str = "\
+WITH gone AS (
+    DELETE FROM {s}.tasks t WHERE t.id = $1 AND t.state IN ('PENDING', 'CLAIMED') RETURNING t.*
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, 'CANCELLED', {kept}, $2, NULL, {s}.db_now()
+    FROM gone m
+),
+notified AS (
+    SELECT count(pg_notify($3, g.id::text)) AS n FROM gone g
+)
+SELECT g.id FROM gone g CROSS JOIN notified";
+
+const REQUEUE_FAILED: &str = "\
+WITH gone AS (
+    DELETE FROM {s}.finished_tasks f WHERE f.id = $1 AND f.state = 'FAILED' RETURNING f.*
+),
+back AS (
+    INSERT INTO {s}.tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
+                           claim_expires_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at,
+                           good_until, retry, key, error)
+    OVERRIDING SYSTEM VALUE
+    SELECT g.id, g.name, g.queue, g.priority, g.args, 'PENDING', g.lease, NULL, NULL, g.claimed_at, NULL, NULL,
+           g.started_at, g.attempts, 0, {s}.db_now(), g.enqueued_at, g.good_until, g.retry, g.key, g.error
+    FROM gone g
+    RETURNING id, queue
+),
+notified AS (
+    SELECT count(pg_notify($2 || b.queue, '')) AS n FROM back b
+)
+SELECT b.id FROM back b CROSS JOIN notified";
+
+const STATE_OF: &str = "\
+SELECT state FROM {s}.tasks WHERE id = $1 UNION ALL SELECT state FROM {s}.finished_tasks WHERE id = $1";
+
+const NOW: &str = "SELECT {s}.ms({s}.db_now())";
+
+/// Every statement of a store, with its schema filled in.
+pub(crate) struct Statements {
+    pub(crate) claim: SqlStr,
+    pub(crate) start: SqlStr,
+    pub(crate) finish: SqlStr,
+    pub(crate) heartbeat: SqlStr,
+    pub(crate) release: SqlStr,
+    pub(crate) abandon: SqlStr,
+    pub(crate) reap_lock: SqlStr,
+    pub(crate) reap_claimed: SqlStr,
+    pub(crate) reap_running_select: SqlStr,
+    pub(crate) reap_running_apply: SqlStr,
+    pub(crate) reap_expire: SqlStr,
+    pub(crate) register_worker: SqlStr,
+    pub(crate) deregister_worker: SqlStr,
+    pub(crate) enqueue: SqlStr,
+    pub(crate) get: SqlStr,
+    pub(crate) list: SqlStr,
+    pub(crate) attempts: SqlStr,
+    pub(crate) counts: SqlStr,
+    pub(crate) workers: SqlStr,
+    pub(crate) cancel: SqlStr,
+    pub(crate) requeue_failed: SqlStr,
+    pub(crate) state_of: SqlStr,
+    pub(crate) now: SqlStr,
+}
+
+impl Statements {
+    /// The statements of the schema whose quoted name is `quoted`.
+    pub(crate) fn new(quoted: &str) -> Self {
+        let fill = |template: &str| -> SqlStr {
+            let text = template
+                .replace("{finished_columns}", FINISHED_COLUMNS)
+                .replace("{kept}", KEPT)
+                .replace("{unclaim}", UNCLAIM)
+                .replace("{s}", quoted);
+            AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
+        };
+        let record = |live: &str, finished: &str| RECORD.replace("{live}", live).replace("{finished}", finished);
+        let filter = "($1::text IS NULL OR {a}.queue = $1) AND ($2::text IS NULL OR {a}.state = $2)";
+        let list = format!(
+            "SELECT * FROM ({}) r ORDER BY r.id LIMIT $3",
+            record(&filter.replace("{a}", "t"), &filter.replace("{a}", "f"))
+        );
+        Statements {
+            claim: fill(CLAIM),
+            start: fill(START),
+            finish: fill(FINISH),
+            heartbeat: fill(HEARTBEAT),
+            release: fill(RELEASE),
+            abandon: fill(ABANDON),
+            reap_lock: fill(REAP_LOCK),
+            reap_claimed: fill(REAP_CLAIMED),
+            reap_running_select: fill(REAP_RUNNING_SELECT),
+            reap_running_apply: fill(REAP_RUNNING_APPLY),
+            reap_expire: fill(REAP_EXPIRE),
+            register_worker: fill(REGISTER_WORKER),
+            deregister_worker: fill(DEREGISTER_WORKER),
+            enqueue: fill(ENQUEUE),
+            get: fill(&record("t.id = $1", "f.id = $1")),
+            list: fill(&list),
+            attempts: fill(ATTEMPTS),
+            counts: fill(COUNTS),
+            workers: fill(WORKERS),
+            cancel: fill(CANCEL),
+            requeue_failed: fill(REQUEUE_FAILED),
+            state_of: fill(STATE_OF),
+            now: fill(NOW),
+        }
+    }
+}

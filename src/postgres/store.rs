@@ -1,0 +1,423 @@
+//! [`PgStore`]: the worker machine's database requests, executed on PostgreSQL.
+//!
+//! Each [`DbRequest`] is one round trip (the reaper, which runs rarely, is one short
+//! transaction): claims call the `claim` function of the schema, which takes advisory locks only
+//! when a cap needs a consistent count and otherwise is `FOR UPDATE SKIP LOCKED` alone; starts
+//! call `start_tasks`; finishes, heartbeats, releases and abandoned claims are single statements
+//! over `unnest`ed arrays (see [`sql`](crate::postgres::sql)). Semantics are the memory store's,
+//! reply for reply; the conformance suite (`tests/pg_conformance.rs`) compares them.
+//!
+//! # Failures
+//!
+//! [`PgStore::execute`] maps sqlx errors onto the protocol's [`DbFailure`]:
+//! - no connection (the pool timed out or is closed, connecting failed) → `Unavailable`: the
+//!   request was never sent;
+//! - an I/O or protocol error once the request was sent, or a reply that cannot be decoded →
+//!   `Unknown`: it may have been applied;
+//! - a database error: serialization failures, deadlocks, shutdowns, connection exceptions and
+//!   exhausted resources (SQLSTATE classes 08, 40, 53, 57P) → `Unavailable` (the transaction was
+//!   rolled back, retrying is right); any other SQLSTATE → `Rejected` (a bug or a schema
+//!   mismatch; nothing was applied).
+
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+use sqlx::{Acquire, PgConnection, PgPool, Row};
+
+use crate::backoff;
+use crate::budget::ClaimPolicy;
+use crate::config::{AppConfig, RetryPolicy};
+use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, ReapReport};
+use crate::memory::{TASK_EXPIRED_MESSAGE, WORKER_CRASHED_MESSAGE};
+use crate::postgres::schema::{MigrateSchemaError, PgSchema, migrate};
+use crate::rng::mix;
+use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+
+/// The longest duration sent to the database, in ms (about 3 170 years): longer ones are
+/// clamped, so `now() + duration` stays within PostgreSQL's timestamp range.
+pub const MAX_DURATION_MS: u64 = 100_000_000_000_000;
+
+/// The latest [`DbTime`] sent to the database (about the year 255 000); later ones are
+/// clamped. The earliest is about 4 300 BC.
+pub const MAX_DB_TIME_MS: i64 = 8_000_000_000_000_000;
+const MIN_DB_TIME_MS: i64 = -200_000_000_000_000;
+
+/// A store of tasks in PostgreSQL: executes the worker machine's requests, and offers enqueue
+/// ([`enqueue`](PgStore::enqueue)), inspection and result waiting
+/// ([`get`](PgStore::get), [`wait_result`](PgStore::wait_result)).
+///
+/// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s.
+#[derive(Debug, Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    schema: PgSchema,
+    app: Arc<AppConfig>,
+}
+
+impl PgStore {
+    /// A store on `pool` in `schema`, checking enqueues against `app`. It does not touch the
+    /// database; run [`migrate`](PgStore::migrate) once at startup.
+    pub fn new(pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
+        PgStore { pool, schema, app: Arc::new(app) }
+    }
+
+    /// The connection pool.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The schema the store lives in.
+    pub fn schema(&self) -> &PgSchema {
+        &self.schema
+    }
+
+    /// The application configuration enqueues are checked against.
+    pub fn app(&self) -> &AppConfig {
+        &self.app
+    }
+
+    /// Creates or upgrades the store's schema (see [`migrate`]).
+    pub async fn migrate(&self) -> Result<(), MigrateSchemaError> {
+        migrate(&self.pool, &self.schema).await
+    }
+
+    /// The database's clock.
+    pub async fn now(&self) -> Result<DbTime, sqlx::Error> {
+        let ms: i64 = sqlx::query_scalar(self.schema.sql().now.clone()).fetch_one(&self.pool).await?;
+        Ok(DbTime(ms))
+    }
+
+    /// Runs one request of the worker machine and returns its reply, with the semantics
+    /// [`DbRequest`] documents. See the module docs for how failures map.
+    pub async fn execute(&self, request: &DbRequest) -> Result<DbReply, DbFailure> {
+        let mut conn = self.pool.acquire().await.map_err(|e| DbFailure::Unavailable(e.to_string()))?;
+        self.run(&mut conn, request).await.map_err(failure)
+    }
+
+    async fn run(&self, conn: &mut PgConnection, request: &DbRequest) -> Result<DbReply, sqlx::Error> {
+        let sql = self.schema.sql();
+        match request {
+            DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
+                let queues: Vec<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
+                let caps: Vec<Option<i32>> = policy.queues.iter().map(|q| q.max_concurrency.map(int)).collect();
+                let rows = sqlx::query(sql.claim.clone())
+                    .bind(&worker.0)
+                    .bind(*token as i64)
+                    .bind(queues)
+                    .bind(caps)
+                    .bind(int(policy.local_budget(*my_running, *my_claimed)))
+                    .bind(policy.hard_cap_mode())
+                    .bind(policy.cluster_wide_cap.map(int))
+                    .bind(int(policy.max_claim_batch))
+                    .bind(claim_lock_keys(&self.schema, policy))
+                    .bind(int(*start_now))
+                    .bind(duration(*lease_ms))
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let mut tasks = Vec::with_capacity(rows.len().saturating_sub(1));
+                let mut more = false;
+                for row in rows {
+                    let Some(id) = row.try_get::<Option<i64>, _>("id")? else {
+                        more = row.try_get("more")?;
+                        continue;
+                    };
+                    tasks.push(ClaimedTask {
+                        id: TaskId(id),
+                        lease: Lease(row.try_get("lease")?),
+                        name: row.try_get("name")?,
+                        queue: row.try_get("queue")?,
+                        args: row.try_get("args")?,
+                        priority: row.try_get("priority")?,
+                        started: row.try_get("started")?,
+                        attempt: Attempt(count(row.try_get("attempt")?)),
+                        retries: count(row.try_get("retries")?),
+                        retry: json(row.try_get("retry")?)?,
+                    });
+                }
+                Ok(DbReply::Claimed { tasks, more })
+            }
+            DbRequest::Start { worker, tasks, policy } => {
+                let (ids, leases) = split(tasks);
+                // Soft-cap mode re-checks queue caps at start, under the claim's queue locks.
+                let capped: Vec<(&str, i32)> = if policy.hard_cap_mode() {
+                    Vec::new()
+                } else {
+                    policy.queues.iter().filter_map(|q| Some((q.name.as_str(), int(q.max_concurrency?)))).collect()
+                };
+                let mut keys: Vec<i64> = capped.iter().map(|(q, _)| self.schema.queue_lock_key(q)).collect();
+                keys.sort_unstable();
+                keys.dedup();
+                let rows = sqlx::query(sql.start.clone())
+                    .bind(&worker.0)
+                    .bind(ids)
+                    .bind(leases)
+                    .bind(capped.iter().map(|(q, _)| *q).collect::<Vec<_>>())
+                    .bind(capped.iter().map(|(_, c)| *c).collect::<Vec<_>>())
+                    .bind(keys)
+                    .bind(self.schema.done_channel())
+                    .bind(error_json(&TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE))?)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let (mut started, mut expired, mut deferred, mut lost) =
+                    (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for row in rows {
+                    let id = TaskId(row.try_get("id")?);
+                    match row.try_get::<&str, _>("outcome")? {
+                        "started" => {
+                            let attempt: Option<i32> = row.try_get("attempt")?;
+                            started.push((id, Attempt(count(attempt.unwrap_or(0)))));
+                        }
+                        "expired" => expired.push(id),
+                        "deferred" => deferred.push(id),
+                        _ => lost.push(id),
+                    }
+                }
+                Ok(DbReply::Started { started, expired, deferred, lost })
+            }
+            DbRequest::Finish { worker, completions } => self.finish(conn, worker, completions).await,
+            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {
+                let (claimed_ids, claimed_leases) = split(claimed);
+                let (running_ids, running_leases) = split(running);
+                let lost: Vec<i64> = sqlx::query_scalar(sql.heartbeat.clone())
+                    .bind(&worker.0)
+                    .bind(claimed_ids)
+                    .bind(claimed_leases)
+                    .bind(running_ids)
+                    .bind(running_leases)
+                    .bind(duration(*lease_ms))
+                    .bind(duration(*max_renew_age_ms))
+                    .fetch_all(&mut *conn)
+                    .await?;
+                Ok(DbReply::Heartbeat { lost: lost.into_iter().map(TaskId).collect() })
+            }
+            DbRequest::Release { worker, tasks } => {
+                let (ids, leases) = split(tasks);
+                let rows: Vec<(i64, bool)> = sqlx::query_as(sql.release.clone())
+                    .bind(&worker.0)
+                    .bind(ids)
+                    .bind(leases)
+                    .bind(self.schema.queue_channel_prefix())
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let (mut released, mut lost) = (Vec::new(), Vec::new());
+                for (id, ok) in rows {
+                    if ok { released.push(TaskId(id)) } else { lost.push(TaskId(id)) }
+                }
+                Ok(DbReply::Released { released, lost })
+            }
+            DbRequest::AbandonClaim { worker, token } => {
+                let released: Vec<i64> = sqlx::query_scalar(sql.abandon.clone())
+                    .bind(&worker.0)
+                    .bind(*token as i64)
+                    .bind(self.schema.queue_channel_prefix())
+                    .fetch_all(&mut *conn)
+                    .await?;
+                Ok(DbReply::Released { released: released.into_iter().map(TaskId).collect(), lost: Vec::new() })
+            }
+            DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
+                self.reap(conn, *claimed_stale_ms, *running_stale_ms, *entropy).await.map(DbReply::Reaped)
+            }
+            DbRequest::RegisterWorker(info) => {
+                sqlx::query(sql.register_worker.clone())
+                    .bind(&info.worker.0)
+                    .bind(&info.queues)
+                    .bind(int(info.concurrency))
+                    .execute(&mut *conn)
+                    .await?;
+                Ok(DbReply::Done)
+            }
+            DbRequest::DeregisterWorker(worker) => {
+                sqlx::query(sql.deregister_worker.clone()).bind(&worker.0).execute(&mut *conn).await?;
+                Ok(DbReply::Done)
+            }
+        }
+    }
+
+    async fn finish(
+        &self,
+        conn: &mut PgConnection,
+        worker: &WorkerId,
+        completions: &[Completion],
+    ) -> Result<DbReply, sqlx::Error> {
+        let n = completions.len();
+        let (mut ids, mut leases, mut kinds) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut results, mut errors, mut delays) =
+            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        for Completion { task, outcome } in completions {
+            ids.push(task.task.0);
+            leases.push(task.lease.0);
+            let (kind, result, error, delay) = match outcome {
+                FinishOutcome::Completed(result) => ("completed", result.clone(), Value::Null, 0),
+                FinishOutcome::Failed(error) => ("failed", Value::Null, error_json(error)?, 0),
+                FinishOutcome::Retry { error, delay_ms } => {
+                    ("retry", Value::Null, error_json(error)?, duration(*delay_ms))
+                }
+            };
+            kinds.push(kind);
+            results.push(result);
+            errors.push(error);
+            delays.push(delay);
+        }
+        let rows: Vec<(i64, Option<String>)> = sqlx::query_as(self.schema.sql().finish.clone())
+            .bind(&worker.0)
+            .bind(ids)
+            .bind(leases)
+            .bind(kinds)
+            .bind(results)
+            .bind(errors)
+            .bind(delays)
+            .bind(self.schema.done_channel())
+            .fetch_all(&mut *conn)
+            .await?;
+        let (mut applied, mut lost) = (Vec::new(), Vec::new());
+        for (id, state) in rows {
+            match state {
+                Some(state) => applied.push((TaskId(id), parse_state(&state)?)),
+                None => lost.push(TaskId(id)),
+            }
+        }
+        Ok(DbReply::Finished { applied, lost })
+    }
+
+    /// One reaper pass in one transaction, if this process wins the reaper's advisory lock;
+    /// otherwise another reaper is acting and the report is empty.
+    async fn reap(
+        &self,
+        conn: &mut PgConnection,
+        claimed_stale_ms: Option<u64>,
+        running_stale_ms: Option<u64>,
+        entropy: u64,
+    ) -> Result<ReapReport, sqlx::Error> {
+        let sql = self.schema.sql();
+        let mut report = ReapReport::default();
+        let mut tx = conn.begin().await?;
+        let ours: bool =
+            sqlx::query_scalar(sql.reap_lock.clone()).bind(self.schema.reaper_lock_key()).fetch_one(&mut *tx).await?;
+        if !ours {
+            tx.rollback().await?;
+            return Ok(report);
+        }
+        if let Some(threshold) = claimed_stale_ms {
+            let ids: Vec<i64> = sqlx::query_scalar(sql.reap_claimed.clone())
+                .bind(duration(threshold))
+                .bind(self.schema.queue_channel_prefix())
+                .fetch_all(&mut *tx)
+                .await?;
+            report.requeued = ids.into_iter().map(TaskId).collect();
+        }
+        if let Some(threshold) = running_stale_ms {
+            let stale: Vec<(i64, Value, i32)> =
+                sqlx::query_as(sql.reap_running_select.clone()).bind(duration(threshold)).fetch_all(&mut *tx).await?;
+            if !stale.is_empty() {
+                let mut ids = Vec::with_capacity(stale.len());
+                let mut delays = Vec::with_capacity(stale.len());
+                let mut may_retry = Vec::with_capacity(stale.len());
+                for (id, retry, retries) in stale {
+                    // A policy that does not decode retries nothing.
+                    let policy: RetryPolicy = serde_json::from_value(retry).unwrap_or_else(|_| RetryPolicy::none());
+                    let retries = count(retries);
+                    let delay = backoff::retry_delay(&policy, retries.saturating_add(1), mix(entropy ^ id as u64));
+                    ids.push(id);
+                    delays.push(duration(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)));
+                    may_retry.push(backoff::may_retry(&policy, retries, &ErrorCode::WorkerCrashed));
+                }
+                let error = error_json(&TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE))?;
+                let rows: Vec<(i64, String)> = sqlx::query_as(sql.reap_running_apply.clone())
+                    .bind(ids)
+                    .bind(delays)
+                    .bind(may_retry)
+                    .bind(error)
+                    .bind(self.schema.done_channel())
+                    .fetch_all(&mut *tx)
+                    .await?;
+                for (id, state) in rows {
+                    if state == "PENDING" { report.retried.push(TaskId(id)) } else { report.failed.push(TaskId(id)) }
+                }
+            }
+        }
+        let error = error_json(&TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE))?;
+        let expired: Vec<i64> = sqlx::query_scalar(sql.reap_expire.clone())
+            .bind(error)
+            .bind(self.schema.done_channel())
+            .fetch_all(&mut *tx)
+            .await?;
+        report.expired = expired.into_iter().map(TaskId).collect();
+        tx.commit().await?;
+        Ok(report)
+    }
+}
+
+/// The advisory lock keys a claim under `policy` takes, sorted: none without caps, the cluster
+/// key with a cluster-wide cap (it covers every queue), else one key per capped queue.
+pub fn claim_lock_keys(schema: &PgSchema, policy: &ClaimPolicy) -> Vec<i64> {
+    if !policy.needs_cluster_count() {
+        return Vec::new();
+    }
+    if policy.cluster_wide_cap.is_some() {
+        return vec![schema.cluster_lock_key()];
+    }
+    let mut keys: Vec<i64> =
+        policy.queues.iter().filter(|q| q.max_concurrency.is_some()).map(|q| schema.queue_lock_key(&q.name)).collect();
+    keys.sort_unstable();
+    keys.dedup();
+    keys
+}
+
+/// How a sqlx error of a request that had its connection maps onto the protocol.
+pub(crate) fn failure(error: sqlx::Error) -> DbFailure {
+    let message = error.to_string();
+    match &error {
+        sqlx::Error::Database(db) => {
+            let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
+            let transient =
+                code.starts_with("08") || code.starts_with("40") || code.starts_with("53") || code.starts_with("57P");
+            if transient { DbFailure::Unavailable(message) } else { DbFailure::Rejected(message) }
+        }
+        sqlx::Error::PoolTimedOut
+        | sqlx::Error::PoolClosed
+        | sqlx::Error::Configuration(_)
+        | sqlx::Error::BeginFailed => DbFailure::Unavailable(message),
+        sqlx::Error::Encode(_) | sqlx::Error::InvalidArgument(_) | sqlx::Error::TypeNotFound { .. } => {
+            DbFailure::Rejected(message)
+        }
+        _ => DbFailure::Unknown(message),
+    }
+}
+
+/// A count from the protocol as an SQL `integer` (saturating).
+fn int(n: u32) -> i32 {
+    i32::try_from(n).unwrap_or(i32::MAX)
+}
+
+/// An SQL `integer` count as the protocol's `u32` (negative counts are 0).
+pub(crate) fn count(n: i32) -> u32 {
+    u32::try_from(n).unwrap_or(0)
+}
+
+/// A duration in ms for the database, clamped to [`MAX_DURATION_MS`].
+pub(crate) fn duration(ms: u64) -> i64 {
+    ms.min(MAX_DURATION_MS) as i64
+}
+
+/// A [`DbTime`] for the database, clamped to the range PostgreSQL can store.
+pub(crate) fn db_time(time: DbTime) -> i64 {
+    time.0.clamp(MIN_DB_TIME_MS, MAX_DB_TIME_MS)
+}
+
+fn split(tasks: &[TaskLease]) -> (Vec<i64>, Vec<i64>) {
+    tasks.iter().map(|t| (t.task.0, t.lease.0)).unzip()
+}
+
+pub(crate) fn error_json(error: &TaskError) -> Result<Value, sqlx::Error> {
+    serde_json::to_value(error).map_err(|e| sqlx::Error::Encode(Box::new(e)))
+}
+
+/// Decodes a stored JSON column into its Rust type.
+pub(crate) fn json<T: DeserializeOwned>(value: Value) -> Result<T, sqlx::Error> {
+    serde_json::from_value(value).map_err(|e| sqlx::Error::Decode(Box::new(e)))
+}
+
+pub(crate) fn parse_state(state: &str) -> Result<TaskState, sqlx::Error> {
+    state.parse().map_err(|e| sqlx::Error::Decode(Box::new(e)))
+}

@@ -1,0 +1,209 @@
+//! The faults a run injects during its safety phase, and how each is sampled.
+//!
+//! Faults are inputs to the worker machine, never errors of the harness: a database request
+//! meets latency, an outage, a failure before it is applied, or a lost reply after it is
+//! applied (the `commit_unknown_result` of FoundationDB); notifications are lost, duplicated
+//! and delayed; listeners disconnect; workers crash (their in-flight requests may still land)
+//! and restart under a new id, or shut down gracefully and restart; handlers are slow, hang,
+//! fail and panic (see [`LoadOptions`](super::LoadOptions)); a handler's answer may arrive
+//! after its abort.
+
+use crate::rng::Rng;
+
+/// What happens to one database request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Applied, and the reply arrives.
+    Delivered,
+    /// Not applied: the connection or pool failed first (`DbFailure::Unavailable`).
+    Unavailable,
+    /// Not applied, and no answer came (`DbFailure::Unknown`).
+    LostRequest,
+    /// Applied (committed), and the reply was lost (`DbFailure::Unknown`).
+    LostReply,
+    /// Refused by the database (`DbFailure::Rejected`): nothing applied.
+    Rejected,
+}
+
+/// Fault rates and windows. Chances are per request, per notification or per handler answer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct FaultOptions {
+    /// Shortest one-way database latency.
+    pub latency_min_ms: u64,
+    /// Longest one-way database latency (before spikes).
+    pub latency_max_ms: u64,
+    /// Chance a one-way trip takes a spike instead: up to `spike_max_ms`.
+    pub spike_chance: f64,
+    /// The longest spike.
+    pub spike_max_ms: u64,
+    /// Chance a request fails unapplied with `Unavailable`.
+    pub unavailable_chance: f64,
+    /// Chance a request is lost before it is applied (`Unknown`).
+    pub lost_request_chance: f64,
+    /// Chance a request is applied and its reply lost (`Unknown`).
+    pub lost_reply_chance: f64,
+    /// Chance a request is rejected (`Rejected`).
+    pub rejected_chance: f64,
+    /// How long a driver waits before it reports `Unknown`: up to this many ms.
+    pub unknown_after_max_ms: u64,
+    /// Chance a reply is delivered twice (the second must be ignored as stale).
+    pub duplicate_reply_chance: f64,
+    /// Database outages, as `[start, end)` windows in ms of virtual time: every request that
+    /// reaches the database then fails with `Unavailable`.
+    pub outages: Vec<(u64, u64)>,
+    /// Chance a notification is lost on its way to one worker.
+    pub notify_loss_chance: f64,
+    /// Chance a notification reaches one worker twice.
+    pub notify_duplicate_chance: f64,
+    /// The longest notification delay.
+    pub notify_delay_max_ms: u64,
+    /// Listener disconnections, as `(at_ms, slot, down_for_ms)`.
+    pub listener_drops: Vec<(u64, usize, u64)>,
+    /// Worker crashes, as `(at_ms, slot)`: the process dies with its handlers.
+    pub crashes: Vec<(u64, usize)>,
+    /// Graceful shutdowns, as `(at_ms, slot)`: the worker drains, then restarts.
+    pub shutdowns: Vec<(u64, usize)>,
+    /// The longest a dead worker stays down before it restarts (during the safety phase).
+    pub restart_after_max_ms: u64,
+    /// Chance a crashed worker's in-flight request still reaches the database.
+    pub dead_apply_chance: f64,
+    /// Chance an aborted handler's answer still arrives (and must be ignored).
+    pub late_finish_chance: f64,
+}
+
+impl FaultOptions {
+    /// No faults at all: latencies of 1 to 5 ms and nothing else.
+    pub fn none() -> FaultOptions {
+        FaultOptions {
+            latency_min_ms: 1,
+            latency_max_ms: 5,
+            spike_chance: 0.0,
+            spike_max_ms: 0,
+            unavailable_chance: 0.0,
+            lost_request_chance: 0.0,
+            lost_reply_chance: 0.0,
+            rejected_chance: 0.0,
+            unknown_after_max_ms: 1_000,
+            duplicate_reply_chance: 0.0,
+            outages: Vec::new(),
+            notify_loss_chance: 0.0,
+            notify_duplicate_chance: 0.0,
+            notify_delay_max_ms: 5,
+            listener_drops: Vec::new(),
+            crashes: Vec::new(),
+            shutdowns: Vec::new(),
+            restart_after_max_ms: 1_000,
+            dead_apply_chance: 0.0,
+            late_finish_chance: 0.0,
+        }
+    }
+
+    /// Draws a fault mix for a safety phase of `safety_ms` with `workers` slots: about one
+    /// seed in six has no faults, the others enable each kind with probability one half at a
+    /// rate of their own.
+    pub fn swarm(rng: &mut Rng, safety_ms: u64, workers: usize) -> FaultOptions {
+        let mut faults = FaultOptions::none();
+        faults.latency_min_ms = rng.range(1, 5);
+        faults.latency_max_ms = faults.latency_min_ms + rng.range(0, 100);
+        faults.notify_delay_max_ms = rng.range(1, 200);
+        if rng.chance(1.0 / 6.0) {
+            return faults;
+        }
+        let on = |rng: &mut Rng, max: f64| if rng.chance(0.5) { rng.next_f64() * max } else { 0.0 };
+        faults.spike_chance = on(rng, 0.05);
+        faults.spike_max_ms = rng.range(100, 10_001);
+        faults.unavailable_chance = on(rng, 0.1);
+        faults.lost_request_chance = on(rng, 0.05);
+        faults.lost_reply_chance = on(rng, 0.1);
+        faults.rejected_chance = on(rng, 0.01);
+        faults.unknown_after_max_ms = rng.range(10, 10_001);
+        faults.duplicate_reply_chance = on(rng, 0.05);
+        faults.notify_loss_chance = on(rng, 0.5);
+        faults.notify_duplicate_chance = on(rng, 0.2);
+        faults.dead_apply_chance = rng.next_f64();
+        faults.late_finish_chance = on(rng, 0.5);
+        faults.restart_after_max_ms = rng.range(100, 30_001);
+        if rng.chance(0.4) {
+            for _ in 0..rng.range(1, 4) {
+                let start = rng.range(0, safety_ms);
+                let end = (start + rng.range(100, 30_001)).min(safety_ms);
+                faults.outages.push((start, end));
+            }
+            faults.outages.sort_unstable();
+        }
+        let events = |rng: &mut Rng, max: u64| -> Vec<(u64, usize)> {
+            let mut at: Vec<(u64, usize)> = (0..rng.range(1, max + 1))
+                .map(|_| (rng.range(0, safety_ms), rng.range(0, workers as u64) as usize))
+                .collect();
+            at.sort_unstable();
+            at
+        };
+        if rng.chance(0.5) {
+            faults.crashes = events(rng, 6);
+        }
+        if rng.chance(0.3) {
+            faults.shutdowns = events(rng, 3);
+        }
+        if rng.chance(0.3) {
+            faults.listener_drops =
+                events(rng, 4).into_iter().map(|(at, slot)| (at, slot, rng.range(100, 20_001))).collect();
+        }
+        faults
+    }
+
+    /// Whether a request reaching the database at `at_ms` meets an outage.
+    pub fn in_outage(&self, at_ms: u64) -> bool {
+        self.outages.iter().any(|&(start, end)| (start..end).contains(&at_ms))
+    }
+
+    /// A one-way database latency in ms.
+    pub fn latency_ms(&self, rng: &mut Rng) -> u64 {
+        if self.spike_chance > 0.0 && rng.chance(self.spike_chance) {
+            rng.range(self.latency_max_ms, self.spike_max_ms.max(self.latency_max_ms) + 1)
+        } else {
+            rng.range(self.latency_min_ms, self.latency_max_ms + 1)
+        }
+    }
+
+    /// What happens to one request.
+    pub fn fate(&self, rng: &mut Rng) -> Fate {
+        let roll = rng.next_f64();
+        let mut edge = self.unavailable_chance;
+        if roll < edge {
+            return Fate::Unavailable;
+        }
+        edge += self.lost_request_chance;
+        if roll < edge {
+            return Fate::LostRequest;
+        }
+        edge += self.lost_reply_chance;
+        if roll < edge {
+            return Fate::LostReply;
+        }
+        edge += self.rejected_chance;
+        if roll < edge {
+            return Fate::Rejected;
+        }
+        Fate::Delivered
+    }
+
+    /// Whether this run injects any fault besides plain latency.
+    pub fn any(&self) -> bool {
+        let chances = [
+            self.spike_chance,
+            self.unavailable_chance,
+            self.lost_request_chance,
+            self.lost_reply_chance,
+            self.rejected_chance,
+            self.duplicate_reply_chance,
+            self.notify_loss_chance,
+            self.notify_duplicate_chance,
+            self.late_finish_chance,
+        ];
+        chances.iter().any(|&c| c > 0.0)
+            || !self.outages.is_empty()
+            || !self.crashes.is_empty()
+            || !self.shutdowns.is_empty()
+            || !self.listener_drops.is_empty()
+    }
+}

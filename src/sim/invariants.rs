@@ -1,0 +1,786 @@
+//! The invariants a run checks after every step, and the checks of every request the store
+//! applies.
+//!
+//! Three layers:
+//!
+//! - **Per request** ([`Checker::before`] and [`Checker::after`]): the store's answer agrees
+//!   with the rows as they were before it applied the request. A claim takes only claimable
+//!   rows, best first, within the worker's budget; a start, finish, heartbeat or release is
+//!   applied exactly when the row is held under the named lease in the expected state
+//!   (fencing: a write from a stale lease is never applied); the reaper takes exactly the
+//!   stale rows; nothing starts at or after good-until and no retry is scheduled at or after
+//!   it.
+//! - **The store** ([`Checker::check_store`], after every store mutation): every enqueued
+//!   task is in the store exactly once, live or finished; attempts and leases never
+//!   decrease; a terminal task never changes; the caps hold (hard-cap mode: Running plus
+//!   live Claimed per queue and across the cluster; soft-cap mode: Running per queue).
+//! - **The workers** ([`check_worker`], after every step): a worker runs at most its
+//!   concurrency; the handlers the harness runs for it are exactly the ones it believes run;
+//!   a handler whose lease is the row's current lease on a Running row belongs to the row's
+//!   holder, so no task runs under two live leases.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+use serde_json::Value;
+
+use crate::budget::ClaimPolicy;
+use crate::config::AppConfig;
+use crate::db::{DbReply, DbRequest, DbTime, FinishOutcome};
+use crate::memory::{MemoryStore, StoredTask};
+use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+use crate::worker::Worker;
+
+/// What the checker knows of one row before a request.
+#[derive(Debug, Clone)]
+struct Facts {
+    state: TaskState,
+    lease: Lease,
+    claimed_by: Option<WorkerId>,
+    claim_token: Option<u64>,
+    claim_expires_at: Option<DbTime>,
+    heartbeat_at: Option<DbTime>,
+    claimed_at: Option<DbTime>,
+    started_at: Option<DbTime>,
+    attempts: u32,
+    retries: u32,
+    max_retries: u32,
+    run_at: DbTime,
+    good_until: Option<DbTime>,
+    priority: i16,
+    queue: String,
+}
+
+impl Facts {
+    fn of(row: &StoredTask) -> Facts {
+        Facts {
+            state: row.state,
+            lease: row.lease,
+            claimed_by: row.claimed_by.clone(),
+            claim_token: row.claim_token,
+            claim_expires_at: row.claim_expires_at,
+            heartbeat_at: row.heartbeat_at,
+            claimed_at: row.claimed_at,
+            started_at: row.started_at,
+            attempts: row.attempts,
+            retries: row.retries,
+            max_retries: row.retry.max_retries,
+            run_at: row.run_at,
+            good_until: row.good_until,
+            priority: row.priority,
+            queue: row.queue.clone(),
+        }
+    }
+
+    fn held_by(&self, worker: &WorkerId, lease: Lease) -> bool {
+        self.lease == lease && self.claimed_by.as_ref() == Some(worker)
+    }
+
+    fn live_claim(&self, now: DbTime) -> bool {
+        self.state == TaskState::Claimed && self.claim_expires_at.is_some_and(|at| at > now)
+    }
+
+    fn expired_at(&self, now: DbTime) -> bool {
+        self.good_until.is_some_and(|at| at <= now)
+    }
+}
+
+/// The checker's own definition of claimable (DESIGN.md §3), independent of the store's.
+fn claimable(row: &StoredTask, now: DbTime) -> bool {
+    let free = match row.state {
+        TaskState::Pending => true,
+        TaskState::Claimed => row.claim_expires_at.is_some_and(|at| at <= now),
+        _ => false,
+    };
+    free && row.run_at <= now && row.good_until.is_none_or(|at| at > now)
+}
+
+/// Rows as they were before one request, as much as its checks need.
+#[derive(Debug, Default)]
+pub(crate) struct Before {
+    rows: BTreeMap<TaskId, Facts>,
+    /// Reap: the rows the reaper must requeue, retry or fail, and expire.
+    stale_claimed: BTreeSet<TaskId>,
+    stale_running: BTreeSet<TaskId>,
+    expiring: BTreeSet<TaskId>,
+}
+
+/// A terminal row's frozen content.
+#[derive(Debug, Clone, PartialEq)]
+struct Frozen {
+    state: TaskState,
+    attempts: u32,
+    retries: u32,
+    lease: Lease,
+    finished_at: Option<DbTime>,
+    result: Option<Value>,
+    error: Option<TaskError>,
+}
+
+impl Frozen {
+    fn of(row: &StoredTask) -> Frozen {
+        Frozen {
+            state: row.state,
+            attempts: row.attempts,
+            retries: row.retries,
+            lease: row.lease,
+            finished_at: row.finished_at,
+            result: row.result.clone(),
+            error: row.error.clone(),
+        }
+    }
+}
+
+/// The checker: what it has seen of every task so far.
+#[derive(Debug)]
+pub(crate) struct Checker {
+    hard: bool,
+    queue_caps: BTreeMap<String, u32>,
+    cluster_cap: Option<u32>,
+    paused: BTreeSet<String>,
+    enqueued: BTreeSet<TaskId>,
+    attempts: BTreeMap<TaskId, u32>,
+    leases: BTreeMap<TaskId, Lease>,
+    frozen: BTreeMap<TaskId, Frozen>,
+    mutations: u64,
+    unfinished: usize,
+    /// Finish requests whose completions were applied, in all.
+    pub(crate) finishes_applied: u64,
+    /// Stale writes (a lease or state that no longer matched) the store refused.
+    pub(crate) fenced: u64,
+}
+
+/// Runs `check` and turns a `false` into an error naming what broke.
+macro_rules! ensure {
+    ($cond:expr, $($arg:tt)+) => {
+        if !$cond {
+            return Err(format!($($arg)+));
+        }
+    };
+}
+
+impl Checker {
+    /// A checker for an application configured as `app`.
+    pub(crate) fn new(app: &AppConfig) -> Checker {
+        let queues = app.queues();
+        Checker {
+            hard: app.is_hard_cap_mode(),
+            queue_caps: queues.iter().filter_map(|q| q.max_concurrency.map(|cap| (q.name.clone(), cap))).collect(),
+            cluster_cap: app.cluster_wide_cap,
+            paused: queues.iter().filter(|q| q.max_concurrency == Some(0)).map(|q| q.name.clone()).collect(),
+            enqueued: BTreeSet::new(),
+            attempts: BTreeMap::new(),
+            leases: BTreeMap::new(),
+            frozen: BTreeMap::new(),
+            mutations: 0,
+            unfinished: 0,
+            finishes_applied: 0,
+            fenced: 0,
+        }
+    }
+
+    /// Records a task id an enqueue returned (new or deduplicated).
+    pub(crate) fn enqueued(&mut self, id: TaskId) {
+        self.enqueued.insert(id);
+    }
+
+    /// Tasks enqueued (distinct ids).
+    pub(crate) fn enqueued_count(&self) -> usize {
+        self.enqueued.len()
+    }
+
+    /// Live tasks outside paused queues, as of the last store check.
+    pub(crate) fn unfinished(&self) -> usize {
+        self.unfinished
+    }
+
+    /// Whether tasks of `queue` can never run (its cap is 0).
+    pub(crate) fn is_paused(&self, queue: &str) -> bool {
+        self.paused.contains(queue)
+    }
+
+    /// Captures what the checks of `request` need, before the store applies it at `now`.
+    pub(crate) fn before(&self, store: &MemoryStore, request: &DbRequest, now: DbTime) -> Before {
+        let mut before = Before::default();
+        let named = |before: &mut Before, ids: &mut dyn Iterator<Item = TaskId>| {
+            for id in ids {
+                if let Some(row) = store.task(id) {
+                    before.rows.insert(id, Facts::of(row));
+                }
+            }
+        };
+        match request {
+            DbRequest::Claim { policy, .. } => {
+                let served: BTreeSet<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
+                for row in live_rows(store) {
+                    if served.contains(row.queue.as_str()) && claimable(row, now) {
+                        before.rows.insert(row.id, Facts::of(row));
+                    }
+                }
+            }
+            DbRequest::Start { tasks, .. } | DbRequest::Release { tasks, .. } => {
+                named(&mut before, &mut tasks.iter().map(|t| t.task));
+            }
+            DbRequest::Finish { completions, .. } => named(&mut before, &mut completions.iter().map(|c| c.task.task)),
+            DbRequest::Heartbeat { claimed, running, .. } => {
+                named(&mut before, &mut claimed.iter().chain(running).map(|t| t.task));
+            }
+            DbRequest::AbandonClaim { worker, token } => {
+                for row in live_rows(store) {
+                    let held = matches!(row.state, TaskState::Claimed | TaskState::Running)
+                        && row.claimed_by.as_ref() == Some(worker)
+                        && row.claim_token == Some(*token);
+                    if held {
+                        before.rows.insert(row.id, Facts::of(row));
+                    }
+                }
+            }
+            DbRequest::Reap { claimed_stale_ms, running_stale_ms, .. } => {
+                for row in live_rows(store) {
+                    let stale = |threshold: Option<u64>, at: Option<DbTime>| {
+                        threshold.is_some_and(|ms| at.is_some_and(|at| at.plus_ms(ms) < now))
+                    };
+                    let mut pending = row.state == TaskState::Pending;
+                    if row.state == TaskState::Claimed && stale(*claimed_stale_ms, row.heartbeat_at.or(row.claimed_at))
+                    {
+                        before.stale_claimed.insert(row.id);
+                        pending = true;
+                    }
+                    if row.state == TaskState::Running && stale(*running_stale_ms, row.heartbeat_at.or(row.started_at))
+                    {
+                        before.stale_running.insert(row.id);
+                    }
+                    if pending && row.good_until.is_some_and(|at| at <= now) {
+                        before.expiring.insert(row.id);
+                    }
+                    if before.stale_claimed.contains(&row.id) || before.stale_running.contains(&row.id) {
+                        before.rows.insert(row.id, Facts::of(row));
+                    }
+                }
+            }
+            DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_) => {}
+        }
+        before
+    }
+
+    /// Checks the store's `reply` to `request` by `worker` at `now` against the rows before.
+    pub(crate) fn after(
+        &mut self,
+        store: &MemoryStore,
+        worker: &WorkerId,
+        request: &DbRequest,
+        before: &Before,
+        reply: &DbReply,
+        now: DbTime,
+    ) -> Result<(), String> {
+        let pre = |id: TaskId| before.rows.get(&id);
+        let post = |id: TaskId| store.task(id).ok_or_else(|| format!("task {id} vanished from the store"));
+        let mut touched: Vec<TaskId> = Vec::new();
+        match (request, reply) {
+            (
+                DbRequest::Claim { policy, my_running, my_claimed, start_now, .. },
+                DbReply::Claimed { tasks, more, .. },
+            ) => {
+                let budget = policy.local_budget(*my_running, *my_claimed);
+                ensure!(
+                    tasks.len() as u64 <= u64::from(budget),
+                    "claim by {worker} took {} tasks, budget {budget}",
+                    tasks.len()
+                );
+                let mut taken: BTreeSet<TaskId> = BTreeSet::new();
+                for (index, task) in tasks.iter().enumerate() {
+                    let id = task.id;
+                    let Some(was) = pre(id) else {
+                        return Err(format!("claim by {worker} took task {id}, which was not claimable at {}", now.0));
+                    };
+                    ensure!(taken.insert(id), "claim by {worker} returned task {id} twice");
+                    let row = post(id)?;
+                    ensure!(
+                        task.lease == Lease(was.lease.0 + 1) && row.lease == task.lease,
+                        "claim of task {id}: lease {} -> {} (row {}), expected +1",
+                        was.lease,
+                        task.lease,
+                        row.lease
+                    );
+                    ensure!(row.claimed_by.as_ref() == Some(worker), "claimed task {id} is not held by {worker}");
+                    ensure!(
+                        task.started == (index < *start_now as usize),
+                        "claim of task {id}: started {} at index {index}, start_now {start_now}",
+                        task.started
+                    );
+                    let (state, attempts) = if task.started {
+                        (TaskState::Running, was.attempts + 1)
+                    } else {
+                        (TaskState::Claimed, was.attempts)
+                    };
+                    ensure!(row.state == state, "claimed task {id} is {} (started {})", row.state, task.started);
+                    ensure!(
+                        row.attempts == attempts && task.attempt.0 == was.attempts + 1,
+                        "claim of task {id}: attempts {} -> {} (reply {}), started {}",
+                        was.attempts,
+                        row.attempts,
+                        task.attempt,
+                        task.started
+                    );
+                    ensure!(
+                        !was.expired_at(now),
+                        "task {id} claimed at {} at or past its good_until {:?}",
+                        now.0,
+                        was.good_until
+                    );
+                    touched.push(id);
+                }
+                // Best first within each queue: nothing left behind sorts before what was taken.
+                let key = |f: &Facts, id: TaskId| (f.priority, f.run_at, id);
+                let mut best_left: BTreeMap<&str, (i16, DbTime, TaskId)> = BTreeMap::new();
+                for (&id, facts) in &before.rows {
+                    if !taken.contains(&id) {
+                        let k = key(facts, id);
+                        let entry = best_left.entry(facts.queue.as_str()).or_insert(k);
+                        *entry = (*entry).min(k);
+                    }
+                }
+                for &id in &taken {
+                    let facts = &before.rows[&id];
+                    if let Some(left) = best_left.get(facts.queue.as_str()) {
+                        ensure!(
+                            key(facts, id) < *left,
+                            "claim by {worker} took task {id} {:?} but left task {} {:?} in queue {}",
+                            key(facts, id),
+                            left.2,
+                            left,
+                            facts.queue
+                        );
+                    }
+                }
+                let eligible = before.rows.len();
+                ensure!(
+                    *more == (eligible > tasks.len()),
+                    "claim by {worker}: more = {more} with {eligible} eligible and {} taken",
+                    tasks.len()
+                );
+            }
+            (DbRequest::Start { tasks, .. }, DbReply::Started { started, expired, deferred, lost }) => {
+                let mut answered: BTreeSet<TaskId> = BTreeSet::new();
+                let all = started
+                    .iter()
+                    .map(|(id, _)| *id)
+                    .chain(expired.iter().copied())
+                    .chain(deferred.iter().copied())
+                    .chain(lost.iter().copied());
+                for id in all {
+                    ensure!(answered.insert(id), "start by {worker} answered task {id} twice");
+                }
+                let asked: BTreeSet<TaskId> = tasks.iter().map(|t| t.task).collect();
+                ensure!(answered == asked, "start by {worker} answered {answered:?} for {asked:?}");
+                let lease_of = |id: TaskId| tasks.iter().find(|t| t.task == id).map(|t| t.lease).unwrap_or(Lease(-1));
+                let usable = |id: TaskId| {
+                    pre(id).is_some_and(|f| {
+                        f.held_by(worker, lease_of(id)) && (f.live_claim(now) || f.state == TaskState::Running)
+                    })
+                };
+                for &(id, attempt) in started {
+                    ensure!(
+                        usable(id),
+                        "start by {worker} started task {id} under a lease or state it does not hold: {:?}",
+                        pre(id)
+                    );
+                    let was = pre(id).expect("usable rows have facts");
+                    let row = post(id)?;
+                    ensure!(row.state == TaskState::Running, "started task {id} is {}", row.state);
+                    if was.state == TaskState::Claimed {
+                        ensure!(
+                            !was.expired_at(now),
+                            "task {id} started at {} at or past its good_until {:?}",
+                            now.0,
+                            was.good_until
+                        );
+                        ensure!(
+                            row.attempts == was.attempts + 1,
+                            "start of task {id}: attempts {} -> {}",
+                            was.attempts,
+                            row.attempts
+                        );
+                    } else {
+                        ensure!(row.attempts == was.attempts, "re-start of running task {id} changed attempts");
+                    }
+                    ensure!(
+                        attempt.0 == row.attempts,
+                        "start of task {id} reported attempt {attempt}, row has {}",
+                        row.attempts
+                    );
+                    touched.push(id);
+                }
+                for &id in expired {
+                    ensure!(usable(id), "start by {worker} expired task {id} it does not hold");
+                    let was = pre(id).expect("usable rows have facts");
+                    ensure!(
+                        was.expired_at(now),
+                        "start expired task {id} at {} before its good_until {:?}",
+                        now.0,
+                        was.good_until
+                    );
+                    ensure!(post(id)?.state == TaskState::Expired, "expired task {id} is {}", post(id)?.state);
+                    touched.push(id);
+                }
+                for &id in deferred {
+                    ensure!(!self.hard, "start by {worker} deferred task {id} in hard-cap mode");
+                    ensure!(usable(id), "start by {worker} deferred task {id} it does not hold");
+                }
+                for &id in lost {
+                    ensure!(
+                        !usable(id),
+                        "start by {worker} reported task {id} lost although it holds it: {:?}",
+                        pre(id)
+                    );
+                    self.fenced += 1;
+                }
+            }
+            (DbRequest::Finish { completions, .. }, DbReply::Finished { applied, lost }) => {
+                let answered: Vec<TaskId> = applied.iter().map(|(id, _)| *id).chain(lost.iter().copied()).collect();
+                let asked: Vec<TaskId> = completions.iter().map(|c| c.task.task).collect();
+                ensure!(sorted(&answered) == sorted(&asked), "finish by {worker} answered {answered:?} for {asked:?}");
+                // A batch may name a task twice (a stale re-send and a fresh run): at most the
+                // completion under the row's lease applies.
+                let running_under = |c: &TaskLease| {
+                    pre(c.task).is_some_and(|f| f.state == TaskState::Running && f.held_by(worker, c.lease))
+                };
+                for &(id, state) in applied {
+                    let Some(completion) = completions.iter().find(|c| c.task.task == id && running_under(&c.task))
+                    else {
+                        return Err(format!(
+                            "FENCING: finish by {worker} of task {id} was applied, but no completion of the batch \
+                             names the row's lease and state: row {:?}, batch {:?}",
+                            pre(id),
+                            completions.iter().filter(|c| c.task.task == id).map(|c| c.task.lease).collect::<Vec<_>>()
+                        ));
+                    };
+                    ensure!(applied.iter().filter(|(t, _)| *t == id).count() == 1, "finish of task {id} applied twice");
+                    let was = pre(id).expect("applied rows have facts");
+                    let row = post(id)?;
+                    ensure!(row.state == state, "finished task {id} is {}, reply says {state}", row.state);
+                    match (&completion.outcome, state) {
+                        (FinishOutcome::Completed(_), TaskState::Completed) => {}
+                        (FinishOutcome::Failed(_) | FinishOutcome::Retry { .. }, TaskState::Failed) => {}
+                        (FinishOutcome::Retry { .. }, TaskState::Pending) => {
+                            ensure!(
+                                row.retries == was.retries + 1,
+                                "retry of task {id}: retries {} -> {}",
+                                was.retries,
+                                row.retries
+                            );
+                            ensure!(row.run_at >= now, "retry of task {id} runs in the past");
+                            ensure!(
+                                row.good_until.is_none_or(|at| row.run_at < at),
+                                "retry of task {id} scheduled at {} at or past its good_until {:?}",
+                                row.run_at.0,
+                                row.good_until
+                            );
+                        }
+                        (outcome, state) => {
+                            return Err(format!("finish of task {id} with {outcome:?} left it {state}"));
+                        }
+                    }
+                    ensure!(row.attempts == was.attempts, "finish of task {id} changed attempts");
+                    touched.push(id);
+                }
+                for id in lost {
+                    let fresh = completions.iter().filter(|c| c.task.task == *id && running_under(&c.task)).count();
+                    let applied_too = applied.iter().any(|(t, _)| t == id);
+                    ensure!(fresh == 0 || applied_too, "finish by {worker} of task {id} refused although it holds it");
+                    self.fenced += 1;
+                }
+                if !applied.is_empty() {
+                    self.finishes_applied += 1;
+                }
+            }
+            (DbRequest::Heartbeat { claimed, running, .. }, DbReply::Heartbeat { lost }) => {
+                let lost: BTreeSet<TaskId> = lost.iter().copied().collect();
+                for (list, state) in [(claimed, TaskState::Claimed), (running, TaskState::Running)] {
+                    for t in list {
+                        let held = pre(t.task).is_some_and(|f| f.state == state && f.held_by(worker, t.lease));
+                        // Listed as claimed, started since under the same lease (a start that
+                        // raced the beat): still the worker's, so either answer is accepted
+                        // here; the harness judges the worker's reaction (SPURIOUS LOSS).
+                        let started = state == TaskState::Claimed
+                            && pre(t.task).is_some_and(|f| f.state == TaskState::Running && f.held_by(worker, t.lease));
+                        if !started {
+                            ensure!(
+                                held != lost.contains(&t.task),
+                                "heartbeat by {worker}: task {} held {held} but lost {}",
+                                t.task,
+                                !held
+                            );
+                        }
+                    }
+                }
+                self.fenced += lost.len() as u64;
+            }
+            (DbRequest::Release { tasks, .. }, DbReply::Released { released, lost }) => {
+                for t in tasks {
+                    let held = pre(t.task).is_some_and(|f| {
+                        matches!(f.state, TaskState::Claimed | TaskState::Running) && f.held_by(worker, t.lease)
+                    });
+                    ensure!(
+                        held == released.contains(&t.task) && held != lost.contains(&t.task),
+                        "release by {worker} of task {} under lease {}: held {held}, reply {reply:?}",
+                        t.task,
+                        t.lease
+                    );
+                }
+                for &id in released {
+                    self.check_released(pre(id), post(id)?, id)?;
+                    touched.push(id);
+                }
+            }
+            (DbRequest::AbandonClaim { .. }, DbReply::Released { released, lost }) => {
+                let expected: BTreeSet<TaskId> = before.rows.keys().copied().collect();
+                let got: BTreeSet<TaskId> = released.iter().copied().collect();
+                ensure!(
+                    got == expected && lost.is_empty(),
+                    "abandon by {worker} released {got:?}, expected {expected:?}"
+                );
+                for &id in released {
+                    self.check_released(pre(id), post(id)?, id)?;
+                    touched.push(id);
+                }
+            }
+            (DbRequest::Reap { .. }, DbReply::Reaped(report)) => {
+                let requeued: BTreeSet<TaskId> = report.requeued.iter().copied().collect();
+                ensure!(
+                    requeued == before.stale_claimed,
+                    "reaper requeued {requeued:?}, stale claims were {:?}",
+                    before.stale_claimed
+                );
+                let crashed: BTreeSet<TaskId> = report.retried.iter().chain(&report.failed).copied().collect();
+                ensure!(
+                    crashed == before.stale_running,
+                    "reaper took runs {crashed:?}, stale runs were {:?}",
+                    before.stale_running
+                );
+                let expired: BTreeSet<TaskId> = report.expired.iter().copied().collect();
+                ensure!(expired == before.expiring, "reaper expired {expired:?}, expected {:?}", before.expiring);
+                for &id in &report.retried {
+                    let (was, row) = (pre(id).expect("stale runs have facts"), post(id)?);
+                    ensure!(was.retries < was.max_retries, "reaper retried task {id} with no retry left");
+                    ensure!(
+                        row.state == TaskState::Pending && row.retries == was.retries + 1,
+                        "reaper retry of task {id} left {} retries {}",
+                        row.state,
+                        row.retries
+                    );
+                    ensure!(
+                        row.good_until.is_none_or(|at| row.run_at < at),
+                        "reaper retry of task {id} scheduled at or past good_until"
+                    );
+                    ensure!(
+                        row.error.as_ref().is_some_and(|e| e.code == ErrorCode::WorkerCrashed),
+                        "reaper retry of task {id} without WORKER_CRASHED"
+                    );
+                }
+                for &id in &report.failed {
+                    ensure!(
+                        post(id)?.state == TaskState::Failed,
+                        "reaper failed task {id} but it is {}",
+                        post(id)?.state
+                    );
+                }
+                touched
+                    .extend(report.requeued.iter().chain(&report.retried).chain(&report.failed).chain(&report.expired));
+            }
+            (DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_), DbReply::Done) => {}
+            (request, reply) => return Err(format!("the store answered {} with {reply:?}", request.kind())),
+        }
+        for id in touched {
+            if let Some(row) = store.task(id).filter(|row| row.state.is_terminal()) {
+                self.freeze(row)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn check_released(&self, was: Option<&Facts>, row: &StoredTask, id: TaskId) -> Result<(), String> {
+        let was = was.ok_or_else(|| format!("released task {id} was not held"))?;
+        ensure!(row.state == TaskState::Pending, "released task {id} is {}", row.state);
+        ensure!(
+            row.attempts == was.attempts && row.retries == was.retries,
+            "release of task {id} changed attempts {} -> {} or retries {} -> {}",
+            was.attempts,
+            row.attempts,
+            was.retries,
+            row.retries
+        );
+        ensure!(row.claimed_by.is_none() && row.claim_token.is_none(), "released task {id} still names a holder");
+        let _ = (was.claim_token, was.claimed_at, was.started_at, was.heartbeat_at, was.run_at);
+        Ok(())
+    }
+
+    fn freeze(&mut self, row: &StoredTask) -> Result<(), String> {
+        let frozen = Frozen::of(row);
+        match self.frozen.get(&row.id) {
+            Some(before) => ensure!(*before == frozen, "terminal task {} changed: {before:?} -> {frozen:?}", row.id),
+            None => {
+                self.frozen.insert(row.id, frozen);
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks the whole store at `now` (see the module docs). `full` also walks the finished
+    /// table; the live table is walked every time.
+    pub(crate) fn check_store(&mut self, store: &MemoryStore, now: DbTime, full: bool) -> Result<(), String> {
+        self.mutations += 1;
+        let mut queue_in_flight: BTreeMap<&str, u32> = BTreeMap::new();
+        let mut cluster_in_flight = 0u32;
+        let mut unfinished = 0;
+        let mut live = 0usize;
+        for row in live_rows(store) {
+            live += 1;
+            let id = row.id;
+            ensure!(self.enqueued.contains(&id), "task {id} is in the store but was never enqueued");
+            ensure!(!self.frozen.contains_key(&id), "terminal task {id} is live again: {}", row.state);
+            self.monotonic(row)?;
+            match row.state {
+                TaskState::Pending => ensure!(row.claimed_by.is_none(), "pending task {id} names a holder"),
+                TaskState::Claimed => ensure!(
+                    row.claimed_by.is_some() && row.claim_expires_at.is_some(),
+                    "claimed task {id} without holder or lease expiry"
+                ),
+                TaskState::Running => {
+                    ensure!(
+                        row.claimed_by.is_some() && row.attempts >= 1,
+                        "running task {id} without holder or attempt"
+                    )
+                }
+                state => return Err(format!("task {id} is {state} in the live table")),
+            }
+            let counted = match row.state {
+                TaskState::Running => true,
+                TaskState::Claimed => self.hard && row.claim_expires_at.is_some_and(|at| at > now),
+                _ => false,
+            };
+            if counted {
+                *queue_in_flight.entry(row.queue.as_str()).or_insert(0) += 1;
+                cluster_in_flight += 1;
+            }
+            if !self.paused.contains(&row.queue) {
+                unfinished += 1;
+            }
+        }
+        self.unfinished = unfinished;
+        let counted = if self.hard { "Running + live Claimed" } else { "Running" };
+        for (queue, &n) in &queue_in_flight {
+            if let Some(&cap) = self.queue_caps.get(*queue) {
+                ensure!(n <= cap, "CAP: queue {queue} has {n} in flight ({counted}), cap {cap}");
+            }
+        }
+        if let Some(cap) = self.cluster_cap {
+            ensure!(cluster_in_flight <= cap, "CAP: {cluster_in_flight} in flight across the cluster, cap {cap}");
+        }
+        if full {
+            let mut finished = 0usize;
+            for row in store.tasks().skip(live) {
+                finished += 1;
+                ensure!(row.state.is_terminal(), "task {} is {} in the finished table", row.id, row.state);
+                ensure!(self.enqueued.contains(&row.id), "task {} is in the store but was never enqueued", row.id);
+                self.monotonic(row)?;
+                self.freeze(row)?;
+            }
+            ensure!(
+                live + finished == self.enqueued.len(),
+                "NO TASK LOST: {} tasks enqueued, the store has {live} live and {finished} finished",
+                self.enqueued.len()
+            );
+            for &id in &self.enqueued {
+                ensure!(store.task(id).is_some(), "NO TASK LOST: task {id} is gone from the store");
+            }
+        }
+        Ok(())
+    }
+
+    fn monotonic(&mut self, row: &StoredTask) -> Result<(), String> {
+        let attempts = self.attempts.entry(row.id).or_insert(0);
+        ensure!(row.attempts >= *attempts, "attempts of task {} went down: {} -> {}", row.id, attempts, row.attempts);
+        *attempts = row.attempts;
+        let lease = self.leases.entry(row.id).or_insert(Lease(0));
+        ensure!(row.lease >= *lease, "lease of task {} went down: {} -> {}", row.id, lease, row.lease);
+        *lease = row.lease;
+        Ok(())
+    }
+
+    /// A short description of every live task outside paused queues, for a liveness failure.
+    pub(crate) fn describe_unfinished(&self, store: &MemoryStore, now: DbTime, limit: usize) -> String {
+        let mut out = String::new();
+        for row in live_rows(store).filter(|row| !self.paused.contains(&row.queue)).take(limit) {
+            let _ = write!(
+                out,
+                "\n  task {} {} queue {} lease {} holder {:?} attempts {} retries {}/{} run_at {:+}ms good_until {:?} heartbeat {:?}",
+                row.id,
+                row.state,
+                row.queue,
+                row.lease,
+                row.claimed_by.as_ref().map(|w| w.0.as_str()),
+                row.attempts,
+                row.retries,
+                row.retry.max_retries,
+                row.run_at.0 - now.0,
+                row.good_until.map(|at| at.0 - now.0),
+                row.heartbeat_at.map(|at| at.0 - now.0),
+            );
+        }
+        out
+    }
+}
+
+/// The live table: `tasks()` lists it first, and its rows are the non-terminal ones.
+fn live_rows(store: &MemoryStore) -> impl Iterator<Item = &StoredTask> {
+    store.tasks().take_while(|row| !row.state.is_terminal())
+}
+
+fn sorted(ids: &[TaskId]) -> Vec<TaskId> {
+    let mut ids = ids.to_vec();
+    ids.sort_unstable();
+    ids
+}
+
+/// Checks one live worker against the harness and the store: `handlers` are the tasks the
+/// harness runs for it (spawned, not yet answered or aborted) with their leases.
+pub(crate) fn check_worker(
+    store: &MemoryStore,
+    worker: &Worker,
+    policy: &ClaimPolicy,
+    handlers: &BTreeMap<TaskId, Lease>,
+) -> Result<(), String> {
+    let id = worker.id();
+    let (running, claimed) = (worker.running(), worker.claimed());
+    ensure!(
+        running <= policy.concurrency as usize,
+        "CAP: {id} runs {running} handlers, concurrency {}",
+        policy.concurrency
+    );
+    ensure!(
+        running + claimed <= (policy.concurrency + policy.prefetch_buffer) as usize,
+        "CAP: {id} holds {running} running and {claimed} claimed, capacity {}",
+        policy.concurrency + policy.prefetch_buffer
+    );
+    ensure!(claimed <= policy.max_claimed() as usize, "CAP: {id} holds {claimed} claims, max {}", policy.max_claimed());
+    let believed: BTreeMap<TaskId, Lease> = worker.running_leases().map(|t| (t.task, t.lease)).collect();
+    ensure!(
+        believed == *handlers,
+        "{id} believes these handlers run {believed:?}, the harness runs {handlers:?} (spawn/abort contract)"
+    );
+    for (&task, &lease) in &believed {
+        let Some(row) = store.task(task) else {
+            return Err(format!("{id} runs task {task}, which the store does not have"));
+        };
+        ensure!(row.lease >= lease, "{id} runs task {task} under lease {lease}, newer than the row's {}", row.lease);
+        if row.lease == lease && row.state == TaskState::Running {
+            ensure!(
+                row.claimed_by.as_ref() == Some(id),
+                "TWO LEASES: {id} runs task {task} under the row's current lease {lease}, the row is held by {:?}",
+                row.claimed_by
+            );
+        }
+    }
+    Ok(())
+}

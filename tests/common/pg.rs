@@ -1,0 +1,151 @@
+//! PostgreSQL for the store's tests.
+//!
+//! The server is `DATABASE_URL` if set, else `postgres://postgres@127.0.0.1:5432/test`. If that
+//! is unreachable, a throwaway server is started once per test binary with `pgtemp` from the
+//! installed `initdb`/`postgres` binaries (on Debian they live in
+//! `/usr/lib/postgresql/<version>/bin`, which is searched when they are not on `PATH`; note
+//! that `initdb` refuses to run as root).
+//!
+//! Every test gets its own schema (`t<pid>_<n>`), migrated with the crate's migrations and
+//! dropped when the [`TestDb`] is dropped, so tests run in parallel on one database.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use canter::config::AppConfig;
+use canter::db::DbTime;
+use canter::postgres::{PgSchema, PgStore, migrate};
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// The database the tests use when `DATABASE_URL` is not set.
+pub const DEFAULT_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+/// A migrated schema of its own for one test.
+pub struct TestDb {
+    /// The server's URL.
+    pub url: String,
+    /// The schema.
+    pub schema: PgSchema,
+}
+
+static SERVER: OnceLock<String> = OnceLock::new();
+static TEMP: OnceLock<pgtemp::PgTempDB> = OnceLock::new();
+static NEXT: AtomicU32 = AtomicU32::new(0);
+
+/// The URL of a reachable server, starting a throwaway one if needed.
+pub async fn server_url() -> String {
+    if let Some(url) = SERVER.get() {
+        return url.clone();
+    }
+    let url = std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_URL.to_owned());
+    let url = match PgConnection::connect(&url).await {
+        Ok(conn) => {
+            let _ = conn.close().await;
+            url
+        }
+        Err(error) => {
+            eprintln!("PostgreSQL at {url} is unreachable ({error}); starting a throwaway server with pgtemp");
+            let temp = TEMP.get_or_init(|| {
+                let mut builder = pgtemp::PgTempDB::builder();
+                if let Some(bin) = postgres_bin_dir() {
+                    builder = builder.with_bin_path(bin);
+                }
+                std::thread::spawn(move || builder.start()).join().expect("pgtemp failed to start PostgreSQL")
+            });
+            temp.connection_uri()
+        }
+    };
+    SERVER.get_or_init(|| url).clone()
+}
+
+/// Where `initdb` is, when it is not on `PATH`: the newest `/usr/lib/postgresql/*/bin`.
+fn postgres_bin_dir() -> Option<PathBuf> {
+    let on_path = std::env::var_os("PATH")
+        .map(|path| std::env::split_paths(&path).any(|dir| dir.join("initdb").exists()))
+        .unwrap_or(false);
+    if on_path {
+        return None;
+    }
+    let mut dirs: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
+        .ok()?
+        .filter_map(|entry| entry.ok().map(|e| e.path().join("bin")))
+        .filter(|dir| dir.join("initdb").exists())
+        .collect();
+    dirs.sort_by_key(|dir| {
+        dir.parent().and_then(|v| v.file_name()).and_then(|v| v.to_str()).and_then(|v| v.parse::<u32>().ok())
+    });
+    dirs.pop()
+}
+
+impl TestDb {
+    /// A fresh schema, migrated.
+    pub async fn new() -> TestDb {
+        let url = server_url().await;
+        let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
+        let schema = PgSchema::new(&name).expect("test schema name");
+        let db = TestDb { url, schema };
+        let pool = db.pool(2).await;
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA IF EXISTS {} CASCADE", db.schema.quoted())))
+            .execute(&pool)
+            .await
+            .expect("drop a leftover schema");
+        migrate(&pool, &db.schema).await.expect("migrate");
+        pool.close().await;
+        db
+    }
+
+    /// A pool of at most `size` connections to the server.
+    pub async fn pool(&self, size: u32) -> PgPool {
+        let options: PgConnectOptions = self.url.parse().expect("database url");
+        PgPoolOptions::new()
+            .max_connections(size)
+            .acquire_timeout(Duration::from_secs(30))
+            // Tagged with the schema, so cleanup can end this test's sessions (see `Drop`).
+            .connect_with(options.application_name(self.schema.name()).disable_statement_logging())
+            .await
+            .expect("connect")
+    }
+
+    /// A store in this schema on a pool of at most `size` connections.
+    pub async fn store(&self, app: AppConfig, size: u32) -> PgStore {
+        PgStore::new(self.pool(size).await, self.schema.clone(), app)
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        // Async drop does not exist, and the test's runtime may be gone or busy: drop the
+        // schema from a thread with a runtime of its own.
+        let url = self.url.clone();
+        let name = self.schema.name().to_owned();
+        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.schema.quoted());
+        let _ = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            runtime.block_on(async move {
+                let mut conn = PgConnection::connect(&url).await.ok()?;
+                // A test that panicked may have left a transaction open that would block the
+                // drop: end the test's own sessions first.
+                sqlx::query("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE application_name = $1")
+                    .bind(name)
+                    .execute(&mut conn)
+                    .await
+                    .ok()?;
+                sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(&mut conn).await.ok()?;
+                conn.close().await.ok()
+            })
+        })
+        .join();
+    }
+}
+
+/// Pins the database clock of every statement `pool` runs at `now` (the pool must have one
+/// connection: the setting is per session).
+pub async fn pin_clock(pool: &PgPool, schema: &PgSchema, now: DbTime) {
+    let sql = format!("SELECT set_config('canter.now', {}.at_ms($1)::text, false)", schema.quoted());
+    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(pool).await.expect("pin the clock");
+}

@@ -1,0 +1,403 @@
+//! The end-to-end suite body shared by the adapters: each adapter's `tests/e2e.rs` includes
+//! this file and runs every scenario on its own runtime, so parity is checked, not assumed.
+//! Scenarios take the runtime as an `Arc<R: Runtime>` and a way to spawn a future on it.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
+use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService};
+use canter::postgres::PgSchema;
+use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
+use canter::worker::{Event, Stats};
+use futures::channel::oneshot;
+use serde::{Deserialize, Serialize};
+use sqlx::PgPool;
+
+/// Runs a future on the adapter's runtime and hands back its output.
+pub trait Spawner: Send + Sync + 'static {
+    /// Spawns `future`; the receiver gets its output.
+    fn spawn_with_output<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = T> + Send + 'static,
+    ) -> oneshot::Receiver<T>;
+}
+
+impl<R: Runtime> Spawner for R {
+    fn spawn_with_output<T: Send + 'static>(
+        &self,
+        future: impl Future<Output = T> + Send + 'static,
+    ) -> oneshot::Receiver<T> {
+        let (tx, rx) = oneshot::channel();
+        self.spawn(Box::pin(async move {
+            let _ = tx.send(future.await);
+        }));
+        rx
+    }
+}
+
+async fn sleep<R: Runtime>(runtime: &R, duration: Duration) {
+    runtime.sleep_until(runtime.now() + duration).await;
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Work {
+    pub id: u64,
+    pub ms: u64,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Fail {
+    pub code: String,
+}
+
+/// What the handlers saw: executions per work id and concurrency per worker.
+#[derive(Default)]
+pub struct Seen {
+    pub runs: Mutex<BTreeMap<u64, u32>>,
+    pub running: AtomicI64,
+    pub max_running: AtomicI64,
+    pub flaky_calls: AtomicU64,
+}
+
+pub struct Tasks {
+    pub registry: Arc<Registry>,
+    pub work: TaskHandle<Work, u64>,
+    pub fail: TaskHandle<Fail, ()>,
+    pub panic: TaskHandle<(), ()>,
+    pub blocking: TaskHandle<Work, u64>,
+    pub flaky: TaskHandle<(), String>,
+    pub seen: Arc<Seen>,
+}
+
+/// The handlers every scenario registers. `sleep` is the runtime's timer.
+pub fn tasks<R: Runtime>(runtime: Arc<R>) -> Tasks {
+    let seen = Arc::new(Seen::default());
+    let mut registry = Registry::new();
+    let (s, rt) = (seen.clone(), runtime.clone());
+    let work = registry
+        .register("work", move |args: Work, _ctx: TaskContext| {
+            let (seen, runtime) = (s.clone(), rt.clone());
+            async move {
+                let now = seen.running.fetch_add(1, Ordering::SeqCst) + 1;
+                seen.max_running.fetch_max(now, Ordering::SeqCst);
+                *seen.runs.lock().unwrap().entry(args.id).or_default() += 1;
+                if args.ms > 0 {
+                    sleep(&*runtime, Duration::from_millis(args.ms)).await;
+                }
+                seen.running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, TaskError>(args.id * 2)
+            }
+        })
+        .unwrap();
+    let fail = registry
+        .register("fail", |args: Fail, _| async move {
+            Err::<(), _>(TaskError::new(ErrorCode::parse(&args.code), "failed on purpose"))
+        })
+        .unwrap();
+    let panic = registry
+        .register("panic", |_: (), _| async move {
+            if true {
+                panic!("a handler panicked on purpose");
+            }
+            Ok::<(), TaskError>(())
+        })
+        .unwrap();
+    let blocking = registry
+        .register_blocking("blocking", |args: Work, _| -> Result<u64, TaskError> {
+            std::thread::sleep(Duration::from_millis(args.ms));
+            Ok(args.id + 1)
+        })
+        .unwrap();
+    let s = seen.clone();
+    let flaky = registry
+        .register("flaky", move |_: (), ctx: TaskContext| {
+            let seen = s.clone();
+            async move {
+                seen.flaky_calls.fetch_add(1, Ordering::SeqCst);
+                if ctx.attempt.0 < 3 {
+                    Err(TaskError::new(ErrorCode::User("FLAKY".into()), format!("attempt {}", ctx.attempt)))
+                } else {
+                    Ok(format!("succeeded on attempt {}", ctx.attempt))
+                }
+            }
+        })
+        .unwrap();
+    Tasks { registry: Arc::new(registry), work, fail, panic, blocking, flaky, seen }
+}
+
+/// Short intervals so recovery happens within a test.
+pub fn fast_app() -> AppConfig {
+    AppConfig {
+        recovery: RecoveryConfig {
+            claimer_heartbeat_interval_ms: 1_000,
+            runner_heartbeat_interval_ms: 1_000,
+            check_interval_ms: 1_000,
+            claimed_stale_threshold_ms: 2_000,
+            running_stale_threshold_ms: 2_000,
+            ..RecoveryConfig::default()
+        },
+        claim_lease_ms: Some(2_000),
+        max_claim_renew_age_ms: 180_000,
+        ..AppConfig::default()
+    }
+}
+
+pub fn fast_worker(concurrency: u32) -> WorkerConfig {
+    WorkerConfig { concurrency, poll_interval_ms: 1_000, handler_timeout_ms: Some(10_000), ..WorkerConfig::default() }
+}
+
+/// A worker serving on `runtime` until the returned sender fires (or is dropped).
+pub struct RunningWorker {
+    pub stop: Option<oneshot::Sender<()>>,
+    pub done: oneshot::Receiver<Stats>,
+    pub events: Arc<Mutex<Vec<Event>>>,
+    pub id: WorkerId,
+}
+
+impl RunningWorker {
+    pub async fn stop(mut self) -> Stats {
+        let _ = self.stop.take().map(|s| s.send(()));
+        self.done.await.expect("the worker task ended")
+    }
+}
+
+pub fn start_worker<R: Runtime>(
+    runtime: &Arc<R>,
+    pool: &PgPool,
+    schema: &PgSchema,
+    app: AppConfig,
+    config: WorkerConfig,
+    registry: Arc<Registry>,
+    name: &str,
+) -> RunningWorker {
+    let id = WorkerId(name.to_owned());
+    let mut service = WorkerService::new(app, config, registry, id.clone()).expect("valid config");
+    service.schema = schema.clone();
+    let events = Arc::new(Mutex::new(Vec::new()));
+    let sink = events.clone();
+    service.hooks.push(Arc::new(move |event: &Event| sink.lock().unwrap().push(event.clone())));
+    let (stop, stopped) = oneshot::channel::<()>();
+    let shutdown = async move {
+        let _ = stopped.await;
+    };
+    let serve = service.serve(runtime.clone(), pool.clone(), shutdown);
+    let done = runtime.spawn_with_output(async move { serve.await.expect("serve") });
+    RunningWorker { stop: Some(stop), done, events, id }
+}
+
+async fn wait_until<R: Runtime>(runtime: &R, within: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = runtime.now() + within;
+    while !check().await {
+        assert!(runtime.now() < deadline, "condition not met within {within:?}");
+        sleep(runtime, Duration::from_millis(20)).await;
+    }
+}
+
+async fn all_terminal<R: Runtime>(client: &Client<R>, ids: &[TaskId]) -> bool {
+    let counts = client.counts().await.unwrap();
+    let live: u64 = counts.iter().filter(|((_, s), _)| !s.is_terminal()).map(|(_, n)| n).sum();
+    live == 0 && !ids.is_empty()
+}
+
+/// Thousands of tasks through several workers: every one completes exactly once.
+pub async fn many_tasks_through_several_workers<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let total = 3_000u64;
+    let handles = client
+        .enqueue_many(&tasks.work, (0..total).map(|id| Work { id, ms: if id % 10 == 0 { 2 } else { 0 } }))
+        .await
+        .unwrap();
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            start_worker(
+                &runtime,
+                &pool,
+                &schema,
+                app.clone(),
+                fast_worker(8),
+                tasks.registry.clone(),
+                &format!("w{i}"),
+            )
+        })
+        .collect();
+    let ids: Vec<TaskId> = handles.iter().map(|h| h.id()).collect();
+    wait_until(&*runtime, Duration::from_secs(60), async || all_terminal(&client, &ids).await).await;
+    // Results are there and right.
+    for (i, handle) in handles.iter().enumerate().step_by(97) {
+        assert_eq!(handle.wait(Duration::from_secs(5)).await.unwrap(), i as u64 * 2);
+    }
+    let mut completed = 0;
+    for worker in workers {
+        completed += worker.stop().await.completed;
+    }
+    assert_eq!(completed, total);
+    let runs = tasks.seen.runs.lock().unwrap();
+    assert_eq!(runs.len() as u64, total, "every task ran");
+    assert!(runs.values().all(|n| *n == 1), "no task ran twice");
+    let counts = client.counts().await.unwrap();
+    assert_eq!(counts.get(&("default".to_owned(), TaskState::Completed)), Some(&total));
+}
+
+/// Caps per worker, per queue and cluster-wide hold under load, sampled while running.
+pub async fn caps_hold_under_load<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = AppConfig {
+        queue_mode: QueueMode::Custom,
+        custom_queues: vec![
+            CustomQueue::new("narrow").with_priority(1).with_max_concurrency(3),
+            CustomQueue::new("wide").with_priority(2),
+        ],
+        cluster_wide_cap: Some(7),
+        ..fast_app()
+    };
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    for queue in ["narrow", "wide"] {
+        for id in 0..150 {
+            client.enqueue_with(&tasks.work, &Work { id, ms: 15 }, |t| t.queue(queue)).await.unwrap();
+        }
+    }
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            start_worker(
+                &runtime,
+                &pool,
+                &schema,
+                app.clone(),
+                fast_worker(4),
+                tasks.registry.clone(),
+                &format!("c{i}"),
+            )
+        })
+        .collect();
+    let mut samples = 0;
+    let deadline = runtime.now() + Duration::from_secs(60);
+    loop {
+        let row: (i64, i64, i64) = sqlx::query_as(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FILTER (WHERE queue = 'narrow'), count(*), \
+                    count(*) FILTER (WHERE state = 'RUNNING') \
+             FROM {}.tasks WHERE state = 'RUNNING' OR (state = 'CLAIMED' AND claim_expires_at > clock_timestamp())",
+            schema.quoted()
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        samples += 1;
+        assert!(row.0 <= 3, "queue cap exceeded: {} in flight in narrow", row.0);
+        assert!(row.1 <= 7, "cluster cap exceeded: {} in flight", row.1);
+        let counts = client.counts().await.unwrap();
+        let live: u64 = counts.iter().filter(|((_, s), _)| !s.is_terminal()).map(|(_, n)| n).sum();
+        if live == 0 {
+            break;
+        }
+        assert!(runtime.now() < deadline, "not drained in time");
+        sleep(&*runtime, Duration::from_millis(3)).await;
+    }
+    assert!(samples > 10, "sampled while running");
+    assert!(tasks.seen.max_running.load(Ordering::SeqCst) <= 7);
+    for worker in workers {
+        worker.stop().await;
+    }
+}
+
+/// Panics, returned errors, undecodable arguments, unknown names and timeouts end with their
+/// codes; retries follow the policy.
+pub async fn failures_end_with_their_codes<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let config = WorkerConfig { handler_timeout_ms: Some(300), ..fast_worker(4) };
+    let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "f1");
+
+    let panic = client.enqueue(&tasks.panic, &()).await.unwrap();
+    let failed = client.enqueue(&tasks.fail, &Fail { code: "OUT_OF_STOCK".into() }).await.unwrap();
+    let undecodable: TaskHandle<String, u64> = TaskHandle::named("work");
+    let undecodable = client.enqueue(&undecodable, &"not a Work".to_owned()).await.unwrap();
+    let unknown: TaskHandle<(), ()> = TaskHandle::named("nobody_registered_this");
+    let unknown = client.enqueue(&unknown, &()).await.unwrap();
+    let slow = client.enqueue(&tasks.work, &Work { id: 1, ms: 5_000 }).await.unwrap();
+    let flaky_policy = RetryPolicy::fixed(vec![1, 1, 1]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
+    let flaky = client.enqueue_with(&tasks.flaky, &(), |t| t.retry(flaky_policy)).await.unwrap();
+    let blocking = client.enqueue(&tasks.blocking, &Work { id: 41, ms: 20 }).await.unwrap();
+
+    let code = async |error: ResultError| error.code();
+    let wait = Duration::from_secs(20);
+    assert_eq!(code(panic.wait(wait).await.unwrap_err()).await, ErrorCode::UnhandledError);
+    assert_eq!(code(failed.wait(wait).await.unwrap_err()).await, ErrorCode::User("OUT_OF_STOCK".into()));
+    assert_eq!(code(undecodable.wait(wait).await.unwrap_err()).await, ErrorCode::WorkerSerializationError);
+    assert_eq!(code(unknown.wait(wait).await.unwrap_err()).await, ErrorCode::WorkerResolutionError);
+    assert_eq!(code(slow.wait(wait).await.unwrap_err()).await, ErrorCode::TaskTimeout);
+    assert_eq!(flaky.wait(wait).await.unwrap(), "succeeded on attempt 3");
+    assert_eq!(blocking.wait(wait).await.unwrap(), 42);
+    let attempts = client.attempts(flaky.id()).await.unwrap();
+    assert_eq!(attempts.len(), 3, "two failed runs, then the successful one");
+    assert!(worker.events.lock().unwrap().iter().any(|e| matches!(e, Event::TimedOut { .. })));
+    worker.stop().await;
+}
+
+/// Waiting for a result times out with WAIT_TIMEOUT while nobody runs the task; cancelling a
+/// pending task ends the wait with TASK_CANCELLED.
+pub async fn waiting_timeouts_and_cancel<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let handle = client.enqueue(&tasks.work, &Work { id: 9, ms: 0 }).await.unwrap();
+    let error = handle.wait(Duration::from_millis(200)).await.unwrap_err();
+    assert_eq!(error.code(), ErrorCode::WaitTimeout);
+    let waiter = handle.clone();
+    let waiting = runtime.spawn_with_output(async move { waiter.wait(Duration::from_secs(10)).await });
+    sleep(&*runtime, Duration::from_millis(100)).await;
+    handle.cancel().await.unwrap();
+    let error = waiting.await.unwrap().unwrap_err();
+    assert_eq!(error.code(), ErrorCode::TaskCancelled);
+}
+
+/// Graceful shutdown: running handlers finish within the grace period; what still runs after
+/// it goes back to Pending without spending a retry.
+pub async fn graceful_shutdown<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let quick = client.enqueue(&tasks.work, &Work { id: 1, ms: 200 }).await.unwrap();
+    let long = client.enqueue(&tasks.work, &Work { id: 2, ms: 60_000 }).await.unwrap();
+    let config = WorkerConfig { shutdown_grace_ms: 1_000, handler_timeout_ms: None, ..fast_worker(4) };
+    let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "g1");
+    wait_until(&*runtime, Duration::from_secs(10), async || tasks.seen.running.load(Ordering::SeqCst) == 2).await;
+    let began = runtime.now();
+    worker.stop().await;
+    let took = runtime.now() - began;
+    assert!(took >= Duration::from_millis(900) && took < Duration::from_secs(8), "shutdown took {took:?}");
+    assert_eq!(quick.wait(Duration::from_secs(1)).await.unwrap(), 2, "finished within the grace period");
+    let record = long.status().await.unwrap().unwrap();
+    assert_eq!(record.state, TaskState::Pending, "handed back");
+    assert_eq!(record.retries, 0, "without spending a retry");
+    let workers = client.workers().await.unwrap();
+    assert!(workers.iter().any(|w| w.info.worker.0 == "g1" && w.stopped), "deregistered");
+}
+
+/// Hooks see lifecycle events after the result is written.
+pub async fn hooks_see_lifecycle_events<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let worker = start_worker(&runtime, &pool, &schema, app, fast_worker(2), tasks.registry.clone(), "h1");
+    let handle = client.enqueue(&tasks.work, &Work { id: 5, ms: 0 }).await.unwrap();
+    assert_eq!(handle.wait(Duration::from_secs(10)).await.unwrap(), 10);
+    let id = handle.id();
+    wait_until(&*runtime, Duration::from_secs(5), async || {
+        worker.events.lock().unwrap().iter().any(|e| matches!(e, Event::Finished { task, .. } if *task == id))
+    })
+    .await;
+    let events = worker.events.lock().unwrap().clone();
+    let position = |f: &dyn Fn(&Event) -> bool| events.iter().position(f).expect("event seen");
+    let claimed = position(&|e| matches!(e, Event::Claimed { task, .. } if *task == id));
+    let started = position(&|e| matches!(e, Event::Started { task, .. } if *task == id));
+    let finished = position(&|e| matches!(e, Event::Finished { task, state: TaskState::Completed } if *task == id));
+    assert!(claimed < started && started < finished);
+    worker.stop().await;
+}

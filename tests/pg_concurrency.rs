@@ -1,0 +1,168 @@
+//! Concurrent claimers on real PostgreSQL: no task is claimed twice, and in hard-cap mode no
+//! cap is ever exceeded (a sampler reads the in-flight counts while the claimers run).
+
+#[path = "common/pg.rs"]
+mod pg;
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use canter::budget::ClaimPolicy;
+use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
+use canter::db::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
+use canter::postgres::PgStore;
+use canter::task::{TaskId, TaskLease, TaskState, WorkerId};
+use pg::TestDb;
+use serde_json::json;
+
+/// Every claim any worker made: (task, lease).
+type Claims = Arc<Mutex<Vec<(TaskId, i64)>>>;
+
+/// A worker that claims and starts up to `concurrency` tasks per pass, runs each for `work`,
+/// completes them, and stops when a pass finds nothing and nothing is left.
+async fn claimer(store: PgStore, name: String, concurrency: u32, work: Duration, total: usize, claims: Claims) {
+    let config = WorkerConfig { concurrency, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    let worker = WorkerId(name);
+    let mut token = 0;
+    loop {
+        token += 1;
+        let request = DbRequest::Claim {
+            worker: worker.clone(),
+            token,
+            policy: Arc::clone(&policy),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: concurrency,
+            lease_ms: 60_000,
+        };
+        let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else { panic!() };
+        if tasks.is_empty() {
+            let done = claims.lock().unwrap().len();
+            if done >= total {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            continue;
+        }
+        assert!(tasks.iter().all(|t| t.started));
+        claims.lock().unwrap().extend(tasks.iter().map(|t| (t.id, t.lease.0)));
+        tokio::time::sleep(work).await;
+        let completions = tasks
+            .iter()
+            .map(|t| Completion {
+                task: TaskLease { task: t.id, lease: t.lease },
+                outcome: FinishOutcome::Completed(json!(t.id.0)),
+            })
+            .collect();
+        let reply = store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");
+        let DbReply::Finished { applied, lost } = reply else { panic!() };
+        assert!(lost.is_empty(), "a worker lost tasks it held: {lost:?}");
+        assert_eq!(applied.len(), tasks.len());
+    }
+}
+
+fn assert_claimed_once(claims: &Claims, total: usize) {
+    let claims = claims.lock().unwrap();
+    let mut per_task: BTreeMap<TaskId, usize> = BTreeMap::new();
+    for (id, lease) in claims.iter() {
+        *per_task.entry(*id).or_default() += 1;
+        assert_eq!(*lease, 1, "task {id} was claimed under lease {lease}");
+    }
+    assert_eq!(per_task.len(), total, "every task claimed");
+    let twice: Vec<_> = per_task.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "tasks claimed twice: {twice:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_claimers_never_claim_a_task_twice() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 8).await;
+    let total = 3_000;
+    store.enqueue_many((0..total).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
+    let claims: Claims = Arc::default();
+    let workers: Vec<_> = (0..6)
+        .map(|i| tokio::spawn(claimer(store.clone(), format!("w{i}"), 16, Duration::ZERO, total, Arc::clone(&claims))))
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    assert_claimed_once(&claims, total);
+    let counts = store.counts().await.unwrap();
+    assert_eq!(counts.get(&("default".to_owned(), TaskState::Completed)), Some(&(total as u64)));
+    assert_eq!(counts.len(), 1, "{counts:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn hard_caps_hold_under_concurrent_claimers() {
+    let caps = [("a", Some(3)), ("b", Some(5)), ("c", None)];
+    let cluster_cap = 10;
+    let app = AppConfig {
+        queue_mode: QueueMode::Custom,
+        custom_queues: caps
+            .iter()
+            .enumerate()
+            .map(|(i, (name, cap))| {
+                let queue = CustomQueue::new(*name).with_priority(i as u8 + 1);
+                match cap {
+                    Some(cap) => queue.with_max_concurrency(*cap),
+                    None => queue,
+                }
+            })
+            .collect(),
+        cluster_wide_cap: Some(cluster_cap),
+        ..AppConfig::default()
+    };
+    let db = TestDb::new().await;
+    let store = db.store(app, 10).await;
+    let total = 1_200;
+    let tasks = (0..total).map(|i| NewTask::new("t", json!(i)).queue(caps[i % 3].0)).collect();
+    store.enqueue_many(tasks).await.unwrap();
+
+    let running = Arc::new(AtomicBool::new(true));
+    let sampler = tokio::spawn({
+        let (store, running) = (store.clone(), Arc::clone(&running));
+        let sql = format!(
+            "SELECT queue, count(*) FROM {}.tasks WHERE state = 'RUNNING' \
+             OR (state = 'CLAIMED' AND claim_expires_at > now()) GROUP BY queue",
+            store.schema().quoted()
+        );
+        async move {
+            let (mut samples, mut max_total) = (0u32, 0i64);
+            let mut max_queue: BTreeMap<String, i64> = BTreeMap::new();
+            while running.load(Ordering::Relaxed) {
+                let rows: Vec<(String, i64)> =
+                    sqlx::query_as(sqlx::AssertSqlSafe(sql.clone())).fetch_all(store.pool()).await.unwrap();
+                let total: i64 = rows.iter().map(|(_, n)| n).sum();
+                assert!(total <= i64::from(cluster_cap), "cluster cap exceeded: {rows:?}");
+                for (queue, n) in rows {
+                    let cap = caps.iter().find(|(q, _)| *q == queue).and_then(|(_, cap)| *cap);
+                    assert!(cap.is_none_or(|cap| n <= i64::from(cap)), "queue {queue} over its cap: {n}");
+                    let max = max_queue.entry(queue).or_default();
+                    *max = (*max).max(n);
+                }
+                max_total = max_total.max(total);
+                samples += 1;
+            }
+            (samples, max_total, max_queue)
+        }
+    });
+    let claims: Claims = Arc::default();
+    let workers: Vec<_> = (0..6)
+        .map(|i| {
+            let work = Duration::from_millis(2);
+            tokio::spawn(claimer(store.clone(), format!("w{i}"), 4, work, total, Arc::clone(&claims)))
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    running.store(false, Ordering::Relaxed);
+    let (samples, max_total, max_queue) = sampler.await.unwrap();
+    eprintln!("{samples} samples, most in flight {max_total}, per queue {max_queue:?}");
+    assert!(samples > 20, "the sampler ran while the claimers did");
+    assert!(max_total > 3, "the claimers ran in parallel");
+    assert_claimed_once(&claims, total);
+}

@@ -1,0 +1,740 @@
+//! Conformance: the same scripts of operations applied to the memory store and to PostgreSQL,
+//! comparing every reply, the full state after every step, and the notifications.
+//!
+//! Time: the PostgreSQL store runs on a one-connection pool whose session pins the database
+//! clock (`SET canter.now`, read by the schema's `db_now()`) to the script's clock before every
+//! operation, so both stores see the same `now` to the millisecond: lease expiry, run-at
+//! delays, good-until, reaper thresholds and retry delays are compared exactly, with no sleeps.
+//!
+//! Scripts: a few written by hand for the behaviours that matter most (claim ordering, caps in
+//! both modes, leases lapsing and re-claimed, fencing of stale writes, retries, expiry,
+//! cancellation), then random scripts generated from the memory store's state by a seeded
+//! PRNG over three applications (the default queue; custom queues with caps in hard-cap mode;
+//! soft-cap mode with a prefetch buffer). `CANTER_CONFORMANCE_SEEDS=n` runs more seeds; a
+//! failure names its seed and step.
+
+#[path = "common/pg.rs"]
+mod pg;
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use canter::budget::{ClaimPolicy, QueuePolicy};
+use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy};
+use canter::db::{Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, NewTask, RunAt, WorkerInfo};
+use canter::memory::{AdminError, MemoryStore, Notification, TaskFilter};
+use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
+use canter::rng::Rng;
+use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+use pg::{TestDb, pin_clock};
+use serde_json::json;
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+
+const T0: DbTime = DbTime(1_700_000_000_000);
+
+/// One step of a script.
+#[derive(Debug, Clone)]
+enum Op {
+    Enqueue(Vec<NewTask>),
+    Db(DbRequest),
+    Cancel(TaskId),
+    Requeue(TaskId),
+    Advance(u64),
+}
+
+/// Both stores, side by side.
+struct Pair {
+    memory: MemoryStore,
+    pg: PgStore,
+    pool: PgPool,
+    listener: PgListener,
+    marker: String,
+    now: DbTime,
+    step: usize,
+    label: String,
+    /// What the replies showed, to check that random scripts reach the interesting cases.
+    seen: BTreeMap<&'static str, usize>,
+    _db: TestDb,
+}
+
+impl Pair {
+    async fn new(app: AppConfig, label: &str) -> Pair {
+        let db = TestDb::new().await;
+        let pool = db.pool(1).await;
+        let pg = PgStore::new(pool.clone(), db.schema.clone(), app.clone());
+        let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+        let marker = format!("{}_marker", db.schema.name());
+        let mut channels = vec![marker.clone(), db.schema.done_channel()];
+        channels.extend(app.queues().iter().map(|q| db.schema.queue_channel(&q.name)));
+        for channel in &channels {
+            listener.listen(channel).await.unwrap();
+        }
+        Pair {
+            memory: MemoryStore::new(app),
+            pg,
+            pool,
+            listener,
+            marker,
+            now: T0,
+            step: 0,
+            label: label.into(),
+            seen: BTreeMap::new(),
+            _db: db,
+        }
+    }
+
+    fn see(&mut self, feature: &'static str) {
+        *self.seen.entry(feature).or_default() += 1;
+    }
+
+    fn at(&self) -> String {
+        format!("{} step {}", self.label, self.step)
+    }
+
+    async fn apply(&mut self, op: &Op) {
+        self.step += 1;
+        pin_clock(&self.pool, self.pg.schema(), self.now).await;
+        let at = self.at();
+        match op {
+            Op::Advance(ms) => self.now = self.now.plus_ms(*ms),
+            Op::Enqueue(tasks) => {
+                let memory = self.memory.enqueue_many(tasks.clone(), self.now);
+                self.see(match &memory {
+                    Ok(_) => "enqueued",
+                    Err(EnqueueError::PayloadMismatch { .. }) => "payload mismatch",
+                    Err(EnqueueError::RunAtAfterGoodUntil { .. }) => "run_at after good_until",
+                    Err(_) => "refused",
+                });
+                let pg = self.pg.enqueue_many(tasks.clone()).await.map_err(|e| match e {
+                    PgEnqueueError::Invalid(e) => e,
+                    other => panic!("{at}: enqueue failed: {other}"),
+                });
+                assert_eq!(pg, memory, "{at}: enqueue {tasks:?}");
+            }
+            Op::Db(request) => {
+                let memory = self.memory.apply(request, self.now);
+                for feature in features(&memory) {
+                    self.see(feature);
+                }
+                let pg = self.pg.execute(request).await.unwrap_or_else(|e| panic!("{at}: {request:?} failed: {e}"));
+                assert_eq!(pg, memory, "{at}: {request:?}");
+            }
+            Op::Cancel(id) => {
+                let memory = self.memory.cancel(*id, self.now);
+                let pg = self.pg.cancel(*id).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: cancel {id}");
+            }
+            Op::Requeue(id) => {
+                let memory = self.memory.requeue_failed(*id, self.now);
+                let pg = self.pg.requeue_failed(*id).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: requeue {id}");
+            }
+        }
+        self.compare_notifications().await;
+        self.compare_state(self.step % 10 == 0).await;
+    }
+
+    async fn compare_state(&self, with_attempts: bool) {
+        let at = self.at();
+        let memory = self.memory.list(&TaskFilter::default());
+        let pg = self.pg.list(&TaskFilter::default()).await.unwrap();
+        if pg != memory {
+            for (m, p) in memory.iter().zip(&pg) {
+                assert_eq!(p, m, "{at}: first differing task");
+            }
+            assert_eq!(pg.len(), memory.len(), "{at}: task counts");
+        }
+        assert_eq!(self.pg.counts().await.unwrap(), self.memory.counts(), "{at}: counts");
+        assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
+        if with_attempts {
+            for record in &memory {
+                assert_eq!(
+                    self.pg.attempts(record.id).await.unwrap(),
+                    self.memory.attempts(record.id),
+                    "{at}: attempts"
+                );
+            }
+        }
+        for filter in [
+            TaskFilter { state: Some(TaskState::Pending), limit: Some(3), ..TaskFilter::default() },
+            TaskFilter { queue: memory.first().map(|r| r.queue.clone()), ..TaskFilter::default() },
+        ] {
+            assert_eq!(self.pg.list(&filter).await.unwrap(), self.memory.list(&filter), "{at}: list {filter:?}");
+        }
+    }
+
+    /// The notifications of the last step: ready queues per statement and finished ids, in
+    /// any order (PostgreSQL batches finished ids into one payload).
+    async fn compare_notifications(&mut self) {
+        let at = self.at();
+        let (mut ready, mut done) = (Vec::new(), Vec::new());
+        for note in self.memory.take_notifications() {
+            match note {
+                Notification::TaskReady { queue } => ready.push(self.pg.schema().queue_channel(&queue)),
+                Notification::TaskFinished { task, .. } => done.push(task.0),
+            }
+        }
+        sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.pool).await.unwrap();
+        let (mut pg_ready, mut pg_done) = (Vec::new(), Vec::new());
+        loop {
+            let note = tokio::time::timeout(Duration::from_secs(10), self.listener.recv())
+                .await
+                .unwrap_or_else(|_| panic!("{at}: the marker never came"))
+                .unwrap();
+            if note.channel() == self.marker {
+                break;
+            }
+            if note.channel() == self.pg.schema().done_channel() {
+                pg_done.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
+            } else {
+                pg_ready.push(note.channel().to_owned());
+            }
+        }
+        for list in [&mut ready, &mut pg_ready] {
+            list.sort();
+        }
+        done.sort_unstable();
+        pg_done.sort_unstable();
+        assert_eq!(pg_ready, ready, "{at}: ready notifications");
+        assert_eq!(pg_done, done, "{at}: finished notifications");
+    }
+
+    async fn run(&mut self, script: &[Op]) {
+        for op in script {
+            self.apply(op).await;
+        }
+        self.compare_state(true).await;
+    }
+}
+
+/// The interesting cases a reply shows.
+fn features(reply: &DbReply) -> Vec<&'static str> {
+    let mut seen = Vec::new();
+    let mut see = |on: bool, feature| {
+        if on {
+            seen.push(feature);
+        }
+    };
+    match reply {
+        DbReply::Claimed { tasks, more } => {
+            see(!tasks.is_empty(), "claimed");
+            see(tasks.iter().any(|t| t.started), "claimed and started");
+            see(tasks.iter().any(|t| t.lease.0 > 1), "re-claimed");
+            see(*more, "more");
+        }
+        DbReply::Started { started, expired, deferred, lost } => {
+            see(!started.is_empty(), "started");
+            see(!expired.is_empty(), "expired at start");
+            see(!deferred.is_empty(), "deferred");
+            see(!lost.is_empty(), "start lost");
+        }
+        DbReply::Finished { applied, lost } => {
+            see(applied.iter().any(|(_, s)| *s == TaskState::Completed), "completed");
+            see(applied.iter().any(|(_, s)| *s == TaskState::Failed), "failed");
+            see(applied.iter().any(|(_, s)| *s == TaskState::Pending), "retried");
+            see(!lost.is_empty(), "finish lost");
+        }
+        DbReply::Heartbeat { lost } => see(!lost.is_empty(), "heartbeat lost"),
+        DbReply::Released { released, lost } => {
+            see(!released.is_empty(), "released");
+            see(!lost.is_empty(), "release lost");
+        }
+        DbReply::Reaped(report) => {
+            see(!report.requeued.is_empty(), "reaped claimed");
+            see(!report.retried.is_empty(), "reaped and retried");
+            see(!report.failed.is_empty(), "reaped and failed");
+            see(!report.expired.is_empty(), "expired pending");
+        }
+        DbReply::Done => {}
+    }
+    seen
+}
+
+fn admin(error: PgAdminError) -> AdminError {
+    match error {
+        PgAdminError::Refused(e) => e,
+        PgAdminError::Database(e) => panic!("database error: {e}"),
+    }
+}
+
+fn w(name: &str) -> WorkerId {
+    WorkerId(name.into())
+}
+
+fn custom(queues: Vec<CustomQueue>) -> AppConfig {
+    AppConfig { queue_mode: QueueMode::Custom, custom_queues: queues, ..AppConfig::default() }
+}
+
+fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
+    let mut queues: Vec<QueuePolicy> = app
+        .queues()
+        .into_iter()
+        .map(|q| QueuePolicy { name: q.name, priority: q.priority, max_concurrency: q.max_concurrency })
+        .collect();
+    queues.sort_by_key(|q| q.priority);
+    Arc::new(ClaimPolicy {
+        concurrency,
+        prefetch_buffer: app.prefetch_buffer,
+        max_claim_batch: 0,
+        max_claim_per_worker: 0,
+        cluster_wide_cap: app.cluster_wide_cap,
+        queues,
+    })
+}
+
+fn claim(worker: &str, token: u64, policy: &Arc<ClaimPolicy>, start_now: u32, lease_ms: u64) -> Op {
+    Op::Db(DbRequest::Claim {
+        worker: w(worker),
+        token,
+        policy: Arc::clone(policy),
+        my_running: 0,
+        my_claimed: 0,
+        start_now,
+        lease_ms,
+    })
+}
+
+fn lease(id: i64, lease: i64) -> TaskLease {
+    TaskLease { task: TaskId(id), lease: Lease(lease) }
+}
+
+fn finish(worker: &str, task: TaskLease, outcome: FinishOutcome) -> Op {
+    Op::Db(DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome }] })
+}
+
+fn error(code: ErrorCode) -> TaskError {
+    TaskError::new(code, "boom").with_data(json!({"detail": [1, 2]}))
+}
+
+#[tokio::test]
+async fn claim_order_caps_and_more_in_hard_mode() {
+    let app = custom(vec![
+        CustomQueue::new("low").with_priority(2),
+        CustomQueue::new("high").with_priority(1).with_max_concurrency(2),
+        CustomQueue::new("paused").with_max_concurrency(0),
+    ]);
+    let p = policy(&app, 10);
+    let mut pair = Pair::new(app, "hard caps").await;
+    let script = vec![
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)).queue("low").priority(3),
+            NewTask::new("t", json!(2)).queue("high").priority(5),
+            NewTask::new("t", json!(3)).queue("high").priority(1).run_at(RunAt::DelayMs(500)),
+            NewTask::new("t", json!(4)).queue("high").priority(1).run_at(RunAt::DelayMs(100)),
+            NewTask::new("t", json!(5)).queue("high").priority(1).run_at(RunAt::DelayMs(100)),
+            NewTask::new("t", json!(6)).queue("low").priority(-1),
+            NewTask::new("t", json!(7)).queue("paused"),
+        ]),
+        Op::Advance(1_000),
+        claim("a", 1, &p, 0, 60_000),
+        // The high queue's cap of 2 is full: nothing more from it, even for another worker.
+        claim("b", 1, &p, 2, 60_000),
+        Op::Enqueue(vec![NewTask::new("t", json!(8)).queue("low")]),
+        claim("b", 2, &p, 2, 60_000),
+        Op::Db(DbRequest::Release { worker: w("a"), tasks: vec![lease(4, 1), lease(5, 1)] }),
+        claim("c", 1, &Arc::new(ClaimPolicy { max_claim_batch: 1, ..(*p).clone() }), 1, 60_000),
+    ];
+    pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn cluster_cap_soft_caps_and_deferred_starts() {
+    let app = AppConfig { cluster_wide_cap: Some(3), ..AppConfig::default() };
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "cluster cap").await;
+    let mut script = vec![Op::Enqueue((0..8).map(|i| NewTask::new("t", json!(i))).collect())];
+    script.extend([claim("a", 1, &p, 1, 60_000), claim("b", 1, &p, 2, 60_000), claim("c", 1, &p, 2, 60_000)]);
+    pair.run(&script).await;
+
+    let app = AppConfig {
+        queue_mode: QueueMode::Custom,
+        custom_queues: vec![CustomQueue::new("q").with_max_concurrency(2)],
+        prefetch_buffer: 4,
+        claim_lease_ms: Some(10_000),
+        ..AppConfig::default()
+    };
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "soft caps").await;
+    let script = vec![
+        Op::Enqueue((0..8).map(|i| NewTask::new("t", json!(i)).queue("q")).collect()),
+        // Soft mode counts only running tasks against the cap: the claim fills the buffer.
+        claim("a", 1, &p, 1, 10_000),
+        claim("b", 1, &p, 1, 10_000),
+        Op::Db(DbRequest::Start {
+            worker: w("a"),
+            tasks: vec![lease(2, 1), lease(3, 1), lease(2, 1), lease(3, 0)],
+            policy: Arc::clone(&p),
+        }),
+        Op::Db(DbRequest::Start { worker: w("b"), tasks: vec![lease(7, 1), lease(8, 1)], policy: Arc::clone(&p) }),
+    ];
+    pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn leases_lapse_and_stale_writes_are_fenced() {
+    let app = AppConfig::default();
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "leases").await;
+    let beat = |worker: &str, claimed: Vec<TaskLease>, running: Vec<TaskLease>| {
+        Op::Db(DbRequest::Heartbeat { worker: w(worker), claimed, running, lease_ms: 1_000, max_renew_age_ms: 1_500 })
+    };
+    let script = vec![
+        Op::Enqueue(vec![NewTask::new("t", json!(1)), NewTask::new("t", json!(2)), NewTask::new("t", json!(3))]),
+        claim("a", 7, &p, 1, 1_000),
+        Op::Advance(900),
+        beat("a", vec![lease(2, 1)], vec![lease(1, 1), lease(3, 1)]),
+        Op::Advance(900),
+        // Renewed at 900: still a's at 1 800.
+        claim("b", 1, &p, 0, 1_000),
+        Op::Advance(900),
+        // Too old to renew: the claim lapses and b takes it over with a new lease.
+        beat("a", vec![lease(2, 1)], vec![]),
+        Op::Advance(1_000),
+        claim("b", 2, &p, 0, 1_000),
+        Op::Db(DbRequest::Start { worker: w("a"), tasks: vec![lease(2, 1)], policy: Arc::clone(&p) }),
+        Op::Db(DbRequest::Start { worker: w("b"), tasks: vec![lease(2, 2), lease(2, 2)], policy: Arc::clone(&p) }),
+        finish("a", lease(2, 1), FinishOutcome::Completed(json!("stale"))),
+        finish("b", lease(2, 2), FinishOutcome::Completed(json!(null))),
+        finish("b", lease(2, 2), FinishOutcome::Completed(json!("again"))),
+        Op::Db(DbRequest::AbandonClaim { worker: w("a"), token: 7 }),
+        Op::Db(DbRequest::Release { worker: w("a"), tasks: vec![lease(1, 1), lease(1, 0)] }),
+        beat("a", vec![], vec![lease(1, 1)]),
+        Op::Db(DbRequest::RegisterWorker(WorkerInfo {
+            worker: w("a"),
+            queues: vec!["default".into()],
+            concurrency: 2,
+        })),
+        Op::Db(DbRequest::DeregisterWorker(w("a"))),
+    ];
+    pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn retries_expiry_cancellation_reaping_and_requeue() {
+    let app = AppConfig::default();
+    let p = policy(&app, 4);
+    let mut pair = Pair::new(app, "lifecycle").await;
+    let retry = RetryPolicy::fixed(vec![1, 2]).with_jitter(true);
+    let script = vec![
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)).retry(retry.clone()),
+            NewTask::new("t", json!(2)).good_until(T0.plus_ms(5_000)),
+            NewTask::new("t", json!(3)).retry(retry.clone()).good_until(T0.plus_ms(2_500)),
+            NewTask::new("t", json!(4)).run_at(RunAt::DelayMs(100_000)),
+            NewTask::new("t", json!(5)).retry(RetryPolicy::exponential(1, 5)),
+        ]),
+        claim("a", 1, &p, 3, 60_000),
+        finish("a", lease(1, 1), FinishOutcome::Retry { error: error(ErrorCode::TaskError), delay_ms: 1_000 }),
+        // Past good-until with the delay: fails instead of retrying.
+        finish("a", lease(3, 1), FinishOutcome::Retry { error: error(ErrorCode::TaskTimeout), delay_ms: 3_000 }),
+        Op::Advance(1_000),
+        claim("a", 2, &p, 1, 60_000),
+        finish("a", lease(1, 2), FinishOutcome::Failed(error(ErrorCode::User("NOPE".into())))),
+        Op::Requeue(TaskId(1)),
+        Op::Requeue(TaskId(2)),
+        Op::Cancel(TaskId(4)),
+        Op::Cancel(TaskId(4)),
+        Op::Cancel(TaskId(99)),
+        Op::Cancel(TaskId(5)),
+        Op::Advance(5_000),
+        // Task 2 is claimed and now past good-until: starting it expires it.
+        Op::Db(DbRequest::Start { worker: w("a"), tasks: vec![lease(2, 1)], policy: Arc::clone(&p) }),
+        claim("b", 1, &p, 1, 60_000),
+        Op::Advance(10_000),
+        Op::Db(DbRequest::Reap {
+            worker: w("r"),
+            claimed_stale_ms: Some(5_000),
+            running_stale_ms: Some(5_000),
+            entropy: 42,
+        }),
+        Op::Db(DbRequest::Reap { worker: w("r"), claimed_stale_ms: None, running_stale_ms: None, entropy: 1 }),
+    ];
+    pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn idempotency_keys_and_refusals() {
+    let mut pair = Pair::new(custom(vec![CustomQueue::new("a")]), "keys").await;
+    let script = vec![
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k0")]),
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)),
+            NewTask::new("t", json!(0)).key("k0"),
+            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(3)).key("k1"),
+        ]),
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)),
+            NewTask::new("t", json!(0)).key("k0"),
+            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(2)).key("k1"),
+        ]),
+        Op::Enqueue(vec![NewTask::new("other", json!(0)).key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(9)).queue("b"), NewTask::new("t", json!(0)).key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k9"), NewTask::new("t", json!(1)).queue("Bad")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(100)).good_until(T0.plus_ms(100))]),
+        Op::Enqueue(vec![NewTask::new("t", json!(1)).key("k1"), NewTask::new("t", json!(1)).good_until(T0)]),
+        Op::Cancel(TaskId(1)),
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(1)).run_at(RunAt::At(DbTime(T0.0 - 5_000)))]),
+    ];
+    pair.run(&script).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random scripts
+// ---------------------------------------------------------------------------------------------
+
+const WORKERS: [&str; 3] = ["w1", "w2", "w3"];
+
+/// The next operation, chosen from what the memory store holds now.
+fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64) -> Op {
+    let app = memory.app().clone();
+    let worker = WORKERS[rng.range(0, 3) as usize];
+    let held = |state: TaskState| -> Vec<TaskLease> {
+        memory
+            .tasks()
+            .filter(|t| t.state == state && t.claimed_by.as_ref().is_some_and(|c| c.0 == worker))
+            .map(|t| TaskLease { task: t.id, lease: t.lease })
+            .collect()
+    };
+    let max_id = memory.tasks().map(|t| t.id.0).max().unwrap_or(0);
+    // Sometimes a stale or foreign lease, sometimes a duplicate.
+    let pick = |rng: &mut Rng, mut tasks: Vec<TaskLease>| -> Vec<TaskLease> {
+        if rng.chance(0.3) && max_id > 0 {
+            let id = rng.range(1, max_id as u64 + 2) as i64;
+            tasks.push(TaskLease { task: TaskId(id), lease: Lease(rng.range(0, 3) as i64) });
+        }
+        if rng.chance(0.15) && !tasks.is_empty() {
+            let i = rng.range(0, tasks.len() as u64) as usize;
+            tasks.push(tasks[i]);
+        }
+        tasks.retain(|_| rng.chance(0.85));
+        tasks
+    };
+    let roll = rng.range(0, 100);
+    match roll {
+        0..=19 => {
+            let n = rng.range(1, 5);
+            let queues = app.queues();
+            let tasks = (0..n)
+                .map(|_| {
+                    let queue = if rng.chance(0.03) {
+                        "nope".to_owned()
+                    } else {
+                        queues[rng.range(0, queues.len() as u64) as usize].name.clone()
+                    };
+                    let mut task = NewTask::new("t", json!({"v": rng.range(0, 3)})).queue(queue);
+                    task.priority = rng.range(0, 5) as i16 - 2;
+                    task.run_at = match rng.range(0, 4) {
+                        0 | 1 => RunAt::Now,
+                        2 => RunAt::DelayMs(rng.range(0, 3_000)),
+                        _ => RunAt::At(DbTime(now.0 + rng.range(0, 4_000) as i64 - 1_000)),
+                    };
+                    if rng.chance(0.35) {
+                        task.good_until = Some(DbTime(now.0 + rng.range(0, 5_000) as i64));
+                    }
+                    if rng.chance(0.3) {
+                        task.key = Some(format!("k{}", rng.range(0, 4)));
+                    }
+                    if rng.chance(0.6) {
+                        let policy = if rng.chance(0.5) {
+                            RetryPolicy::fixed(vec![1, 2])
+                        } else {
+                            RetryPolicy::exponential(1, 3).with_codes(vec![ErrorCode::WorkerCrashed])
+                        };
+                        task.retry = Some(policy.with_jitter(rng.chance(0.5)));
+                    }
+                    task
+                })
+                .collect();
+            Op::Enqueue(tasks)
+        }
+        20..=39 => {
+            let soft = app.prefetch_buffer > 0;
+            let mut queues: Vec<QueuePolicy> = app
+                .queues()
+                .into_iter()
+                .filter(|_| rng.chance(0.85))
+                .map(|q| QueuePolicy { name: q.name, priority: q.priority, max_concurrency: q.max_concurrency })
+                .collect();
+            queues.sort_by_key(|q| q.priority);
+            let policy = ClaimPolicy {
+                concurrency: rng.range(1, 5) as u32,
+                prefetch_buffer: app.prefetch_buffer,
+                max_claim_batch: rng.range(0, 3) as u32,
+                max_claim_per_worker: if rng.chance(0.2) { rng.range(1, 4) as u32 } else { 0 },
+                cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },
+                queues,
+            };
+            let my_running = held(TaskState::Running).len() as u32;
+            let my_claimed = held(TaskState::Claimed).len() as u32;
+            *tokens += 1;
+            Op::Db(DbRequest::Claim {
+                worker: w(worker),
+                token: *tokens % 4,
+                policy: Arc::new(policy),
+                my_running,
+                my_claimed,
+                start_now: rng.range(0, 4) as u32,
+                lease_ms: [500, 2_000, 60_000][rng.range(0, 3) as usize],
+            })
+        }
+        40..=49 => {
+            let tasks = pick(rng, held(TaskState::Claimed));
+            let policy = random_policy(rng, &app);
+            Op::Db(DbRequest::Start { worker: w(worker), tasks, policy })
+        }
+        50..=64 => {
+            let completions = pick(rng, held(TaskState::Running))
+                .into_iter()
+                .map(|task| {
+                    let outcome = match rng.range(0, 4) {
+                        0 => FinishOutcome::Completed(json!({"r": rng.range(0, 9)})),
+                        1 => FinishOutcome::Failed(error(ErrorCode::TaskError)),
+                        _ => {
+                            FinishOutcome::Retry { error: error(ErrorCode::TaskTimeout), delay_ms: rng.range(0, 3_000) }
+                        }
+                    };
+                    Completion { task, outcome }
+                })
+                .collect();
+            Op::Db(DbRequest::Finish { worker: w(worker), completions })
+        }
+        65..=72 => Op::Db(DbRequest::Heartbeat {
+            worker: w(worker),
+            claimed: pick(rng, held(TaskState::Claimed)),
+            running: pick(rng, held(TaskState::Running)),
+            lease_ms: [500, 2_000][rng.range(0, 2) as usize],
+            max_renew_age_ms: [0, 1_000, 100_000][rng.range(0, 3) as usize],
+        }),
+        73..=77 => {
+            let mut tasks = held(TaskState::Claimed);
+            tasks.extend(held(TaskState::Running));
+            Op::Db(DbRequest::Release { worker: w(worker), tasks: pick(rng, tasks) })
+        }
+        78..=79 => Op::Db(DbRequest::AbandonClaim { worker: w(worker), token: rng.range(0, 4) }),
+        80..=84 => Op::Db(DbRequest::Reap {
+            worker: w("reaper"),
+            claimed_stale_ms: rng.chance(0.7).then(|| rng.range(500, 3_000)),
+            running_stale_ms: rng.chance(0.7).then(|| rng.range(500, 3_000)),
+            entropy: rng.next_u64(),
+        }),
+        85..=87 => Op::Cancel(TaskId(rng.range(1, max_id as u64 + 2) as i64)),
+        88..=89 => {
+            let failed: Vec<TaskId> = memory.tasks().filter(|t| t.state == TaskState::Failed).map(|t| t.id).collect();
+            match failed.is_empty() || rng.chance(0.2) {
+                true => Op::Requeue(TaskId(rng.range(1, max_id as u64 + 2) as i64)),
+                false => Op::Requeue(failed[rng.range(0, failed.len() as u64) as usize]),
+            }
+        }
+        90 => Op::Db(DbRequest::RegisterWorker(WorkerInfo {
+            worker: w(worker),
+            queues: app.queues().into_iter().map(|q| q.name).collect(),
+            concurrency: rng.range(1, 9) as u32,
+        })),
+        91 => Op::Db(DbRequest::DeregisterWorker(w(worker))),
+        _ => Op::Advance(rng.range(0, 1_500)),
+    }
+}
+
+fn random_policy(rng: &mut Rng, app: &AppConfig) -> Arc<ClaimPolicy> {
+    let mut p = (*policy(app, rng.range(1, 5) as u32)).clone();
+    if app.prefetch_buffer > 0 {
+        for q in &mut p.queues {
+            if rng.chance(0.3) {
+                q.max_concurrency = Some(rng.range(0, 3) as u32);
+            }
+        }
+    }
+    Arc::new(p)
+}
+
+fn apps() -> Vec<(&'static str, AppConfig)> {
+    vec![
+        ("default", AppConfig::default()),
+        (
+            "hard",
+            AppConfig {
+                cluster_wide_cap: Some(5),
+                ..custom(vec![
+                    CustomQueue::new("a").with_priority(2),
+                    CustomQueue::new("b").with_priority(1).with_max_concurrency(2),
+                    CustomQueue::new("c").with_priority(3).with_max_concurrency(1),
+                ])
+            },
+        ),
+        (
+            "soft",
+            AppConfig {
+                prefetch_buffer: 2,
+                claim_lease_ms: Some(2_000),
+                ..custom(vec![CustomQueue::new("a").with_max_concurrency(2), CustomQueue::new("b").with_priority(2)])
+            },
+        ),
+    ]
+}
+
+#[tokio::test]
+async fn random_scripts_agree() {
+    let seeds: u64 = std::env::var("CANTER_CONFORMANCE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let steps = 200;
+    let mut seen: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (name, app) in apps() {
+        for seed in 0..seeds {
+            let mut pair = Pair::new(app.clone(), &format!("{name} seed {seed}")).await;
+            let mut rng = Rng::new(seed.wrapping_mul(0x9E37_79B9) ^ name.len() as u64);
+            let mut tokens = 0;
+            let mut kinds: BTreeMap<&'static str, usize> = BTreeMap::new();
+            for _ in 0..steps {
+                let op = random_op(&mut rng, &pair.memory, pair.now, &mut tokens);
+                *kinds.entry(kind(&op)).or_default() += 1;
+                pair.apply(&op).await;
+            }
+            pair.compare_state(true).await;
+            for (feature, n) in &pair.seen {
+                *seen.entry(feature).or_default() += n;
+            }
+            assert!(kinds.len() >= 10, "{name} seed {seed}: too few kinds of operations: {kinds:?}");
+        }
+    }
+    let expected = [
+        "enqueued",
+        "payload mismatch",
+        "run_at after good_until",
+        "refused",
+        "claimed",
+        "claimed and started",
+        "re-claimed",
+        "more",
+        "started",
+        "expired at start",
+        "deferred",
+        "start lost",
+        "completed",
+        "failed",
+        "retried",
+        "finish lost",
+        "heartbeat lost",
+        "released",
+        "release lost",
+        "reaped claimed",
+        "reaped and retried",
+        "reaped and failed",
+        "expired pending",
+    ];
+    let missing: Vec<&str> = expected.into_iter().filter(|f| !seen.contains_key(f)).collect();
+    assert!(missing.is_empty(), "the random scripts never reached {missing:?} (seen: {seen:?})");
+}
+
+fn kind(op: &Op) -> &'static str {
+    match op {
+        Op::Enqueue(_) => "enqueue",
+        Op::Db(request) => request.kind(),
+        Op::Cancel(_) => "cancel",
+        Op::Requeue(_) => "requeue",
+        Op::Advance(_) => "advance",
+    }
+}

@@ -1,0 +1,168 @@
+//! The claim's query plan with a realistic history: 100,000 finished and 10,000 pending tasks.
+//! The claim must walk its partial index, never scan the table. Two views of that: EXPLAIN of
+//! the claim's candidate query (custom and generic plans), and the statistics of a transaction
+//! that runs the real `claim` function (which PL/pgSQL may run with generic plans).
+//!
+//! With `--nocapture` it also prints the latency of claim and finish statements.
+
+// Timing statements needs the wall clock; the core's rule against it does not apply here.
+#![allow(clippy::disallowed_methods)]
+
+#[path = "common/pg.rs"]
+mod pg;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use canter::budget::ClaimPolicy;
+use canter::config::{AppConfig, WorkerConfig};
+use canter::db::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
+use canter::postgres::PgStore;
+use canter::task::{TaskLease, WorkerId};
+use pg::TestDb;
+use serde_json::{Value, json};
+use sqlx::{Acquire, AssertSqlSafe};
+
+const FINISHED: i64 = 100_000;
+const PENDING: usize = 10_000;
+
+async fn history(store: &PgStore) {
+    let s = store.schema().quoted();
+    let fill = format!(
+        "INSERT INTO {s}.finished_tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, \
+         claimed_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry, key, error, \
+         result, finished_at)
+         SELECT g, 'report', 'default', 0, jsonb_build_object('n', g), 'COMPLETED', 1, 'w', 1, now(), now(), now(), \
+                1, 0, now(), now(), NULL, '{{}}', NULL, NULL, 'true', now()
+         FROM generate_series(1, $1) AS g"
+    );
+    sqlx::query(AssertSqlSafe(fill)).bind(FINISHED).execute(store.pool()).await.unwrap();
+    let bump = format!("SELECT setval('{s}.task_id_seq', $1)");
+    sqlx::query(AssertSqlSafe(bump)).bind(FINISHED).execute(store.pool()).await.unwrap();
+    let started = Instant::now();
+    let tasks = (0..PENDING).map(|i| NewTask::new("report", json!({"n": i})).priority((i % 3) as i16)).collect();
+    store.enqueue_many(tasks).await.unwrap();
+    eprintln!("enqueue_many of {PENDING} tasks in one statement: {:?}", started.elapsed());
+    for table in ["tasks", "finished_tasks"] {
+        sqlx::raw_sql(AssertSqlSafe(format!("ANALYZE {s}.{table}"))).execute(store.pool()).await.unwrap();
+    }
+}
+
+/// Every node of a JSON plan, depth first.
+fn nodes(plan: &Value) -> Vec<&Value> {
+    let mut out = vec![plan];
+    if let Some(children) = plan.get("Plans").and_then(Value::as_array) {
+        for child in children {
+            out.extend(nodes(child));
+        }
+    }
+    out
+}
+
+fn check_plan(explained: &Value, what: &str) {
+    let root = &explained[0]["Plan"];
+    let all = nodes(root);
+    let seq: Vec<_> = all.iter().filter(|n| n["Node Type"] == "Seq Scan").collect();
+    assert!(seq.is_empty(), "{what}: sequential scan in {explained:#}");
+    let uses_index = all.iter().any(|n| {
+        matches!(n["Node Type"].as_str(), Some("Index Scan" | "Index Only Scan"))
+            && n["Index Name"] == "tasks_claim_idx"
+    });
+    assert!(uses_index, "{what}: no scan of tasks_claim_idx in {explained:#}");
+}
+
+#[tokio::test]
+async fn the_claim_uses_its_index_with_a_long_history() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    history(&store).await;
+    let s = store.schema().quoted();
+
+    // The candidate query of `claim` (migrations/0001_schema.sql, CTE `pend`).
+    let candidates = format!(
+        "SELECT t.id, t.priority, t.run_at FROM {s}.tasks t
+         WHERE t.queue = $1 AND t.state = 'PENDING' AND t.run_at <= {s}.db_now()
+           AND (t.good_until IS NULL OR t.good_until > {s}.db_now()) AND t.id <> ALL ($2::bigint[])
+         ORDER BY t.priority, t.run_at, t.id
+         LIMIT $3
+         FOR UPDATE SKIP LOCKED"
+    );
+    let mut conn = store.pool().acquire().await.unwrap();
+    for (mode, limit) in [("force_custom_plan", 16), ("force_custom_plan", 500), ("force_generic_plan", 16)] {
+        sqlx::raw_sql(AssertSqlSafe(format!("SET plan_cache_mode = {mode}"))).execute(&mut *conn).await.unwrap();
+        let explain = format!("EXPLAIN (FORMAT JSON) {candidates}");
+        let plan: Value = sqlx::query_scalar(AssertSqlSafe(explain))
+            .bind("default")
+            .bind(Vec::<i64>::new())
+            .bind(limit)
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap();
+        check_plan(&plan, &format!("{mode}, limit {limit}"));
+    }
+    sqlx::raw_sql("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
+
+    // The real function, ten passes in one transaction (PL/pgSQL switches to generic plans
+    // after five): its table statistics show index scans only.
+    let mut tx = conn.begin().await.unwrap();
+    let claim = format!(
+        "SELECT count(id) FROM {s}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, true, NULL, 0, \
+         '{{}}', 16, 60000)"
+    );
+    for _ in 0..10 {
+        let n: i64 = sqlx::query_scalar(AssertSqlSafe(claim.clone())).fetch_one(&mut *tx).await.unwrap();
+        assert_eq!(n, 16);
+    }
+    let stats = format!(
+        "SELECT (SELECT seq_scan FROM pg_stat_xact_user_tables WHERE relid = '{s}.tasks'::regclass),
+                pg_stat_get_xact_numscans('{s}.tasks_claim_idx'::regclass)"
+    );
+    let (seq_scans, index_scans): (i64, i64) = sqlx::query_as(AssertSqlSafe(stats)).fetch_one(&mut *tx).await.unwrap();
+    assert_eq!(seq_scans, 0, "the claim scanned the tasks table");
+    assert!(index_scans >= 10, "the claim did not use tasks_claim_idx ({index_scans} scans)");
+    tx.rollback().await.unwrap();
+    drop(conn);
+
+    latency(&store).await;
+}
+
+/// Claim-and-start passes of 16 and finishes of 16, timed one statement at a time.
+async fn latency(store: &PgStore) {
+    let config = WorkerConfig { concurrency: 16, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    let worker = WorkerId("bench".into());
+    let (mut claims, mut finishes) = (Vec::new(), Vec::new());
+    for token in 0..100 {
+        let request = DbRequest::Claim {
+            worker: worker.clone(),
+            token,
+            policy: Arc::clone(&policy),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 16,
+            lease_ms: 60_000,
+        };
+        let started = Instant::now();
+        let DbReply::Claimed { tasks, .. } = store.execute(&request).await.unwrap() else { panic!() };
+        claims.push(started.elapsed());
+        assert_eq!(tasks.len(), 16);
+        let completions = tasks
+            .iter()
+            .map(|t| Completion {
+                task: TaskLease { task: t.id, lease: t.lease },
+                outcome: FinishOutcome::Completed(json!({"ok": t.id.0})),
+            })
+            .collect();
+        let started = Instant::now();
+        store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.unwrap();
+        finishes.push(started.elapsed());
+    }
+    eprintln!("claim+start of 16 (10k pending, 100k finished): {}", summary(&mut claims));
+    eprintln!("finish of 16: {}", summary(&mut finishes));
+}
+
+fn summary(times: &mut [Duration]) -> String {
+    times.sort();
+    let at = |q: f64| times[((times.len() - 1) as f64 * q) as usize];
+    format!("p50 {:?}, p99 {:?}", at(0.5), at(0.99))
+}

@@ -1,0 +1,245 @@
+//! The PostgreSQL store on a real server: migrations, enqueue (single, bulk, in the caller's
+//! transaction, idempotency keys, refusals), notifications, waiting for results, failures.
+
+#[path = "common/pg.rs"]
+mod pg;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use canter::budget::ClaimPolicy;
+use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
+use canter::db::{Completion, DbFailure, DbReply, DbRequest, EnqueueError, FinishOutcome, NewTask, RunAt};
+use canter::postgres::{DoneRouter, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in, migrate};
+use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
+use pg::TestDb;
+use serde_json::json;
+use sqlx::postgres::PgListener;
+
+fn custom(queues: &[&str]) -> AppConfig {
+    AppConfig {
+        queue_mode: QueueMode::Custom,
+        custom_queues: queues.iter().map(|q| CustomQueue::new(*q)).collect(),
+        ..AppConfig::default()
+    }
+}
+
+fn claim_request(store: &PgStore, worker: &str, concurrency: u32, start_now: u32) -> DbRequest {
+    let config = WorkerConfig { concurrency, ..WorkerConfig::default() };
+    DbRequest::Claim {
+        worker: WorkerId(worker.into()),
+        token: 1,
+        policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
+        my_running: 0,
+        my_claimed: 0,
+        start_now,
+        lease_ms: 60_000,
+    }
+}
+
+async fn claim_and_start(store: &PgStore, worker: &str, n: u32) -> Vec<TaskLease> {
+    match store.execute(&claim_request(store, worker, n, n)).await.unwrap() {
+        DbReply::Claimed { tasks, .. } => tasks.iter().map(|t| TaskLease { task: t.id, lease: t.lease }).collect(),
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
+    let db = TestDb::new().await;
+    let pool = db.pool(8).await;
+    let runs = (0..6).map(|_| {
+        let pool = pool.clone();
+        let schema = db.schema.clone();
+        tokio::spawn(async move { migrate(&pool, &schema).await })
+    });
+    for run in runs {
+        run.await.unwrap().unwrap();
+    }
+    // A second schema in the same database is independent.
+    let other = PgSchema::new(&format!("{}_b", db.schema.name())).unwrap();
+    migrate(&pool, &other).await.unwrap();
+    let tables: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_tables WHERE schemaname = $1")
+        .bind(other.name())
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(tables, 6, "tasks, finished_tasks, task_keys, attempts, workers, _sqlx_migrations");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", other.quoted()))).execute(&pool).await.unwrap();
+}
+
+#[tokio::test]
+async fn enqueue_one_many_and_in_a_transaction() {
+    let db = TestDb::new().await;
+    let store = db.store(custom(&["a", "b"]), 4).await;
+    let one = store.enqueue(NewTask::new("t", json!({"n": 1})).queue("b").priority(-3)).await.unwrap();
+    let many = store
+        .enqueue_many(
+            (0..1000).map(|i| NewTask::new("t", json!(i)).queue(if i % 2 == 0 { "a" } else { "b" })).collect(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(many.len(), 1000);
+    assert!(many.windows(2).all(|w| w[0].0 + 1 == w[1].0) && many[0].0 == one.0 + 1, "ids in batch order");
+    let record = store.get(one).await.unwrap().unwrap();
+    assert_eq!((record.queue.as_str(), record.priority, record.state), ("b", -3, TaskState::Pending));
+
+    // Inside the caller's transaction: invisible until commit, gone on rollback.
+    let mut tx = store.pool().begin().await.unwrap();
+    let inside = enqueue_in(&mut *tx, store.schema(), store.app(), NewTask::new("t", json!("tx"))).await.unwrap();
+    assert!(store.get(inside).await.unwrap().is_none());
+    // A refusal inside the transaction does not abort it.
+    let refused = enqueue_in(&mut *tx, store.schema(), store.app(), NewTask::new("t", json!(1)).queue("zzz")).await;
+    assert!(matches!(refused, Err(PgEnqueueError::Invalid(EnqueueError::UnknownQueue { .. }))));
+    let late = NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(10_000)).good_until(canter::db::DbTime(0));
+    let refused = enqueue_in(&mut *tx, store.schema(), store.app(), late).await;
+    assert!(matches!(refused, Err(PgEnqueueError::Invalid(EnqueueError::RunAtAfterGoodUntil { .. }))));
+    tx.commit().await.unwrap();
+    assert_eq!(store.get(inside).await.unwrap().unwrap().args, json!("tx"));
+    let mut tx = store.pool().begin().await.unwrap();
+    let gone =
+        enqueue_in(&mut *tx, store.schema(), store.app(), NewTask::new("t", json!("rolled back"))).await.unwrap();
+    tx.rollback().await.unwrap();
+    assert!(store.get(gone).await.unwrap().is_none());
+}
+
+#[tokio::test]
+async fn bad_input_is_refused_with_clear_errors_and_writes_nothing() {
+    let db = TestDb::new().await;
+    let store = db.store(custom(&["a"]), 2).await;
+    let now = store.now().await.unwrap();
+    let cases: Vec<(NewTask, &str)> = vec![
+        (NewTask::new("t", json!(1)).queue("nope"), "unknown queue \"nope\": expected one of a"),
+        (NewTask::new("t", json!(1)).queue("Bad-Name"), "invalid queue name \"Bad-Name\""),
+        (NewTask::new("t", json!(1)).queue("x".repeat(53)), "invalid queue name"),
+        (NewTask::new("t", json!({"s": "nul\u{0}"})), "invalid args of task 1 of the batch"),
+        (
+            NewTask::new("t", json!(1)).good_until(now.plus_ms(1_000)).run_at(RunAt::DelayMs(5_000)),
+            "is not before good_until",
+        ),
+        (NewTask::new("t", json!(1)).good_until(now).run_at(RunAt::At(now.plus_ms(1))), "is not before good_until"),
+        (NewTask::new("", json!(1)), "invalid task name"),
+    ];
+    for (task, message) in cases {
+        let batch = vec![NewTask::new("t", json!("fine")), task];
+        let error = store.enqueue_many(batch).await.unwrap_err();
+        assert!(error.to_string().contains(message), "{error} does not say {message:?}");
+        assert_eq!(error.code(), ErrorCode::User("VALIDATION_FAILED".into()));
+    }
+    assert!(store.list(&Default::default()).await.unwrap().is_empty(), "nothing written");
+}
+
+#[tokio::test]
+async fn idempotency_keys_survive_finishing_and_concurrent_enqueuers() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 8).await;
+    let id = store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap();
+    assert_eq!(store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap(), id);
+    let mismatch = store.enqueue(NewTask::new("t", json!({"a": 2})).key("k")).await.unwrap_err();
+    assert!(
+        matches!(&mismatch, PgEnqueueError::Invalid(EnqueueError::PayloadMismatch { existing, .. }) if existing == &id)
+    );
+    assert_eq!(mismatch.code(), ErrorCode::PayloadMismatch);
+    store.cancel(id).await.unwrap();
+    assert_eq!(store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap(), id, "finished keeps its key");
+
+    // Many enqueuers of one new key at once get one task.
+    let racers = (0..16).map(|_| {
+        let store = store.clone();
+        tokio::spawn(async move { store.enqueue(NewTask::new("t", json!("race")).key("race")).await.unwrap() })
+    });
+    let mut ids = Vec::new();
+    for racer in racers {
+        ids.push(racer.await.unwrap());
+    }
+    ids.dedup();
+    assert_eq!(ids.len(), 1, "{ids:?}");
+    assert_eq!(store.counts().await.unwrap().values().sum::<u64>(), 2);
+}
+
+#[tokio::test]
+async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
+    let db = TestDb::new().await;
+    let store = db.store(custom(&["a", "b"]), 2).await;
+    let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    for channel in [store.schema().queue_channel("a"), store.schema().queue_channel("b"), store.schema().done_channel()]
+    {
+        listener.listen(&channel).await.unwrap();
+    }
+    let batch = (0..10).map(|i| NewTask::new("t", json!(i)).queue(if i < 7 { "a" } else { "b" })).collect();
+    store.enqueue_many(batch).await.unwrap();
+    let mut channels = vec![next(&mut listener).await.0, next(&mut listener).await.0];
+    channels.sort();
+    assert_eq!(channels, vec![store.schema().queue_channel("a"), store.schema().queue_channel("b")]);
+
+    let held = claim_and_start(&store, "w", 3).await;
+    let completions =
+        held.iter().map(|&task| Completion { task, outcome: FinishOutcome::Completed(json!(1)) }).collect();
+    let request = DbRequest::Finish { worker: WorkerId("w".into()), completions };
+    assert!(matches!(store.execute(&request).await.unwrap(), DbReply::Finished { applied, .. } if applied.len() == 3));
+    let (channel, payload) = next(&mut listener).await;
+    assert_eq!(channel, store.schema().done_channel());
+    let expected: Vec<String> = held.iter().map(|t| t.task.0.to_string()).collect();
+    let mut got: Vec<String> = payload.split(',').map(str::to_owned).collect();
+    got.sort();
+    let mut expected = expected;
+    expected.sort();
+    assert_eq!(got, expected, "one notification names the whole batch");
+    assert!(tokio::time::timeout(Duration::from_millis(200), listener.recv()).await.is_err(), "nothing more");
+}
+
+async fn next(listener: &mut PgListener) -> (String, String) {
+    let note = tokio::time::timeout(Duration::from_secs(5), listener.recv()).await.expect("a notification").unwrap();
+    (note.channel().to_owned(), note.payload().to_owned())
+}
+
+#[tokio::test]
+async fn waiting_for_results_with_a_timeout_and_through_a_router() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    let id = store.enqueue(NewTask::new("t", json!(null))).await.unwrap();
+    let timeout = tokio::time::sleep(Duration::from_millis(200));
+    let error = store.wait_result(id, timeout).await.unwrap_err();
+    assert!(matches!(error, WaitError::Timeout(t) if t == id));
+    assert_eq!(error.code(), ErrorCode::WaitTimeout);
+    let missing = store.wait_result(TaskId(999_999), tokio::time::sleep(Duration::from_secs(5))).await.unwrap_err();
+    assert_eq!(missing.code(), ErrorCode::TaskNotFound);
+
+    let router = DoneRouter::new();
+    let routing = tokio::spawn({
+        let (router, store) = (router.clone(), store.clone());
+        async move { router.run(&store).await }
+    });
+    let waiter = tokio::spawn({
+        let store = store.clone();
+        async move { store.wait_result(id, tokio::time::sleep(Duration::from_secs(10))).await }
+    });
+    let routed = tokio::spawn({
+        let (store, router) = (store.clone(), router.clone());
+        async move { store.wait_result_with(&router, id, tokio::time::sleep(Duration::from_secs(10))).await }
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let held = claim_and_start(&store, "w", 1).await;
+    let request = DbRequest::Finish {
+        worker: WorkerId("w".into()),
+        completions: vec![Completion { task: held[0], outcome: FinishOutcome::Completed(json!({"ok": true})) }],
+    };
+    store.execute(&request).await.unwrap();
+    for record in [waiter.await.unwrap().unwrap(), routed.await.unwrap().unwrap()] {
+        assert_eq!((record.state, record.result), (TaskState::Completed, Some(json!({"ok": true}))));
+    }
+    routing.abort();
+}
+
+#[tokio::test]
+async fn failures_map_onto_the_protocol() {
+    let db = TestDb::new().await;
+    // A schema that was never migrated: the database rejects the statements.
+    let missing = PgStore::new(db.pool(1).await, PgSchema::new("no_such_schema").unwrap(), AppConfig::default());
+    let request = DbRequest::DeregisterWorker(WorkerId("w".into()));
+    assert!(matches!(missing.execute(&request).await, Err(DbFailure::Rejected(_))));
+    // A closed pool: unavailable, nothing sent.
+    let store = db.store(AppConfig::default(), 1).await;
+    store.pool().close().await;
+    assert!(matches!(store.execute(&request).await, Err(DbFailure::Unavailable(_))));
+}
