@@ -35,12 +35,6 @@ pub mod cli;
 pub mod demo;
 mod runtime;
 
-use std::future::Future;
-use std::hash::{BuildHasher, Hasher};
-use std::path::Path;
-use std::sync::Arc;
-use std::time::Duration;
-
 pub use canter;
 pub use canter::config::{
     AppConfig, Config, ConfigError, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig,
@@ -48,37 +42,18 @@ pub use canter::config::{
 pub use canter::db::{NewTask, RunAt};
 pub use canter::driver::{
     ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, ServeError, TaskContext, TaskHandle,
+    connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};
 pub use runtime::TokioRuntime;
 
-use canter::driver::WorkerService;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
-
 /// The client on tokio: enqueue, wait for results, cancel, inspect.
 pub type Client = canter::driver::Client<TokioRuntime>;
 
 /// A task's future result on tokio.
 pub type ResultHandle<T> = canter::driver::ResultHandle<TokioRuntime, T>;
-
-/// A lazily connecting pool of at most `max_connections` for `url`: nothing is dialled until
-/// first use, so a worker can start while the database is down and wait it out.
-pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
-    let options: PgConnectOptions = url.parse()?;
-    Ok(PgPoolOptions::new()
-        .max_connections(max_connections.max(2))
-        .acquire_timeout(Duration::from_secs(5))
-        .connect_lazy_with(options))
-}
-
-/// A worker id unique across the cluster: host, process and a random part.
-pub fn new_worker_id() -> WorkerId {
-    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "worker".to_owned());
-    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
-    WorkerId(format!("{host}-{}-{:08x}", std::process::id(), random as u32))
-}
 
 /// Resolves on SIGINT (Ctrl-C) or, on Unix, SIGTERM.
 pub async fn shutdown_signal() {
@@ -102,77 +77,5 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// A worker: claims and runs tasks of its queues until told to stop.
-pub struct Worker {
-    service: WorkerService,
-    pool: PgPool,
-}
-
-impl Worker {
-    /// A worker on `pool` with these configurations and handlers (validated here).
-    pub fn new(
-        pool: PgPool,
-        app: AppConfig,
-        config: WorkerConfig,
-        registry: Arc<Registry>,
-    ) -> Result<Self, ConfigError> {
-        let service = WorkerService::new(app, config, registry, new_worker_id())?;
-        Ok(Worker { service, pool })
-    }
-
-    /// A worker configured by a TOML or JSON file with `[app]` and `[worker]` tables.
-    pub fn from_config_file(
-        pool: PgPool,
-        path: &Path,
-        registry: Arc<Registry>,
-    ) -> Result<Self, canter::config::LoadError> {
-        let config = Config::from_path(path)?;
-        Ok(Worker::new(pool, config.app, config.worker, registry)?)
-    }
-
-    /// Uses `schema` instead of the default `canter`.
-    pub fn schema(mut self, schema: PgSchema) -> Self {
-        self.service.schema = schema;
-        self
-    }
-
-    /// Uses `id` instead of a generated one.
-    pub fn id(mut self, id: WorkerId) -> Self {
-        self.service.id = id;
-        self
-    }
-
-    /// Whether to apply migrations at startup (default) or only check the database is there.
-    pub fn migrate(mut self, migrate: bool) -> Self {
-        self.service.migrate = migrate;
-        self
-    }
-
-    /// Calls `hook` with every lifecycle event, on a task of its own: a slow hook never slows
-    /// the worker; events it has no room for are dropped and counted.
-    pub fn on_event(mut self, hook: impl Fn(&Event) + Send + Sync + 'static) -> Self {
-        self.service.hooks.push(Arc::new(hook));
-        self
-    }
-
-    /// Counters readable while the worker runs.
-    pub fn counters(&self) -> Arc<Counters> {
-        self.service.counters.clone()
-    }
-
-    /// This worker's id.
-    pub fn worker_id(&self) -> &WorkerId {
-        &self.service.id
-    }
-
-    /// Runs until SIGINT or SIGTERM, then shuts down gracefully.
-    pub async fn run(self) -> Result<Stats, ServeError> {
-        self.run_until(shutdown_signal()).await
-    }
-
-    /// Runs until `shutdown` resolves, then shuts down gracefully: buffered claims go back at
-    /// once, running handlers get the grace period, the rest return to Pending.
-    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<Stats, ServeError> {
-        self.service.serve(Arc::new(TokioRuntime), self.pool, shutdown).await
-    }
-}
+/// A worker on tokio: claims and runs tasks of its queues until told to stop.
+pub type Worker = canter::driver::PgWorker<TokioRuntime>;

@@ -32,4 +32,8 @@ impl Runtime for TokioRuntime {
             let _ = handle.await;
         })
     }
+
+    fn shutdown_signal(&self) -> BoxFuture<'static, ()> {
+        Box::pin(crate::shutdown_signal())
+    }
 }

@@ -31,7 +31,7 @@ pub use client::{Client, ClientError, ResultError, ResultHandle};
 pub use observe::{CounterSnapshot, Counters, HOOK_BUFFER, Hook, HookSink};
 pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHandle};
 #[cfg(feature = "postgres")]
-pub use service::{ServeError, WorkerService};
+pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
 
 use crate::db::{DbFailure, DbReply, DbRequest, OpId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId};
@@ -47,6 +47,10 @@ pub trait Runtime: Send + Sync + 'static {
     fn spawn(&self, future: BoxFuture<'static, ()>);
     /// Runs blocking `work` on a thread meant for it; the future resolves when it is done.
     fn spawn_blocking(&self, work: Box<dyn FnOnce() + Send + 'static>) -> BoxFuture<'static, ()>;
+    /// Resolves when the process is asked to stop (SIGINT, SIGTERM); never by default.
+    fn shutdown_signal(&self) -> BoxFuture<'static, ()> {
+        Box::pin(futures::future::pending())
+    }
 }
 
 /// Where database requests go: the PostgreSQL store, or a memory store behind a lock.

@@ -245,3 +245,103 @@ async fn listen<R: Runtime>(
         runtime.sleep_until(runtime.now() + delay).await;
     }
 }
+
+/// A lazily connecting pool of at most `max_connections` for `url`: nothing is dialled until
+/// first use, so a worker can start while the database is down and wait it out.
+pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(max_connections.max(2))
+        .acquire_timeout(std::time::Duration::from_secs(5))
+        .connect_lazy_with(options))
+}
+
+/// A worker id unique across the cluster: host, process and a random part.
+pub fn new_worker_id() -> WorkerId {
+    use std::hash::{BuildHasher, Hasher};
+    let host = std::env::var("HOSTNAME").ok().filter(|h| !h.is_empty()).unwrap_or_else(|| "worker".to_owned());
+    // RandomState is seeded per process by the OS: enough to tell restarts apart.
+    let random = std::collections::hash_map::RandomState::new().build_hasher().finish();
+    WorkerId(format!("{host}-{}-{:08x}", std::process::id(), random as u32))
+}
+
+/// A worker on a runtime `R`: claims and runs tasks of its queues until told to stop. The
+/// adapters name it `Worker` (`canter_tokio::Worker`, `canter_smol::Worker`).
+pub struct PgWorker<R> {
+    service: WorkerService,
+    pool: PgPool,
+    runtime: Arc<R>,
+}
+
+impl<R: Runtime + Default> PgWorker<R> {
+    /// A worker on `pool` with these configurations and handlers (validated here).
+    pub fn new(
+        pool: PgPool,
+        app: AppConfig,
+        config: WorkerConfig,
+        registry: Arc<Registry>,
+    ) -> Result<Self, ConfigError> {
+        let service = WorkerService::new(app, config, registry, new_worker_id())?;
+        Ok(PgWorker { service, pool, runtime: Arc::new(R::default()) })
+    }
+
+    /// A worker configured by a TOML or JSON file with `[app]` and `[worker]` tables.
+    pub fn from_config_file(
+        pool: PgPool,
+        path: &std::path::Path,
+        registry: Arc<Registry>,
+    ) -> Result<Self, crate::config::LoadError> {
+        let config = crate::config::Config::from_path(path)?;
+        Ok(PgWorker::new(pool, config.app, config.worker, registry)?)
+    }
+}
+
+impl<R: Runtime> PgWorker<R> {
+    /// Uses `schema` instead of the default `canter`.
+    pub fn schema(mut self, schema: PgSchema) -> Self {
+        self.service.schema = schema;
+        self
+    }
+
+    /// Uses `id` instead of a generated one.
+    pub fn id(mut self, id: WorkerId) -> Self {
+        self.service.id = id;
+        self
+    }
+
+    /// Whether to apply migrations at startup (default) or only check the database is there.
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.service.migrate = migrate;
+        self
+    }
+
+    /// Calls `hook` with every lifecycle event, on a task of its own: a slow hook never slows
+    /// the worker; events it has no room for are dropped and counted.
+    pub fn on_event(mut self, hook: impl Fn(&Event) + Send + Sync + 'static) -> Self {
+        self.service.hooks.push(Arc::new(hook));
+        self
+    }
+
+    /// Counters readable while the worker runs.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.service.counters.clone()
+    }
+
+    /// This worker's id.
+    pub fn worker_id(&self) -> &WorkerId {
+        &self.service.id
+    }
+
+    /// Runs until the runtime's shutdown signal (SIGINT or SIGTERM), then shuts down
+    /// gracefully.
+    pub async fn run(self) -> Result<Stats, ServeError> {
+        let signal = self.runtime.shutdown_signal();
+        self.run_until(signal).await
+    }
+
+    /// Runs until `shutdown` resolves, then shuts down gracefully: buffered claims go back at
+    /// once, running handlers get the grace period, the rest return to Pending.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<Stats, ServeError> {
+        self.service.serve(self.runtime, self.pool, shutdown).await
+    }
+}
