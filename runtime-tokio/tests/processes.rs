@@ -4,6 +4,8 @@
 #[path = "../../tests/common/pg.rs"]
 mod pg;
 
+use pg::cluster::{Cluster, sh};
+
 #[path = "../../tests/e2e/body.rs"]
 mod body;
 
@@ -138,87 +140,12 @@ async fn a_killed_worker_has_its_tasks_recovered_by_another_workers_reaper() {
     let _ = std::fs::remove_file(config);
 }
 
-/// A PostgreSQL server of this test's own, which it may stop and start.
-struct Cluster {
-    url: String,
-    stop: Vec<String>,
-    start: Vec<String>,
-    cleanup: Vec<String>,
-}
-
-fn sh(command: &[String]) -> bool {
-    Command::new(&command[0])
-        .args(&command[1..])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
-impl Cluster {
-    fn start() -> Cluster {
-        let port = 5400 + (std::process::id() % 500) as u16;
-        let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
-        let strings = |parts: &[&str]| parts.iter().map(|s| s.to_string()).collect::<Vec<_>>();
-        let cluster = if is_root {
-            // As root, initdb refuses to run: Debian's cluster tools run it as postgres.
-            let version = std::fs::read_dir("/usr/lib/postgresql")
-                .expect("PostgreSQL is installed")
-                .filter_map(|e| e.ok()?.file_name().into_string().ok())
-                .max_by_key(|v| v.parse::<u32>().unwrap_or(0))
-                .expect("a PostgreSQL version");
-            let name = format!("canter_restart_{port}");
-            let _ = sh(&strings(&["pg_dropcluster", "--stop", &version, &name]));
-            let created =
-                sh(&strings(&["pg_createcluster", &version, &name, "-p", &port.to_string(), "--", "--auth=trust"]));
-            assert!(created, "pg_createcluster failed");
-            let ctl = |action: &str| strings(&["pg_ctlcluster", "--skip-systemctl-redirect", &version, &name, action]);
-            Cluster {
-                url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
-                stop: ctl("stop"),
-                start: ctl("start"),
-                cleanup: strings(&["pg_dropcluster", "--stop", &version, &name]),
-            }
-        } else {
-            let dir = std::env::temp_dir().join(format!("canter-restart-{port}"));
-            let _ = std::fs::remove_dir_all(&dir);
-            let bin = std::fs::read_dir("/usr/lib/postgresql")
-                .ok()
-                .and_then(|d| {
-                    d.filter_map(|e| e.ok()).map(|e| e.path().join("bin")).find(|p| p.join("initdb").exists())
-                })
-                .map(|p| p.display().to_string() + "/")
-                .unwrap_or_default();
-            let data = dir.display().to_string();
-            assert!(
-                sh(&strings(&[&format!("{bin}initdb"), "-D", &data, "-U", "postgres", "--auth=trust"])),
-                "initdb failed"
-            );
-            let pg_ctl = |action: &str| {
-                strings(&[&format!("{bin}pg_ctl"), "-D", &data, "-w", "-o", &format!("-p {port} -k {data}"), action])
-            };
-            Cluster {
-                url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
-                stop: pg_ctl("stop"),
-                start: pg_ctl("start"),
-                cleanup: strings(&["rm", "-rf", &data]),
-            }
-        };
-        assert!(sh(&cluster.start), "the cluster did not start");
-        cluster
-    }
-}
-
-impl Drop for Cluster {
-    fn drop(&mut self) {
-        let _ = sh(&self.stop);
-        let _ = sh(&self.cleanup);
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_restart_mid_run_loses_no_task_and_workers_carry_on() {
-    let cluster = Cluster::start();
+    let cluster = Cluster::start(
+        &format!("canter_restart_{}", std::process::id() % 500),
+        5400 + (std::process::id() % 500) as u16,
+    );
     let pool = canter_tokio::connect(&cluster.url, 16).unwrap();
     let schema = PgSchema::new("canter_restart").unwrap();
     migrate(&pool, &schema).await.expect("migrate the restart cluster");

@@ -1,15 +1,19 @@
 //! PostgreSQL for the store's tests.
 //!
 //! The server is `DATABASE_URL` if set, else `postgres://postgres@127.0.0.1:5432/test`. If that
-//! is unreachable, a throwaway server is started once per test binary with `pgtemp` from the
-//! installed `initdb`/`postgres` binaries (on Debian they live in
-//! `/usr/lib/postgresql/<version>/bin`, which is searched when they are not on `PATH`; note
-//! that `initdb` refuses to run as root).
+//! is unreachable, a throwaway server is started from the installed PostgreSQL: as root (where
+//! `initdb` refuses to run) a cluster `canter_tests` on port 5433 made with Debian's
+//! `pg_createcluster` and left running for the next test binary; otherwise one per test binary
+//! with `pgtemp` (the binaries in `/usr/lib/postgresql/<version>/bin` are searched when they
+//! are not on `PATH`).
 //!
 //! Every test gets its own schema (`t<pid>_<n>`), migrated with the crate's migrations and
 //! dropped when the [`TestDb`] is dropped, so tests run in parallel on one database.
 
 #![allow(dead_code, unreachable_pub)]
+
+#[path = "cluster.rs"]
+pub mod cluster;
 
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -48,6 +52,19 @@ pub async fn server_url() -> String {
             let _ = conn.close().await;
             url
         }
+        Err(error) if is_root() => {
+            const THROWAWAY: &str = "postgres://postgres@127.0.0.1:5433/postgres";
+            eprintln!("PostgreSQL at {url} is unreachable ({error}); using a throwaway cluster at {THROWAWAY}");
+            // One creator at a time, in this process: tests start concurrently.
+            static CREATING: std::sync::Mutex<()> = std::sync::Mutex::new(());
+            let _creating = CREATING.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            if std::net::TcpStream::connect("127.0.0.1:5433").is_err() {
+                let mut made = cluster::Cluster::start("canter_tests", 5433);
+                // Left running: later test binaries reuse it.
+                made.remove_on_drop = false;
+            }
+            THROWAWAY.to_owned()
+        }
         Err(error) => {
             eprintln!("PostgreSQL at {url} is unreachable ({error}); starting a throwaway server with pgtemp");
             let temp = TEMP.get_or_init(|| {
@@ -61,6 +78,10 @@ pub async fn server_url() -> String {
         }
     };
     SERVER.get_or_init(|| url).clone()
+}
+
+fn is_root() -> bool {
+    std::process::Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0\n"))
 }
 
 /// Where `initdb` is, when it is not on `PATH`: the newest `/usr/lib/postgresql/*/bin`.
