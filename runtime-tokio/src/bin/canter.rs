@@ -183,8 +183,10 @@ async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
     what: &str,
     mut op: impl FnMut() -> F,
 ) -> Result<T, Failure> {
+    // CANTER_CONNECT_ATTEMPTS bounds the tries (default 6, about 15 s of backoff).
+    let attempts: u32 = std::env::var("CANTER_CONNECT_ATTEMPTS").ok().and_then(|a| a.parse().ok()).unwrap_or(6).max(1);
     let mut delay = Duration::from_millis(500);
-    for attempt in 1..=6 {
+    for attempt in 1..=attempts {
         match op().await {
             Ok(value) => return Ok(value),
             Err(error) => {
@@ -192,16 +194,16 @@ async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
                 let unreachable = ["connect", "refused", "timed out", "pool", "closed", "io error", "dns"]
                     .iter()
                     .any(|w| text.to_lowercase().contains(w));
-                if !unreachable || attempt == 6 {
+                if !unreachable || attempt == attempts {
                     return Err(failed(format!("{what} failed: {text}")));
                 }
-                eprintln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/5)");
+                eprintln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/{})", attempts - 1);
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(8));
             }
         }
     }
-    unreachable!("the loop returns on its last attempt")
+    Err(failed(format!("{what} failed")))
 }
 
 /// The config from `--config FILE` (or defaults) with every other flag laid over it.

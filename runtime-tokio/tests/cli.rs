@@ -1,0 +1,136 @@
+//! The `canter` program: exit codes, messages, and a whole flow against PostgreSQL.
+
+#[path = "../../tests/common/pg.rs"]
+mod pg;
+
+use std::process::{Command, Output, Stdio};
+
+fn canter(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .env("CANTER_LOG", "warn")
+        .env("CANTER_CONNECT_ATTEMPTS", "2")
+        .stdin(Stdio::null())
+        .output()
+        .expect("run canter")
+}
+
+fn text(output: &Output) -> String {
+    format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
+}
+
+#[test]
+fn help_and_usage_errors_exit_with_their_codes() {
+    assert_eq!(canter(&["--help"]).status.code(), Some(0));
+    assert_eq!(canter(&[]).status.code(), Some(2));
+    let unknown = canter(&["frobnicate"]);
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(text(&unknown).contains("unknown command"));
+    for command in ["migrate", "worker", "enqueue", "status", "list", "show", "result", "cancel", "retry", "demo"] {
+        let help = canter(&[command, "--help"]);
+        assert_eq!(help.status.code(), Some(0), "{command} --help");
+        assert!(text(&help).starts_with("usage: canter"), "{command}: {}", text(&help));
+    }
+    let no_db = canter(&["status"]);
+    assert_eq!(no_db.status.code(), Some(2));
+    assert!(text(&no_db).contains("pass --database-url URL or set DATABASE_URL"));
+    let bad_url = canter(&["status", "--database-url", "not a url"]);
+    assert_eq!(bad_url.status.code(), Some(2));
+    assert!(text(&bad_url).contains("invalid database url"), "{}", text(&bad_url));
+    let bad_flag = canter(&["list", "--colour", "red"]);
+    assert_eq!(bad_flag.status.code(), Some(2));
+    assert!(text(&bad_flag).contains("unknown option --colour"));
+    let bad_setting = canter(&["worker", "--database-url", "postgres://x@127.0.0.1:1/x", "--concurrency", "0"]);
+    assert_eq!(bad_setting.status.code(), Some(2));
+    assert!(text(&bad_setting).contains("concurrency"), "{}", text(&bad_setting));
+}
+
+#[test]
+fn enqueue_refuses_unknown_tasks_and_malformed_json() {
+    let url = ["--database-url", "postgres://postgres@127.0.0.1:1/x"];
+    let unknown = canter(&[&["enqueue", "nosuch"][..], &url].concat());
+    assert_eq!(unknown.status.code(), Some(2));
+    assert!(text(&unknown).contains("unknown task name \"nosuch\""), "{}", text(&unknown));
+    let json = canter(&[&["enqueue", "echo", "--args", "{not json"][..], &url].concat());
+    assert_eq!(json.status.code(), Some(2));
+    assert!(text(&json).contains("--args is not valid JSON"), "{}", text(&json));
+}
+
+#[test]
+fn an_unreachable_server_is_retried_with_backoff_and_reported() {
+    let output = canter(&["status", "--database-url", "postgres://postgres@127.0.0.1:1/x"]);
+    assert_eq!(output.status.code(), Some(1));
+    let text = text(&output);
+    assert!(text.contains("database unreachable") && text.contains("retrying in"), "{text}");
+}
+
+#[test]
+fn the_demo_runs_on_the_embedded_store() {
+    let output = canter(&["demo", "--tasks", "200", "--workers", "2"]);
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+    let text = text(&output);
+    assert!(text.contains("in-memory store") && text.contains("summary") && text.contains("tasks/s"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_whole_flow_against_postgres() {
+    let db = pg::TestDb::new().await;
+    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
+    let run = move |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--schema", &schema]);
+        canter(&all)
+    };
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let enqueued = run(&["enqueue", "echo", "--args", r#"{"a":1}"#, "--count", "3"]);
+    assert_eq!(enqueued.status.code(), Some(0), "{}", text(&enqueued));
+    let ids: Vec<String> = String::from_utf8_lossy(&enqueued.stdout).lines().map(str::to_owned).collect();
+    assert_eq!(ids.len(), 3);
+    let failing = run(&["enqueue", "fail", "--args", r#"{"code":"NOPE"}"#]);
+    let failing = String::from_utf8_lossy(&failing.stdout).trim().to_owned();
+    let pending = run(&["result", &ids[0]]);
+    assert_eq!(pending.status.code(), Some(1));
+    assert!(text(&pending).contains("no result yet"));
+
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
+        .env("CANTER_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let result = run(&["result", &ids[0], "--wait", "20s"]);
+    assert_eq!(result.status.code(), Some(0), "{}", text(&result));
+    assert_eq!(String::from_utf8_lossy(&result.stdout).trim(), r#"{"a":1}"#);
+    let failed = run(&["result", &failing, "--wait", "20s"]);
+    assert_eq!(failed.status.code(), Some(1));
+    assert!(text(&failed).contains("FAILED") && text(&failed).contains("NOPE"), "{}", text(&failed));
+
+    let status = run(&["status", "--json"]);
+    let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status --json is JSON");
+    assert!(status["workers"].as_array().is_some_and(|w| !w.is_empty()));
+    let table = run(&["status"]);
+    assert!(text(&table).contains("QUEUE") && text(&table).contains("live workers"));
+    let listed = run(&["list", "--status", "COMPLETED", "--json"]);
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&listed.stdout).expect("list --json is JSON");
+    assert!(listed.len() >= 1);
+    let shown = run(&["show", &ids[0], "--json"]);
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["task"]["state"], "COMPLETED");
+    assert_eq!(shown["attempts"].as_array().map(Vec::len), Some(1));
+
+    let cancel_done = run(&["cancel", &ids[0]]);
+    assert_eq!(cancel_done.status.code(), Some(1));
+    assert!(text(&cancel_done).contains("COMPLETED"), "{}", text(&cancel_done));
+    let retried = run(&["retry", &failing]);
+    assert_eq!(retried.status.code(), Some(0), "{}", text(&retried));
+    let later = run(&["enqueue", "sleep", "--args", r#"{"ms":1}"#, "--delay", "1h"]);
+    let later = String::from_utf8_lossy(&later.stdout).trim().to_owned();
+    assert_eq!(run(&["cancel", &later]).status.code(), Some(0));
+    let cancelled = run(&["result", &later]);
+    assert!(text(&cancelled).contains("CANCELLED"));
+
+    let status = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    assert!(worker.wait().unwrap().success(), "the worker exits 0 on SIGTERM");
+}
