@@ -60,6 +60,8 @@ CREATE TABLE tasks (
 -- The claim's pending arm: `queue = $q AND state = 'PENDING' ORDER BY priority, run_at, id`.
 CREATE INDEX tasks_claim_idx ON tasks (queue, priority, run_at, id) WHERE state = 'PENDING';
 -- Tasks in flight: the claim's lapsed-lease arm, cap counts, heartbeats and the reaper.
+-- When the next delayed task of a queue becomes due (the claim's wake-up hint).
+CREATE INDEX tasks_due_idx ON tasks (queue, run_at) WHERE state = 'PENDING';
 CREATE INDEX tasks_in_flight_idx ON tasks (queue, state, claim_expires_at) WHERE state IN ('CLAIMED', 'RUNNING');
 -- The reaper's expiry of pending tasks.
 CREATE INDEX tasks_good_until_idx ON tasks (good_until) WHERE state = 'PENDING' AND good_until IS NOT NULL;
@@ -304,18 +306,21 @@ $$;
 -- min(budget left, cap room, max batch) rows of both arms (Pending, and Claimed with a lapsed
 -- lease) with FOR UPDATE SKIP LOCKED in (priority, run_at, id) order. The first `p_start_now`
 -- rows in claim order start at once. Returns the rows in claim order, then one last row with a
--- NULL id carrying `more`: whether an eligible row of a served queue was left behind.
+-- NULL id carrying `more`: whether an eligible row of a served queue was left behind, and,
+-- when it is false, `next_run_in_ms`: how long until the earliest delayed Pending task of a
+-- served queue becomes due (one probe of `tasks_due_idx` per queue).
 CREATE FUNCTION claim(
     p_worker text, p_token bigint, p_queues text[], p_caps integer[], p_budget integer,
     p_hard boolean, p_cluster_cap integer, p_max_batch integer, p_lock_keys bigint[],
     p_start_now integer, p_lease_ms bigint)
 RETURNS TABLE (id bigint, lease bigint, name text, queue text, args jsonb, priority smallint, started boolean,
-               attempt integer, retries integer, retry jsonb, more boolean)
+               attempt integer, retries integer, retry jsonb, more boolean, next_run_in_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
 AS $$
 #variable_conflict use_column
 DECLARE
+    v_next  bigint;
     v_now   timestamptz := db_now();
     v_key   bigint;
     v_left  integer := greatest(p_budget, 0);
@@ -398,6 +403,16 @@ BEGIN
             ) IS NOT NULL;
         END IF;
     END LOOP;
+    IF NOT v_more THEN
+        SELECT ms(min(d.run_at)) - ms(v_now) INTO v_next
+        FROM unnest(p_queues) AS q(name),
+        LATERAL (
+            SELECT t.run_at FROM tasks t
+            WHERE t.queue = q.name AND t.state = 'PENDING' AND t.run_at > v_now
+            ORDER BY t.run_at
+            LIMIT 1
+        ) d;
+    END IF;
 
     IF cardinality(v_ids) > 0 THEN
         RETURN QUERY
@@ -421,12 +436,12 @@ BEGIN
             RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, c.start, t.attempts, t.retries, t.retry, c.ord
         )
         SELECT c.id, c.lease, c.name, c.queue, c.args, c.priority, c.start,
-               CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, v_more
+               CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, v_more, v_next
         FROM claimed c
         ORDER BY c.ord;
     END IF;
     RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
-                        NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, v_more;
+                        NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, v_more, v_next;
 END;
 $$;
 
@@ -463,6 +478,7 @@ BEGIN
         SELECT t.id, t.lease, t.state, t.queue, t.claim_expires_at, t.good_until, t.attempts
         FROM tasks t
         WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state IN ('CLAIMED', 'RUNNING')
+        ORDER BY t.id
         FOR UPDATE
     ),
     -- Per task, the first entry naming its current lease decides; later ones echo it.

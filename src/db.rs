@@ -421,6 +421,11 @@ pub enum DbReply {
         /// Whether the pass saw eligible tasks in the served queues that it did not take (its
         /// budget or a cap stopped it): the worker claims again when it has room.
         more: bool,
+        /// When `more` is false (the worker will wait): milliseconds from the store's now to the
+        /// earliest `run_at` still in the future among Pending tasks of the served queues, if
+        /// there is one. No notification comes when a delayed or retried task becomes due, so
+        /// the worker arms a wake-up for it. Always `None` when `more` is true.
+        next_run_in_ms: Option<u64>,
     },
     /// What became of a [`DbRequest::Start`].
     Started {

@@ -342,7 +342,18 @@ impl MemoryStore {
                 let tasks = self.claim(worker, *token, policy, &counts, *start_now, *lease_ms, now);
                 let eligible: u64 = counts.available.values().map(|&n| u64::from(n)).sum();
                 let more = eligible > tasks.len() as u64;
-                DbReply::Claimed { tasks, more }
+                // Only a worker that will wait needs to know when delayed work becomes due.
+                let next_run_in_ms = if more {
+                    None
+                } else {
+                    self.live
+                        .values()
+                        .filter(|row| row.state == TaskState::Pending && row.run_at > now)
+                        .filter(|row| policy.queues.iter().any(|q| q.name == row.queue))
+                        .map(|row| (row.run_at.0 - now.0) as u64)
+                        .min()
+                };
+                DbReply::Claimed { tasks, more, next_run_in_ms }
             }
             DbRequest::Start { worker, tasks, policy } => self.start(worker, tasks, policy, now),
             DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
@@ -515,6 +526,7 @@ impl MemoryStore {
     fn finish(&mut self, worker: &WorkerId, completions: &[Completion], now: DbTime) -> DbReply {
         let mut applied = Vec::new();
         let mut lost = Vec::new();
+        let mut retried = BTreeSet::new();
         for Completion { task: TaskLease { task: id, lease }, outcome } in completions {
             let id = *id;
             let held =
@@ -534,12 +546,16 @@ impl MemoryStore {
                     if self.live_row(id).good_until.is_some_and(|at| run_at >= at) {
                         self.fail_run(id, error.clone(), now)
                     } else {
+                        retried.insert(self.live_row(id).queue.clone());
                         self.retry_run(id, error.clone(), run_at, now)
                     }
                 }
             };
             applied.push((id, state));
         }
+        // A retry is work that becomes ready later: tell the listeners so their next claim
+        // learns when (`next_run_in_ms`).
+        self.notify_ready(retried);
         DbReply::Finished { applied, lost }
     }
 
@@ -561,6 +577,11 @@ impl MemoryStore {
                         row.claim_expires_at = Some(now.plus_ms(lease_ms));
                         row.heartbeat_at = Some(now);
                     }
+                }
+                // Started under the same lease since the beat was sent (a start that raced it):
+                // still held, and alive.
+                Some(row) if row.state == TaskState::Running && row.held_by(worker, lease) => {
+                    row.heartbeat_at = Some(now);
                 }
                 _ => lost.push(id),
             }
@@ -650,6 +671,7 @@ impl MemoryStore {
                 })
                 .map(|row| row.id)
                 .collect();
+            let mut retried = BTreeSet::new();
             for id in stale {
                 let row = self.live_row(id);
                 let entropy = mix(entropy ^ id.0 as u64);
@@ -659,6 +681,7 @@ impl MemoryStore {
                     && row.good_until.is_none_or(|at| run_at < at);
                 let error = TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE);
                 if retry {
+                    retried.insert(self.live_row(id).queue.clone());
                     self.retry_run(id, error, run_at, now);
                     report.retried.push(id);
                 } else {
@@ -666,6 +689,7 @@ impl MemoryStore {
                     report.failed.push(id);
                 }
             }
+            self.notify_ready(retried);
         }
         let expired: Vec<TaskId> = self
             .live
@@ -1054,7 +1078,7 @@ mod tests {
             start_now: 0,
             lease_ms: LEASE_MS,
         };
-        let DbReply::Claimed { tasks, more } = store.apply(&request, T0) else { panic!() };
+        let DbReply::Claimed { tasks, more, .. } = store.apply(&request, T0) else { panic!() };
         assert_eq!((ids(&tasks), more), (vec![1, 2], true));
         let request = DbRequest::Claim {
             worker: w("b"),
@@ -1065,7 +1089,7 @@ mod tests {
             start_now: 0,
             lease_ms: LEASE_MS,
         };
-        let DbReply::Claimed { tasks, more } = store.apply(&request, T0) else { panic!() };
+        let DbReply::Claimed { tasks, more, .. } = store.apply(&request, T0) else { panic!() };
         assert_eq!((ids(&tasks), more), (vec![3, 4, 5], false));
     }
 
@@ -1357,6 +1381,8 @@ mod tests {
             vec![
                 Notification::TaskFinished { task: failed.task, state: TaskState::Failed },
                 Notification::TaskFinished { task: near_expiry.task, state: TaskState::Failed },
+                // The retry becomes ready later: listeners are told so they learn when.
+                Notification::TaskReady { queue: "default".into() },
             ]
         );
         // The worker that was thought dead finds out when it writes.

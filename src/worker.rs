@@ -56,6 +56,10 @@ use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOu
 use crate::rng::{Rng, mix};
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
+/// After the shutdown grace period, this many database failures in a row stop a draining
+/// worker and leave what it still holds to the reaper.
+const SHUTDOWN_DB_FAILURES: u32 = 3;
+
 /// Something that happened, reported to [`Worker::handle_input`].
 #[derive(Debug, Clone, PartialEq)]
 pub enum Input {
@@ -220,6 +224,8 @@ pub enum Event {
 pub enum Timer {
     /// Claim again if nothing woke the worker sooner.
     Poll,
+    /// Claim again: a delayed or retried task becomes due (whatever the deployment mode).
+    Wake,
     /// Renew leases and send liveness.
     Heartbeat,
     /// Run the reaper.
@@ -289,10 +295,16 @@ enum Stage {
 /// An outstanding database request and what it was about.
 #[derive(Debug, Clone)]
 enum Op {
-    Claim { token: u64 },
+    Claim {
+        token: u64,
+    },
     Start(Vec<TaskLease>),
-    Finish { completions: Vec<Completion>, resent: bool },
-    Heartbeat,
+    Finish {
+        completions: Vec<Completion>,
+        resent: bool,
+    },
+    /// The leases the beat named: a loss it reports concerns those leases only.
+    Heartbeat(Vec<TaskLease>),
     Release(Vec<TaskLease>),
     Abandon(u64),
     Reap,
@@ -478,6 +490,11 @@ impl Worker {
             Input::TaskFinished { task, lease, outcome } => self.on_task_finished(task, lease, outcome),
             Input::Notified { queue } => self.on_notified(&queue),
             Input::Listener { connected } => {
+                if connected && !self.listening {
+                    // Notifications sent while the listener was down are gone: catch up.
+                    self.more_work = true;
+                    self.cap_blocked = false;
+                }
                 self.listening = connected;
                 if !self.polls() {
                     self.timers.remove(&Timer::Poll);
@@ -508,6 +525,11 @@ impl Worker {
                     if self.polls() {
                         self.arm(Timer::Poll, now + self.poll_interval());
                     }
+                }
+                Timer::Wake => {
+                    self.more_work = true;
+                    self.cap_blocked = false;
+                    self.start_blocked = false;
                 }
                 Timer::Heartbeat => {
                     self.send_heartbeat();
@@ -682,6 +704,7 @@ impl Worker {
         }
         let mut claimed = Vec::new();
         let mut running = Vec::new();
+        let sent: Vec<TaskLease> = self.held_leases().collect();
         for (id, held) in &self.held {
             let lease = TaskLease { task: *id, lease: held.lease };
             match held.stage {
@@ -699,7 +722,7 @@ impl Worker {
             lease_ms: self.app.effective_claim_lease_ms(),
             max_renew_age_ms: self.app.max_claim_renew_age_ms,
         };
-        self.send(request, Op::Heartbeat);
+        self.send(request, Op::Heartbeat(sent));
     }
 
     fn send_reap(&mut self) {
@@ -747,34 +770,51 @@ impl Worker {
 
     fn on_reply(&mut self, op: Op, reply: DbReply) {
         match (op, reply) {
-            (Op::Claim { .. }, DbReply::Claimed { tasks, more }) => self.on_claimed(tasks, more),
-            (Op::Start(_), DbReply::Started { started, expired, deferred, lost }) => {
+            (Op::Claim { .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+                if let Some(ms) = next_run_in_ms.filter(|_| self.phase == Phase::Running) {
+                    let at = self.now + Duration::from_millis(ms);
+                    if self.timers.get(&Timer::Wake).is_none_or(|&armed| armed > at) {
+                        self.arm(Timer::Wake, at);
+                    }
+                }
+                self.on_claimed(tasks, more)
+            }
+            (Op::Start(sent), DbReply::Started { started, expired, deferred, lost }) => {
                 self.start_in_flight = false;
+                // Only tasks this request starts under the lease held now count: one lost and
+                // claimed again while the request was in flight belongs to a newer lease.
                 for (task, attempt) in started {
-                    self.on_started(task, attempt);
+                    if self.starting(task, &sent) {
+                        self.on_started(task, attempt);
+                    }
                 }
                 for task in expired {
-                    self.held.remove(&task);
-                    self.stats.expired += 1;
-                    self.events.push_back(Event::Expired { task });
+                    if self.starting(task, &sent) {
+                        self.held.remove(&task);
+                        self.stats.expired += 1;
+                        self.events.push_back(Event::Expired { task });
+                    }
                 }
                 if !deferred.is_empty() {
                     self.start_blocked = true;
+                    self.poll_while_blocked();
                 }
                 for task in deferred.into_iter().rev() {
-                    if let Some(held) = self.held.get_mut(&task) {
-                        held.stage = Stage::Buffered;
-                        self.buffer.push_front(task);
+                    if self.starting(task, &sent) {
+                        self.unstart(task);
                     }
                 }
                 for task in lost {
-                    self.lose(task, LostReason::LeaseLost);
+                    self.lose(TaskLease { task, lease: lease_in(&sent, task) }, LostReason::LeaseLost);
                 }
             }
-            (Op::Finish { resent, .. }, DbReply::Finished { applied, lost }) => {
+            (Op::Finish { completions, resent }, DbReply::Finished { applied, lost }) => {
                 self.finish_in_flight = false;
+                let sent: Vec<TaskLease> = completions.iter().map(|c| c.task).collect();
                 for (task, state) in applied {
-                    self.held.remove(&task);
+                    if self.held.get(&task).is_some_and(|held| sent.contains(&TaskLease { task, lease: held.lease })) {
+                        self.held.remove(&task);
+                    }
                     match state {
                         TaskState::Completed => self.stats.completed += 1,
                         TaskState::Pending => self.stats.retried += 1,
@@ -784,7 +824,14 @@ impl Worker {
                 }
                 let reason = if resent { LostReason::Unconfirmed } else { LostReason::LeaseLost };
                 for task in lost {
-                    self.lose(task, reason);
+                    // A batch may name a task twice (a stale re-send, then the fresh run): only a
+                    // loss of the lease this worker holds now counts.
+                    if let Some(held) = self.held.get(&task) {
+                        let lease = held.lease;
+                        if sent.contains(&TaskLease { task, lease }) {
+                            self.lose(TaskLease { task, lease }, reason);
+                        }
+                    }
                 }
                 if self.cap_blocked {
                     // Our own tasks left their queues: room may have opened.
@@ -793,10 +840,10 @@ impl Worker {
                 }
                 self.start_blocked = false;
             }
-            (Op::Heartbeat, DbReply::Heartbeat { lost }) => {
+            (Op::Heartbeat(sent), DbReply::Heartbeat { lost }) => {
                 self.heartbeat_in_flight = false;
                 for task in lost {
-                    self.lose(task, LostReason::LeaseLost);
+                    self.lose(TaskLease { task, lease: lease_in(&sent, task) }, LostReason::LeaseLost);
                 }
             }
             (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => {
@@ -830,7 +877,7 @@ impl Worker {
             self.stats.claimed += 1;
             self.events.push_back(Event::Claimed { task: task.id, queue: task.queue.clone() });
             let started = task.started;
-            let (id, attempt) = (task.id, task.attempt);
+            let (id, attempt, task_lease) = (task.id, task.attempt, task.lease);
             let stage = if started { Stage::Starting } else { Stage::Buffered };
             let previous = self.held.insert(
                 id,
@@ -845,7 +892,22 @@ impl Worker {
                     stage,
                 },
             );
-            assert!(previous.is_none(), "task {id} claimed while this worker already holds it");
+            if let Some(previous) = previous {
+                // The store handed the task out again under a newer lease: a write of ours whose
+                // reply was lost did land (a retry or a release), or the reaper took the task
+                // while we still ran it. What we held under the old lease is stale: drop its
+                // handler and its unwritten outcome (a write under it would be fenced anyway).
+                assert!(previous.lease < task_lease, "task {id} claimed again under an older lease");
+                if matches!(previous.stage, Stage::Running { .. }) {
+                    self.commands.push_back(Command::Abort { task: id, lease: previous.lease });
+                }
+                self.timers.remove(&Timer::HandlerTimeout(id));
+                self.buffer.retain(|t| *t != id);
+                self.completions.retain(|(c, _)| c.task.task != id);
+                self.releases.retain(|t| t.task != id);
+                self.stats.lost += 1;
+                self.events.push_back(Event::Lost { task: id, reason: LostReason::Unconfirmed });
+            }
             if self.phase != Phase::Running {
                 // Claimed while shutting down: hand it straight back.
                 self.release(id);
@@ -860,7 +922,36 @@ impl Worker {
                 self.more_work = true;
             } else {
                 self.cap_blocked = true;
+                self.poll_while_blocked();
             }
+        }
+    }
+
+    /// A cap stopped this worker: capacity freed by others (their completions, the reaper)
+    /// comes with no notification, so a blocked worker polls even in event-driven mode.
+    fn poll_while_blocked(&mut self) {
+        if self.phase == Phase::Running && !self.timers.contains_key(&Timer::Poll) {
+            let at = self.now + self.poll_interval();
+            self.arm(Timer::Poll, at);
+        }
+    }
+
+    /// Whether `task` waits for the start request that named `sent`, under the lease it names.
+    fn starting(&self, task: TaskId, sent: &[TaskLease]) -> bool {
+        self.held
+            .get(&task)
+            .is_some_and(|held| held.stage == Stage::Starting && sent.contains(&TaskLease { task, lease: held.lease }))
+    }
+
+    /// A start that did not happen (deferred, or no answer): back to the buffer, or, while
+    /// shutting down, handed back (nothing else would release it, and a start that did land
+    /// is undone by the release too).
+    fn unstart(&mut self, task: TaskId) {
+        if self.phase != Phase::Running {
+            self.release(task);
+        } else if let Some(held) = self.held.get_mut(&task) {
+            held.stage = Stage::Buffered;
+            self.buffer.push_front(task);
         }
     }
 
@@ -938,8 +1029,12 @@ impl Worker {
         self.finish(task, outcome, false);
     }
 
-    /// Drops a task that is no longer ours, aborting its handler if it runs.
-    fn lose(&mut self, task: TaskId, reason: LostReason) {
+    /// Drops a task that is no longer ours under `lease`, aborting its handler if it runs. A
+    /// loss reported for another lease than the one held now (an older one) changes nothing.
+    fn lose(&mut self, TaskLease { task, lease }: TaskLease, reason: LostReason) {
+        if self.held.get(&task).is_none_or(|held| held.lease != lease) {
+            return;
+        }
         let Some(held) = self.held.remove(&task) else { return };
         if matches!(held.stage, Stage::Running { .. }) {
             self.commands.push_back(Command::Abort { task, lease: held.lease });
@@ -977,20 +1072,22 @@ impl Worker {
             Op::Start(tasks) => {
                 self.start_in_flight = false;
                 // Starting again is idempotent: a started row under our lease counts as started.
-                for lease in tasks.into_iter().rev() {
-                    if let Some(held) = self.held.get_mut(&lease.task) {
-                        held.stage = Stage::Buffered;
-                        self.buffer.push_front(lease.task);
+                for lease in tasks.iter().rev() {
+                    if self.starting(lease.task, &tasks) {
+                        self.unstart(lease.task);
                     }
                 }
             }
             Op::Finish { completions, resent } => {
                 self.finish_in_flight = false;
+                // Re-send only what is still ours under the same lease.
+                let held = |c: &Completion| self.held.get(&c.task.task).is_some_and(|h| h.lease == c.task.lease);
+                let completions: Vec<Completion> = completions.into_iter().filter(held).collect();
                 for completion in completions.into_iter().rev() {
                     self.completions.push_front((completion, resent || unknown));
                 }
             }
-            Op::Heartbeat => self.heartbeat_in_flight = false,
+            Op::Heartbeat(_) => self.heartbeat_in_flight = false,
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
             Op::Reap => self.reap_in_flight = false,
@@ -1021,6 +1118,7 @@ impl Worker {
         }
         self.phase = Phase::Draining { grace_over: false };
         self.timers.remove(&Timer::Poll);
+        self.timers.remove(&Timer::Wake);
         self.timers.remove(&Timer::Reaper);
         let buffered: Vec<TaskId> = self.buffer.iter().copied().collect();
         for task in buffered {
@@ -1042,7 +1140,10 @@ impl Worker {
     /// that is down does not hold shutdown up.
     fn check_drained(&mut self) {
         let Phase::Draining { grace_over } = self.phase else { return };
-        if grace_over && self.db_down {
+        // A database that keeps failing does not hold shutdown up past the grace period, but
+        // one failed request (a lost reply) does not end it either: what it left to do (undo
+        // an unanswered claim, hand tasks back) is retried like any write first.
+        if grace_over && self.db_down && self.backoff.failures() >= SHUTDOWN_DB_FAILURES {
             self.stop(self.held.len());
             return;
         }
@@ -1050,7 +1151,7 @@ impl Worker {
             && self.completions.is_empty()
             && self.releases.is_empty()
             && self.abandons.is_empty()
-            && self.ops.values().all(|op| matches!(op, Op::Heartbeat | Op::Reap | Op::Register));
+            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap));
         if idle && !self.deregister_sent && !self.db_down {
             self.deregister_sent = true;
             self.send(DbRequest::DeregisterWorker(self.id.clone()), Op::Deregister);
@@ -1062,4 +1163,9 @@ impl Worker {
         self.timers.clear();
         self.events.push_back(Event::Drained { abandoned });
     }
+}
+
+/// The lease `sent` names for `task` (a request names each task once).
+fn lease_in(sent: &[TaskLease], task: TaskId) -> Lease {
+    sent.iter().find(|t| t.task == task).map_or(Lease(-1), |t| t.lease)
 }

@@ -218,7 +218,8 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
         }
     };
     match reply {
-        DbReply::Claimed { tasks, more } => {
+        DbReply::Claimed { tasks, more, next_run_in_ms } => {
+            see(next_run_in_ms.is_some(), "wake-up hint");
             see(!tasks.is_empty(), "claimed");
             see(tasks.iter().any(|t| t.started), "claimed and started");
             see(tasks.iter().any(|t| t.lease.0 > 1), "re-claimed");
@@ -709,6 +710,7 @@ async fn random_scripts_agree() {
         "claimed and started",
         "re-claimed",
         "more",
+        "wake-up hint",
         "started",
         "expired at start",
         "deferred",

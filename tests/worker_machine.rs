@@ -118,7 +118,7 @@ fn spawns(commands: &[Command]) -> Vec<canter::worker::TaskRun> {
 fn start(h: &mut Harness, first: &[Command], tasks: Vec<ClaimedTask>, more: bool) -> Vec<Command> {
     let register = find(first, "register_worker");
     h.reply(register, DbReply::Done);
-    h.reply(find(first, "claim"), DbReply::Claimed { tasks, more })
+    h.reply(find(first, "claim"), DbReply::Claimed { tasks, more, next_run_in_ms: None })
 }
 
 #[test]
@@ -314,8 +314,8 @@ fn a_claim_without_an_answer_is_undone_by_its_token() {
 fn stale_and_duplicate_replies_are_ignored() {
     let (mut h, first) = Harness::default(2);
     let claim = find(&first, "claim");
-    h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false });
-    let again = h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false });
+    h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None });
+    let again = h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None });
     assert!(spawns(&again).is_empty());
     assert!(h.reply(OpId(999), DbReply::Done).is_empty());
     assert_eq!(h.worker.held(), 1);
@@ -430,7 +430,7 @@ fn the_next_deadline_moves_forward_after_every_timeout() {
         let (_, commands) = h.fire();
         for (op, request) in db_ops(&commands) {
             let reply = match request {
-                DbRequest::Claim { .. } => DbReply::Claimed { tasks: vec![], more: false },
+                DbRequest::Claim { .. } => DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None },
                 DbRequest::Heartbeat { .. } => DbReply::Heartbeat { lost: vec![] },
                 DbRequest::Reap { .. } => DbReply::Reaped(Default::default()),
                 _ => DbReply::Done,

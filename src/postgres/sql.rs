@@ -2,9 +2,9 @@
 //!
 //! Batches travel as parallel arrays expanded with `unnest(...) WITH ORDINALITY`, so a batch of
 //! any size is one prepared statement. Every write about a held task names its lease and the
-//! state it expects, and locks the rows it decides on (`FOR UPDATE`) before deciding, so a
-//! concurrent writer (another worker, the reaper) either went first and the row no longer
-//! matches, or waits. Notifications are sent from the same statement: a `notified` CTE that
+//! state it expects, and locks the rows it decides on (`FOR UPDATE`, in id order, so two
+//! statements of one worker cannot deadlock) before deciding: a concurrent writer (another
+//! worker, the reaper) either went first and the row no longer matches, or waits. Notifications are sent from the same statement: a `notified` CTE that
 //! the final SELECT cross-joins, so it runs whenever there is something to announce.
 //!
 //! [`PgSchema`]: crate::postgres::PgSchema
@@ -27,7 +27,7 @@ const UNCLAIM: &str =
     "state = 'PENDING', claimed_by = NULL, claim_token = NULL, claim_expires_at = NULL, heartbeat_at = NULL";
 
 const CLAIM: &str = "\
-SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, more
+SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, more, next_run_in_ms
 FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 const START: &str = "\
@@ -42,6 +42,7 @@ WITH input AS (
 held AS (
     SELECT t.id, t.lease, t.good_until, t.attempts FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
+    ORDER BY t.id
     FOR UPDATE
 ),
 chosen AS (
@@ -72,6 +73,7 @@ retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error
     FROM chosen c
     WHERE t.id = c.id AND c.state = 'PENDING'
+    RETURNING t.queue
 ),
 history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
@@ -85,8 +87,13 @@ notified AS (
         FROM (SELECT m.id, (row_number() OVER () - 1) / 300 AS chunk FROM moved m) m
         GROUP BY m.chunk
     ) n
+),
+-- A retry is work that becomes ready later: listeners claim and learn when (the wake-up hint).
+ready AS (
+    SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM retried r) q
 )
 SELECT i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
+CROSS JOIN ready
 ORDER BY i.ord";
 
 const HEARTBEAT: &str = "\
@@ -100,6 +107,7 @@ held_claimed AS (
     SELECT t.id, t.lease, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
     FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[]) AND t.state = 'CLAIMED' AND t.claimed_by = $1
+    ORDER BY t.id
     FOR UPDATE
 ),
 renewed AS (
@@ -112,6 +120,7 @@ renewed AS (
 held_running AS (
     SELECT t.id, t.lease FROM {s}.tasks t
     WHERE t.id = ANY ($4::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
+    ORDER BY t.id
     FOR UPDATE
 ),
 beaten AS (
@@ -140,6 +149,7 @@ WITH input AS (
 held AS (
     SELECT t.id, t.lease FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    ORDER BY t.id
     FOR UPDATE
 ),
 chosen AS (
@@ -224,6 +234,10 @@ retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = $4
     FROM chosen c
     WHERE t.id = c.id AND c.state = 'PENDING'
+    RETURNING t.queue
+),
+ready AS (
+    SELECT count(pg_notify($6 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM retried r) q
 ),
 history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
@@ -237,7 +251,7 @@ notified AS (
         GROUP BY m.chunk
     ) n
 )
-SELECT c.id, c.state FROM chosen c CROSS JOIN notified ORDER BY c.id";
+SELECT c.id, c.state FROM chosen c CROSS JOIN notified CROSS JOIN ready ORDER BY c.id";
 
 const REAP_EXPIRE: &str = "\
 WITH expired AS (

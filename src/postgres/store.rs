@@ -116,10 +116,11 @@ impl PgStore {
                     .fetch_all(&mut *conn)
                     .await?;
                 let mut tasks = Vec::with_capacity(rows.len().saturating_sub(1));
-                let mut more = false;
+                let (mut more, mut next_run_in_ms) = (false, None);
                 for row in rows {
                     let Some(id) = row.try_get::<Option<i64>, _>("id")? else {
                         more = row.try_get("more")?;
+                        next_run_in_ms = row.try_get::<Option<i64>, _>("next_run_in_ms")?.map(|ms| ms.max(0) as u64);
                         continue;
                     };
                     tasks.push(ClaimedTask {
@@ -135,7 +136,7 @@ impl PgStore {
                         retry: json(row.try_get("retry")?)?,
                     });
                 }
-                Ok(DbReply::Claimed { tasks, more })
+                Ok(DbReply::Claimed { tasks, more, next_run_in_ms })
             }
             DbRequest::Start { worker, tasks, policy } => {
                 let (ids, leases) = split(tasks);
@@ -268,6 +269,7 @@ impl PgStore {
             .bind(errors)
             .bind(delays)
             .bind(self.schema.done_channel())
+            .bind(self.schema.queue_channel_prefix())
             .fetch_all(&mut *conn)
             .await?;
         let (mut applied, mut lost) = (Vec::new(), Vec::new());
@@ -329,6 +331,7 @@ impl PgStore {
                     .bind(may_retry)
                     .bind(error)
                     .bind(self.schema.done_channel())
+                    .bind(self.schema.queue_channel_prefix())
                     .fetch_all(&mut *tx)
                     .await?;
                 for (id, state) in rows {

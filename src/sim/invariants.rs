@@ -10,10 +10,11 @@
 //!   (fencing: a write from a stale lease is never applied); the reaper takes exactly the
 //!   stale rows; nothing starts at or after good-until and no retry is scheduled at or after
 //!   it.
-//! - **The store** ([`Checker::check_store`], after every store mutation): every enqueued
-//!   task is in the store exactly once, live or finished; attempts and leases never
-//!   decrease; a terminal task never changes; the caps hold (hard-cap mode: Running plus
-//!   live Claimed per queue and across the cluster; soft-cap mode: Running per queue).
+//! - **The store** ([`Checker::check_store`], after every store mutation): the caps hold
+//!   (hard-cap mode: Running plus live Claimed per queue and across the cluster; soft-cap
+//!   mode: Running per queue); attempts and leases never decrease; no terminal task is live
+//!   again; and, walking the finished table too every few mutations and at the end, every
+//!   enqueued task is in the store exactly once and a terminal task never changes.
 //! - **The workers** ([`check_worker`], after every step): a worker runs at most its
 //!   concurrency; the handlers the harness runs for it are exactly the ones it believes run;
 //!   a handler whose lease is the row's current lease on a Running row belongs to the row's
@@ -30,6 +31,9 @@ use crate::db::{DbReply, DbRequest, DbTime, FinishOutcome};
 use crate::memory::{MemoryStore, StoredTask};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use crate::worker::Worker;
+
+/// How often [`Checker::check_store`] walks the finished table too.
+const FULL_CHECK_EVERY: u64 = 16;
 
 /// What the checker knows of one row before a request.
 #[derive(Debug, Clone)]
@@ -118,6 +122,17 @@ struct Frozen {
 }
 
 impl Frozen {
+    /// Whether `row` still has this content (compared in place, without cloning it).
+    fn matches(&self, row: &StoredTask) -> bool {
+        self.state == row.state
+            && self.attempts == row.attempts
+            && self.retries == row.retries
+            && self.lease == row.lease
+            && self.finished_at == row.finished_at
+            && self.result == row.result
+            && self.error == row.error
+    }
+
     fn of(row: &StoredTask) -> Frozen {
         Frozen {
             state: row.state,
@@ -131,6 +146,20 @@ impl Frozen {
     }
 }
 
+/// What the checker has seen of one task.
+#[derive(Debug)]
+struct Seen {
+    attempts: u32,
+    lease: Lease,
+    frozen: Option<Frozen>,
+}
+
+impl Default for Seen {
+    fn default() -> Self {
+        Seen { attempts: 0, lease: Lease(0), frozen: None }
+    }
+}
+
 /// The checker: what it has seen of every task so far.
 #[derive(Debug)]
 pub(crate) struct Checker {
@@ -138,10 +167,10 @@ pub(crate) struct Checker {
     queue_caps: BTreeMap<String, u32>,
     cluster_cap: Option<u32>,
     paused: BTreeSet<String>,
-    enqueued: BTreeSet<TaskId>,
-    attempts: BTreeMap<TaskId, u32>,
-    leases: BTreeMap<TaskId, Lease>,
-    frozen: BTreeMap<TaskId, Frozen>,
+    /// Per task, indexed by `id - 1` (the store numbers tasks 1, 2, 3… in order): the most
+    /// attempts and the highest lease seen, and the content once terminal. Its length is the
+    /// number of tasks enqueued.
+    seen: Vec<Seen>,
     mutations: u64,
     unfinished: usize,
     /// Finish requests whose completions were applied, in all.
@@ -168,10 +197,7 @@ impl Checker {
             queue_caps: queues.iter().filter_map(|q| q.max_concurrency.map(|cap| (q.name.clone(), cap))).collect(),
             cluster_cap: app.cluster_wide_cap,
             paused: queues.iter().filter(|q| q.max_concurrency == Some(0)).map(|q| q.name.clone()).collect(),
-            enqueued: BTreeSet::new(),
-            attempts: BTreeMap::new(),
-            leases: BTreeMap::new(),
-            frozen: BTreeMap::new(),
+            seen: Vec::new(),
             mutations: 0,
             unfinished: 0,
             finishes_applied: 0,
@@ -179,14 +205,26 @@ impl Checker {
         }
     }
 
-    /// Records a task id an enqueue returned (new or deduplicated).
-    pub(crate) fn enqueued(&mut self, id: TaskId) {
-        self.enqueued.insert(id);
+    /// Records a task id an enqueue returned: the next new one, or one seen before (an
+    /// idempotency key).
+    pub(crate) fn enqueued(&mut self, id: TaskId) -> Result<(), String> {
+        let next = self.seen.len() as i64 + 1;
+        ensure!((1..=next).contains(&id.0), "enqueue returned task {id}, expected at most {next} (ids go 1, 2, 3…)");
+        if id.0 == next {
+            self.seen.push(Seen::default());
+        }
+        Ok(())
     }
 
     /// Tasks enqueued (distinct ids).
     pub(crate) fn enqueued_count(&self) -> usize {
-        self.enqueued.len()
+        self.seen.len()
+    }
+
+    fn seen(&mut self, id: TaskId) -> Result<&mut Seen, String> {
+        let index = usize::try_from(id.0 - 1).ok().filter(|&i| i < self.seen.len());
+        let index = index.ok_or_else(|| format!("task {id} is in the store but was never enqueued"))?;
+        Ok(&mut self.seen[index])
     }
 
     /// Live tasks outside paused queues, as of the last store check.
@@ -616,20 +654,22 @@ impl Checker {
     }
 
     fn freeze(&mut self, row: &StoredTask) -> Result<(), String> {
-        let frozen = Frozen::of(row);
-        match self.frozen.get(&row.id) {
-            Some(before) => ensure!(*before == frozen, "terminal task {} changed: {before:?} -> {frozen:?}", row.id),
-            None => {
-                self.frozen.insert(row.id, frozen);
+        let seen = self.seen(row.id)?;
+        match &seen.frozen {
+            Some(before) => {
+                ensure!(before.matches(row), "terminal task {} changed: {before:?} -> {:?}", row.id, Frozen::of(row))
             }
+            None => seen.frozen = Some(Frozen::of(row)),
         }
         Ok(())
     }
 
-    /// Checks the whole store at `now` (see the module docs). `full` also walks the finished
-    /// table; the live table is walked every time.
+    /// Checks the store at `now` (see the module docs): the live table every time, the
+    /// finished table and the counts every [`FULL_CHECK_EVERY`] calls or when `full` (the rows
+    /// a request touches are checked by [`after`](Self::after) at once).
     pub(crate) fn check_store(&mut self, store: &MemoryStore, now: DbTime, full: bool) -> Result<(), String> {
         self.mutations += 1;
+        let full = full || self.mutations % FULL_CHECK_EVERY == 0;
         let mut queue_in_flight: BTreeMap<&str, u32> = BTreeMap::new();
         let mut cluster_in_flight = 0u32;
         let mut unfinished = 0;
@@ -637,8 +677,7 @@ impl Checker {
         for row in live_rows(store) {
             live += 1;
             let id = row.id;
-            ensure!(self.enqueued.contains(&id), "task {id} is in the store but was never enqueued");
-            ensure!(!self.frozen.contains_key(&id), "terminal task {id} is live again: {}", row.state);
+            ensure!(self.seen(id)?.frozen.is_none(), "terminal task {id} is live again: {}", row.state);
             self.monotonic(row)?;
             match row.state {
                 TaskState::Pending => ensure!(row.claimed_by.is_none(), "pending task {id} names a holder"),
@@ -682,29 +721,34 @@ impl Checker {
             for row in store.tasks().skip(live) {
                 finished += 1;
                 ensure!(row.state.is_terminal(), "task {} is {} in the finished table", row.id, row.state);
-                ensure!(self.enqueued.contains(&row.id), "task {} is in the store but was never enqueued", row.id);
                 self.monotonic(row)?;
                 self.freeze(row)?;
             }
+            // Every row's id was enqueued and the tables are keyed by id, so equal counts and no
+            // id in both tables mean every enqueued task is there exactly once.
             ensure!(
-                live + finished == self.enqueued.len(),
+                live + finished == self.seen.len(),
                 "NO TASK LOST: {} tasks enqueued, the store has {live} live and {finished} finished",
-                self.enqueued.len()
+                self.seen.len()
             );
-            for &id in &self.enqueued {
-                ensure!(store.task(id).is_some(), "NO TASK LOST: task {id} is gone from the store");
+            for row in live_rows(store) {
+                ensure!(self.seen(row.id)?.frozen.is_none(), "task {} is both live and finished", row.id);
             }
         }
         Ok(())
     }
 
     fn monotonic(&mut self, row: &StoredTask) -> Result<(), String> {
-        let attempts = self.attempts.entry(row.id).or_insert(0);
-        ensure!(row.attempts >= *attempts, "attempts of task {} went down: {} -> {}", row.id, attempts, row.attempts);
-        *attempts = row.attempts;
-        let lease = self.leases.entry(row.id).or_insert(Lease(0));
-        ensure!(row.lease >= *lease, "lease of task {} went down: {} -> {}", row.id, lease, row.lease);
-        *lease = row.lease;
+        let seen = self.seen(row.id)?;
+        ensure!(
+            row.attempts >= seen.attempts,
+            "attempts of task {} went down: {} -> {}",
+            row.id,
+            seen.attempts,
+            row.attempts
+        );
+        ensure!(row.lease >= seen.lease, "lease of task {} went down: {} -> {}", row.id, seen.lease, row.lease);
+        (seen.attempts, seen.lease) = (row.attempts, row.lease);
         Ok(())
     }
 

@@ -23,12 +23,17 @@
 //!   with its handlers, its in-flight requests may still land, and it restarts under a new
 //!   id) and graceful restarts, slow, hanging, failing and panicking handlers, handler answers
 //!   that arrive after their abort.
-//! - **Invariants after every step** (see [`invariants`](self) in the source): no task lost or
-//!   duplicated; no task run under two live leases and no write from a stale lease applied;
-//!   caps never exceeded (per worker always; per queue and cluster-wide in hard-cap mode;
-//!   Running per queue in soft-cap mode); attempts and leases never decrease; a terminal task
-//!   never changes; nothing starts at or after its good-until; the worker never busy-loops
-//!   (after `handle_timeout(now)` its next deadline is later than `now`).
+//! - **Invariants after every step** (`src/sim/invariants.rs`): no task lost or duplicated;
+//!   no task run under two live leases and no write from a stale lease applied (every reply of
+//!   the store is checked against the rows as they were before the request); caps never
+//!   exceeded (per worker always; per queue and cluster-wide in hard-cap mode; Running per
+//!   queue in soft-cap mode); attempts and leases never decrease; a terminal task never
+//!   changes; nothing starts at or after its good-until, no retry is scheduled at or after
+//!   it; the handlers the harness runs for a worker are exactly those it believes run (the
+//!   spawn and abort contract); a worker never drops a run the store still holds for it under
+//!   its lease (that leaves the task to the reaper); the worker never busy-loops (after
+//!   `handle_timeout(now)` its next deadline is later than `now`, and no worker sends more
+//!   than [`MAX_REQUESTS_PER_SECOND`]).
 //! - **Phases**: a *safety* phase with faults for a seed-derived virtual duration; then the
 //!   faults *heal* (dead workers restart, listeners reconnect) and in the *liveness* phase
 //!   every task must become terminal within a bound computed from the configuration
@@ -50,7 +55,7 @@ mod invariants;
 mod options;
 mod trace;
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Arc;
@@ -243,8 +248,11 @@ struct Slot {
     restart_pending: bool,
     /// The last `Drained` event's abandoned count.
     abandoned: Option<usize>,
-    /// Whether the incarnation stopped while its database requests were failing.
+    /// Whether the incarnation stopped while its database requests were failing (or its
+    /// deregistration failed, which a worker does not retry).
     stopped_on_failure: bool,
+    /// The op of its deregistration, while in flight.
+    deregister_op: Option<OpId>,
     /// What the worker held before its latest input, to judge its `Lost` events.
     held_before: BTreeMap<TaskId, Lease>,
     second: u64,
@@ -316,6 +324,7 @@ impl Sim {
                 abandoned: None,
                 held_before: BTreeMap::new(),
                 stopped_on_failure: false,
+                deregister_op: None,
                 second: 0,
                 requests_this_second: 0,
             })
@@ -727,6 +736,7 @@ impl Sim {
         s.listening = false;
         s.abandoned = None;
         s.stopped_on_failure = false;
+        s.deregister_op = None;
         s.handlers.clear();
         let mut config = s.config.clone();
         config.seed = config.seed.map(|seed| mix(seed ^ u64::from(s.incarnation)));
@@ -838,7 +848,7 @@ impl Sim {
             if !s.handlers.is_empty() {
                 return Err(format!("{name} stopped with handlers still running: {:?}", s.handlers.keys()));
             }
-            let failing = s.worker.as_ref().is_some_and(|w| w.db_failures() > 0);
+            let failing = s.stopped_on_failure || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0);
             self.slots[slot].stopped_on_failure = failing;
             self.note(
                 &name,
@@ -885,6 +895,9 @@ impl Sim {
                     return Err(format!("BUSY LOOP: {name} sent {per_second} requests in one virtual second"));
                 }
                 self.note(&name, format_args!("-> {} {op} {}", request.kind(), describe_request(&request)));
+                if matches!(request, DbRequest::DeregisterWorker(_)) {
+                    self.slots[slot].deregister_op = Some(op);
+                }
                 let fate = if self.faults_on { self.options.faults.fate(&mut self.rng) } else { Fate::Delivered };
                 let latency = self.latency();
                 let incarnation = self.slots[slot].incarnation;
@@ -1004,6 +1017,9 @@ impl Sim {
                     return Ok(());
                 }
                 let name = self.slots[slot].name(slot);
+                if reply.is_err() && self.slots[slot].deregister_op == Some(op) {
+                    self.slots[slot].stopped_on_failure = true;
+                }
                 match &reply {
                     Ok(_) => self.note(&name, format_args!("<- {op} ok")),
                     Err(failure) => self.note(&name, format_args!("<- {op} {failure}")),
@@ -1141,7 +1157,7 @@ impl Sim {
         let reply = self.store.apply(request, now);
         self.note("db", format_args!("{} {op} {worker} -> {}", request.kind(), describe_reply(&reply)));
         self.checker.after(&self.store, worker, request, &before, &reply, now)?;
-        self.checker.check_store(&self.store, now, true)?;
+        self.checker.check_store(&self.store, now, false)?;
         self.notify();
         Ok(reply)
     }
@@ -1222,22 +1238,22 @@ impl Sim {
         let keyed: Vec<NewTask> = batch.iter().filter(|t| t.key.is_some()).cloned().collect();
         let ids = self.store.enqueue_many(batch, now).map_err(|e| format!("enqueue refused: {e}"))?;
         for &id in &ids {
-            self.checker.enqueued(id);
+            self.checker.enqueued(id)?;
         }
         let listed: Vec<String> = ids.iter().map(|id| id.to_string()).collect();
         self.note("client", format_args!("enqueue {} -> [{}]", ids.len(), listed.join(" ")));
-        self.checker.check_store(&self.store, now, true)?;
+        self.checker.check_store(&self.store, now, false)?;
         // An enqueue retried with the same idempotency key (its first reply was lost) gets the
         // same task back and writes nothing.
         for task in keyed {
             let key = task.key.clone().unwrap_or_default();
             let before = self.checker.enqueued_count();
             let id = self.store.enqueue(task, now).map_err(|e| format!("re-enqueue with key {key} refused: {e}"))?;
-            self.checker.enqueued(id);
+            self.checker.enqueued(id)?;
             if self.checker.enqueued_count() != before {
                 return Err(format!("re-enqueue with key {key} created task {id}"));
             }
-            self.checker.check_store(&self.store, now, true)?;
+            self.checker.check_store(&self.store, now, false)?;
         }
         if load.cancel_chance > 0.0 && self.load_rng.chance(load.cancel_chance) {
             self.cancel_one(now)?;
@@ -1265,7 +1281,7 @@ impl Sim {
                 }
             }
         }
-        self.checker.check_store(&self.store, now, true)
+        self.checker.check_store(&self.store, now, false)
     }
 }
 
@@ -1364,10 +1380,4 @@ fn describe_reply(reply: &DbReply) -> String {
         DbReply::Done => return "done".to_owned(),
     }
     if parts.is_empty() { "nothing".to_owned() } else { parts.join(" ") }
-}
-
-/// The set of queues the workers of `options` serve between them (every queue of the app, by
-/// construction of [`SimOptions::swarm`]).
-pub fn served_queues(options: &SimOptions) -> BTreeSet<String> {
-    options.workers.iter().flat_map(|w| w.served_queues(&options.app)).map(|q| q.name).collect()
 }
