@@ -31,7 +31,7 @@ fn now() -> Instant {
 
 /// Where requests go: both answer synchronously.
 enum Database {
-    Memory { store: MemoryStore, epoch: Instant },
+    Memory { store: Box<MemoryStore>, epoch: Instant },
     Postgres(PgStore),
 }
 
@@ -70,7 +70,7 @@ fn main() {
         }
         Err(_) => {
             println!("custom executor on the in-memory store (set DATABASE_URL for PostgreSQL)");
-            Database::Memory { store: MemoryStore::new(app.clone()), epoch: now() }
+            Database::Memory { store: Box::new(MemoryStore::new(app.clone())), epoch: now() }
         }
     };
     let ids = database.enqueue((0..50).map(|i| NewTask::new("sleep", json!({"ms": 5 + i % 20}))).collect());

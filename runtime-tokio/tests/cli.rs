@@ -113,7 +113,7 @@ async fn a_whole_flow_against_postgres() {
     assert!(text(&table).contains("QUEUE") && text(&table).contains("live workers"));
     let listed = run(&["list", "--status", "COMPLETED", "--json"]);
     let listed: Vec<serde_json::Value> = serde_json::from_slice(&listed.stdout).expect("list --json is JSON");
-    assert!(listed.len() >= 1);
+    assert!(!listed.is_empty());
     let shown = run(&["show", &ids[0], "--json"]);
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["task"]["state"], "COMPLETED");

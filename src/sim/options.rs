@@ -99,7 +99,7 @@ impl LoadOptions {
 impl SimOptions {
     /// The options seed `seed` runs with: [`swarm`](Self::swarm) on a generator seeded with it.
     pub fn from_seed(seed: u64) -> SimOptions {
-        SimOptions::swarm(&mut Rng::new(seed ^ 0x5EED_0F_5EED))
+        SimOptions::swarm(&mut Rng::new(seed ^ 0x005E_ED0F_5EED))
     }
 
     /// Draws every knob from `rng` (see the module docs).

@@ -238,9 +238,11 @@ pub async fn many_tasks_through_several_workers<R: Runtime>(runtime: Arc<R>, poo
         completed += worker.stop().await.completed;
     }
     assert_eq!(completed, total);
-    let runs = tasks.seen.runs.lock().unwrap();
-    assert_eq!(runs.len() as u64, total, "every task ran");
-    assert!(runs.values().all(|n| *n == 1), "no task ran twice");
+    {
+        let runs = tasks.seen.runs.lock().unwrap();
+        assert_eq!(runs.len() as u64, total, "every task ran");
+        assert!(runs.values().all(|n| *n == 1), "no task ran twice");
+    }
     let counts = client.counts().await.unwrap();
     assert_eq!(counts.get(&("default".to_owned(), TaskState::Completed)), Some(&total));
 }
