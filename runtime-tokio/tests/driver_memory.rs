@@ -1,39 +1,17 @@
-//! The driver loop on tokio over the shared in-memory store: real handlers, real timers.
+//! The core's driver loop on tokio over the shared in-memory store (`MemoryBackend`): real
+//! handlers, real timers, no PostgreSQL.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter::db::{DbTime, NewTask};
-use canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
-use canter::memory::MemoryStore;
-use canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
-use canter::worker::{Event, Input, Worker};
-use futures::future::BoxFuture;
+use canter_tokio::TokioRuntime;
+use canter_tokio::canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
+use canter_tokio::canter::db::{DbTime, NewTask};
+use canter_tokio::canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
+use canter_tokio::canter::memory::MemoryStore;
+use canter_tokio::canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
+use canter_tokio::canter::worker::{Event, Input, Worker};
 use serde_json::json;
-
-struct Tokio;
-
-impl Runtime for Tokio {
-    fn now(&self) -> Instant {
-        tokio::time::Instant::now().into_std()
-    }
-
-    fn sleep_until(&self, deadline: Instant) -> BoxFuture<'static, ()> {
-        Box::pin(tokio::time::sleep_until(deadline.into()))
-    }
-
-    fn spawn(&self, future: BoxFuture<'static, ()>) {
-        tokio::spawn(future);
-    }
-
-    fn spawn_blocking(&self, work: Box<dyn FnOnce() + Send + 'static>) -> BoxFuture<'static, ()> {
-        let handle = tokio::task::spawn_blocking(work);
-        Box::pin(async move {
-            let _ = handle.await;
-        })
-    }
-}
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Double {
@@ -102,7 +80,7 @@ struct Cluster {
 }
 
 fn cluster(workers: usize, config: WorkerConfig) -> Cluster {
-    let runtime = Arc::new(Tokio);
+    let runtime = Arc::new(TokioRuntime);
     let clock = runtime.clone();
     let backend = MemoryBackend::new(MemoryStore::new(app()), DbTime(1_700_000_000_000), move || clock.now());
     let events = Arc::new(std::sync::Mutex::new(Vec::new()));
