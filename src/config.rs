@@ -698,6 +698,12 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// The PRNG seed of worker `id`: the configured one, or one derived from the id (never
+    /// from the OS, so a run replays).
+    pub fn seed_for(&self, id: &crate::task::WorkerId) -> u64 {
+        self.seed.unwrap_or_else(|| id.0.bytes().fold(0x6A09_E667_F3BC_C909, |h, b| crate::rng::mix(h ^ u64::from(b))))
+    }
+
     /// Every problem of these settings against `app`; fields are named without a prefix.
     pub fn validate(&self, app: &AppConfig) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
@@ -828,11 +834,7 @@ pub struct Config {
 impl Config {
     /// Every problem of the app and the worker together, named `app.…` and `worker.…`.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let mut problems = Vec::new();
-        let mut root = Check::root(&mut problems);
-        self.app.check(&mut root.nested("app"));
-        self.worker.check(&self.app, &mut root.nested("worker"));
-        ConfigError::from_problems(problems)
+        validate_pair(&self.app, &self.worker)
     }
 
     /// Parses TOML, then validates.
@@ -932,6 +934,15 @@ impl fmt::Display for ConfigProblem {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "`{}` is {}, expected {}", self.field, self.value, self.expected)
     }
+}
+
+/// Every problem of `app` and `worker` together, named `app.…` and `worker.…`.
+pub fn validate_pair(app: &AppConfig, worker: &WorkerConfig) -> Result<(), ConfigError> {
+    let mut problems = Vec::new();
+    let mut root = Check::root(&mut problems);
+    app.check(&mut root.nested("app"));
+    worker.check(app, &mut root.nested("worker"));
+    ConfigError::from_problems(problems)
 }
 
 /// Every problem found in one configuration.

@@ -53,7 +53,7 @@ use crate::backoff::{self, DbBackoff};
 use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
 use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport, WorkerInfo};
-use crate::rng::{Rng, mix};
+use crate::rng::Rng;
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
@@ -347,6 +347,8 @@ pub struct Worker {
     claim_in_flight: bool,
     start_in_flight: bool,
     heartbeat_in_flight: bool,
+    /// A heartbeat is owed (its timer fired while it could not be sent).
+    heartbeat_due: bool,
     reap_in_flight: bool,
     listening: bool,
     /// Completions not yet sent, and whether each is a re-send after an unknown reply.
@@ -367,15 +369,10 @@ impl Worker {
     /// A worker machine for `id` with this configuration, starting at `now`. It registers
     /// itself and claims at once.
     pub fn new(id: WorkerId, app: AppConfig, config: WorkerConfig, now: Instant) -> Result<Worker, ConfigError> {
-        let mut problems = app.validate().err().map(|e| e.problems).unwrap_or_default();
-        problems.extend(config.validate(&app).err().map(|e| e.problems).unwrap_or_default());
-        if !problems.is_empty() {
-            return Err(ConfigError { problems });
-        }
+        crate::config::validate_pair(&app, &config)?;
         let policy = Arc::new(ClaimPolicy::from_config(&app, &config));
         let served = policy.queues.iter().map(|q| q.name.clone()).collect();
-        let seed =
-            config.seed.unwrap_or_else(|| id.0.bytes().fold(0x6A09_E667_F3BC_C909, |h, b| mix(h ^ u64::from(b))));
+        let seed = config.seed_for(&id);
         let mut worker = Worker {
             id,
             app,
@@ -397,6 +394,7 @@ impl Worker {
             claim_in_flight: false,
             start_in_flight: false,
             heartbeat_in_flight: false,
+            heartbeat_due: false,
             reap_in_flight: false,
             listening: false,
             completions: VecDeque::new(),
@@ -481,7 +479,7 @@ impl Worker {
 
     /// Reports something that happened. Drain the outputs afterwards.
     pub fn handle_input(&mut self, input: Input, now: Instant) {
-        self.advance(now);
+        let now = self.advance(now);
         if self.phase == Phase::Stopped {
             return;
         }
@@ -510,7 +508,7 @@ impl Worker {
 
     /// Handles every timer due at `now`. Early or repeated calls do nothing harmful.
     pub fn handle_timeout(&mut self, now: Instant) {
-        self.advance(now);
+        let now = self.advance(now);
         if self.phase == Phase::Stopped {
             return;
         }
@@ -532,7 +530,9 @@ impl Worker {
                     self.start_blocked = false;
                 }
                 Timer::Heartbeat => {
-                    self.send_heartbeat();
+                    // Owed until sent: a beat skipped by an outage goes out once the database
+                    // answers again, not an interval later.
+                    self.heartbeat_due = true;
                     self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
                 }
                 Timer::Reaper => {
@@ -564,9 +564,11 @@ impl Worker {
         self.events.pop_front()
     }
 
-    fn advance(&mut self, now: Instant) {
-        assert!(now >= self.now, "time went backwards: the driver must pass a monotonic now");
-        self.now = now;
+    /// Takes `now` as the time, never going back: a driver that passes an earlier instant
+    /// (a contract break) gets the latest one it passed instead of a panic.
+    fn advance(&mut self, now: Instant) -> Instant {
+        self.now = self.now.max(now);
+        self.now
     }
 
     fn arm(&mut self, timer: Timer, at: Instant) {
@@ -626,6 +628,9 @@ impl Worker {
         if !self.releases.is_empty() {
             let tasks = std::mem::take(&mut self.releases);
             self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
+        }
+        if self.heartbeat_due {
+            self.send_heartbeat();
         }
         self.flush_completions();
         self.start_buffered();
@@ -702,6 +707,7 @@ impl Worker {
         if self.heartbeat_in_flight || self.db_down || self.phase == Phase::Stopped {
             return;
         }
+        self.heartbeat_due = false;
         let mut claimed = Vec::new();
         let mut running = Vec::new();
         let sent: Vec<TaskLease> = self.held_leases().collect();
@@ -865,7 +871,10 @@ impl Worker {
             }
             (Op::Deregister, DbReply::Done) => self.stop(0),
             (op, reply) => {
-                panic!("the store answered {op:?} with {reply:?}: a store must answer each request with its own reply")
+                // A store that answers a request with another request's reply breaks its
+                // contract: count it as a refusal and try again later.
+                let failure = DbFailure::Rejected(format!("a {} reply to a {op:?} request", reply_kind(&reply)));
+                self.on_failure(op, failure, self.now);
             }
         }
     }
@@ -961,8 +970,8 @@ impl Worker {
         let Some(held) = self.held.get_mut(&task) else { return };
         held.attempt = attempt;
         if shutting_down {
-            // Started while shutting down: it has not run, so give it back.
-            held.stage = Stage::Running { deadline: None };
+            // Started while shutting down: no handler was spawned, so give it straight back.
+            held.stage = Stage::Starting;
             self.release(task);
             return;
         }
@@ -1087,7 +1096,10 @@ impl Worker {
                     self.completions.push_front((completion, resent || unknown));
                 }
             }
-            Op::Heartbeat(_) => self.heartbeat_in_flight = false,
+            Op::Heartbeat(_) => {
+                self.heartbeat_in_flight = false;
+                self.heartbeat_due = true;
+            }
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
             Op::Reap => self.reap_in_flight = false,
@@ -1097,6 +1109,11 @@ impl Worker {
                 self.stop(0);
                 return;
             }
+        }
+        if self.db_down {
+            // Other requests in flight when the database went away fail too: one outage,
+            // one step of backoff.
+            return;
         }
         let delay = self.backoff.on_failure(&self.app.resilience, &mut self.rng);
         self.db_down = true;
@@ -1162,6 +1179,18 @@ impl Worker {
         self.phase = Phase::Stopped;
         self.timers.clear();
         self.events.push_back(Event::Drained { abandoned });
+    }
+}
+
+fn reply_kind(reply: &DbReply) -> &'static str {
+    match reply {
+        DbReply::Claimed { .. } => "claimed",
+        DbReply::Started { .. } => "started",
+        DbReply::Finished { .. } => "finished",
+        DbReply::Heartbeat { .. } => "heartbeat",
+        DbReply::Released { .. } => "released",
+        DbReply::Reaped(_) => "reaped",
+        DbReply::Done => "done",
     }
 }
 

@@ -443,3 +443,51 @@ fn the_next_deadline_moves_forward_after_every_timeout() {
         previous = h.now;
     }
 }
+
+#[test]
+fn a_heartbeat_skipped_by_an_outage_goes_out_as_soon_as_the_database_answers() {
+    let config = WorkerConfig { concurrency: 1, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    // The database goes away just before the heartbeat is due.
+    h.now += Duration::from_millis(29_900);
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
+    h.fail(finish, DbFailure::Unavailable("down".into()));
+    let outage = h.now;
+    let mut beat_sent_at = None;
+    for _ in 0..10 {
+        let (_, commands) = h.fire();
+        if has(&commands, "heartbeat") {
+            beat_sent_at = Some(h.now);
+            break;
+        }
+    }
+    // It went out with the first retry after the outage, not a whole interval later.
+    let sent = beat_sent_at.expect("the owed heartbeat was sent");
+    // The interval timer fired 0.1 s into the outage and could not send; the database retry
+    // comes about 0.5 s in: the beat goes with it, not 30 s later.
+    assert!(sent - outage < Duration::from_secs(2), "sent {:?} after the outage began", sent - outage);
+}
+
+#[test]
+fn one_outage_is_one_step_of_backoff_however_many_requests_fail() {
+    let (mut h, first) = Harness::default(2);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
+    let claim = find(&h.input(Input::Notified { queue: "default".into() }), "claim");
+    h.fail(finish, DbFailure::Unavailable("down".into()));
+    h.fail(claim, DbFailure::Unknown("down".into()));
+    assert_eq!(h.worker.db_failures(), 1);
+    assert_eq!(h.events.iter().filter(|e| matches!(e, Event::DbUnavailable { .. })).count(), 1);
+}
+
+#[test]
+fn a_driver_that_breaks_the_contract_does_not_panic_the_machine() {
+    let (mut h, first) = Harness::default(2);
+    // Time going backwards is taken as no time passing.
+    let earlier = h.now - Duration::from_secs(1);
+    h.worker.handle_input(Input::Notified { queue: "default".into() }, earlier);
+    // A reply of the wrong kind counts as a refused request.
+    h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![] });
+    assert!(matches!(h.events.last(), Some(Event::DbUnavailable { error: DbFailure::Rejected(_), .. })));
+}

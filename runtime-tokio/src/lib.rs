@@ -58,7 +58,10 @@ pub type ResultHandle<T> = canter::driver::ResultHandle<TokioRuntime, T>;
 /// Resolves on SIGINT (Ctrl-C) or, on Unix, SIGTERM.
 pub async fn shutdown_signal() {
     let interrupt = async {
-        let _ = tokio::signal::ctrl_c().await;
+        // A handler that cannot be installed must not read as a signal.
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
     };
     #[cfg(unix)]
     let terminate = async {

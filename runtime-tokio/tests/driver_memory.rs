@@ -55,6 +55,14 @@ fn registry() -> Arc<Registry> {
             Err::<(), _>(TaskError::new(ErrorCode::User("FLAKY".into()), "flaky"))
         })
         .unwrap();
+    registry
+        .register("sync_boom", |_: serde_json::Value, _| {
+            // Panics while building the future, before any await.
+            let fail: Option<()> = None;
+            fail.expect("a handler that panics synchronously");
+            async { Ok::<(), TaskError>(()) }
+        })
+        .unwrap();
     Arc::new(registry)
 }
 
@@ -155,16 +163,17 @@ async fn workers_drain_a_queue_through_the_driver() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn panics_unknown_names_and_timeouts_end_with_their_codes() {
-    let config = WorkerConfig { concurrency: 4, handler_timeout_ms: Some(200), ..WorkerConfig::default() };
+    let config = WorkerConfig { concurrency: 4, handler_timeout_ms: Some(2_000), ..WorkerConfig::default() };
     let cluster = cluster(1, config);
     let flaky = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
     let ids = cluster.backend.with_store(|store, now| {
         let tasks = vec![
             NewTask::new("boom", json!({})),
+            NewTask::new("sync_boom", json!({})),
             NewTask::new("nobody", json!({})),
             NewTask::new("double", json!({"n": "not a number"})),
             NewTask::new("blocking_boom", json!({})),
-            NewTask::new("sleep", json!({"ms": 5_000})),
+            NewTask::new("sleep", json!({"ms": 60_000})),
             NewTask::new("flaky", json!({})).retry(flaky),
         ];
         store.enqueue_many(tasks, now).unwrap()
@@ -176,6 +185,7 @@ async fn panics_unknown_names_and_timeouts_end_with_their_codes() {
     assert_eq!(
         codes,
         vec![
+            (TaskState::Failed, ErrorCode::UnhandledError, 1),
             (TaskState::Failed, ErrorCode::UnhandledError, 1),
             (TaskState::Failed, ErrorCode::WorkerResolutionError, 1),
             (TaskState::Failed, ErrorCode::WorkerSerializationError, 1),
@@ -222,4 +232,53 @@ fn a_panic_payload_becomes_an_unhandled_error() {
     assert_eq!(error.message, "handler panicked: disk on fire");
     let error = driver::panic_error(&String::from("owned"));
     assert_eq!(error.message, "handler panicked: owned");
+}
+
+/// Counts the timers the driver asks for: a loop that spins asks for one per turn.
+struct Counting {
+    sleeps: std::sync::atomic::AtomicU64,
+}
+
+impl Runtime for Counting {
+    fn now(&self) -> std::time::Instant {
+        TokioRuntime.now()
+    }
+    fn sleep_until(&self, deadline: std::time::Instant) -> futures::future::BoxFuture<'static, ()> {
+        self.sleeps.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        TokioRuntime.sleep_until(deadline)
+    }
+    fn spawn(&self, future: futures::future::BoxFuture<'static, ()>) {
+        TokioRuntime.spawn(future)
+    }
+    fn spawn_blocking(&self, work: Box<dyn FnOnce() + Send + 'static>) -> futures::future::BoxFuture<'static, ()> {
+        TokioRuntime.spawn_blocking(work)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_input_stream_shuts_the_worker_down_without_spinning() {
+    let runtime = Arc::new(Counting { sleeps: Default::default() });
+    let clock = runtime.clone();
+    let backend = MemoryBackend::new(MemoryStore::new(app()), DbTime(1_700_000_000_000), move || clock.now());
+    backend.with_store(|store, now| store.enqueue(NewTask::new("sleep", json!({"ms": 300})), now).unwrap());
+    let config = WorkerConfig { concurrency: 1, shutdown_grace_ms: 5_000, ..WorkerConfig::default() };
+    let worker = Worker::new(WorkerId("w".into()), app(), config, runtime.now()).unwrap();
+    // Let the worker claim the task, then hang up the inputs.
+    let (tx, rx) = futures::channel::mpsc::unbounded::<Input>();
+    let handlers = registry().bind(runtime.clone());
+    let run = tokio::spawn(driver::run(
+        worker,
+        runtime.clone(),
+        backend.clone(),
+        handlers,
+        rx,
+        DriverOptions::default(),
+        None,
+    ));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    drop(tx);
+    let stats = tokio::time::timeout(Duration::from_secs(10), run).await.expect("drained").unwrap();
+    assert_eq!(stats.completed, 1, "the running task finished within the grace period");
+    let sleeps = runtime.sleeps.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(sleeps < 100, "the driver spun: {sleeps} timers in about 300 ms");
 }

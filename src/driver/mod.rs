@@ -63,7 +63,9 @@ pub trait Store: Send + Sync + 'static {
 pub trait Handlers: Send + Sync + 'static {
     /// Runs the handler of `run.name` on `run.args`. An unknown name resolves to a failure
     /// with `WORKER_RESOLUTION_ERROR`, undecodable arguments to `WORKER_SERIALIZATION_ERROR`.
-    /// A panic inside the future is caught by the driver (`UNHANDLED_ERROR`).
+    /// A panic while the future is polled is caught by the driver (`UNHANDLED_ERROR`): do the
+    /// work inside the future, not in `run` itself. A timed-out blocking handler's thread
+    /// cannot be stopped: it runs to its end while the task is written as timed out.
     fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome>;
 }
 
@@ -121,7 +123,9 @@ where
     let mut inputs = inputs.fuse();
     let (done_tx, mut done_rx) = mpsc::unbounded::<(TaskId, Lease, TaskOutcome)>();
     let mut requests: FuturesUnordered<DbFuture> = FuturesUnordered::new();
-    let mut running: BTreeMap<TaskId, AbortHandle> = BTreeMap::new();
+    // The handler running for each task, under the lease it runs with: a late answer of an
+    // older run must not take the abort handle of a newer one.
+    let mut running: BTreeMap<TaskId, (Lease, AbortHandle)> = BTreeMap::new();
     let mut shutdown_sent = false;
 
     loop {
@@ -141,7 +145,7 @@ where
                 }
                 Command::Spawn(run) => {
                     let (handle, registration) = AbortHandle::new_pair();
-                    if let Some(previous) = running.insert(run.id, handle) {
+                    if let Some((_, previous)) = running.insert(run.id, (run.lease, handle)) {
                         previous.abort();
                     }
                     let handler = handlers.run(&run);
@@ -157,8 +161,9 @@ where
                         let _ = done.unbounded_send((task, lease, outcome));
                     }));
                 }
-                Command::Abort { task, .. } => {
-                    if let Some(handle) = running.remove(&task) {
+                Command::Abort { task, lease } => {
+                    if running.get(&task).is_some_and(|(held, _)| *held == lease) {
+                        let (_, handle) = running.remove(&task).expect("checked above");
                         handle.abort();
                     }
                 }
@@ -181,11 +186,19 @@ where
         };
         let mut next_reply = requests.select_next_some();
         let mut next_done = done_rx.select_next_some();
+        // An ended input stream is ready at once forever: wait on it only while it is open.
+        let mut next_input = if inputs.is_terminated() {
+            futures::future::Either::Left(futures::future::pending::<Option<Input>>())
+        } else {
+            futures::future::Either::Right(inputs.next())
+        }
+        .fuse();
         let input = futures::select_biased! {
             (op, reply) = next_reply => Some(Input::Db { op, reply }),
             (task, lease, outcome) = next_done => Some(Input::TaskFinished { task, lease, outcome }),
-            input = inputs.next() => match input {
+            input = next_input => match input {
                 Some(input) => Some(input),
+                // The outside world hung up: shut down gracefully.
                 None if !shutdown_sent => Some(Input::Shutdown),
                 None => None,
             },
@@ -196,19 +209,21 @@ where
         let now = runtime.now();
         match input {
             Some(input) => {
-                if let Input::TaskFinished { task, .. } = &input {
-                    running.remove(task);
+                if let Input::TaskFinished { task, lease, .. } = &input {
+                    if running.get(task).is_some_and(|(held, _)| held == lease) {
+                        running.remove(task);
+                    }
                 }
                 if matches!(input, Input::Shutdown) {
                     shutdown_sent = true;
                 }
                 worker.handle_input(input, now);
+                // A steady stream of inputs must not starve the timers (heartbeats, timeouts).
+                if worker.poll_timeout().is_some_and(|(at, _)| at <= now) {
+                    worker.handle_timeout(now);
+                }
             }
             None => worker.handle_timeout(now),
-        }
-        if inputs.is_terminated() && !shutdown_sent {
-            shutdown_sent = true;
-            worker.handle_input(Input::Shutdown, now);
         }
     }
 }

@@ -157,10 +157,16 @@ impl Registry {
         let handler = Arc::new(handler);
         let erased: Erased = Arc::new(move |args, context, _runtime| {
             let name = owned.clone();
-            match decode::<A>(&name, args) {
-                Ok(args) => handler(args, context).map(move |result| encode(&name, result)).boxed(),
-                Err(error) => futures::future::ready(TaskOutcome::Failure(error)).boxed(),
+            let handler = handler.clone();
+            // Called inside the future, so even a panic before the first await is caught by
+            // the driver's catch_unwind around it.
+            async move {
+                match decode::<A>(&name, args) {
+                    Ok(args) => encode(&name, handler(args, context).await),
+                    Err(error) => TaskOutcome::Failure(error),
+                }
             }
+            .boxed()
         });
         self.insert(name, erased)
     }

@@ -49,6 +49,14 @@ pub enum ServeError {
     /// The configuration breaks a rule.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The database could not be reached (or migrated) within `db_retry_max_attempts` tries.
+    #[error("the database could not be reached at startup after {failures} tries: {error}")]
+    DatabaseUnavailable {
+        /// Tries made.
+        failures: u32,
+        /// The last error.
+        error: String,
+    },
 }
 
 impl WorkerService {
@@ -60,11 +68,7 @@ impl WorkerService {
         registry: Arc<Registry>,
         id: WorkerId,
     ) -> Result<Self, ConfigError> {
-        let mut problems = app.validate().err().map(|e| e.problems).unwrap_or_default();
-        problems.extend(config.validate(&app).err().map(|e| e.problems).unwrap_or_default());
-        if !problems.is_empty() {
-            return Err(ConfigError { problems });
-        }
+        crate::config::validate_pair(&app, &config)?;
         Ok(WorkerService {
             app,
             config,
@@ -89,8 +93,7 @@ impl WorkerService {
     ) -> Result<Stats, ServeError> {
         let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters } = self;
         let store = PgStore::new(pool, schema, app.clone());
-        let seed =
-            config.seed.unwrap_or_else(|| id.0.bytes().fold(0x243F_6A88_85A3_08D3, |h, b| mix(h ^ u64::from(b))));
+        let seed = mix(config.seed_for(&id));
         let (control_tx, mut control_rx) = mpsc::unbounded::<Input>();
         {
             let control = control_tx.clone();
@@ -116,7 +119,7 @@ impl WorkerService {
                     tracing::warn!(worker = %id, failures = backoff.failures(), retry_in = ?delay, %error, "database not ready at startup");
                     if backoff.exhausted(&app.resilience) {
                         tracing::error!(worker = %id, "giving up on the database at startup");
-                        return Ok(Stats::default());
+                        return Err(ServeError::DatabaseUnavailable { failures: backoff.failures(), error });
                     }
                     let mut sleep = runtime.sleep_until(runtime.now() + delay).fuse();
                     let mut control = control_rx.next();

@@ -314,7 +314,7 @@ pub async fn failures_end_with_their_codes<R: Runtime>(runtime: Arc<R>, pool: Pg
     let tasks = tasks(runtime.clone());
     let app = fast_app();
     let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
-    let config = WorkerConfig { handler_timeout_ms: Some(300), ..fast_worker(4) };
+    let config = WorkerConfig { handler_timeout_ms: Some(2_000), ..fast_worker(4) };
     let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "f1");
 
     let panic = client.enqueue(&tasks.panic, &()).await.unwrap();

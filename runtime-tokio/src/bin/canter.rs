@@ -278,6 +278,9 @@ fn parse_rfc3339(text: &str) -> Option<DbTime> {
     let mut d = date.splitn(3, '-').map(|p| p.parse::<i64>().ok());
     let (year, month, day) = (d.next()??, d.next()??, d.next()??);
     let (hms, fraction) = time.split_once('.').unwrap_or((time, "0"));
+    if fraction.is_empty() || !fraction.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
     let mut t = hms.splitn(3, ':').map(|p| p.parse::<i64>().ok());
     let (hour, minute, second) = (t.next()??, t.next()??, t.next()??);
     if !(1..=12).contains(&month) || !(1..=31).contains(&day) || hour > 23 || minute > 59 || second > 60 {
@@ -369,11 +372,13 @@ async fn enqueue(raw: &[String]) -> Outcome {
         }
         template = template.key(key);
     }
+    // Retried: the read-only probe. Not retried: the write, whose commit a lost connection
+    // could hide (a retry would enqueue twice).
+    with_retry("reach the database", || client.store().now()).await?;
     let mut ids = Vec::with_capacity(count);
     for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
         let batch = vec![template.clone(); chunk.len()];
-        let store = client.store();
-        ids.extend(with_retry("enqueue", || store.enqueue_many(batch.clone())).await?);
+        ids.extend(client.store().enqueue_many(batch).await.map_err(|e| failed(format!("enqueue failed: {e}")))?);
     }
     for id in ids {
         println!("{id}");
@@ -534,5 +539,6 @@ mod tests {
         assert_eq!(parse_rfc3339("2026-11-22T10:00:00.5Z"), Some(DbTime(1_795_341_600_500)));
         assert_eq!(parse_rfc3339("2026-13-22T10:00:00Z"), None);
         assert_eq!(parse_rfc3339("yesterday"), None);
+        assert_eq!(parse_rfc3339("2026-01-01T00:00:00.\u{e9}\u{e9}Z"), None, "no panic on non-ASCII fractions");
     }
 }
