@@ -47,7 +47,8 @@ pub fn retry_delay(policy: &RetryPolicy, retry: u32, entropy: u64) -> Duration {
 /// Whether a task that failed with `code` after spending `retries_spent` retries may run
 /// again under `policy`. (Good-until is the store's to check: only it knows the time.)
 pub fn may_retry(policy: &RetryPolicy, retries_spent: u32, code: &ErrorCode) -> bool {
-    retries_spent < policy.max_retries && policy.auto_retry_for.contains(code)
+    // By name, so a hand-built `User("TASK_ERROR")` counts as the built-in it spells.
+    retries_spent < policy.max_retries && policy.retries_for(code)
 }
 
 /// The wait after the `failures`-th database error in a row (1 for the first):
@@ -168,5 +169,7 @@ mod tests {
         assert!(!may_retry(&p, 2, &ErrorCode::TaskTimeout));
         assert!(!may_retry(&p, 0, &ErrorCode::TaskError));
         assert!(!may_retry(&RetryPolicy::none(), 0, &ErrorCode::TaskError));
+        let builtin = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::TaskError]);
+        assert!(may_retry(&builtin, 0, &ErrorCode::User("TASK_ERROR".into())), "codes compare by name");
     }
 }

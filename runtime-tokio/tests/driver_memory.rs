@@ -56,10 +56,11 @@ fn registry() -> Arc<Registry> {
         })
         .unwrap();
     registry
-        .register("sync_boom", |_: serde_json::Value, _| {
+        .register("sync_boom", |args: serde_json::Value, _| {
             // Panics while building the future, before any await.
-            let fail: Option<()> = None;
-            fail.expect("a handler that panics synchronously");
+            if args.is_object() {
+                panic!("a handler that panics synchronously");
+            }
             async { Ok::<(), TaskError>(()) }
         })
         .unwrap();

@@ -63,6 +63,11 @@ pub struct FaultOptions {
     pub crashes: Vec<(u64, usize)>,
     /// Graceful shutdowns, as `(at_ms, slot)`: the worker drains, then restarts.
     pub shutdowns: Vec<(u64, usize)>,
+    /// Stalls, as `(at_ms, slot, for_ms)`: the worker process freezes (a long pause, or a
+    /// partition from the database) while its handlers run on; its timers and everything
+    /// addressed to it wait until it wakes. Long enough, the reaper gives its tasks to others
+    /// and its late writes must be fenced.
+    pub stalls: Vec<(u64, usize, u64)>,
     /// The longest a dead worker stays down before it restarts (during the safety phase).
     pub restart_after_max_ms: u64,
     /// Chance a crashed worker's in-flight request still reaches the database.
@@ -92,6 +97,7 @@ impl FaultOptions {
             listener_drops: Vec::new(),
             crashes: Vec::new(),
             shutdowns: Vec::new(),
+            stalls: Vec::new(),
             restart_after_max_ms: 1_000,
             dead_apply_chance: 0.0,
             late_finish_chance: 0.0,
@@ -147,6 +153,13 @@ impl FaultOptions {
         if rng.chance(0.3) {
             faults.listener_drops =
                 events(rng, 4).into_iter().map(|(at, slot)| (at, slot, rng.range(100, 20_001))).collect();
+        }
+        // Drawn last, so that adding stalls left every other draw of a seed as it was.
+        if rng.chance(0.3) {
+            faults.stalls = events(rng, 3)
+                .into_iter()
+                .map(|(at, slot)| (at, slot, rng.range(1_000, 40_001).min(safety_ms - at)))
+                .collect();
         }
         faults
     }
@@ -204,6 +217,7 @@ impl FaultOptions {
             || !self.outages.is_empty()
             || !self.crashes.is_empty()
             || !self.shutdowns.is_empty()
+            || !self.stalls.is_empty()
             || !self.listener_drops.is_empty()
     }
 }

@@ -220,6 +220,7 @@ enum SimEvent {
     Notify { slot: usize, incarnation: u32, queue: String },
     Listener { slot: usize, incarnation: u32, connected: bool },
     ListenerDrop { slot: usize, down_ms: u64 },
+    Stall { slot: usize, for_ms: u64 },
     Crash { slot: usize },
     Shutdown { slot: usize },
     Restart { slot: usize },
@@ -257,6 +258,8 @@ struct Slot {
     held_before: BTreeMap<TaskId, Lease>,
     second: u64,
     requests_this_second: u32,
+    /// While stalled: its timers and deliveries wait until then.
+    stalled_until: Option<Instant>,
 }
 
 impl Slot {
@@ -327,6 +330,7 @@ impl Sim {
                 deregister_op: None,
                 second: 0,
                 requests_this_second: 0,
+                stalled_until: None,
             })
             .collect();
         Sim {
@@ -449,7 +453,15 @@ impl Sim {
                 (_, Some(_)) | (Some(_), None) => {
                     let (key, event) = self.queue.pop_first().expect("the queue has a head");
                     self.advance(key.0)?;
-                    self.handle_event(key, event)?;
+                    let stalled = Self::recipient(&event).and_then(|slot| self.slots[slot].stalled_until);
+                    match stalled {
+                        // A stalled worker gets it when it wakes, in the order it came.
+                        Some(until) if until > self.now => {
+                            let requeued = self.schedule(until - self.now, event);
+                            self.rekey_handler(key, requeued);
+                        }
+                        _ => self.handle_event(key, event)?,
+                    }
                 }
                 (None, None) => return Err("nothing left to happen: no event and no timer".into()),
             }
@@ -514,7 +526,7 @@ impl Sim {
         self.note(
             "sim",
             format_args!(
-                "load {} tasks over {} ms; safety {} ms; faults {}: latency {}..{} ms, outages {:?}, crashes {:?}, shutdowns {:?}, listener drops {:?}",
+                "load {} tasks over {} ms; safety {} ms; faults {}: latency {}..{} ms, outages {:?}, crashes {:?}, shutdowns {:?}, listener drops {:?}, stalls {:?}",
                 load.tasks,
                 load.enqueue_window_ms,
                 options.safety_ms,
@@ -524,7 +536,8 @@ impl Sim {
                 faults.outages,
                 faults.crashes,
                 faults.shutdowns,
-                faults.listener_drops
+                faults.listener_drops,
+                faults.stalls
             ),
         );
         for slot in 0..self.slots.len() {
@@ -546,17 +559,37 @@ impl Sim {
         for &(at, slot, down_ms) in &faults.listener_drops {
             self.schedule_at(Duration::from_millis(at), SimEvent::ListenerDrop { slot, down_ms });
         }
+        for &(at, slot, for_ms) in &faults.stalls {
+            self.schedule_at(Duration::from_millis(at), SimEvent::Stall { slot, for_ms });
+        }
         self.schedule_at(Duration::from_millis(self.options.safety_ms), SimEvent::Heal);
         Ok(())
     }
 
-    /// The earliest deadline of a live worker, and its slot.
+    /// The earliest deadline of a live worker (a stalled one's wait for it to wake), and its
+    /// slot.
     fn next_timer(&self) -> Option<(Instant, usize)> {
         self.slots
             .iter()
             .enumerate()
-            .filter_map(|(index, slot)| slot.worker.as_ref()?.poll_timeout().map(|(at, _)| (at, index)))
+            .filter_map(|(index, slot)| {
+                let (at, _) = slot.worker.as_ref()?.poll_timeout()?;
+                Some((slot.stalled_until.map_or(at, |until| at.max(until)), index))
+            })
             .min()
+    }
+
+    /// The slot an event is delivered to, if it is a delivery to a worker.
+    fn recipient(event: &SimEvent) -> Option<usize> {
+        match event {
+            SimEvent::Reply { slot, .. }
+            | SimEvent::Finished { slot, .. }
+            | SimEvent::Notify { slot, .. }
+            | SimEvent::Listener { slot, .. }
+            | SimEvent::ListenerDrop { slot, .. }
+            | SimEvent::Shutdown { slot } => Some(*slot),
+            _ => None,
+        }
     }
 
     fn advance(&mut self, to: Instant) -> Result<(), String> {
@@ -765,6 +798,7 @@ impl Sim {
         let s = &mut self.slots[slot];
         s.worker = None;
         s.listening = false;
+        s.stalled_until = None;
     }
 
     fn schedule_restart(&mut self, slot: usize) {
@@ -982,6 +1016,17 @@ impl Sim {
         Ok(())
     }
 
+    /// A handler's answer moved in the queue: its handler entry follows it.
+    fn rekey_handler(&mut self, from: Key, to: Key) {
+        for slot in &mut self.slots {
+            for handler in slot.handlers.values_mut() {
+                if handler.answer == Some(from) {
+                    handler.answer = Some(to);
+                }
+            }
+        }
+    }
+
     fn latency(&mut self) -> Duration {
         let faults = &self.options.faults;
         let ms = if self.faults_on {
@@ -1068,6 +1113,25 @@ impl Sim {
                     SimEvent::Listener { slot, incarnation, connected: true },
                 );
                 self.handle_event(key, SimEvent::Listener { slot, incarnation, connected: false })
+            }
+            SimEvent::Stall { slot, for_ms } => {
+                // A stall matters when the worker holds work: take the busiest live worker
+                // (the drawn slot when none holds anything).
+                let busiest = (0..self.slots.len())
+                    .filter_map(|i| Some((self.slots[i].worker.as_ref()?.held(), i)))
+                    .filter(|&(held, _)| held > 0)
+                    .max_by_key(|&(held, i)| (held, std::cmp::Reverse(i)));
+                let slot = busiest.map_or(slot, |(_, i)| i);
+                if self.slots[slot].worker.is_none()
+                    || self.slots[slot].stalled_until.is_some_and(|until| until > self.now)
+                    || !self.faults_on
+                {
+                    return Ok(());
+                }
+                self.slots[slot].stalled_until = Some(self.now + Duration::from_millis(for_ms));
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("STALL for {for_ms} ms (its handlers run on)"));
+                Ok(())
             }
             SimEvent::Crash { slot } => {
                 if self.slots[slot].worker.is_none() || !self.faults_on {
