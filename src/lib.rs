@@ -22,7 +22,8 @@
 //! - [`rng`]: a small seeded PRNG.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
-//! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness).
+//! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
+//! `arbitrary` (`arbitrary::Arbitrary` for the simulation's operation sequences, for fuzzing).
 //!
 //! # The calling contract
 //!

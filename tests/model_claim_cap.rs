@@ -1,53 +1,57 @@
 //! A proptest-state-machine model of claiming under caps: the memory store (which follows
 //! `budget::plan`) against a reference written the simple way — pick the best eligible task
 //! one at a time while every cap still allows one more.
+//!
+//! The transitions are [`StoreOp`]s, the vocabulary the `store_ops` fuzz target uses too, and
+//! the system under test is the shared [`Harness`], which applies them to the store and checks
+//! its invariants after each; this test adds the comparison of every outcome with the
+//! reference.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 
-use canter::budget::{ClaimPolicy, QueuePolicy};
-use canter::config::{AppConfig, CustomQueue, QueueMode};
-use canter::db::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask};
-use canter::memory::MemoryStore;
-use canter::task::{Lease, TaskId, TaskLease, TaskState, WorkerId};
+use canter::sim::store_ops::{
+    Applied, Harness, QUEUES, RETRY_DELAY_MS, RUNNING_STALE_MS, Setup, StoreOp, TICK_UNIT_MS, WORKERS, worker_id,
+};
+use canter::task::{TaskId, TaskState};
 use proptest::prelude::*;
-use proptest::sample::Index;
 use proptest_state_machine::{ReferenceStateMachine, StateMachineTest, prop_state_machine};
-use serde_json::json;
-
-const QUEUES: [(&str, u8, Option<u32>); 3] = [("high", 1, Some(3)), ("mid", 2, None), ("low", 3, Some(2))];
-const WORKERS: usize = 3;
-const NOW: DbTime = DbTime(1_700_000_000_000);
-
-#[derive(Debug, Clone)]
-struct Setup {
-    concurrency: [u32; WORKERS],
-    max_claim_batch: u32,
-    cluster_wide_cap: Option<u32>,
-}
-
-#[derive(Debug, Clone)]
-enum Transition {
-    Enqueue { queue: usize, priority: i16 },
-    Claim { worker: usize },
-    Finish { pick: Index, success: bool },
-    Release { pick: Index },
-}
 
 #[derive(Debug, Clone)]
 struct RefTask {
     queue: usize,
     priority: i16,
+    /// Due at this many ms after the start.
+    run_at: u64,
     state: TaskState,
     worker: Option<usize>,
+    /// The last heartbeat (or the claim) of its current run, in ms after the start.
+    beat: u64,
+}
+
+/// What an operation should have done, in the terms both sides can state.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Outcome {
+    Enqueued(i64),
+    /// Ids in claim order.
+    Claimed(Vec<i64>),
+    Finished(i64, TaskState),
+    Released(i64),
+    /// A heartbeat that lost nothing, or the passing of time.
+    Nothing,
+    /// Runs the reaper failed (no retry policy).
+    Reaped(Vec<i64>),
+    /// A finish or release with nothing running.
+    Skipped,
 }
 
 #[derive(Debug, Clone)]
 struct Reference {
     setup: Setup,
+    /// Ms since the start.
+    now: u64,
     tasks: BTreeMap<i64, RefTask>,
-    /// What the last claim of each transition should return (ids in claim order).
-    expected_claim: Vec<i64>,
+    /// What the last transition should have done.
+    expected: Outcome,
 }
 
 impl Reference {
@@ -55,24 +59,32 @@ impl Reference {
         self.tasks.iter().filter(|(_, t)| t.state == TaskState::Running)
     }
 
+    /// The `pick % n`-th of the `n` running tasks, in id order.
+    fn pick(&self, pick: u8) -> Option<i64> {
+        let running: Vec<i64> = self.running().map(|(id, _)| *id).collect();
+        (!running.is_empty()).then(|| running[usize::from(pick) % running.len()])
+    }
+
     /// The reference claim: greedily the best eligible task while all caps allow one more.
     fn claim(&mut self, worker: usize) -> Vec<i64> {
         let mut taken = Vec::new();
         let mut per_queue_taken = [0u32; QUEUES.len()];
+        let batch = self.setup.claim_batch();
         loop {
             let worker_running = self.running().filter(|(_, t)| t.worker == Some(worker)).count() as u32;
             let cluster = self.running().count() as u32;
-            if worker_running >= self.setup.concurrency[worker] {
+            if worker_running >= self.setup.worker_concurrency(worker) {
                 break;
             }
-            if self.setup.cluster_wide_cap.is_some_and(|cap| cluster >= cap) {
+            if self.setup.cluster_wide_cap().is_some_and(|cap| cluster >= cap) {
                 break;
             }
             let fits = |t: &RefTask| {
                 let (_, _, cap) = QUEUES[t.queue];
                 let in_queue = self.running().filter(|(_, r)| r.queue == t.queue).count() as u32;
-                let batch_ok = self.setup.max_claim_batch == 0 || per_queue_taken[t.queue] < self.setup.max_claim_batch;
-                t.state == TaskState::Pending && cap.is_none_or(|cap| in_queue < cap) && batch_ok
+                let batch_ok = batch == 0 || per_queue_taken[t.queue] < batch;
+                let due = t.run_at <= self.now;
+                t.state == TaskState::Pending && due && cap.is_none_or(|cap| in_queue < cap) && batch_ok
             };
             // Queues are claimed in priority order; a queue is passed over once it was left.
             let best = self
@@ -80,12 +92,14 @@ impl Reference {
                 .iter()
                 .filter(|(_, t)| fits(t))
                 .filter(|(_, t)| taken.last().is_none_or(|last: &i64| self.tasks[last].queue <= t.queue))
-                .min_by_key(|(id, t)| (QUEUES[t.queue].1, t.priority, **id))
+                .min_by_key(|(id, t)| (QUEUES[t.queue].1, t.priority, t.run_at, **id))
                 .map(|(id, _)| *id);
             let Some(id) = best else { break };
+            let now = self.now;
             let task = self.tasks.get_mut(&id).unwrap();
             task.state = TaskState::Running;
             task.worker = Some(worker);
+            task.beat = now;
             per_queue_taken[task.queue] += 1;
             taken.push(id);
         }
@@ -95,190 +109,167 @@ impl Reference {
 
 impl ReferenceStateMachine for Reference {
     type State = Reference;
-    type Transition = Transition;
+    type Transition = StoreOp;
 
     fn init_state() -> BoxedStrategy<Self::State> {
-        (prop::array::uniform3(1u32..5), 0u32..4, prop::option::of(1u32..8))
-            .prop_map(|(concurrency, max_claim_batch, cluster_wide_cap)| Reference {
-                setup: Setup { concurrency, max_claim_batch, cluster_wide_cap },
+        (any::<[u8; WORKERS]>(), any::<u8>(), any::<Option<u8>>())
+            .prop_map(|(concurrency, max_claim_batch, cluster_cap)| Reference {
+                setup: Setup { concurrency, max_claim_batch, cluster_cap },
+                now: 0,
                 tasks: BTreeMap::new(),
-                expected_claim: Vec::new(),
+                expected: Outcome::Nothing,
             })
             .boxed()
     }
 
     fn transitions(state: &Self::State) -> BoxedStrategy<Self::Transition> {
-        let enqueue = (0..QUEUES.len(), 0i16..3).prop_map(|(queue, priority)| Transition::Enqueue { queue, priority });
-        let claim = (0..WORKERS).prop_map(|worker| Transition::Claim { worker });
+        let delay = prop_oneof![3 => Just(0u16), 1 => 0u16..2_000];
+        let enqueue = (0u8..3, 0i8..3, delay).prop_map(|(queue, priority, delay_ms)| StoreOp::Enqueue {
+            queue,
+            priority,
+            delay_ms,
+        });
+        let claim = any::<u8>().prop_map(|worker| StoreOp::Claim { worker });
+        // Mostly short steps (a retry's delay is 100 units), sometimes past the reaper's threshold.
+        let tick = prop_oneof![4 => 0u16..200, 1 => any::<u16>()].prop_map(|ms| StoreOp::Tick { ms });
+        let reap = Just(StoreOp::Reap);
         if state.running().next().is_none() {
-            return prop_oneof![3 => enqueue, 2 => claim].boxed();
+            return prop_oneof![3 => enqueue, 2 => claim, 1 => tick, 1 => reap].boxed();
         }
-        let finish = (any::<Index>(), any::<bool>()).prop_map(|(pick, success)| Transition::Finish { pick, success });
-        let release = any::<Index>().prop_map(|pick| Transition::Release { pick });
-        prop_oneof![3 => enqueue, 3 => claim, 3 => finish, 1 => release].boxed()
+        let finish = (any::<u8>(), any::<u8>()).prop_map(|(pick, outcome)| StoreOp::Finish { pick, outcome });
+        let release = any::<u8>().prop_map(|pick| StoreOp::Release { pick });
+        let heartbeat = any::<u8>().prop_map(|worker| StoreOp::Heartbeat { worker });
+        prop_oneof![3 => enqueue, 3 => claim, 3 => finish, 1 => release, 1 => heartbeat, 1 => tick, 1 => reap].boxed()
     }
 
-    fn preconditions(state: &Self::State, transition: &Self::Transition) -> bool {
-        match transition {
-            Transition::Finish { .. } | Transition::Release { .. } => state.running().next().is_some(),
-            _ => true,
-        }
+    fn preconditions(_: &Self::State, _: &Self::Transition) -> bool {
+        // Every operation is valid in every state (a finish with nothing running does nothing).
+        true
     }
 
     fn apply(mut state: Self::State, transition: &Self::Transition) -> Self::State {
-        state.expected_claim.clear();
-        match transition {
-            Transition::Enqueue { queue, priority } => {
+        state.expected = match *transition {
+            StoreOp::Enqueue { queue, priority, delay_ms } => {
                 let id = state.tasks.len() as i64 + 1;
-                state.tasks.insert(
-                    id,
-                    RefTask { queue: *queue, priority: *priority, state: TaskState::Pending, worker: None },
-                );
+                let task = RefTask {
+                    queue: usize::from(queue) % QUEUES.len(),
+                    priority: i16::from(priority),
+                    run_at: state.now + u64::from(delay_ms),
+                    state: TaskState::Pending,
+                    worker: None,
+                    beat: 0,
+                };
+                state.tasks.insert(id, task);
+                Outcome::Enqueued(id)
             }
-            Transition::Claim { worker } => state.expected_claim = state.claim(*worker),
-            Transition::Finish { pick, success } => {
-                let id = *pick.get(&state.running().map(|(id, _)| *id).collect::<Vec<_>>());
-                let task = state.tasks.get_mut(&id).unwrap();
-                task.state = if *success { TaskState::Completed } else { TaskState::Failed };
-                task.worker = None;
+            StoreOp::Claim { worker } => Outcome::Claimed(state.claim(usize::from(worker) % WORKERS)),
+            StoreOp::Finish { pick, outcome } => match state.pick(pick) {
+                None => Outcome::Skipped,
+                Some(id) => {
+                    let now = state.now;
+                    let task = state.tasks.get_mut(&id).unwrap();
+                    task.worker = None;
+                    task.state = match outcome % 3 {
+                        0 => TaskState::Completed,
+                        1 => TaskState::Failed,
+                        _ => {
+                            task.run_at = now + RETRY_DELAY_MS;
+                            TaskState::Pending
+                        }
+                    };
+                    Outcome::Finished(id, task.state)
+                }
+            },
+            StoreOp::Release { pick } => match state.pick(pick) {
+                None => Outcome::Skipped,
+                Some(id) => {
+                    let task = state.tasks.get_mut(&id).unwrap();
+                    task.state = TaskState::Pending;
+                    task.worker = None;
+                    Outcome::Released(id)
+                }
+            },
+            StoreOp::Heartbeat { worker } => {
+                let (worker, now) = (usize::from(worker) % WORKERS, state.now);
+                for task in state.tasks.values_mut().filter(|t| t.state == TaskState::Running) {
+                    if task.worker == Some(worker) {
+                        task.beat = now;
+                    }
+                }
+                Outcome::Nothing
             }
-            Transition::Release { pick } => {
-                let id = *pick.get(&state.running().map(|(id, _)| *id).collect::<Vec<_>>());
-                let task = state.tasks.get_mut(&id).unwrap();
-                task.state = TaskState::Pending;
-                task.worker = None;
+            StoreOp::Tick { ms } => {
+                state.now += u64::from(ms) * TICK_UNIT_MS;
+                Outcome::Nothing
             }
-        }
+            StoreOp::Reap => {
+                let now = state.now;
+                let mut failed = Vec::new();
+                for (id, task) in state.tasks.iter_mut().filter(|(_, t)| t.state == TaskState::Running) {
+                    if task.beat + RUNNING_STALE_MS < now {
+                        task.state = TaskState::Failed;
+                        task.worker = None;
+                        failed.push(*id);
+                    }
+                }
+                Outcome::Reaped(failed)
+            }
+        };
         state
     }
 }
 
-struct System {
-    store: MemoryStore,
-    policies: Vec<Arc<ClaimPolicy>>,
-    leases: BTreeMap<i64, (usize, Lease)>,
+/// The harness's answer in the reference's terms.
+fn outcome(applied: Applied) -> Outcome {
+    let ids = |tasks: Vec<TaskId>| tasks.into_iter().map(|t| t.0).collect::<Vec<_>>();
+    match applied {
+        Applied::Enqueued(id) => Outcome::Enqueued(id.0),
+        Applied::Claimed { tasks, .. } => Outcome::Claimed(ids(tasks)),
+        Applied::Finished { task, state: Some(state) } => Outcome::Finished(task.0, state),
+        Applied::Released { task, released: true } => Outcome::Released(task.0),
+        Applied::Heartbeat { lost, .. } if lost.is_empty() => Outcome::Nothing,
+        Applied::Ticked(_) => Outcome::Nothing,
+        Applied::Reaped(report)
+            if report.requeued.is_empty() && report.retried.is_empty() && report.expired.is_empty() =>
+        {
+            Outcome::Reaped(ids(report.failed))
+        }
+        Applied::Skipped => Outcome::Skipped,
+        other => panic!("the store did something the reference never does: {other:?}"),
+    }
 }
 
-fn worker_id(worker: usize) -> WorkerId {
-    WorkerId(format!("w{worker}"))
-}
+struct System;
 
 impl StateMachineTest for System {
-    type SystemUnderTest = System;
+    type SystemUnderTest = Harness;
     type Reference = Reference;
 
-    fn init_test(reference: &Reference) -> System {
-        let app = AppConfig {
-            queue_mode: QueueMode::Custom,
-            custom_queues: QUEUES
-                .iter()
-                .map(|(name, priority, cap)| CustomQueue {
-                    name: name.to_string(),
-                    priority: *priority,
-                    max_concurrency: *cap,
-                })
-                .collect(),
-            cluster_wide_cap: reference.setup.cluster_wide_cap,
-            ..AppConfig::default()
-        };
-        let policies = (0..WORKERS)
-            .map(|w| {
-                Arc::new(ClaimPolicy {
-                    concurrency: reference.setup.concurrency[w],
-                    prefetch_buffer: 0,
-                    max_claim_batch: reference.setup.max_claim_batch,
-                    max_claim_per_worker: 0,
-                    cluster_wide_cap: reference.setup.cluster_wide_cap,
-                    queues: QUEUES
-                        .iter()
-                        .map(|(name, priority, cap)| QueuePolicy {
-                            name: name.to_string(),
-                            priority: *priority,
-                            max_concurrency: *cap,
-                        })
-                        .collect(),
-                })
-            })
-            .collect();
-        System { store: MemoryStore::new(app), policies, leases: BTreeMap::new() }
+    fn init_test(reference: &Reference) -> Harness {
+        Harness::new(reference.setup)
     }
 
-    fn apply(mut sut: System, reference: &Reference, transition: Transition) -> System {
-        match transition {
-            Transition::Enqueue { queue, priority } => {
-                let task = NewTask::new("job", json!({})).queue(QUEUES[queue].0).priority(priority);
-                sut.store.enqueue(task, NOW).unwrap();
-            }
-            Transition::Claim { worker } => {
-                let my_running = sut.leases.values().filter(|(w, _)| *w == worker).count() as u32;
-                let request = DbRequest::Claim {
-                    worker: worker_id(worker),
-                    token: 1,
-                    policy: sut.policies[worker].clone(),
-                    my_running,
-                    my_claimed: 0,
-                    start_now: u32::MAX,
-                    lease_ms: 60_000,
-                };
-                let DbReply::Claimed { tasks, .. } = sut.store.apply(&request, NOW) else { panic!("claim reply") };
-                let ids: Vec<i64> = tasks.iter().map(|t| t.id.0).collect();
-                assert_eq!(ids, reference.expected_claim, "the store and the reference claimed differently");
-                for task in tasks {
-                    assert!(task.started);
-                    sut.leases.insert(task.id.0, (worker, task.lease));
-                }
-            }
-            Transition::Finish { success, .. } => {
-                // The reference already moved the picked task: find the one that left Running.
-                let id = changed(&sut, reference, if success { TaskState::Completed } else { TaskState::Failed });
-                let (worker, lease) = sut.leases.remove(&id).unwrap();
-                let outcome = if success {
-                    FinishOutcome::Completed(json!(null))
-                } else {
-                    FinishOutcome::Failed(canter::task::TaskError::new(canter::task::ErrorCode::TaskError, "no"))
-                };
-                let completion = Completion { task: TaskLease { task: TaskId(id), lease }, outcome };
-                let reply = sut
-                    .store
-                    .apply(&DbRequest::Finish { worker: worker_id(worker), completions: vec![completion] }, NOW);
-                assert!(matches!(reply, DbReply::Finished { ref lost, .. } if lost.is_empty()), "{reply:?}");
-            }
-            Transition::Release { .. } => {
-                let id = changed(&sut, reference, TaskState::Pending);
-                let (worker, lease) = sut.leases.remove(&id).unwrap();
-                let tasks = vec![TaskLease { task: TaskId(id), lease }];
-                let reply = sut.store.apply(&DbRequest::Release { worker: worker_id(worker), tasks }, NOW);
-                assert!(matches!(reply, DbReply::Released { ref lost, .. } if lost.is_empty()), "{reply:?}");
-            }
-        }
+    fn apply(mut sut: Harness, reference: &Reference, transition: StoreOp) -> Harness {
+        let applied = sut.apply(transition);
+        assert_eq!(outcome(applied), reference.expected, "the store and the reference differ on {transition:?}");
         sut
     }
 
-    fn check_invariants(sut: &System, reference: &Reference) {
+    fn check_invariants(sut: &Harness, reference: &Reference) {
+        // The harness checked the store's own invariants (caps, holders, attempts) already.
+        assert_eq!(sut.store().tasks().count(), reference.tasks.len(), "every enqueued task exists once");
         for (id, task) in &reference.tasks {
-            let record = sut.store.get(TaskId(*id)).expect("every enqueued task exists once");
-            if task.state != TaskState::Running || sut.leases.contains_key(id) {
-                assert_eq!(record.state, task.state, "task {id}");
+            let record = sut.store().get(TaskId(*id)).expect("every enqueued task exists");
+            assert_eq!(record.state, task.state, "task {id}");
+            assert_eq!(record.worker, task.worker.map(worker_id), "the holder of task {id}");
+            if task.state == TaskState::Pending {
+                assert_eq!(record.run_at.0 - sut.now().0, task.run_at as i64 - reference.now as i64, "task {id} due");
             }
         }
-        let running: Vec<_> = sut.store.tasks().filter(|t| t.state == TaskState::Running).collect();
-        if let Some(cap) = reference.setup.cluster_wide_cap {
-            assert!(running.len() as u32 <= cap, "cluster cap exceeded");
-        }
-        for (q, (name, _, cap)) in QUEUES.iter().enumerate() {
-            let n = running.iter().filter(|t| t.queue == *name).count() as u32;
-            assert!(cap.is_none_or(|cap| n <= cap), "queue {q} over its cap");
-        }
-        for w in 0..WORKERS {
-            let n = running.iter().filter(|t| t.claimed_by == Some(worker_id(w))).count() as u32;
-            assert!(n <= reference.setup.concurrency[w], "worker {w} over its concurrency");
-        }
+        let held: Vec<i64> = sut.held().keys().map(|t| t.0).collect();
+        let running: Vec<i64> = reference.running().map(|(id, _)| *id).collect();
+        assert_eq!(held, running, "the tasks held");
     }
-}
-
-/// The task the reference just moved into `state` while the system still holds it.
-fn changed(sut: &System, reference: &Reference, state: TaskState) -> i64 {
-    *sut.leases.keys().find(|id| reference.tasks[id].state == state).expect("the reference moved one held task")
 }
 
 prop_state_machine! {

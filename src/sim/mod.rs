@@ -49,10 +49,19 @@
 //!
 //! A [`SimFailure`] prints the seed, the message, the last trace lines and the command that
 //! replays it. `tests/sim.rs` runs the sweep, the replay and the determinism check.
+//!
+//! # Operation sequences
+//!
+//! [`store_ops`] is a smaller harness over the same invariants: sequences of store operations
+//! (enqueue, claim, finish, release, heartbeat, the passing of time, the reaper) applied to one
+//! [`MemoryStore`] without worker machines. Its operation type is the vocabulary shared by the
+//! claim/cap model (`tests/model_claim_cap.rs`) and the `store_ops` fuzz target (with the
+//! feature `arbitrary`).
 
 mod faults;
 mod invariants;
 mod options;
+pub mod store_ops;
 mod trace;
 
 use std::collections::BTreeMap;
