@@ -92,8 +92,9 @@ CREATE TABLE finished_tasks (
     finished_at  timestamptz NOT NULL
 );
 
-CREATE INDEX finished_tasks_queue_state_idx ON finished_tasks (queue, state, id);
-CREATE INDEX finished_tasks_finished_at_idx ON finished_tasks (finished_at);
+-- Retention deletes by age. Rows arrive in finishing order, so a BRIN index (a few pages, next
+-- to nothing per insert) serves where a B-tree would cost every finish an index insert.
+CREATE INDEX finished_tasks_finished_at_idx ON finished_tasks USING brin (finished_at);
 
 -- Idempotency keys, live and finished tasks alike: the one place a key is unique.
 CREATE TABLE task_keys (
@@ -101,7 +102,8 @@ CREATE TABLE task_keys (
     task_id bigint NOT NULL
 );
 
--- One row per finished run.
+-- One row per run the task outlived (it was retried, or handed back failed and requeued); the
+-- run that ended a task is on its `finished_tasks` row.
 CREATE TABLE attempts (
     task_id     bigint      NOT NULL,
     attempt     integer     NOT NULL,
@@ -162,6 +164,48 @@ DECLARE
 BEGIN
     IF v_n = 0 THEN
         RETURN;
+    END IF;
+    IF p_write AND NOT EXISTS (SELECT FROM unnest(p_keys) AS k(key) WHERE k.key IS NOT NULL) THEN
+        -- Without keys only times can refuse a task: check them, then number and insert the
+        -- batch in one statement (the bulk path; no classification, no key rows).
+        SELECT min(i.ord) INTO v_bad
+        FROM unnest(p_delays, p_ats, p_good_until) WITH ORDINALITY AS i(delay, at, good_until, ord)
+        WHERE i.good_until IS NOT NULL
+          AND CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
+                   WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
+                   ELSE v_now END >= at_ms(i.good_until);
+        IF v_bad IS NULL THEN
+            RETURN QUERY
+            WITH numbered AS (
+                SELECT x.*, nextval('task_id_seq') AS id
+                FROM (
+                    SELECT i.*,
+                           CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
+                                WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
+                                ELSE v_now END AS run_at
+                    FROM unnest(p_names, p_queues, p_priorities, p_args, p_delays, p_ats, p_good_until, p_retry)
+                         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, ord)
+                    ORDER BY i.ord OFFSET 0
+                ) x
+            ),
+            inserted AS (
+                INSERT INTO tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry)
+                OVERRIDING SYSTEM VALUE
+                SELECT n.id, n.name, n.queue, n.priority, n.args, 'PENDING', n.run_at, v_now, at_ms(n.good_until),
+                       n.retry
+                FROM numbered n
+                RETURNING tasks.queue
+            ),
+            notified AS (
+                SELECT count(pg_notify(p_channel_prefix || q.queue, '')) AS n
+                FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
+            )
+            SELECT n.ord, n.id, NULL::text, NULL::bigint, NULL::bigint, NULL::bigint
+            FROM numbered n CROSS JOIN notified
+            ORDER BY n.ord;
+            RETURN;
+        END IF;
+        -- A refused batch: the general path below finds and reports the problem.
     END IF;
     LOOP
         v_try := v_try + 1;
@@ -314,7 +358,7 @@ CREATE FUNCTION claim(
     p_hard boolean, p_cluster_cap integer, p_max_batch integer, p_lock_keys bigint[],
     p_start_now integer, p_lease_ms bigint)
 RETURNS TABLE (id bigint, lease bigint, name text, queue text, args jsonb, priority smallint, started boolean,
-               attempt integer, retries integer, retry jsonb, more boolean, next_run_in_ms bigint)
+               attempt integer, retries integer, retry jsonb, expires boolean, more boolean, next_run_in_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
 AS $$
@@ -433,15 +477,16 @@ BEGIN
                 claim_expires_at = CASE WHEN c.start THEN NULL ELSE v_now + p_lease_ms * interval '1 millisecond' END
             FROM chosen c
             WHERE t.id = c.id
-            RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, c.start, t.attempts, t.retries, t.retry, c.ord
+            RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, c.start, t.attempts, t.retries, t.retry,
+                      t.good_until IS NOT NULL AS expires, c.ord
         )
         SELECT c.id, c.lease, c.name, c.queue, c.args, c.priority, c.start,
-               CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, v_more, v_next
+               CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, c.expires, v_more, v_next
         FROM claimed c
         ORDER BY c.ord;
     END IF;
     RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
-                        NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, v_more, v_next;
+                        NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, NULL::boolean, v_more, v_next;
 END;
 $$;
 

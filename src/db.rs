@@ -252,6 +252,9 @@ pub struct ClaimedTask {
     pub retries: u32,
     /// Its retry policy (the app default resolved at enqueue).
     pub retry: RetryPolicy,
+    /// Whether it has a good-until: then only a [`DbRequest::Start`], which checks it on the
+    /// store's clock, may start it.
+    pub expires: bool,
 }
 
 /// A finished run and what it produced.
@@ -330,9 +333,23 @@ pub enum DbRequest {
         /// The queue caps to re-check (soft-cap mode).
         policy: Arc<ClaimPolicy>,
     },
-    /// Record finished runs, each fenced by lease and state Running: completed and failed
-    /// tasks become terminal (and move to the finished table), retried ones Pending with
-    /// `run_at = now + delay_ms` and `retries + 1`. Replies [`DbReply::Finished`].
+    /// Record that claimed tasks already run (see [`DbRequest::Finish`] for why a worker may
+    /// start a task without asking): Claimed to Running when held by `worker` under that
+    /// lease, whatever its claim lease, good-until or queue cap (the start already happened,
+    /// and was allowed when it did); a task already Running under that lease is reported
+    /// started again. Replies [`DbReply::Started`] with nothing expired or deferred.
+    RecordStarts {
+        /// Who runs them.
+        worker: WorkerId,
+        /// The tasks and their leases.
+        tasks: Vec<TaskLease>,
+    },
+    /// Record finished runs, each fenced by lease: completed and failed tasks become terminal
+    /// (and move to the finished table), retried ones Pending with `run_at = now + delay_ms`
+    /// and `retries + 1`. A task held Running, or held Claimed by a worker that started it
+    /// without a [`DbRequest::Start`] (soft-cap mode, a queue without a cap, no good-until:
+    /// nothing the store would check), is applied; a Claimed one counts its run as an
+    /// attempt here. Replies [`DbReply::Finished`].
     Finish {
         /// Who ran them.
         worker: WorkerId,
@@ -400,6 +417,7 @@ impl DbRequest {
         match self {
             DbRequest::Claim { .. } => "claim",
             DbRequest::Start { .. } => "start",
+            DbRequest::RecordStarts { .. } => "record_starts",
             DbRequest::Finish { .. } => "finish",
             DbRequest::Heartbeat { .. } => "heartbeat",
             DbRequest::Release { .. } => "release",
@@ -427,7 +445,7 @@ pub enum DbReply {
         /// the worker arms a wake-up for it. Always `None` when `more` is true.
         next_run_in_ms: Option<u64>,
     },
-    /// What became of a [`DbRequest::Start`].
+    /// What became of a [`DbRequest::Start`] or [`DbRequest::RecordStarts`].
     Started {
         /// Started, with the number of this run.
         started: Vec<(TaskId, Attempt)>,
@@ -442,7 +460,7 @@ pub enum DbReply {
     Finished {
         /// Applied, with the state each task is in now (Pending for a retry).
         applied: Vec<(TaskId, TaskState)>,
-        /// Not Running under that lease any more: nothing written.
+        /// Not held under that lease any more: nothing written.
         lost: Vec<TaskId>,
     },
     /// The tasks of a [`DbRequest::Heartbeat`] no longer held.

@@ -356,6 +356,7 @@ impl MemoryStore {
                 DbReply::Claimed { tasks, more, next_run_in_ms }
             }
             DbRequest::Start { worker, tasks, policy } => self.start(worker, tasks, policy, now),
+            DbRequest::RecordStarts { worker, tasks } => self.record_starts(worker, tasks, now),
             DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
             DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {
                 self.heartbeat(worker, claimed, running, *lease_ms, *max_renew_age_ms, now)
@@ -467,6 +468,7 @@ impl MemoryStore {
                 attempt: Attempt(attempt),
                 retries: row.retries,
                 retry: row.retry.clone(),
+                expires: row.good_until.is_some(),
             });
         }
         claimed
@@ -512,15 +514,33 @@ impl MemoryStore {
                 continue;
             }
             *queue_running += 1;
-            let row = self.live_row(id);
-            row.apply_event(TaskEvent::Start);
-            row.attempts = row.attempts.saturating_add(1);
-            row.started_at = Some(now);
-            row.heartbeat_at = Some(now);
-            row.claim_expires_at = None;
-            started.push((id, Attempt(row.attempts)));
+            started.push((id, self.start_row(id, now)));
         }
         DbReply::Started { started, expired, deferred, lost }
+    }
+
+    /// Claimed to Running, counting the run as an attempt: the number of this run.
+    fn start_row(&mut self, id: TaskId, now: DbTime) -> Attempt {
+        let row = self.live_row(id);
+        row.apply_event(TaskEvent::Start);
+        row.attempts = row.attempts.saturating_add(1);
+        row.started_at = Some(now);
+        row.heartbeat_at = Some(now);
+        row.claim_expires_at = None;
+        Attempt(row.attempts)
+    }
+
+    fn record_starts(&mut self, worker: &WorkerId, tasks: &[TaskLease], now: DbTime) -> DbReply {
+        let mut started = Vec::new();
+        let mut lost = Vec::new();
+        for &TaskLease { task: id, lease } in tasks {
+            match self.live.get(&id).filter(|row| row.held_by(worker, lease)).map(|row| row.state) {
+                Some(TaskState::Running) => started.push((id, Attempt(self.live_row(id).attempts))),
+                Some(TaskState::Claimed) => started.push((id, self.start_row(id, now))),
+                _ => lost.push(id),
+            }
+        }
+        DbReply::Started { started, expired: Vec::new(), deferred: Vec::new(), lost }
     }
 
     fn finish(&mut self, worker: &WorkerId, completions: &[Completion], now: DbTime) -> DbReply {
@@ -529,11 +549,16 @@ impl MemoryStore {
         let mut retried = BTreeSet::new();
         for Completion { task: TaskLease { task: id, lease }, outcome } in completions {
             let id = *id;
-            let held =
-                self.live.get(&id).is_some_and(|row| row.state == TaskState::Running && row.held_by(worker, *lease));
-            if !held {
-                lost.push(id);
-                continue;
+            match self.live.get(&id).filter(|row| row.held_by(worker, *lease)).map(|row| row.state) {
+                Some(TaskState::Running) => {}
+                // Started by the worker without a start request: the run counts here.
+                Some(TaskState::Claimed) => {
+                    self.start_row(id, now);
+                }
+                _ => {
+                    lost.push(id);
+                    continue;
+                }
             }
             let state = match outcome {
                 FinishOutcome::Completed(result) => {

@@ -236,6 +236,8 @@ pub enum Timer {
     ShutdownGrace,
     /// A handler's timeout.
     HandlerTimeout(TaskId),
+    /// Tell the store about handlers started without a start request that still run.
+    RecordStarts,
 }
 
 /// Counters an operator can read.
@@ -276,6 +278,11 @@ struct Held {
     retries: u32,
     retry: RetryPolicy,
     stage: Stage,
+    /// It has a good-until: only a start request, on the store's clock, may start it.
+    expires: bool,
+    /// Started without a start request and the store does not know yet: it is Claimed there
+    /// (its heartbeat renews the claim) until a finish or a [`DbRequest::RecordStarts`].
+    unrecorded: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -292,6 +299,93 @@ enum Stage {
     Releasing,
 }
 
+impl Stage {
+    /// The index of this stage in [`HeldTasks`]' counts.
+    fn index(self) -> usize {
+        match self {
+            Stage::Buffered => 0,
+            Stage::Starting => 1,
+            Stage::Running { .. } => 2,
+            Stage::Finishing => 3,
+            Stage::Releasing => 4,
+        }
+    }
+}
+
+/// The tasks a worker holds, with how many are in each stage: the machine asks for those
+/// counts after every input, and a scan would make each input cost as much as the buffer is
+/// long. Stages change only through [`HeldTasks::set_stage`].
+#[derive(Debug, Default)]
+struct HeldTasks {
+    tasks: BTreeMap<TaskId, Held>,
+    counts: [u32; 5],
+}
+
+impl HeldTasks {
+    fn get(&self, id: &TaskId) -> Option<&Held> {
+        self.tasks.get(id)
+    }
+
+    /// The task, to change anything but its stage.
+    fn get_mut(&mut self, id: &TaskId) -> Option<&mut Held> {
+        self.tasks.get_mut(id)
+    }
+
+    fn insert(&mut self, id: TaskId, held: Held) -> Option<Held> {
+        self.counts[held.stage.index()] += 1;
+        let previous = self.tasks.insert(id, held);
+        if let Some(previous) = &previous {
+            self.counts[previous.stage.index()] -= 1;
+        }
+        previous
+    }
+
+    fn remove(&mut self, id: &TaskId) -> Option<Held> {
+        let held = self.tasks.remove(id)?;
+        self.counts[held.stage.index()] -= 1;
+        Some(held)
+    }
+
+    /// Moves a held task to `stage`; `None` if it is not held.
+    fn set_stage(&mut self, id: &TaskId, stage: Stage) -> Option<&mut Held> {
+        let held = self.tasks.get_mut(id)?;
+        self.counts[held.stage.index()] -= 1;
+        self.counts[stage.index()] += 1;
+        held.stage = stage;
+        Some(held)
+    }
+
+    /// How many tasks are in the stages `stages` names.
+    fn count(&self, stages: &[Stage]) -> u32 {
+        let n = stages.iter().map(|s| self.counts[s.index()]).sum();
+        debug_assert_eq!(
+            n,
+            self.tasks.values().filter(|t| stages.iter().any(|s| s.index() == t.stage.index())).count() as u32,
+            "held task counts out of step"
+        );
+        n
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&TaskId, &Held)> {
+        self.tasks.iter()
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Held> {
+        self.tasks.values()
+    }
+
+    fn len(&self) -> usize {
+        self.tasks.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.tasks.is_empty()
+    }
+}
+
+/// The stages a handler runs in (its deadline aside), for [`HeldTasks::count`].
+const RUNNING: Stage = Stage::Running { deadline: None };
+
 /// An outstanding database request and what it was about.
 #[derive(Debug, Clone)]
 enum Op {
@@ -299,6 +393,7 @@ enum Op {
         token: u64,
     },
     Start(Vec<TaskLease>),
+    RecordStarts(Vec<TaskLease>),
     Finish {
         completions: Vec<Completion>,
         resent: bool,
@@ -331,7 +426,7 @@ pub struct Worker {
     now: Instant,
     next_op: u64,
     ops: BTreeMap<OpId, Op>,
-    held: BTreeMap<TaskId, Held>,
+    held: HeldTasks,
     /// Buffered claims in claim order.
     buffer: VecDeque<TaskId>,
     timers: BTreeMap<Timer, Instant>,
@@ -346,6 +441,9 @@ pub struct Worker {
     start_blocked: bool,
     claim_in_flight: bool,
     start_in_flight: bool,
+    record_in_flight: bool,
+    /// Unrecorded starts are due to be recorded (their timer fired).
+    record_due: bool,
     heartbeat_in_flight: bool,
     /// A heartbeat is owed (its timer fired while it could not be sent).
     heartbeat_due: bool,
@@ -383,7 +481,7 @@ impl Worker {
             now,
             next_op: 1,
             ops: BTreeMap::new(),
-            held: BTreeMap::new(),
+            held: HeldTasks::default(),
             buffer: VecDeque::new(),
             timers: BTreeMap::new(),
             commands: VecDeque::new(),
@@ -393,6 +491,8 @@ impl Worker {
             start_blocked: false,
             claim_in_flight: false,
             start_in_flight: false,
+            record_in_flight: false,
+            record_due: false,
             heartbeat_in_flight: false,
             heartbeat_due: false,
             reap_in_flight: false,
@@ -436,12 +536,12 @@ impl Worker {
 
     /// Handlers running now.
     pub fn running(&self) -> usize {
-        self.held.values().filter(|t| matches!(t.stage, Stage::Running { .. })).count()
+        self.held.count(&[RUNNING]) as usize
     }
 
     /// Claims held that have not started (buffered or starting).
     pub fn claimed(&self) -> usize {
-        self.held.values().filter(|t| matches!(t.stage, Stage::Buffered | Stage::Starting)).count()
+        self.held.count(&[Stage::Buffered, Stage::Starting]) as usize
     }
 
     /// Every task this worker holds in any stage.
@@ -542,6 +642,7 @@ impl Worker {
                 Timer::DbRetry => self.db_down = false,
                 Timer::ShutdownGrace => self.end_grace(),
                 Timer::HandlerTimeout(task) => self.time_out(task),
+                Timer::RecordStarts => self.record_due = true,
             }
         }
         self.pump(now);
@@ -603,10 +704,6 @@ impl Worker {
         self.running() as u32
     }
 
-    fn count_stage(&self, pred: impl Fn(Stage) -> bool) -> u32 {
-        self.held.values().filter(|t| pred(t.stage)).count() as u32
-    }
-
     /// Sends whatever is due and allowed. Called after every input.
     fn pump(&mut self, now: Instant) {
         if self.phase == Phase::Stopped || self.db_down {
@@ -632,8 +729,11 @@ impl Worker {
         if self.heartbeat_due {
             self.send_heartbeat();
         }
+        if self.record_due {
+            self.send_record_starts();
+        }
         self.flush_completions();
-        self.start_buffered();
+        self.start_buffered(now);
         self.claim(now);
         self.check_drained();
     }
@@ -653,25 +753,81 @@ impl Worker {
         );
     }
 
-    fn start_buffered(&mut self) {
-        if self.start_in_flight || self.start_blocked || self.phase != Phase::Running || self.buffer.is_empty() {
+    /// Starts buffered tasks while permits are free: without asking where the store would
+    /// check nothing (see [`Worker::starts_unasked`]), else with one start request at a time.
+    fn start_buffered(&mut self, now: Instant) {
+        if self.phase != Phase::Running || self.buffer.is_empty() {
             return;
         }
-        let starting = self.count_stage(|s| s == Stage::Starting);
-        let free = self.config.concurrency.saturating_sub(self.executing() + starting);
-        if free == 0 {
-            return;
-        }
-        let mut tasks = Vec::new();
-        while tasks.len() < free as usize {
+        let starting = self.held.count(&[Stage::Starting]);
+        let mut free = self.config.concurrency.saturating_sub(self.executing() + starting);
+        let may_ask = !self.start_in_flight && !self.start_blocked;
+        let mut ask = Vec::new();
+        let mut kept = VecDeque::new();
+        while free > 0 {
             let Some(id) = self.buffer.pop_front() else { break };
             let held = self.held.get_mut(&id).expect("buffered tasks are held");
-            held.stage = Stage::Starting;
-            tasks.push(TaskLease { task: id, lease: held.lease });
+            if Self::starts_unasked(&self.policy, held) {
+                held.unrecorded = true;
+                let attempt = held.attempt;
+                self.on_started(id, attempt);
+                if !self.timers.contains_key(&Timer::RecordStarts) && !self.record_due {
+                    self.arm(Timer::RecordStarts, now + self.record_starts_after());
+                }
+            } else if may_ask {
+                ask.push(TaskLease { task: id, lease: held.lease });
+                self.held.set_stage(&id, Stage::Starting);
+            } else {
+                kept.push_back(id);
+                continue;
+            }
+            free -= 1;
         }
-        self.start_in_flight = true;
-        let request = DbRequest::Start { worker: self.id.clone(), tasks: tasks.clone(), policy: self.policy.clone() };
-        self.send(request, Op::Start(tasks));
+        while let Some(id) = kept.pop_back() {
+            self.buffer.push_front(id);
+        }
+        if !ask.is_empty() {
+            self.start_in_flight = true;
+            let request = DbRequest::Start { worker: self.id.clone(), tasks: ask.clone(), policy: self.policy.clone() };
+            self.send(request, Op::Start(ask));
+        }
+    }
+
+    /// Whether a claimed task may start without a start request: in soft-cap mode a start
+    /// checks only the claim lease (which heartbeats keep), good-until and the queue's cap.
+    /// With neither of the last two there is nothing to ask, so the handler starts at once and
+    /// the store learns of it from the finish, or from [`DbRequest::RecordStarts`] if the
+    /// handler is still running [`Worker::record_starts_after`] later. (Hard-cap mode starts
+    /// in the claim itself.)
+    fn starts_unasked(policy: &ClaimPolicy, held: &Held) -> bool {
+        !policy.hard_cap_mode()
+            && !held.expires
+            && policy.queues.iter().find(|q| q.name == held.queue).is_some_and(|q| q.max_concurrency.is_none())
+    }
+
+    /// How long a handler started unasked may run before its start is recorded: a quarter of
+    /// the claim lease, at most a second, so the claim never lapses and short tasks never need
+    /// the write.
+    fn record_starts_after(&self) -> Duration {
+        Duration::from_millis((self.app.effective_claim_lease_ms() / 4).clamp(1, 1_000))
+    }
+
+    fn send_record_starts(&mut self) {
+        if self.record_in_flight || self.db_down || self.phase == Phase::Stopped {
+            return;
+        }
+        self.record_due = false;
+        let tasks: Vec<TaskLease> = self
+            .held
+            .iter()
+            .filter(|(_, held)| held.unrecorded && matches!(held.stage, Stage::Running { .. }))
+            .map(|(id, held)| TaskLease { task: *id, lease: held.lease })
+            .collect();
+        if tasks.is_empty() {
+            return;
+        }
+        self.record_in_flight = true;
+        self.send(DbRequest::RecordStarts { worker: self.id.clone(), tasks: tasks.clone() }, Op::RecordStarts(tasks));
     }
 
     fn claim(&mut self, now: Instant) {
@@ -679,7 +835,7 @@ impl Worker {
             return;
         }
         let running = self.executing();
-        let claimed = self.count_stage(|s| matches!(s, Stage::Buffered | Stage::Starting));
+        let claimed = self.claimed() as u32;
         if self.policy.local_budget(running, claimed) == 0 {
             return; // a freed permit calls pump again
         }
@@ -711,9 +867,11 @@ impl Worker {
         let mut claimed = Vec::new();
         let mut running = Vec::new();
         let sent: Vec<TaskLease> = self.held_leases().collect();
-        for (id, held) in &self.held {
+        for (id, held) in self.held.iter() {
             let lease = TaskLease { task: *id, lease: held.lease };
             match held.stage {
+                // Claimed in the database: renew the claim (an unrecorded start runs on it).
+                _ if held.unrecorded => claimed.push(lease),
                 Stage::Buffered | Stage::Starting => claimed.push(lease),
                 // Finishing and releasing tasks are still Running in the database until their
                 // write lands: keep them alive so the reaper does not take them meanwhile.
@@ -814,6 +972,34 @@ impl Worker {
                     self.lose(TaskLease { task, lease: lease_in(&sent, task) }, LostReason::LeaseLost);
                 }
             }
+            (Op::RecordStarts(sent), DbReply::Started { started, expired, deferred, lost }) => {
+                self.record_in_flight = false;
+                for (task, attempt) in started {
+                    if let Some(held) =
+                        self.held.get_mut(&task).filter(|h| sent.contains(&TaskLease { task, lease: h.lease }))
+                    {
+                        held.unrecorded = false;
+                        held.attempt = attempt;
+                    }
+                }
+                // Nothing is expired or deferred by a record; a store that says so lost the task.
+                for task in lost.into_iter().chain(expired).chain(deferred) {
+                    let lease = lease_in(&sent, task);
+                    // A finish or release under way reports on its task itself.
+                    if self
+                        .held
+                        .get(&task)
+                        .is_some_and(|h| h.lease == lease && matches!(h.stage, Stage::Running { .. }))
+                    {
+                        self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
+                    }
+                }
+                let unrecorded = self.held.values().any(|h| h.unrecorded && matches!(h.stage, Stage::Running { .. }));
+                if unrecorded && !self.timers.contains_key(&Timer::RecordStarts) {
+                    let at = self.now + self.record_starts_after();
+                    self.arm(Timer::RecordStarts, at);
+                }
+            }
             (Op::Finish { completions, resent }, DbReply::Finished { applied, lost }) => {
                 self.finish_in_flight = false;
                 let sent: Vec<TaskLease> = completions.iter().map(|c| c.task).collect();
@@ -899,6 +1085,8 @@ impl Worker {
                     retries: task.retries,
                     retry: task.retry,
                     stage,
+                    expires: task.expires,
+                    unrecorded: false,
                 },
             );
             if let Some(previous) = previous {
@@ -958,8 +1146,7 @@ impl Worker {
     fn unstart(&mut self, task: TaskId) {
         if self.phase != Phase::Running {
             self.release(task);
-        } else if let Some(held) = self.held.get_mut(&task) {
-            held.stage = Stage::Buffered;
+        } else if self.held.set_stage(&task, Stage::Buffered).is_some() {
             self.buffer.push_front(task);
         }
     }
@@ -967,15 +1154,15 @@ impl Worker {
     fn on_started(&mut self, task: TaskId, attempt: Attempt) {
         let deadline = self.config.handler_timeout_ms.map(|ms| self.now + Duration::from_millis(ms));
         let shutting_down = self.phase != Phase::Running;
-        let Some(held) = self.held.get_mut(&task) else { return };
-        held.attempt = attempt;
         if shutting_down {
             // Started while shutting down: no handler was spawned, so give it straight back.
-            held.stage = Stage::Starting;
+            let Some(held) = self.held.set_stage(&task, Stage::Starting) else { return };
+            held.attempt = attempt;
             self.release(task);
             return;
         }
-        held.stage = Stage::Running { deadline };
+        let Some(held) = self.held.set_stage(&task, Stage::Running { deadline }) else { return };
+        held.attempt = attempt;
         let run = TaskRun {
             id: task,
             lease: held.lease,
@@ -1006,7 +1193,7 @@ impl Worker {
     }
 
     fn failure_outcome(&mut self, task: TaskId, error: TaskError) -> FinishOutcome {
-        let held = &self.held[&task];
+        let held = self.held.get(&task).expect("a failure is decided for a held task");
         if backoff::may_retry(&held.retry, held.retries, &error.code) {
             let delay = backoff::retry_delay(&held.retry, held.retries + 1, self.rng.next_u64());
             FinishOutcome::Retry { error, delay_ms: delay.as_millis() as u64 }
@@ -1016,8 +1203,7 @@ impl Worker {
     }
 
     fn finish(&mut self, task: TaskId, outcome: FinishOutcome, resent: bool) {
-        let held = self.held.get_mut(&task).expect("finish is called for held tasks");
-        held.stage = Stage::Finishing;
+        let held = self.held.set_stage(&task, Stage::Finishing).expect("finish is called for held tasks");
         let lease = held.lease;
         self.timers.remove(&Timer::HandlerTimeout(task));
         self.completions.push_back((Completion { task: TaskLease { task, lease }, outcome }, resent));
@@ -1056,14 +1242,15 @@ impl Worker {
     }
 
     fn release(&mut self, task: TaskId) {
-        let held = self.held.get_mut(&task).expect("release is called for held tasks");
-        if matches!(held.stage, Stage::Running { .. }) {
-            self.commands.push_back(Command::Abort { task, lease: held.lease });
+        let held = self.held.get(&task).expect("release is called for held tasks");
+        let (lease, was_running) = (held.lease, matches!(held.stage, Stage::Running { .. }));
+        if was_running {
+            self.commands.push_back(Command::Abort { task, lease });
         }
-        held.stage = Stage::Releasing;
-        self.timers.remove(&Timer::HandlerTimeout(task));
         self.buffer.retain(|t| *t != task);
-        self.releases.push(TaskLease { task, lease: held.lease });
+        self.held.set_stage(&task, Stage::Releasing);
+        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.releases.push(TaskLease { task, lease });
     }
 
     fn on_failure(&mut self, op: Op, failure: DbFailure, now: Instant) {
@@ -1099,6 +1286,10 @@ impl Worker {
             Op::Heartbeat(_) => {
                 self.heartbeat_in_flight = false;
                 self.heartbeat_due = true;
+            }
+            Op::RecordStarts(_) => {
+                self.record_in_flight = false;
+                self.record_due = true;
             }
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),

@@ -391,11 +391,10 @@ mod scripted {
     /// the reaper (a spurious WORKER_CRASHED).
     #[test]
     fn regression_b_a_start_racing_a_heartbeat() {
-        let mut app = AppConfig { prefetch_buffer: 1, claim_lease_ms: Some(60_000), ..AppConfig::default() };
-        app.recovery.claimer_heartbeat_interval_ms = 1_000;
-        app.recovery.runner_heartbeat_interval_ms = 1_000;
-        let mut s =
-            Script::new(app, WorkerConfig { poll_interval_ms: 5_000, ..worker(1, DeploymentMode::PollingOnly) });
+        let mut s = Script::new(
+            soft_cap_app(),
+            WorkerConfig { poll_interval_ms: 5_000, ..worker(1, DeploymentMode::PollingOnly) },
+        );
         let first = s.enqueue(NewTask::new("job", json!(1)));
         let second = s.enqueue(NewTask::new("job", json!(2)));
         s.settle(false); // the first starts in the claim, the second waits in the buffer
@@ -494,8 +493,16 @@ mod scripted {
         assert!(record.stopped, "the worker stopped but the registry says it runs");
     }
 
+    /// Soft-cap mode with a cap on the queue, so that buffered tasks start by a start request
+    /// (on an uncapped queue they start without one).
     fn soft_cap_app() -> AppConfig {
-        let mut app = AppConfig { prefetch_buffer: 1, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+        let mut app = AppConfig {
+            prefetch_buffer: 1,
+            claim_lease_ms: Some(60_000),
+            queue_mode: QueueMode::Custom,
+            custom_queues: vec![CustomQueue::new("default").with_max_concurrency(100)],
+            ..AppConfig::default()
+        };
         app.recovery.claimer_heartbeat_interval_ms = 1_000;
         app.recovery.runner_heartbeat_interval_ms = 1_000;
         app

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use canter::config::{AppConfig, DeploymentMode, RetryPolicy, WorkerConfig};
+use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 use canter::db::{ClaimedTask, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
@@ -79,6 +79,7 @@ fn task(id: i64, started: bool) -> ClaimedTask {
         attempt: Attempt(1),
         retries: 0,
         retry: RetryPolicy::none(),
+        expires: false,
     }
 }
 
@@ -321,9 +322,20 @@ fn stale_and_duplicate_replies_are_ignored() {
     assert_eq!(h.worker.held(), 1);
 }
 
+/// Soft-cap mode with a cap on the only queue: buffered tasks start by a start request.
+fn soft_cap_app(cap: Option<u32>) -> AppConfig {
+    AppConfig {
+        prefetch_buffer: 2,
+        claim_lease_ms: Some(60_000),
+        queue_mode: QueueMode::Custom,
+        custom_queues: vec![CustomQueue { name: "default".into(), priority: 1, max_concurrency: cap }],
+        ..AppConfig::default()
+    }
+}
+
 #[test]
 fn soft_cap_mode_buffers_claims_and_starts_them_as_permits_free() {
-    let app = AppConfig { prefetch_buffer: 2, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+    let app = soft_cap_app(Some(5));
     let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
     let DbRequest::Claim { start_now, .. } =
         db_ops(&first).into_iter().find(|(_, r)| r.kind() == "claim").unwrap().1.clone()
@@ -346,6 +358,70 @@ fn soft_cap_mode_buffers_claims_and_starts_them_as_permits_free() {
         DbReply::Started { started: vec![(TaskId(2), Attempt(1))], expired: vec![], deferred: vec![], lost: vec![] },
     );
     assert_eq!(spawns(&started)[0].id, TaskId(2));
+}
+
+#[test]
+fn soft_cap_mode_starts_tasks_of_an_uncapped_queue_without_asking_and_records_long_runs() {
+    let (mut h, first) = Harness::new(soft_cap_app(None), WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
+    let expiring = ClaimedTask { expires: true, ..task(3, false) };
+    let next = start(&mut h, &first, vec![task(1, true), task(2, false), expiring], false);
+    let runs = spawns(&next);
+    assert_eq!(runs.len(), 1);
+    // The first run ends: the second starts at once, with no start request, as attempt 1.
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    assert!(!has(&after, "start"), "{after:?}");
+    let second = spawns(&after);
+    assert_eq!((second.len(), second[0].id, second[0].attempt), (1, TaskId(2), Attempt(1)));
+    assert_eq!(h.worker.running(), 1);
+    // Still running a quarter of the claim lease (at most a second) later: its start is recorded.
+    let (timer, commands) = h.fire();
+    assert_eq!(timer, Timer::RecordStarts);
+    let record = find(&commands, "record_starts");
+    let request = db_ops(&commands).into_iter().find(|(op, _)| *op == record).unwrap().1.clone();
+    assert_eq!(request, DbRequest::RecordStarts { worker: WorkerId("w1".into()), tasks: vec![runs_lease(&second[0])] });
+    h.reply(
+        record,
+        DbReply::Started { started: vec![(TaskId(2), Attempt(1))], expired: vec![], deferred: vec![], lost: vec![] },
+    );
+    // Its end frees the permit; the third task has a good-until, so only the store may start it.
+    let after = h.finished(&second[0], TaskOutcome::Success(json!(2)));
+    let start = db_ops(&after).into_iter().find(|(_, r)| r.kind() == "start").map(|(_, r)| r.clone());
+    assert!(matches!(start, Some(DbRequest::Start { ref tasks, .. }) if tasks[0].task == TaskId(3)), "{after:?}");
+    assert!(spawns(&after).is_empty());
+}
+
+#[test]
+fn a_run_started_without_asking_that_the_store_lost_is_aborted() {
+    let (mut h, first) = Harness::new(soft_cap_app(None), WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, false)], false));
+    let second = spawns(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    let (_, commands) = h.fire();
+    let record = find(&commands, "record_starts");
+    let aborted =
+        h.reply(record, DbReply::Started { started: vec![], expired: vec![], deferred: vec![], lost: vec![TaskId(2)] });
+    assert!(
+        aborted
+            .iter()
+            .any(|c| matches!(c, Command::Abort { task, lease } if *task == TaskId(2) && *lease == second[0].lease)),
+        "{aborted:?}"
+    );
+    assert_eq!(h.worker.running(), 0);
+    // Heartbeats list a run the store does not know started as a claim (it renews the claim).
+    let (mut h, first) = Harness::new(soft_cap_app(None), WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, false)], false));
+    h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    let beat = loop {
+        let (_, commands) = h.fire();
+        if let Some((_, request)) = db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "heartbeat") {
+            break request.clone();
+        }
+    };
+    let DbRequest::Heartbeat { claimed, .. } = beat else { unreachable!() };
+    assert!(claimed.iter().any(|t| t.task == TaskId(2)), "{claimed:?}");
+}
+
+fn runs_lease(run: &canter::worker::TaskRun) -> canter::task::TaskLease {
+    canter::task::TaskLease { task: run.id, lease: run.lease }
 }
 
 #[test]

@@ -71,6 +71,48 @@ impl Args {
     }
 }
 
+/// `base` with every flag of `values` laid over it, each named after a configuration setting
+/// (`--prefetch-buffer 4` sets `app.prefetch_buffer`); flags in `skip` are left alone.
+pub fn config_with_flags(
+    base: &canter::config::Config,
+    values: &BTreeMap<String, String>,
+    skip: &[&str],
+) -> Result<canter::config::Config, UsageError> {
+    use serde_json::Value;
+    let internal = |e: serde_json::Error| UsageError(format!("configuration: {e}"));
+    let mut json = serde_json::to_value(base).map_err(internal)?;
+    let defaults = serde_json::to_value(canter::config::Config::default()).map_err(internal)?;
+    for (flag, value) in values {
+        if skip.contains(&flag.as_str()) {
+            continue;
+        }
+        let field = flag.replace('-', "_");
+        let section = [&["worker"][..], &["app"], &["app", "recovery"], &["app", "resilience"], &["app", "retry"]]
+            .into_iter()
+            .find(|path| {
+                let mut node = &defaults;
+                for key in *path {
+                    node = &node[*key];
+                }
+                node.as_object().is_some_and(|o| o.contains_key(&field))
+                    || (path == &["app"] && ["cluster_wide_cap", "claim_lease_ms"].contains(&field.as_str()))
+                    || (path == &["worker"] && field == "seed")
+            })
+            .ok_or_else(|| UsageError(format!("unknown option --{flag}: not a configuration setting")))?;
+        let parsed = if field == "queues" {
+            Value::from(value.split(',').filter(|q| !q.is_empty()).map(str::to_owned).collect::<Vec<_>>())
+        } else {
+            serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.clone()))
+        };
+        let mut node = &mut json;
+        for key in section {
+            node = &mut node[*key];
+        }
+        node[field.as_str()] = parsed;
+    }
+    canter::config::Config::from_json_str(&json.to_string()).map_err(|e| UsageError(e.to_string()))
+}
+
 /// A duration like `500ms`, `10s`, `2m`, `1h` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
     let text = text.trim();

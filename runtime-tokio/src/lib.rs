@@ -29,6 +29,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod bench;
 pub mod builtins;
 #[doc(hidden)]
 pub mod cli;

@@ -27,7 +27,7 @@ const UNCLAIM: &str =
     "state = 'PENDING', claimed_by = NULL, claim_token = NULL, claim_expires_at = NULL, heartbeat_at = NULL";
 
 const CLAIM: &str = "\
-SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, more, next_run_in_ms
+SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms
 FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 const START: &str = "\
@@ -39,14 +39,18 @@ WITH input AS (
     FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[])
          WITH ORDINALITY AS i(id, lease, kind, result, error, delay_ms, ord)
 ),
+-- Running, or Claimed by a worker that started it without a start request (the run counts
+-- as an attempt here).
 held AS (
-    SELECT t.id, t.lease, t.good_until, t.attempts FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
+    SELECT t.id, t.lease, t.good_until, t.state, t.attempts, t.started_at FROM {s}.tasks t
+    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('RUNNING', 'CLAIMED') AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
 chosen AS (
-    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error, h.attempts,
+    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error,
+           h.attempts + CASE WHEN h.state = 'CLAIMED' THEN 1 ELSE 0 END AS attempts,
+           CASE WHEN h.state = 'CLAIMED' THEN {s}.db_now() ELSE h.started_at END AS started_at,
            {s}.db_now() + i.delay_ms * interval '1 millisecond' AS run_at,
            CASE WHEN i.kind = 'completed' THEN 'COMPLETED'
                 WHEN i.kind = 'retry'
@@ -59,26 +63,32 @@ chosen AS (
 moved AS (
     DELETE FROM {s}.tasks t USING chosen c
     WHERE t.id = c.id AND c.state <> 'PENDING'
-    RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error
+    RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error, c.attempts AS new_attempts,
+              c.started_at AS new_started_at
 ),
 finished AS (
     INSERT INTO {s}.finished_tasks ({finished_columns})
-    SELECT m.id, m.name, m.queue, m.priority, m.args, m.new_state, {kept},
+    SELECT m.id, m.name, m.queue, m.priority, m.args, m.new_state, m.lease, m.claimed_by, m.claim_token, m.claimed_at,
+           m.heartbeat_at, m.new_started_at, m.new_attempts, m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry,
+           m.key,
            CASE WHEN m.new_state = 'COMPLETED' THEN NULL ELSE m.new_error END,
            CASE WHEN m.new_state = 'COMPLETED' THEN m.new_result END,
            {s}.db_now()
     FROM moved m
 ),
 retried AS (
-    UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error
+    UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error,
+        attempts = c.attempts, started_at = c.started_at
     FROM chosen c
     WHERE t.id = c.id AND c.state = 'PENDING'
     RETURNING t.queue
 ),
+-- Only a run the task outlives gets an attempts row; a terminal task's last run is its
+-- finished row (see ATTEMPTS).
 history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
-    SELECT c.id, c.attempts, $1, c.state, CASE WHEN c.state = 'COMPLETED' THEN NULL ELSE c.error END, {s}.db_now()
-    FROM chosen c
+    SELECT c.id, c.attempts, $1, c.state, c.error, {s}.db_now()
+    FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
     SELECT count(pg_notify($8, n.ids)) AS n
@@ -94,6 +104,30 @@ ready AS (
 )
 SELECT i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
 CROSS JOIN ready
+ORDER BY i.ord";
+
+const RECORD_STARTS: &str = "\
+WITH input AS (
+    SELECT i.id, i.lease, i.ord FROM unnest($2::bigint[], $3::bigint[]) WITH ORDINALITY AS i(id, lease, ord)
+),
+held AS (
+    SELECT t.id, t.lease, t.state, t.attempts FROM {s}.tasks t
+    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    ORDER BY t.id
+    FOR UPDATE
+),
+started AS (
+    UPDATE {s}.tasks t SET state = 'RUNNING', attempts = t.attempts + 1, started_at = {s}.db_now(),
+        heartbeat_at = {s}.db_now(), claim_expires_at = NULL
+    FROM (SELECT DISTINCT h.id FROM held h JOIN input i ON i.id = h.id AND i.lease = h.lease
+          WHERE h.state = 'CLAIMED') c
+    WHERE t.id = c.id
+    RETURNING t.id, t.attempts
+)
+SELECT i.id, coalesce(s.attempts, CASE WHEN h.state = 'RUNNING' THEN h.attempts END) AS attempt
+FROM input i
+LEFT JOIN held h ON h.id = i.id AND h.lease = i.lease
+LEFT JOIN started s ON s.id = i.id
 ORDER BY i.ord";
 
 const HEARTBEAT: &str = "\
@@ -241,7 +275,7 @@ ready AS (
 ),
 history AS (
     INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
-    SELECT c.id, c.attempts, c.claimed_by, c.state, $4, {s}.db_now() FROM chosen c
+    SELECT c.id, c.attempts, c.claimed_by, c.state, $4, {s}.db_now() FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
     SELECT count(pg_notify($5, n.ids)) AS n
@@ -303,9 +337,19 @@ SELECT f.id, f.name, f.queue, f.state, f.priority, f.args, f.attempts, f.retries
 FROM {s}.finished_tasks f
 WHERE {finished}";
 
+/// The runs of a task: the attempts rows (runs it outlived), then the run that ended it, which
+/// its finished row holds (a completed or failed task's attempts count that run).
 const ATTEMPTS: &str = "\
-SELECT task_id, attempt, worker, outcome, error, {s}.ms(finished_at) FROM {s}.attempts
-WHERE task_id = $1 ORDER BY attempt";
+SELECT x.task_id, x.attempt, x.worker, x.outcome, x.error, {s}.ms(x.finished_at)
+FROM (
+    SELECT a.task_id, a.attempt, a.worker, a.outcome, a.error, a.finished_at FROM {s}.attempts a
+    WHERE a.task_id = $1
+    UNION ALL
+    SELECT f.id, f.attempts, f.claimed_by, f.state, f.error, f.finished_at FROM {s}.finished_tasks f
+    WHERE f.id = $1 AND f.state IN ('COMPLETED', 'FAILED')
+      AND f.attempts > coalesce((SELECT max(a.attempt) FROM {s}.attempts a WHERE a.task_id = $1), 0)
+) x
+ORDER BY x.attempt";
 
 const COUNTS: &str = "\
 SELECT queue, state, count(*) FROM {s}.tasks GROUP BY queue, state
@@ -333,6 +377,12 @@ const REQUEUE_FAILED: &str = "\
 WITH gone AS (
     DELETE FROM {s}.finished_tasks f WHERE f.id = $1 AND f.state = 'FAILED' RETURNING f.*
 ),
+-- The run that failed it was kept on the finished row: it becomes an attempts row.
+history AS (
+    INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, error, finished_at)
+    SELECT g.id, g.attempts, g.claimed_by, 'FAILED', g.error, g.finished_at FROM gone g
+    WHERE g.attempts > coalesce((SELECT max(a.attempt) FROM {s}.attempts a WHERE a.task_id = $1), 0)
+),
 back AS (
     INSERT INTO {s}.tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
                            claim_expires_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at,
@@ -357,6 +407,7 @@ const NOW: &str = "SELECT {s}.ms({s}.db_now())";
 pub(crate) struct Statements {
     pub(crate) claim: SqlStr,
     pub(crate) start: SqlStr,
+    pub(crate) record_starts: SqlStr,
     pub(crate) finish: SqlStr,
     pub(crate) heartbeat: SqlStr,
     pub(crate) release: SqlStr,
@@ -400,6 +451,7 @@ impl Statements {
         Statements {
             claim: fill(CLAIM),
             start: fill(START),
+            record_starts: fill(RECORD_STARTS),
             finish: fill(FINISH),
             heartbeat: fill(HEARTBEAT),
             release: fill(RELEASE),

@@ -134,6 +134,7 @@ impl PgStore {
                         attempt: Attempt(count(row.try_get("attempt")?)),
                         retries: count(row.try_get("retries")?),
                         retry: json(row.try_get("retry")?)?,
+                        expires: row.try_get("expires")?,
                     });
                 }
                 Ok(DbReply::Claimed { tasks, more, next_run_in_ms })
@@ -175,6 +176,23 @@ impl PgStore {
                     }
                 }
                 Ok(DbReply::Started { started, expired, deferred, lost })
+            }
+            DbRequest::RecordStarts { worker, tasks } => {
+                let (ids, leases) = split(tasks);
+                let rows: Vec<(i64, Option<i32>)> = sqlx::query_as(sql.record_starts.clone())
+                    .bind(&worker.0)
+                    .bind(ids)
+                    .bind(leases)
+                    .fetch_all(&mut *conn)
+                    .await?;
+                let (mut started, mut lost) = (Vec::new(), Vec::new());
+                for (id, attempt) in rows {
+                    match attempt {
+                        Some(attempt) => started.push((TaskId(id), Attempt(count(attempt)))),
+                        None => lost.push(TaskId(id)),
+                    }
+                }
+                Ok(DbReply::Started { started, expired: Vec::new(), deferred: Vec::new(), lost })
             }
             DbRequest::Finish { worker, completions } => self.finish(conn, worker, completions).await,
             DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {

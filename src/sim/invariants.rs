@@ -232,6 +232,35 @@ impl Checker {
         self.unfinished
     }
 
+    /// The queue caps over what really runs: per capped queue, the tasks Running in the store
+    /// plus those whose handler runs on a live claim without the store knowing it started
+    /// (soft-cap mode starts a task of an uncapped queue without asking; on a capped queue
+    /// that would slip past the cap unseen by [`Checker::check_store`]). `handlers` are the
+    /// handlers of every live worker.
+    pub(crate) fn check_running_handlers(
+        &self,
+        store: &MemoryStore,
+        handlers: impl Iterator<Item = (TaskId, Lease)>,
+    ) -> Result<(), String> {
+        if self.queue_caps.is_empty() {
+            return Ok(());
+        }
+        let mut running: BTreeMap<&str, BTreeSet<TaskId>> = BTreeMap::new();
+        for row in live_rows(store).filter(|row| row.state == TaskState::Running) {
+            running.entry(row.queue.as_str()).or_default().insert(row.id);
+        }
+        for (task, lease) in handlers {
+            if let Some(row) = store.task(task).filter(|row| row.lease == lease && row.state == TaskState::Claimed) {
+                running.entry(row.queue.as_str()).or_default().insert(task);
+            }
+        }
+        for (queue, cap) in &self.queue_caps {
+            let n = running.get(queue.as_str()).map_or(0, BTreeSet::len);
+            ensure!(n <= *cap as usize, "CAP: {n} tasks of queue {queue} run (store and handlers), cap {cap}");
+        }
+        Ok(())
+    }
+
     /// Whether tasks of `queue` can never run (its cap is 0).
     pub(crate) fn is_paused(&self, queue: &str) -> bool {
         self.paused.contains(queue)
@@ -256,7 +285,9 @@ impl Checker {
                     }
                 }
             }
-            DbRequest::Start { tasks, .. } | DbRequest::Release { tasks, .. } => {
+            DbRequest::Start { tasks, .. }
+            | DbRequest::RecordStarts { tasks, .. }
+            | DbRequest::Release { tasks, .. } => {
                 named(&mut before, &mut tasks.iter().map(|t| t.task));
             }
             DbRequest::Finish { completions, .. } => named(&mut before, &mut completions.iter().map(|c| c.task.task)),
@@ -474,14 +505,53 @@ impl Checker {
                     self.fenced += 1;
                 }
             }
+            (DbRequest::RecordStarts { tasks, .. }, DbReply::Started { started, expired, deferred, lost }) => {
+                ensure!(
+                    expired.is_empty() && deferred.is_empty(),
+                    "record of starts by {worker} expired {expired:?} and deferred {deferred:?}"
+                );
+                let answered: Vec<TaskId> = started.iter().map(|(id, _)| *id).chain(lost.iter().copied()).collect();
+                let asked: Vec<TaskId> = tasks.iter().map(|t| t.task).collect();
+                ensure!(sorted(&answered) == sorted(&asked), "record by {worker} answered {answered:?} for {asked:?}");
+                for t in tasks {
+                    let held = pre(t.task).is_some_and(|f| {
+                        matches!(f.state, TaskState::Claimed | TaskState::Running) && f.held_by(worker, t.lease)
+                    });
+                    ensure!(
+                        held == started.iter().any(|(id, _)| *id == t.task),
+                        "record by {worker} of task {} under lease {}: held {held}, reply {reply:?}",
+                        t.task,
+                        t.lease
+                    );
+                    if !held {
+                        self.fenced += 1;
+                        continue;
+                    }
+                    let was = pre(t.task).expect("held rows have facts");
+                    let row = post(t.task)?;
+                    ensure!(row.state == TaskState::Running, "recorded task {} is {}", t.task, row.state);
+                    let counted = u32::from(was.state == TaskState::Claimed);
+                    ensure!(
+                        row.attempts == was.attempts + counted,
+                        "record of task {}: attempts {} -> {}",
+                        t.task,
+                        was.attempts,
+                        row.attempts
+                    );
+                    touched.push(t.task);
+                }
+            }
             (DbRequest::Finish { completions, .. }, DbReply::Finished { applied, lost }) => {
                 let answered: Vec<TaskId> = applied.iter().map(|(id, _)| *id).chain(lost.iter().copied()).collect();
                 let asked: Vec<TaskId> = completions.iter().map(|c| c.task.task).collect();
                 ensure!(sorted(&answered) == sorted(&asked), "finish by {worker} answered {answered:?} for {asked:?}");
                 // A batch may name a task twice (a stale re-send and a fresh run): at most the
                 // completion under the row's lease applies.
+                // Claimed counts too: a run started without a start request (soft-cap mode).
                 let running_under = |c: &TaskLease| {
-                    pre(c.task).is_some_and(|f| f.state == TaskState::Running && f.held_by(worker, c.lease))
+                    pre(c.task).is_some_and(|f| {
+                        matches!(f.state, TaskState::Running | TaskState::Claimed) && f.held_by(worker, c.lease)
+                    })
                 };
                 for &(id, state) in applied {
                     let Some(completion) = completions.iter().find(|c| c.task.task == id && running_under(&c.task))
@@ -497,6 +567,14 @@ impl Checker {
                     let was = pre(id).expect("applied rows have facts");
                     let row = post(id)?;
                     ensure!(row.state == state, "finished task {id} is {}, reply says {state}", row.state);
+                    let counted = u32::from(was.state == TaskState::Claimed);
+                    ensure!(
+                        row.attempts == was.attempts + counted,
+                        "finish of task {id} from {}: attempts {} -> {}",
+                        was.state,
+                        was.attempts,
+                        row.attempts
+                    );
                     match (&completion.outcome, state) {
                         (FinishOutcome::Completed(_), TaskState::Completed) => {}
                         (FinishOutcome::Failed(_) | FinishOutcome::Retry { .. }, TaskState::Failed) => {}
@@ -519,7 +597,6 @@ impl Checker {
                             return Err(format!("finish of task {id} with {outcome:?} left it {state}"));
                         }
                     }
-                    ensure!(row.attempts == was.attempts, "finish of task {id} changed attempts");
                     touched.push(id);
                 }
                 for id in lost {
@@ -818,7 +895,8 @@ pub(crate) fn check_worker(
             return Err(format!("{id} runs task {task}, which the store does not have"));
         };
         ensure!(row.lease >= lease, "{id} runs task {task} under lease {lease}, newer than the row's {}", row.lease);
-        if row.lease == lease && row.state == TaskState::Running {
+        // Claimed too: a handler started without a start request runs on its claim.
+        if row.lease == lease && matches!(row.state, TaskState::Running | TaskState::Claimed) {
             ensure!(
                 row.claimed_by.as_ref() == Some(id),
                 "TWO LEASES: {id} runs task {task} under the row's current lease {lease}, the row is held by {:?}",

@@ -983,11 +983,29 @@ impl Sim {
                 run.id, run.lease, other.lease
             ));
         }
+        // A start without a start request (the row still Claimed under this lease) checks
+        // nothing in the store: good-until is the worker's to respect.
+        let now = self.db_now();
+        if let Some(row) =
+            self.store.task(run.id).filter(|row| row.state == TaskState::Claimed && row.lease == run.lease)
+        {
+            if row.good_until.is_some_and(|at| at <= now) {
+                return Err(format!(
+                    "{name} started task {} at {} at or past its good_until {:?} without asking the store",
+                    run.id, now.0, row.good_until
+                ));
+            }
+            if row.attempts + 1 != run.attempt.0 {
+                return Err(format!(
+                    "{name} started task {} without asking as attempt {}, the row has {} attempts",
+                    run.id, run.attempt, row.attempts
+                ));
+            }
+        }
         let fresh = self.store.task(run.id).is_some_and(|row| {
-            row.state == TaskState::Running
-                && row.lease == run.lease
-                && row.claimed_by.as_ref().is_some_and(|w| w.0 == name)
-                && row.attempts == run.attempt.0
+            let started = (row.state == TaskState::Running && row.attempts == run.attempt.0)
+                || (row.state == TaskState::Claimed && row.attempts + 1 == run.attempt.0);
+            started && row.lease == run.lease && row.claimed_by.as_ref().is_some_and(|w| w.0 == name)
         });
         if !fresh {
             self.stats.stale_spawns += 1;
@@ -1053,7 +1071,12 @@ impl Sim {
                 invariants::check_worker(&self.store, worker, &slot.policy, &handlers)?;
             }
         }
-        Ok(())
+        let handlers = self
+            .slots
+            .iter()
+            .filter(|slot| slot.worker.is_some())
+            .flat_map(|slot| slot.handlers.iter().map(|(t, h)| (*t, h.lease)));
+        self.checker.check_running_handlers(&self.store, handlers)
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1398,7 +1421,9 @@ fn describe_request(request: &DbRequest) -> String {
         DbRequest::Claim { my_running, my_claimed, start_now, .. } => {
             format!("running {my_running} claimed {my_claimed} start {start_now}")
         }
-        DbRequest::Start { tasks, .. } | DbRequest::Release { tasks, .. } => leases(tasks),
+        DbRequest::Start { tasks, .. } | DbRequest::RecordStarts { tasks, .. } | DbRequest::Release { tasks, .. } => {
+            leases(tasks)
+        }
         DbRequest::Finish { completions, .. } => ids(completions.iter().map(|c| {
             let outcome = match &c.outcome {
                 FinishOutcome::Completed(_) => "ok".to_owned(),

@@ -10,7 +10,7 @@ use std::time::Duration;
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::db::{DbTime, NewTask, RunAt, TaskRecord};
 use canter_tokio::canter::memory::TaskFilter;
-use canter_tokio::cli::{Args, UsageError, parse_duration};
+use canter_tokio::cli::{self, Args, UsageError, parse_duration};
 use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, builtins};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -32,6 +32,7 @@ commands:
   cancel      cancel a pending or claimed task
   retry       put a failed task back to pending
   demo        run the demo: a mixed load through several workers
+  bench       measure throughput, latency and memory against a raw-SQL baseline
 
 every command takes --database-url URL (or DATABASE_URL) and --schema NAME (default canter);
 `canter <command> --help` says more.";
@@ -127,6 +128,7 @@ fn command_help(command: &str) -> Option<&'static str> {
         "cancel" => "usage: canter cancel ID",
         "retry" => "usage: canter retry ID",
         "demo" => "usage: canter demo [--tasks N] [--workers W] [--concurrency C] [--database-url URL]",
+        "bench" => canter_tokio::bench::HELP,
         _ => return None,
     })
 }
@@ -151,6 +153,7 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
             canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
             canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
         }),
+        "bench" => canter_tokio::bench::run(raw).await.map_err(|e| e.split().map_or_else(failed, Failure::Usage)),
         _ => Err(Failure::Usage(format!("unknown command {command:?}"))),
     }
 }
@@ -212,37 +215,7 @@ fn worker_config(args: &Args) -> Result<Config, Failure> {
         Some(path) => Config::from_path(std::path::Path::new(path)).map_err(|e| Failure::Usage(e.to_string()))?,
         None => Config::default(),
     };
-    let mut json = serde_json::to_value(&base).map_err(failed)?;
-    let defaults = serde_json::to_value(Config::default()).map_err(failed)?;
-    for (flag, value) in &args.values {
-        if ["config", "database-url", "schema"].contains(&flag.as_str()) {
-            continue;
-        }
-        let field = flag.replace('-', "_");
-        let section = [&["worker"][..], &["app"], &["app", "recovery"], &["app", "resilience"], &["app", "retry"]]
-            .into_iter()
-            .find(|path| {
-                let mut node = &defaults;
-                for key in *path {
-                    node = &node[*key];
-                }
-                node.as_object().is_some_and(|o| o.contains_key(&field))
-                    || (path == &["app"] && ["cluster_wide_cap", "claim_lease_ms"].contains(&field.as_str()))
-                    || (path == &["worker"] && ["seed"].contains(&field.as_str()))
-            })
-            .ok_or_else(|| Failure::Usage(format!("unknown option --{flag}: not a configuration setting")))?;
-        let parsed = if field == "queues" {
-            Value::from(value.split(',').filter(|q| !q.is_empty()).map(str::to_owned).collect::<Vec<_>>())
-        } else {
-            serde_json::from_str(value).unwrap_or_else(|_| Value::String(value.clone()))
-        };
-        let mut node = &mut json;
-        for key in section {
-            node = &mut node[*key];
-        }
-        node[field.as_str()] = parsed;
-    }
-    Config::from_json_str(&json.to_string()).map_err(|e| Failure::Usage(e.to_string()))
+    Ok(cli::config_with_flags(&base, &args.values, &["config", "database-url", "schema"])?)
 }
 
 async fn worker(raw: &[String]) -> Outcome {

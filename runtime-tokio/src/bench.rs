@@ -1,0 +1,625 @@
+//! `canter bench`: throughput, latency and memory of Canter on PostgreSQL, each workload also
+//! run by a raw baseline (hand-written SQL through sqlx, no library) in the same invocation, so
+//! every figure comes with a ratio measured on the same machine at the same time.
+//!
+//! Workloads (each run in a fresh schema of its own, dropped afterwards):
+//!
+//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then the
+//!   same number in calls of `--bulk-size` (`enqueue_bulk`);
+//! - `drain`: `--tasks` no-op tasks committed in one transaction while one idle worker process
+//!   (`canter worker --concurrency C`, a child of this process) waits; timed from the commit
+//!   until the last task is finished (results kept), checked by a count; the worker's peak RSS
+//!   (`VmHWM`) and CPU time are read before it is stopped. The transaction ends with `ANALYZE`
+//!   of the live table, as autovacuum would soon do (a server may run without it), and a
+//!   `CHECKPOINT` comes before it, so no run pays for the previous one's dirty pages;
+//! - `latency`: an idle worker (in this process, on a runtime of its own), `--latency-tasks`
+//!   tasks enqueued one at a time every `--interval-ms`; enqueue commit to handler start;
+//! - `history`: the drain again with `--history-tasks` finished tasks already stored.
+//!
+//! The raw baseline uses one table `jobs (id bigserial, state, payload jsonb, result jsonb, …)`
+//! with a partial index on pending ids: enqueue is `INSERT … RETURNING id` (`unnest` for bulk)
+//! with `pg_notify`; drain is `C` loops, each claiming `--raw-batch` rows with `FOR UPDATE SKIP
+//! LOCKED`, running a no-op per row and writing the results back in one `UPDATE`; latency is
+//! `LISTEN` plus that claim.
+//!
+//! Output: one JSON line per result on stdout, then (unless `--json-only`) a table of medians
+//! with the canter/raw ratios and the targets of issue 8. Every line carries the load average
+//! and `commit_ms`, the median time of a one-row autocommit insert just before the run: what a
+//! WAL flush cost at the time, which bounds every serial step of a worker.
+
+mod canter_mode;
+mod raw_mode;
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use canter::config::Config;
+use canter::postgres::PgSchema;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+
+use crate::cli::Args;
+
+/// Why the benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    /// Bad options.
+    #[error("{0}")]
+    Usage(String),
+    /// Something failed while running.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl BenchError {
+    /// `Ok` with the message of a usage error (printed with the help), `Err` with the message
+    /// of a failure.
+    pub fn split(self) -> Result<String, String> {
+        match self {
+            BenchError::Usage(message) => Ok(message),
+            BenchError::Failed(message) => Err(message),
+        }
+    }
+}
+
+fn failed(what: &str, error: impl std::fmt::Display) -> BenchError {
+    BenchError::Failed(format!("{what}: {error}"))
+}
+
+/// The help of `canter bench`.
+pub const HELP: &str = "\
+usage: canter bench [--database-url URL] [--workload enqueue|drain|latency|history|all]
+                    [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
+                    [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
+                    [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
+                    [--worker-args 'FLAGS'] [--worker-bin PATH]
+
+measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
+schema dropped afterwards, and prints one JSON line per result and a table of medians.
+defaults: all workloads, both modes, 3 runs, concurrency 16, 50000 drain tasks, 20000
+enqueue tasks in bulks of 1000, 1000 latency tasks every 5 ms, 1000000 finished tasks of
+history, raw claims of 50 by C loops. --worker-args are `canter worker` settings
+(e.g. '--prefetch-buffer 48 --completion-batch-max 1000') laid over the bench's defaults;
+the drain's worker is `canter worker` as a child process (this program, or --worker-bin).";
+
+/// The worker settings the benchmark uses unless `--worker-args` says otherwise: the
+/// configuration that gave the best drain and latency together on the reference machine. With
+/// the worker as it is, that is the defaults (hard-cap mode): a prefetch buffer makes every
+/// start its own round trip of at most `concurrency` tasks, which halved the drain.
+pub const DEFAULT_WORKER_ARGS: &str = "";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Workload {
+    Enqueue,
+    Drain,
+    Latency,
+    History,
+}
+
+impl Workload {
+    fn name(self) -> &'static str {
+        match self {
+            Workload::Enqueue => "enqueue",
+            Workload::Drain => "drain",
+            Workload::Latency => "latency",
+            Workload::History => "history",
+        }
+    }
+}
+
+/// Which implementation a result measures.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Mode {
+    Canter,
+    Raw,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Canter => "canter",
+            Mode::Raw => "raw",
+        }
+    }
+}
+
+/// The options of one invocation.
+#[derive(Debug, Clone)]
+struct Options {
+    url: String,
+    workloads: Vec<Workload>,
+    modes: Vec<Mode>,
+    runs: u32,
+    concurrency: u32,
+    json_only: bool,
+    tasks: usize,
+    enqueue_tasks: usize,
+    bulk_size: usize,
+    latency_tasks: usize,
+    interval: Duration,
+    history_tasks: usize,
+    raw_batch: u32,
+    raw_loops: u32,
+    /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
+    config: Config,
+    worker_bin: PathBuf,
+}
+
+const VALUES: &[&str] = &[
+    "database-url",
+    "workload",
+    "baseline",
+    "runs",
+    "concurrency",
+    "tasks",
+    "enqueue-tasks",
+    "bulk-size",
+    "latency-tasks",
+    "interval-ms",
+    "history-tasks",
+    "raw-batch",
+    "raw-loops",
+    "worker-args",
+    "worker-bin",
+];
+
+fn options(raw: &[String]) -> Result<Options, BenchError> {
+    let usage = |e: crate::cli::UsageError| BenchError::Usage(e.0);
+    let args = Args::parse(raw, VALUES, &["json-only"], false).map_err(usage)?;
+    if let Some(extra) = args.positional.first() {
+        return Err(BenchError::Usage(format!("unexpected argument {extra:?}")));
+    }
+    let number = |name: &str, default: usize, min: usize, max: usize| -> Result<usize, BenchError> {
+        let value = args.parsed::<usize>(name).map_err(usage)?.unwrap_or(default);
+        if value < min || value > max {
+            return Err(BenchError::Usage(format!("--{name} must be {min} to {max}")));
+        }
+        Ok(value)
+    };
+    let workloads = match args.value("workload").unwrap_or("all") {
+        "all" => vec![Workload::Enqueue, Workload::Drain, Workload::Latency, Workload::History],
+        "enqueue" => vec![Workload::Enqueue],
+        "drain" => vec![Workload::Drain],
+        "latency" => vec![Workload::Latency],
+        "history" => vec![Workload::History],
+        other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
+    };
+    let modes = match args.value("baseline").unwrap_or("both") {
+        "both" => vec![Mode::Canter, Mode::Raw],
+        "none" => vec![Mode::Canter],
+        "raw" => vec![Mode::Raw],
+        other => return Err(BenchError::Usage(format!("unknown baseline {other:?}: expected raw, none or both"))),
+    };
+    let concurrency = number("concurrency", 16, 1, 1_000)? as u32;
+    let url = args
+        .value("database-url")
+        .map(str::to_owned)
+        .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
+        .ok_or_else(|| BenchError::Usage("no database: pass --database-url URL or set DATABASE_URL".into()))?;
+    let worker_args = args.value("worker-args").unwrap_or(DEFAULT_WORKER_ARGS);
+    let config = worker_config(concurrency, worker_args)?;
+    let concurrency = config.worker.concurrency;
+    let worker_bin = match args.value("worker-bin") {
+        Some(path) => PathBuf::from(path),
+        None => std::env::current_exe().map_err(|e| failed("cannot find this program", e))?,
+    };
+    Ok(Options {
+        url,
+        workloads,
+        modes,
+        runs: number("runs", 3, 1, 100)? as u32,
+        concurrency,
+        json_only: args.switch("json-only"),
+        tasks: number("tasks", 50_000, 1, 10_000_000)?,
+        enqueue_tasks: number("enqueue-tasks", 20_000, 1, 10_000_000)?,
+        bulk_size: number("bulk-size", 1_000, 1, 100_000)?,
+        latency_tasks: number("latency-tasks", 1_000, 1, 1_000_000)?,
+        interval: Duration::from_millis(number("interval-ms", 5, 1, 60_000)? as u64),
+        history_tasks: number("history-tasks", 1_000_000, 0, 100_000_000)?,
+        raw_batch: number("raw-batch", 50, 1, 10_000)? as u32,
+        raw_loops: number("raw-loops", concurrency as usize, 1, 1_000)? as u32,
+        config,
+        worker_bin,
+    })
+}
+
+/// The worker's configuration: the defaults with `--concurrency` and `--worker-args` (flags
+/// named after settings, as `canter worker` takes them) laid over them.
+fn worker_config(concurrency: u32, worker_args: &str) -> Result<Config, BenchError> {
+    let usage = |e: crate::cli::UsageError| BenchError::Usage(format!("--worker-args: {}", e.0));
+    let words: Vec<String> = worker_args.split_whitespace().map(str::to_owned).collect();
+    let mut args = Args::parse(&words, &[], &[], true).map_err(usage)?;
+    if let Some(extra) = args.positional.first() {
+        return Err(BenchError::Usage(format!("--worker-args: unexpected {extra:?}: expected --setting value pairs")));
+    }
+    args.values.entry("concurrency".to_owned()).or_insert_with(|| concurrency.to_string());
+    crate::cli::config_with_flags(&Config::default(), &args.values, &[]).map_err(usage)
+}
+
+/// One measured result.
+#[derive(Debug, Clone)]
+struct Sample {
+    workload: &'static str,
+    mode: Mode,
+    run: u32,
+    tasks: usize,
+    seconds: f64,
+    /// Latency percentiles in ms: p50, p90, p99, max.
+    latency: Option<[f64; 4]>,
+    /// The worker's peak resident set in MiB.
+    peak_rss_mib: Option<f64>,
+    /// Finished tasks stored before the run.
+    history: Option<usize>,
+    /// Claim passes (canter) or claim statements (raw) the run took.
+    claims: Option<u64>,
+    /// CPU seconds (user and system) the worker process spent in the run.
+    worker_cpu_s: Option<f64>,
+    /// The median time of a one-row autocommit insert just before the run, in ms: what a
+    /// commit (a WAL flush) cost on this machine at the time.
+    commit_ms: Option<f64>,
+}
+
+impl Sample {
+    fn new(workload: &'static str, mode: Mode, tasks: usize, seconds: f64) -> Self {
+        Sample {
+            workload,
+            mode,
+            run: 0,
+            tasks,
+            seconds,
+            latency: None,
+            peak_rss_mib: None,
+            history: None,
+            claims: None,
+            worker_cpu_s: None,
+            commit_ms: None,
+        }
+    }
+
+    fn per_sec(&self) -> f64 {
+        if self.seconds > 0.0 { self.tasks as f64 / self.seconds } else { 0.0 }
+    }
+
+    fn json(&self, concurrency: u32) -> Value {
+        let mut line = json!({
+            "workload": self.workload,
+            "mode": self.mode.name(),
+            "run": self.run,
+            "tasks": self.tasks,
+            "seconds": round(self.seconds, 4),
+            "per_sec": round(self.per_sec(), 1),
+            "concurrency": concurrency,
+        });
+        if let Some([p50, p90, p99, max]) = self.latency {
+            line["p50_ms"] = json!(round(p50, 3));
+            line["p90_ms"] = json!(round(p90, 3));
+            line["p99_ms"] = json!(round(p99, 3));
+            line["max_ms"] = json!(round(max, 3));
+        }
+        if let Some(rss) = self.peak_rss_mib {
+            line["peak_rss_mib"] = json!(round(rss, 1));
+        }
+        if let Some(history) = self.history {
+            line["history"] = json!(history);
+        }
+        if let Some(claims) = self.claims {
+            line["claims"] = json!(claims);
+        }
+        if let Some(cpu) = self.worker_cpu_s {
+            line["worker_cpu_s"] = json!(round(cpu, 2));
+        }
+        if let Some(commit) = self.commit_ms {
+            line["commit_ms"] = json!(round(commit, 3));
+        }
+        let [one, five, _] = load_average();
+        line["load1"] = json!(one);
+        line["load5"] = json!(five);
+        line
+    }
+}
+
+fn round(value: f64, digits: i32) -> f64 {
+    let scale = 10f64.powi(digits);
+    (value * scale).round() / scale
+}
+
+/// The 1, 5 and 15 minute load averages (zeros where `/proc/loadavg` is missing).
+fn load_average() -> [f64; 3] {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut parts = text.split_whitespace().map(|p| p.parse::<f64>().unwrap_or(0.0));
+    [parts.next().unwrap_or(0.0), parts.next().unwrap_or(0.0), parts.next().unwrap_or(0.0)]
+}
+
+/// The `p`-th percentile (0 to 1) of sorted samples, nearest rank.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let rank = (p * sorted.len() as f64).ceil().max(1.0) as usize;
+    sorted[rank.min(sorted.len()) - 1]
+}
+
+/// p50, p90, p99 and max of latencies in ms.
+fn latency_summary(mut ms: Vec<f64>) -> [f64; 4] {
+    ms.sort_by(f64::total_cmp);
+    [percentile(&ms, 0.5), percentile(&ms, 0.9), percentile(&ms, 0.99), ms.last().copied().unwrap_or(f64::NAN)]
+}
+
+fn median(mut values: Vec<f64>) -> Option<f64> {
+    values.retain(|v| v.is_finite());
+    if values.is_empty() {
+        return None;
+    }
+    values.sort_by(f64::total_cmp);
+    let mid = values.len() / 2;
+    Some(if values.len() % 2 == 1 { values[mid] } else { (values[mid - 1] + values[mid]) / 2.0 })
+}
+
+/// A fresh schema for one run, dropped by [`Scratch::drop_now`].
+struct Scratch {
+    pool: PgPool,
+    name: String,
+}
+
+impl Scratch {
+    async fn new(pool: &PgPool, workload: Workload, mode: Mode, run: u32) -> Result<Scratch, BenchError> {
+        let name = format!("canter_bench_{}_{}_{}_{run}", workload.name(), mode.name(), std::process::id());
+        let scratch = Scratch { pool: pool.clone(), name };
+        scratch.drop_now().await?;
+        Ok(scratch)
+    }
+
+    fn quoted(&self) -> String {
+        format!("\"{}\"", self.name)
+    }
+
+    fn schema(&self) -> Result<PgSchema, BenchError> {
+        PgSchema::new(&self.name).map_err(|e| failed("schema", e))
+    }
+
+    async fn drop_now(&self) -> Result<(), BenchError> {
+        let sql = format!("DROP SCHEMA IF EXISTS {} CASCADE", self.quoted());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&self.pool).await.map_err(|e| failed("drop schema", e))?;
+        Ok(())
+    }
+}
+
+/// A lazily connecting pool of at most `size` for the benchmark's own work, without notices
+/// (`DROP SCHEMA IF EXISTS` and cascades would log them).
+fn connect(url: &str, size: u32) -> Result<PgPool, BenchError> {
+    let options: sqlx::postgres::PgConnectOptions =
+        url.parse().map_err(|e| BenchError::Usage(format!("invalid database url: {e}")))?;
+    let options = sqlx::ConnectOptions::disable_statement_logging(
+        options.options([("client_min_messages", "warning")]).application_name("canter-bench"),
+    );
+    Ok(sqlx::postgres::PgPoolOptions::new()
+        .max_connections(size.max(2))
+        .acquire_timeout(Duration::from_secs(30))
+        .connect_lazy_with(options))
+}
+
+/// Flushes dirty buffers so a run does not pay for the previous run's writes (needs a
+/// superuser or `pg_checkpoint`; skipped otherwise).
+async fn checkpoint(pool: &PgPool) {
+    let _ = sqlx::raw_sql("CHECKPOINT").execute(pool).await;
+}
+
+/// Runs the benchmark with the command line's arguments.
+pub async fn run(raw: &[String]) -> Result<(), BenchError> {
+    let options = options(raw)?;
+    let pool = connect(&options.url, 4)?;
+    let version: String = sqlx::query_scalar("SELECT version()")
+        .fetch_one(&pool)
+        .await
+        .map_err(|e| failed("cannot reach the database", e))?;
+    let started = load_average();
+    if !options.json_only {
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        println!("canter bench: {version}");
+        println!(
+            "{cores} cores, load average {:.2} {:.2} {:.2}; {} runs; worker concurrency {}; raw: {} loops claiming {}",
+            started[0], started[1], started[2], options.runs, options.concurrency, options.raw_loops, options.raw_batch
+        );
+        println!("worker config: {}", serde_json::to_string(&options.config).map_err(|e| failed("config", e))?);
+    }
+    let mut samples = Vec::new();
+    for &workload in &options.workloads {
+        for run in 1..=options.runs {
+            for &mode in &options.modes {
+                let results = run_one(&options, &pool, workload, mode, run).await?;
+                for mut sample in results {
+                    sample.run = run;
+                    println!("{}", sample.json(options.concurrency));
+                    let _ = std::io::stdout().flush();
+                    samples.push(sample);
+                }
+            }
+        }
+    }
+    if !options.json_only {
+        let ended = load_average();
+        print!("{}", table(&samples, &options));
+        println!(
+            "load average at start {:.2} {:.2} {:.2}, at end {:.2} {:.2} {:.2}",
+            started[0], started[1], started[2], ended[0], ended[1], ended[2]
+        );
+    }
+    pool.close().await;
+    Ok(())
+}
+
+async fn run_one(
+    options: &Options,
+    pool: &PgPool,
+    workload: Workload,
+    mode: Mode,
+    run: u32,
+) -> Result<Vec<Sample>, BenchError> {
+    let scratch = Scratch::new(pool, workload, mode, run).await?;
+    let commit_ms = commit_latency(pool, &scratch).await?;
+    let result = match mode {
+        Mode::Canter => canter_mode::run(options, &scratch, workload).await,
+        Mode::Raw => raw_mode::run(options, &scratch, workload).await,
+    };
+    let dropped = scratch.drop_now().await;
+    let mut samples = result?;
+    dropped?;
+    for sample in &mut samples {
+        sample.commit_ms = Some(commit_ms);
+    }
+    Ok(samples)
+}
+
+/// The median of 15 one-row autocommit inserts, in ms (each waits for its WAL flush).
+async fn commit_latency(pool: &PgPool, scratch: &Scratch) -> Result<f64, BenchError> {
+    let s = scratch.quoted();
+    let setup = format!("CREATE SCHEMA {s}; CREATE TABLE {s}.commit_probe (x integer)");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(setup)).execute(pool).await.map_err(|e| failed("commit probe", e))?;
+    let mut conn = pool.acquire().await.map_err(|e| failed("commit probe", e))?;
+    let insert = format!("INSERT INTO {s}.commit_probe VALUES (1)");
+    let mut times = Vec::with_capacity(15);
+    for _ in 0..15 {
+        let start = tokio::time::Instant::now();
+        sqlx::query(sqlx::AssertSqlSafe(insert.clone()))
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| failed("commit probe", e))?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    drop(conn);
+    scratch.drop_now().await?;
+    Ok(median(times).unwrap_or(f64::NAN))
+}
+
+/// The readable summary: medians per workload and mode, ratios and targets.
+fn table(samples: &[Sample], options: &Options) -> String {
+    let mut by: BTreeMap<(&str, Mode), Vec<&Sample>> = BTreeMap::new();
+    for sample in samples {
+        by.entry((sample.workload, sample.mode)).or_default().push(sample);
+    }
+    let med = |workload: &str, mode: Mode, f: &dyn Fn(&Sample) -> Option<f64>| -> Option<f64> {
+        median(by.get(&(workload, mode))?.iter().filter_map(|s| f(s)).collect())
+    };
+    let rate = |s: &Sample| Some(s.per_sec());
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "\nmedians of {} runs\n{:<14} {:<14} {:>12} {:>12} {:>10}   target",
+        options.runs, "workload", "metric", "canter", "raw", "canter/raw"
+    );
+    let cell = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"));
+    let mut row =
+        |workload: &str, metric: &str, canter: Option<f64>, raw: Option<f64>, digits: usize, target: String| {
+            let ratio = match (canter, raw) {
+                (Some(c), Some(r)) if r != 0.0 => format!("{:.2}", c / r),
+                _ => "-".to_owned(),
+            };
+            let _ = writeln!(
+                out,
+                "{:<14} {:<14} {:>12} {:>12} {:>10}   {}",
+                workload,
+                metric,
+                cell(canter, digits),
+                cell(raw, digits),
+                ratio,
+                target
+            );
+        };
+    let verdict = |ok: Option<bool>| match ok {
+        Some(true) => "ok",
+        Some(false) => "MISSED",
+        None => "n/a",
+    };
+    let both = |a: Option<bool>, b: Option<bool>| match (a, b) {
+        (Some(a), Some(b)) => Some(a && b),
+        (Some(a), None) | (None, Some(a)) => Some(a),
+        (None, None) => None,
+    };
+    let ratio_at_least = |c: Option<f64>, r: Option<f64>, k: f64| Some(c? >= k * r?);
+
+    let one = (med("enqueue_one", Mode::Canter, &rate), med("enqueue_one", Mode::Raw, &rate));
+    if one.0.is_some() || one.1.is_some() {
+        let ok = ratio_at_least(one.0, one.1, 0.9);
+        row("enqueue_one", "tasks/s", one.0, one.1, 0, format!("≥ 0.9 × raw: {}", verdict(ok)));
+    }
+    let bulk = (med("enqueue_bulk", Mode::Canter, &rate), med("enqueue_bulk", Mode::Raw, &rate));
+    if bulk.0.is_some() || bulk.1.is_some() {
+        let ok = both(bulk.0.map(|c| c >= 100_000.0), ratio_at_least(bulk.0, bulk.1, 0.7));
+        row("enqueue_bulk", "tasks/s", bulk.0, bulk.1, 0, format!("≥ 100000/s and ≥ 0.7 × raw: {}", verdict(ok)));
+    }
+    let drain = (med("drain", Mode::Canter, &rate), med("drain", Mode::Raw, &rate));
+    if drain.0.is_some() || drain.1.is_some() {
+        let ok = both(drain.0.map(|c| c >= 42_000.0), ratio_at_least(drain.0, drain.1, 0.8));
+        row("drain", "tasks/s", drain.0, drain.1, 0, format!("≥ 42000/s and ≥ 0.8 × raw: {}", verdict(ok)));
+        let rss = med("drain", Mode::Canter, &|s: &Sample| s.peak_rss_mib);
+        row("drain", "peak RSS MiB", rss, None, 1, format!("≤ 64 MiB: {}", verdict(rss.map(|r| r <= 64.0))));
+    }
+    let names = ["p50 ms", "p90 ms", "p99 ms", "max ms"];
+    for (i, name) in names.iter().enumerate() {
+        let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+        let (c, r) = (med("latency", Mode::Canter, &pick), med("latency", Mode::Raw, &pick));
+        if c.is_none() && r.is_none() {
+            continue;
+        }
+        let target = match i {
+            0 => format!("≤ 1 ms: {}", verdict(c.map(|c| c <= 1.0))),
+            2 => format!("≤ 3 ms: {}", verdict(c.map(|c| c <= 3.0))),
+            _ => String::new(),
+        };
+        row("latency", name, c, r, 3, target);
+    }
+    let history = (med("history", Mode::Canter, &rate), med("history", Mode::Raw, &rate));
+    if history.0.is_some() || history.1.is_some() {
+        let ok = ratio_at_least(history.0, drain.0, 0.9);
+        row("history", "tasks/s", history.0, history.1, 0, format!("≥ 0.9 × canter's drain: {}", verdict(ok)));
+        let ratio = |h: Option<f64>, d: Option<f64>| Some(h? / d?);
+        row("history/drain", "ratio", ratio(history.0, drain.0), ratio(history.1, drain.1), 2, String::new());
+        let rss = med("history", Mode::Canter, &|s: &Sample| s.peak_rss_mib);
+        row("history", "peak RSS MiB", rss, None, 1, String::new());
+    }
+    let commits: Vec<f64> = samples.iter().filter_map(|s| s.commit_ms).collect();
+    if let (Some(low), Some(mid), Some(high)) =
+        (commits.iter().copied().reduce(f64::min), median(commits.clone()), commits.iter().copied().reduce(f64::max))
+    {
+        let _ =
+            writeln!(out, "one-row commit (WAL flush) before each run: median {mid:.2} ms, {low:.2} to {high:.2} ms");
+    }
+    let cpu =
+        |workload: &str| med(workload, Mode::Canter, &|s: &Sample| s.worker_cpu_s.map(|c| c * 1e6 / s.tasks as f64));
+    if let Some(us) = cpu("drain") {
+        let _ = writeln!(out, "worker CPU per drained task: {us:.1} µs (median of runs)");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_and_medians() {
+        let sorted: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&sorted, 0.5), 50.0);
+        assert_eq!(percentile(&sorted, 0.99), 99.0);
+        assert_eq!(percentile(&sorted, 1.0), 100.0);
+        assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
+        assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
+        assert_eq!(median(vec![]), None);
+    }
+
+    #[test]
+    fn worker_args_become_settings() {
+        let config =
+            worker_config(16, "--prefetch-buffer 48 --claim-lease-ms 60000 --completion-batch-max 900").unwrap();
+        assert_eq!(config.worker.concurrency, 16);
+        assert_eq!(config.app.prefetch_buffer, 48);
+        assert_eq!(config.worker.completion_batch_max, 900);
+        let overridden = worker_config(16, "--concurrency 8").unwrap();
+        assert_eq!(overridden.worker.concurrency, 8);
+        assert!(worker_config(16, "--no-such-setting 1").is_err());
+        assert!(worker_config(16, "stray").is_err());
+    }
+}

@@ -1,0 +1,389 @@
+//! The workloads through Canter: the client's enqueue, `canter worker` as a child process for
+//! the drains, and a worker on a runtime of its own in this process for latency.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use canter::config::AppConfig;
+use canter::db::NewTask;
+use canter::driver::{Registry, WorkerService};
+use canter::postgres::{PgSchema, PgStore, enqueue_many_in};
+use canter::task::{TaskError, WorkerId};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use sqlx::PgPool;
+use sqlx::postgres::PgListener;
+use tokio::time::Instant;
+
+use super::{BenchError, Mode, Options, Sample, Scratch, Workload, checkpoint, connect, failed, latency_summary};
+use crate::TokioRuntime;
+
+pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
+    let schema = scratch.schema()?;
+    let pool = connect(&options.url, 4)?;
+    let store = PgStore::new(pool.clone(), schema.clone(), options.config.app.clone());
+    store.migrate().await.map_err(|e| failed("migrate", e))?;
+    let result = match workload {
+        Workload::Enqueue => enqueue(options, &store).await,
+        Workload::Drain => drain(options, &store, 0).await.map(|s| vec![s]),
+        Workload::History => {
+            fill_history(&store, options.history_tasks).await?;
+            drain(options, &store, options.history_tasks).await.map(|s| vec![s])
+        }
+        Workload::Latency => latency(options, &store).await.map(|s| vec![s]),
+    };
+    pool.close().await;
+    result
+}
+
+fn noop(i: usize) -> NewTask {
+    NewTask::new("noop", json!({ "i": i }))
+}
+
+async fn enqueue(options: &Options, store: &PgStore) -> Result<Vec<Sample>, BenchError> {
+    // Connect before the clock starts.
+    store.now().await.map_err(|e| failed("connect", e))?;
+    let n = options.enqueue_tasks;
+    let start = Instant::now();
+    for i in 0..n {
+        store.enqueue(noop(i)).await.map_err(|e| failed("enqueue", e))?;
+    }
+    let one = Sample::new("enqueue_one", Mode::Canter, n, start.elapsed().as_secs_f64());
+
+    let start = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let size = options.bulk_size.min(n - done);
+        let tasks = (done..done + size).map(noop).collect();
+        store.enqueue_many(tasks).await.map_err(|e| failed("enqueue_many", e))?;
+        done += size;
+    }
+    let bulk = Sample::new("enqueue_bulk", Mode::Canter, n, start.elapsed().as_secs_f64());
+    Ok(vec![one, bulk])
+}
+
+/// Stores `n` finished tasks (and their attempts) directly, as a worker would have left them,
+/// then vacuums and analyzes them: the steady state of a database with that much history.
+async fn fill_history(store: &PgStore, n: usize) -> Result<(), BenchError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let s = store.schema().quoted();
+    let retry = serde_json::to_value(&store.app().retry).map_err(|e| failed("retry policy", e))?;
+    let finished = format!(
+        "INSERT INTO {s}.finished_tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, \
+         claimed_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, retry, result, finished_at) \
+         SELECT g, 'noop', 'default', 0, jsonb_build_object('i', g), 'COMPLETED', 1, 'bench-history', g, now(), \
+         now(), now(), 1, 0, now(), now(), $2, 'null'::jsonb, now() FROM generate_series(1, $1::bigint) g"
+    );
+    let attempts = format!(
+        "INSERT INTO {s}.attempts (task_id, attempt, worker, outcome, finished_at) \
+         SELECT g, 1, 'bench-history', 'COMPLETED', now() FROM generate_series(1, $1::bigint) g"
+    );
+    let n = n as i64;
+    let pool = store.pool();
+    sqlx::query(sqlx::AssertSqlSafe(finished))
+        .bind(n)
+        .bind(retry)
+        .execute(pool)
+        .await
+        .map_err(|e| failed("fill", e))?;
+    sqlx::query(sqlx::AssertSqlSafe(attempts)).bind(n).execute(pool).await.map_err(|e| failed("fill", e))?;
+    let sequence = format!("SELECT setval('{s}.task_id_seq', $1)");
+    sqlx::query(sqlx::AssertSqlSafe(sequence)).bind(n).execute(pool).await.map_err(|e| failed("fill", e))?;
+    let vacuum = format!("VACUUM ANALYZE {s}.finished_tasks, {s}.attempts");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(vacuum)).execute(pool).await.map_err(|e| failed("vacuum", e))?;
+    Ok(())
+}
+
+/// `canter worker` serving this schema as a child process, stopped on drop.
+struct WorkerProcess {
+    child: Child,
+    config: std::path::PathBuf,
+}
+
+impl WorkerProcess {
+    fn spawn(options: &Options, schema: &PgSchema) -> Result<WorkerProcess, BenchError> {
+        let config = std::env::temp_dir().join(format!("canter-bench-{}-{}.json", std::process::id(), schema.name()));
+        let text = serde_json::to_string(&options.config).map_err(|e| failed("config", e))?;
+        std::fs::write(&config, text).map_err(|e| failed("write the worker config", e))?;
+        let child = Command::new(&options.worker_bin)
+            .args(["worker", "--database-url", &options.url, "--schema", schema.name(), "--config"])
+            .arg(&config)
+            .env("CANTER_LOG", std::env::var("CANTER_LOG").unwrap_or_else(|_| "warn".to_owned()))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .spawn()
+            .map_err(|e| failed(&format!("cannot start {}", options.worker_bin.display()), e))?;
+        Ok(WorkerProcess { child, config })
+    }
+
+    fn check_alive(&mut self) -> Result<(), BenchError> {
+        match self.child.try_wait() {
+            Ok(None) => Ok(()),
+            Ok(Some(status)) => Err(BenchError::Failed(format!("the worker process exited: {status}"))),
+            Err(e) => Err(failed("the worker process", e)),
+        }
+    }
+
+    /// Waits until the worker has registered (it is connected and claiming), and a little more
+    /// for its listener.
+    async fn wait_ready(&mut self, pool: &PgPool, schema: &PgSchema) -> Result<(), BenchError> {
+        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            self.check_alive()?;
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
+                .fetch_one(pool)
+                .await
+                .map_err(|e| failed("read workers", e))?;
+            if live > 0 {
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Failed("the worker did not register within 30 s".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// The peak resident set so far in MiB (`VmHWM`), where `/proc` has it.
+    fn peak_rss_mib(&self) -> Option<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id())).ok()?;
+        let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+        let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kib / 1024.0)
+    }
+
+    /// CPU seconds (user and system) the process has used, where `/proc` has it.
+    fn cpu_seconds(&self) -> Option<f64> {
+        let stat = std::fs::read_to_string(format!("/proc/{}/stat", self.child.id())).ok()?;
+        // The fields after the command name (which may hold spaces) in parentheses.
+        let fields: Vec<&str> = stat.rsplit_once(')')?.1.split_whitespace().collect();
+        let ticks: f64 = fields.get(11)?.parse::<f64>().ok()? + fields.get(12)?.parse::<f64>().ok()?;
+        // USER_HZ is 100 on every Linux ABI.
+        Some(ticks / 100.0)
+    }
+
+    /// SIGTERM, then up to 30 s for a graceful exit, then SIGKILL.
+    async fn stop(mut self) {
+        let _ = Command::new("kill").args(["-TERM", &self.child.id().to_string()]).status();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        eprintln!("canter bench: the worker did not stop within 30 s; killing it");
+    }
+}
+
+impl Drop for WorkerProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+        let _ = std::fs::remove_file(&self.config);
+    }
+}
+
+/// `options.tasks` no-op tasks committed at once while an idle worker process waits; timed from
+/// the commit to the last finished task.
+async fn drain(options: &Options, store: &PgStore, history: usize) -> Result<Sample, BenchError> {
+    let schema = store.schema().clone();
+    let pool = store.pool();
+    let mut worker = WorkerProcess::spawn(options, &schema)?;
+    worker.wait_ready(pool, &schema).await?;
+    checkpoint(pool).await;
+    let cpu_before = worker.cpu_seconds();
+
+    let mut listener = PgListener::connect_with(pool).await.map_err(|e| failed("listen", e))?;
+    listener.listen(&schema.done_channel()).await.map_err(|e| failed("listen", e))?;
+    let n = options.tasks;
+    let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
+    let mut done = 0;
+    while done < n {
+        let size = 1_000.min(n - done);
+        let tasks = (done..done + size).map(noop).collect();
+        enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
+        done += size;
+    }
+    // Statistics as autovacuum would soon have them (this server may run without it), taken
+    // in the same transaction so the worker never plans against an empty table's numbers.
+    let analyze = format!("ANALYZE {}.tasks", schema.quoted());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
+    tx.commit().await.map_err(|e| failed("commit", e))?;
+    let start = Instant::now();
+
+    // Generous: a slow machine makes slow numbers, not a failed run.
+    let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
+    let mut finished = 0usize;
+    let end = loop {
+        match tokio::time::timeout(Duration::from_millis(200), listener.recv()).await {
+            Ok(Ok(note)) => {
+                finished += note.payload().split(',').filter(|id| !id.is_empty()).count();
+                if finished >= n {
+                    break Instant::now();
+                }
+            }
+            Ok(Err(e)) => return Err(failed("listen", e)),
+            Err(_quiet) => {
+                worker.check_alive()?;
+                let live = live_tasks(pool, &schema).await?;
+                if live == 0 {
+                    eprintln!("canter bench: finished-task notifications fell short; the end time is approximate");
+                    break Instant::now();
+                }
+                if start.elapsed() > limit {
+                    return Err(BenchError::Failed(format!("the drain did not finish within {limit:?}: {live} left")));
+                }
+            }
+        }
+    };
+    let seconds = (end - start).as_secs_f64();
+    let peak = worker.peak_rss_mib();
+    let cpu = worker.cpu_seconds().zip(cpu_before).map(|(after, before)| after - before);
+    worker.stop().await;
+    drop(listener);
+
+    // Checked by a count: nothing live, every task completed.
+    let s = schema.quoted();
+    let check = format!(
+        "SELECT (SELECT count(*) FROM {s}.tasks), (SELECT count(*) FROM {s}.finished_tasks WHERE state = 'COMPLETED'), \
+         (SELECT count(DISTINCT (claimed_by, claim_token)) FROM {s}.finished_tasks WHERE claimed_by <> 'bench-history')"
+    );
+    let (live, completed, claims): (i64, i64, i64) =
+        sqlx::query_as(sqlx::AssertSqlSafe(check)).fetch_one(pool).await.map_err(|e| failed("count", e))?;
+    if live != 0 || completed as usize != n + history {
+        return Err(BenchError::Failed(format!(
+            "after the drain {live} tasks are live and {completed} completed (expected 0 and {})",
+            n + history
+        )));
+    }
+    let workload = if history > 0 { "history" } else { "drain" };
+    let mut sample = Sample::new(workload, Mode::Canter, n, seconds);
+    sample.peak_rss_mib = peak;
+    sample.history = (history > 0).then_some(history);
+    sample.claims = Some(claims as u64);
+    sample.worker_cpu_s = cpu;
+    Ok(sample)
+}
+
+async fn live_tasks(pool: &PgPool, schema: &PgSchema) -> Result<i64, BenchError> {
+    let sql = format!("SELECT count(*) FROM {}.tasks", schema.quoted());
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.map_err(|e| failed("count", e))
+}
+
+#[derive(Deserialize)]
+struct Stamp {
+    i: usize,
+}
+
+/// An idle worker in this process (on a runtime of its own, as if it were another process),
+/// tasks enqueued one at a time: enqueue commit to handler start.
+async fn latency(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
+    let n = options.latency_tasks;
+    let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
+    let mut registry = Registry::new();
+    let record = stamps.clone();
+    registry
+        .register("stamp", move |args: Stamp, _| {
+            let record = record.clone();
+            async move {
+                let now = Instant::now();
+                if let Some(slot) = record.lock().unwrap_or_else(PoisonError::into_inner).get_mut(args.i) {
+                    *slot = Some(now);
+                }
+                Ok::<_, TaskError>(Value::Null)
+            }
+        })
+        .map_err(|e| failed("register", e))?;
+    let registry = Arc::new(registry);
+
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bench-worker")
+        .enable_all()
+        .build()
+        .map_err(|e| failed("worker runtime", e))?;
+    let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
+    let app: AppConfig = options.config.app.clone();
+    let config = options.config.worker.clone();
+    let id = WorkerId(format!("bench-latency-{}", std::process::id()));
+    let mut service = WorkerService::new(app, config.clone(), registry, id).map_err(|e| failed("worker", e))?;
+    service.schema = store.schema().clone();
+    service.migrate = false;
+    let url = options.url.clone();
+    let serve = runtime.spawn(async move {
+        let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
+        let stop = async move {
+            let _ = stop_rx.await;
+        };
+        let _ = service.serve(Arc::new(TokioRuntime), pool.clone(), stop).await;
+        pool.close().await;
+        Ok::<_, sqlx::Error>(())
+    });
+
+    let result = async {
+        let schema = store.schema();
+        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
+                .fetch_one(store.pool())
+                .await
+                .map_err(|e| failed("read workers", e))?;
+            if live > 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Failed("the worker did not register within 30 s".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Room for the listener to connect, and the startup claim to come back empty.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+
+        let mut committed = Vec::with_capacity(n);
+        let began = Instant::now();
+        let mut ticks = tokio::time::interval(options.interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for i in 0..n {
+            ticks.tick().await;
+            store.enqueue(NewTask::new("stamp", json!({ "i": i }))).await.map_err(|e| failed("enqueue", e))?;
+            committed.push(Instant::now());
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let started = stamps.lock().unwrap_or_else(PoisonError::into_inner).iter().filter(|s| s.is_some()).count();
+            if started == n {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Failed(format!("only {started} of {n} latency tasks started within 30 s")));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seconds = committed.last().map_or(0.0, |last| (*last - began).as_secs_f64());
+        let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
+        let ms: Vec<f64> = committed
+            .iter()
+            .zip(stamps.iter())
+            .map(|(at, started)| started.map_or(f64::NAN, |s| s.saturating_duration_since(*at).as_secs_f64() * 1e3))
+            .collect();
+        Ok((ms, seconds))
+    }
+    .await;
+
+    let _ = stop_tx.send(());
+    let _ = tokio::time::timeout(Duration::from_secs(35), serve).await;
+    runtime.shutdown_background();
+    let (ms, seconds) = result?;
+    let mut sample = Sample::new("latency", Mode::Canter, n, seconds);
+    sample.latency = Some(latency_summary(ms));
+    Ok(sample)
+}

@@ -1,0 +1,347 @@
+//! The raw baseline: the same workloads with the least hand-written SQL that does the same work
+//! (tasks with a payload, claimed with `FOR UPDATE SKIP LOCKED`, results kept, notifications
+//! on enqueue), through sqlx with its statement cache and no library.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use serde_json::{Value, json};
+use sqlx::postgres::PgListener;
+use sqlx::{PgConnection, PgPool, Row};
+use tokio::time::Instant;
+
+use super::{BenchError, Mode, Options, Sample, Scratch, Workload, checkpoint, connect, failed, latency_summary};
+
+const CREATE: &str = "\
+CREATE SCHEMA {s};
+CREATE TABLE {s}.jobs (
+    id          bigserial   PRIMARY KEY,
+    state       text        NOT NULL DEFAULT 'pending',
+    payload     jsonb       NOT NULL,
+    result      jsonb,
+    attempts    integer     NOT NULL DEFAULT 0,
+    created_at  timestamptz NOT NULL DEFAULT now(),
+    finished_at timestamptz
+);
+CREATE INDEX jobs_pending_idx ON {s}.jobs (id) WHERE state = 'pending';";
+
+const ENQUEUE_ONE: &str = "\
+WITH j AS (INSERT INTO {s}.jobs (payload) VALUES ($1) RETURNING id)
+SELECT j.id FROM (SELECT pg_notify($2, '')) n, j";
+
+const ENQUEUE_MANY: &str = "\
+WITH j AS (INSERT INTO {s}.jobs (payload) SELECT p FROM unnest($1::jsonb[]) AS p RETURNING id)
+SELECT j.id FROM (SELECT pg_notify($2, '')) n, j";
+
+const CLAIM: &str = "\
+WITH c AS (SELECT id FROM {s}.jobs WHERE state = 'pending' ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+UPDATE {s}.jobs j SET state = 'running', attempts = j.attempts + 1 FROM c WHERE j.id = c.id
+RETURNING j.id, j.payload";
+
+const COMPLETE: &str = "\
+UPDATE {s}.jobs j SET state = 'done', result = r.result, finished_at = now()
+FROM unnest($1::bigint[], $2::jsonb[]) AS r(id, result) WHERE j.id = r.id";
+
+#[derive(Clone)]
+struct Sql {
+    enqueue_one: String,
+    enqueue_many: String,
+    claim: String,
+    complete: String,
+    channel: String,
+}
+
+impl Sql {
+    fn new(scratch: &Scratch) -> Sql {
+        let s = scratch.quoted();
+        Sql {
+            enqueue_one: ENQUEUE_ONE.replace("{s}", &s),
+            enqueue_many: ENQUEUE_MANY.replace("{s}", &s),
+            claim: CLAIM.replace("{s}", &s),
+            complete: COMPLETE.replace("{s}", &s),
+            channel: format!("{}_jobs", scratch.name),
+        }
+    }
+}
+
+fn q(sql: &str) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::PgArguments> {
+    sqlx::query(sqlx::AssertSqlSafe(sql.to_owned()))
+}
+
+pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
+    let pool = connect(&options.url, options.raw_loops + 4)?;
+    let create = CREATE.replace("{s}", &scratch.quoted());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
+    let sql = Sql::new(scratch);
+    let result = match workload {
+        Workload::Enqueue => enqueue(options, &pool, &sql).await,
+        Workload::Drain => drain(options, &pool, &sql, scratch, 0).await.map(|s| vec![s]),
+        Workload::History => {
+            fill_history(&pool, scratch, options.history_tasks).await?;
+            drain(options, &pool, &sql, scratch, options.history_tasks).await.map(|s| vec![s])
+        }
+        Workload::Latency => latency(options, &pool, &sql).await.map(|s| vec![s]),
+    };
+    pool.close().await;
+    result
+}
+
+fn payload(i: usize) -> Value {
+    json!({ "i": i })
+}
+
+async fn enqueue(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Vec<Sample>, BenchError> {
+    let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+    let n = options.enqueue_tasks;
+    let start = Instant::now();
+    for i in 0..n {
+        let _id: i64 = q(&sql.enqueue_one)
+            .bind(payload(i))
+            .bind(&sql.channel)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(|e| failed("insert", e))?
+            .try_get(0)
+            .map_err(|e| failed("insert", e))?;
+    }
+    let one = Sample::new("enqueue_one", Mode::Raw, n, start.elapsed().as_secs_f64());
+
+    let start = Instant::now();
+    let mut done = 0;
+    while done < n {
+        let size = options.bulk_size.min(n - done);
+        let payloads: Vec<Value> = (done..done + size).map(payload).collect();
+        let rows = q(&sql.enqueue_many)
+            .bind(payloads)
+            .bind(&sql.channel)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(|e| failed("insert", e))?;
+        let _ids: Vec<i64> =
+            rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
+        done += size;
+    }
+    let bulk = Sample::new("enqueue_bulk", Mode::Raw, n, start.elapsed().as_secs_f64());
+    Ok(vec![one, bulk])
+}
+
+/// `n` finished jobs in the same table, vacuumed and analyzed.
+async fn fill_history(pool: &PgPool, scratch: &Scratch, n: usize) -> Result<(), BenchError> {
+    if n == 0 {
+        return Ok(());
+    }
+    let s = scratch.quoted();
+    let fill = format!(
+        "INSERT INTO {s}.jobs (state, payload, result, attempts, finished_at) \
+         SELECT 'done', jsonb_build_object('i', g), 'null'::jsonb, 1, now() FROM generate_series(1, $1::bigint) g"
+    );
+    q(&fill).bind(n as i64).execute(pool).await.map_err(|e| failed("fill", e))?;
+    let vacuum = format!("VACUUM ANALYZE {s}.jobs");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(vacuum)).execute(pool).await.map_err(|e| failed("vacuum", e))?;
+    Ok(())
+}
+
+/// What a handler of a no-op task does with its payload.
+fn noop(payload: Value) -> Value {
+    std::hint::black_box(payload);
+    Value::Null
+}
+
+/// Claims up to `batch` jobs, runs them, writes their results: the number claimed.
+async fn claim_run_complete(
+    conn: &mut PgConnection,
+    sql: &Sql,
+    batch: u32,
+    mut on_start: impl FnMut(&Value),
+) -> Result<usize, sqlx::Error> {
+    let rows = q(&sql.claim).bind(i64::from(batch)).fetch_all(&mut *conn).await?;
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    let mut ids = Vec::with_capacity(rows.len());
+    let mut results = Vec::with_capacity(rows.len());
+    for row in rows {
+        let id: i64 = row.try_get(0)?;
+        let payload: Value = row.try_get(1)?;
+        on_start(&payload);
+        ids.push(id);
+        results.push(noop(payload));
+    }
+    q(&sql.complete).bind(&ids).bind(results).execute(&mut *conn).await?;
+    Ok(ids.len())
+}
+
+async fn drain(
+    options: &Options,
+    pool: &PgPool,
+    sql: &Sql,
+    scratch: &Scratch,
+    history: usize,
+) -> Result<Sample, BenchError> {
+    let loops = options.raw_loops as usize;
+    let mut conns = Vec::with_capacity(loops);
+    for _ in 0..loops {
+        conns.push(pool.acquire().await.map_err(|e| failed("connect", e))?);
+    }
+    checkpoint(pool).await;
+    let n = options.tasks;
+    let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
+    let mut done = 0;
+    while done < n {
+        let size = 1_000.min(n - done);
+        let payloads: Vec<Value> = (done..done + size).map(payload).collect();
+        q(&sql.enqueue_many)
+            .bind(payloads)
+            .bind(&sql.channel)
+            .execute(&mut *tx)
+            .await
+            .map_err(|e| failed("insert", e))?;
+        done += size;
+    }
+    // As for Canter: statistics as autovacuum would soon have them.
+    let analyze = format!("ANALYZE {}.jobs", scratch.quoted());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
+    tx.commit().await.map_err(|e| failed("commit", e))?;
+    let start = Instant::now();
+
+    let claims = Arc::new(AtomicU64::new(0));
+    let mut handles = Vec::with_capacity(loops);
+    for mut conn in conns {
+        let (sql, claims, batch) = (sql.clone(), claims.clone(), options.raw_batch);
+        handles.push(tokio::spawn(async move {
+            let mut last = None;
+            loop {
+                let took = claim_run_complete(&mut conn, &sql, batch, |_| {}).await?;
+                if took == 0 {
+                    return Ok::<_, sqlx::Error>(last);
+                }
+                claims.fetch_add(1, Ordering::Relaxed);
+                last = Some(Instant::now());
+            }
+        }));
+    }
+    let mut end = start;
+    for handle in handles {
+        let last = handle.await.map_err(|e| failed("drain loop", e))?.map_err(|e| failed("drain", e))?;
+        end = end.max(last.unwrap_or(start));
+    }
+    let seconds = (end - start).as_secs_f64();
+
+    let check = format!(
+        "SELECT count(*) FILTER (WHERE state = 'done'), count(*) FILTER (WHERE state <> 'done') FROM {}.jobs",
+        scratch.quoted()
+    );
+    let (finished, left): (i64, i64) =
+        sqlx::query_as(sqlx::AssertSqlSafe(check)).fetch_one(pool).await.map_err(|e| failed("count", e))?;
+    if left != 0 || finished as usize != n + history {
+        return Err(BenchError::Failed(format!(
+            "after the raw drain {left} jobs are not done and {finished} are (expected 0 and {})",
+            n + history
+        )));
+    }
+    let workload = if history > 0 { "history" } else { "drain" };
+    let mut sample = Sample::new(workload, Mode::Raw, n, seconds);
+    sample.history = (history > 0).then_some(history);
+    sample.claims = Some(claims.load(Ordering::Relaxed));
+    Ok(sample)
+}
+
+/// An idle raw worker (LISTEN, then claim until empty) on a runtime of its own; jobs inserted
+/// one at a time with a notification.
+async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
+    let n = options.latency_tasks;
+    let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("bench-raw-worker")
+        .enable_all()
+        .build()
+        .map_err(|e| failed("worker runtime", e))?;
+    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+    let (url, worker_sql, record, batch) = (options.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
+    let worker = runtime.spawn(async move {
+        let pool = crate::connect(&url, 2)?;
+        let mut listener = PgListener::connect_with(&pool).await?;
+        listener.listen(&worker_sql.channel).await?;
+        let mut conn = pool.acquire().await?;
+        let _ = ready_tx.send(());
+        loop {
+            loop {
+                let stamp = |payload: &Value| {
+                    let now = Instant::now();
+                    let i = payload["i"].as_u64().unwrap_or(u64::MAX) as usize;
+                    if let Some(slot) = record.lock().unwrap_or_else(PoisonError::into_inner).get_mut(i) {
+                        *slot = Some(now);
+                    }
+                };
+                if claim_run_complete(&mut conn, &worker_sql, batch, stamp).await? == 0 {
+                    break;
+                }
+            }
+            tokio::select! {
+                note = listener.recv() => { note?; }
+                _ = &mut stop_rx => break,
+            }
+        }
+        drop(conn);
+        drop(listener);
+        pool.close().await;
+        Ok::<_, sqlx::Error>(())
+    });
+
+    let result = async {
+        tokio::time::timeout(Duration::from_secs(30), ready_rx)
+            .await
+            .map_err(|_| BenchError::Failed("the raw worker did not start within 30 s".into()))?
+            .map_err(|_| BenchError::Failed("the raw worker failed to start".into()))?;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+        let mut committed = Vec::with_capacity(n);
+        let began = Instant::now();
+        let mut ticks = tokio::time::interval(options.interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        for i in 0..n {
+            ticks.tick().await;
+            q(&sql.enqueue_one)
+                .bind(payload(i))
+                .bind(&sql.channel)
+                .fetch_one(&mut *conn)
+                .await
+                .map_err(|e| failed("insert", e))?;
+            committed.push(Instant::now());
+        }
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let started = stamps.lock().unwrap_or_else(PoisonError::into_inner).iter().filter(|s| s.is_some()).count();
+            if started == n {
+                break;
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Failed(format!("only {started} of {n} raw latency jobs started within 30 s")));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let seconds = committed.last().map_or(0.0, |last| (*last - began).as_secs_f64());
+        let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
+        let ms: Vec<f64> = committed
+            .iter()
+            .zip(stamps.iter())
+            .map(|(at, started)| started.map_or(f64::NAN, |s| s.saturating_duration_since(*at).as_secs_f64() * 1e3))
+            .collect();
+        Ok((ms, seconds))
+    }
+    .await;
+
+    let _ = stop_tx.send(());
+    let stopped = tokio::time::timeout(Duration::from_secs(10), worker).await;
+    runtime.shutdown_background();
+    let (ms, seconds) = result?;
+    if let Ok(Ok(Err(error))) = stopped {
+        return Err(failed("raw worker", error));
+    }
+    let mut sample = Sample::new("latency", Mode::Raw, n, seconds);
+    sample.latency = Some(latency_summary(ms));
+    Ok(sample)
+}
