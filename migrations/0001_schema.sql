@@ -43,7 +43,9 @@ CREATE TABLE tasks (
     run_at           timestamptz NOT NULL,
     enqueued_at      timestamptz NOT NULL,
     good_until       timestamptz,
-    retry            jsonb       NOT NULL,
+    -- The task's own retry policy; NULL (most tasks) follows the app's, as configured where
+    -- the task is claimed (the row stays small: every byte here is written three times).
+    retry            jsonb,
     key              text,
     error            jsonb
 ) WITH (
@@ -85,7 +87,7 @@ CREATE TABLE finished_tasks (
     run_at       timestamptz NOT NULL,
     enqueued_at  timestamptz NOT NULL,
     good_until   timestamptz,
-    retry        jsonb       NOT NULL,
+    retry        jsonb,
     key          text,
     error        jsonb,
     result       jsonb,
@@ -369,6 +371,7 @@ DECLARE
     v_key   bigint;
     v_left  integer := greatest(p_budget, 0);
     v_ids   bigint[] := '{}';
+    v_start bigint[];
     v_got   bigint[];
     v_want  integer;
     v_count integer;
@@ -459,31 +462,31 @@ BEGIN
     END IF;
 
     IF cardinality(v_ids) > 0 THEN
+        -- Rows by `id = ANY (array)`, an index scan of the primary key: a join with the id list
+        -- lets the planner hash the whole live table instead, once the batch is large.
+        v_start := v_ids[1:greatest(p_start_now, 0)];
         RETURN QUERY
-        WITH chosen AS (
-            SELECT c.id, c.ord, c.ord <= p_start_now AS start
-            FROM unnest(v_ids) WITH ORDINALITY AS c(id, ord)
-        ),
-        claimed AS (
+        WITH claimed AS (
             UPDATE tasks t SET
-                state = CASE WHEN c.start THEN 'RUNNING' ELSE 'CLAIMED' END,
+                state = CASE WHEN t.id = ANY (v_start) THEN 'RUNNING' ELSE 'CLAIMED' END,
                 lease = t.lease + 1,
                 claimed_by = p_worker,
                 claim_token = p_token,
                 claimed_at = v_now,
-                attempts = t.attempts + CASE WHEN c.start THEN 1 ELSE 0 END,
-                started_at = CASE WHEN c.start THEN v_now ELSE t.started_at END,
-                heartbeat_at = CASE WHEN c.start THEN v_now END,
-                claim_expires_at = CASE WHEN c.start THEN NULL ELSE v_now + p_lease_ms * interval '1 millisecond' END
-            FROM chosen c
-            WHERE t.id = c.id
-            RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, c.start, t.attempts, t.retries, t.retry,
-                      t.good_until IS NOT NULL AS expires, c.ord
+                attempts = t.attempts + CASE WHEN t.id = ANY (v_start) THEN 1 ELSE 0 END,
+                started_at = CASE WHEN t.id = ANY (v_start) THEN v_now ELSE t.started_at END,
+                heartbeat_at = CASE WHEN t.id = ANY (v_start) THEN v_now END,
+                claim_expires_at = CASE WHEN t.id = ANY (v_start) THEN NULL
+                                        ELSE v_now + p_lease_ms * interval '1 millisecond' END
+            WHERE t.id = ANY (v_ids)
+            RETURNING t.id, t.lease, t.name, t.queue, t.args, t.priority, t.state = 'RUNNING' AS start, t.attempts,
+                      t.retries, t.retry, t.good_until IS NOT NULL AS expires
         )
         SELECT c.id, c.lease, c.name, c.queue, c.args, c.priority, c.start,
                CASE WHEN c.start THEN c.attempts ELSE c.attempts + 1 END, c.retries, c.retry, c.expires, v_more, v_next
         FROM claimed c
-        ORDER BY c.ord;
+        JOIN unnest(v_ids) WITH ORDINALITY AS o(id, ord) ON o.id = c.id
+        ORDER BY o.ord;
     END IF;
     RETURN QUERY SELECT NULL::bigint, NULL::bigint, NULL::text, NULL::text, NULL::jsonb, NULL::smallint,
                         NULL::boolean, NULL::integer, NULL::integer, NULL::jsonb, NULL::boolean, v_more, v_next;

@@ -250,7 +250,8 @@ pub struct ClaimedTask {
     pub attempt: Attempt,
     /// Retries already spent.
     pub retries: u32,
-    /// Its retry policy (the app default resolved at enqueue).
+    /// Its retry policy: its own, or the app's (resolved at enqueue by the memory store, at
+    /// claim by PostgreSQL, which stores no copy of the default in every row).
     pub retry: RetryPolicy,
     /// Whether it has a good-until: then only a [`DbRequest::Start`], which checks it on the
     /// store's clock, may start it.
@@ -412,6 +413,22 @@ pub enum DbRequest {
 }
 
 impl DbRequest {
+    /// How many tasks (or claims) the request names: its batch size, for logs and traces.
+    pub fn items(&self) -> usize {
+        match self {
+            DbRequest::Start { tasks, .. }
+            | DbRequest::RecordStarts { tasks, .. }
+            | DbRequest::Release { tasks, .. } => tasks.len(),
+            DbRequest::Finish { completions, .. } => completions.len(),
+            DbRequest::Heartbeat { claimed, running, .. } => claimed.len() + running.len(),
+            DbRequest::Claim { .. }
+            | DbRequest::AbandonClaim { .. }
+            | DbRequest::Reap { .. }
+            | DbRequest::RegisterWorker(_)
+            | DbRequest::DeregisterWorker(_) => 0,
+        }
+    }
+
     /// A short name for logs and traces.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -140,8 +140,9 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         delays.push(delay);
         ats.push(at);
         good_until.push(task.good_until.map(db_time));
-        let policy = task.retry.as_ref().unwrap_or(&app.retry);
-        retries.push(serde_json::to_value(policy).map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
+        // No policy of its own: NULL, the app's policy where it is claimed.
+        let policy = task.retry.as_ref().map(serde_json::to_value).transpose();
+        retries.push(policy.map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
         keys.push(task.key.as_deref());
     }
     let rows = sqlx::query(schema.sql().enqueue.clone())

@@ -133,7 +133,10 @@ impl PgStore {
                         started: row.try_get("started")?,
                         attempt: Attempt(count(row.try_get("attempt")?)),
                         retries: count(row.try_get("retries")?),
-                        retry: json(row.try_get("retry")?)?,
+                        retry: match row.try_get::<Option<Value>, _>("retry")? {
+                            Some(policy) => json(policy)?,
+                            None => self.app.retry.clone(),
+                        },
                         expires: row.try_get("expires")?,
                     });
                 }
@@ -327,15 +330,18 @@ impl PgStore {
             report.requeued = ids.into_iter().map(TaskId).collect();
         }
         if let Some(threshold) = running_stale_ms {
-            let stale: Vec<(i64, Value, i32)> =
+            let stale: Vec<(i64, Option<Value>, i32)> =
                 sqlx::query_as(sql.reap_running_select.clone()).bind(duration(threshold)).fetch_all(&mut *tx).await?;
             if !stale.is_empty() {
                 let mut ids = Vec::with_capacity(stale.len());
                 let mut delays = Vec::with_capacity(stale.len());
                 let mut may_retry = Vec::with_capacity(stale.len());
                 for (id, retry, retries) in stale {
-                    // A policy that does not decode retries nothing.
-                    let policy: RetryPolicy = serde_json::from_value(retry).unwrap_or_else(|_| RetryPolicy::none());
+                    // A policy that does not decode retries nothing; none of its own is the app's.
+                    let policy: RetryPolicy = match retry {
+                        Some(retry) => serde_json::from_value(retry).unwrap_or_else(|_| RetryPolicy::none()),
+                        None => self.app.retry.clone(),
+                    };
                     let retries = count(retries);
                     let delay = backoff::retry_delay(&policy, retries.saturating_add(1), mix(entropy ^ id as u64));
                     ids.push(id);
