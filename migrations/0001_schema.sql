@@ -61,9 +61,11 @@ CREATE TABLE tasks (
 
 -- The claim's pending arm: `queue = $q AND state = 'PENDING' ORDER BY priority, run_at, id`.
 CREATE INDEX tasks_claim_idx ON tasks (queue, priority, run_at, id) WHERE state = 'PENDING';
+-- When the next delayed task of a queue becomes due (the claim's wake-up hint). Only delayed
+-- tasks (run_at after enqueued_at: a delay, a future run-at, a retry) can become due later; a
+-- task due at once never enters this index, so most enqueues skip it.
+CREATE INDEX tasks_due_idx ON tasks (queue, run_at) WHERE state = 'PENDING' AND run_at > enqueued_at;
 -- Tasks in flight: the claim's lapsed-lease arm, cap counts, heartbeats and the reaper.
--- When the next delayed task of a queue becomes due (the claim's wake-up hint).
-CREATE INDEX tasks_due_idx ON tasks (queue, run_at) WHERE state = 'PENDING';
 CREATE INDEX tasks_in_flight_idx ON tasks (queue, state, claim_expires_at) WHERE state IN ('CLAIMED', 'RUNNING');
 -- The reaper's expiry of pending tasks.
 CREATE INDEX tasks_good_until_idx ON tasks (good_until) WHERE state = 'PENDING' AND good_until IS NOT NULL;
@@ -455,7 +457,7 @@ BEGIN
         FROM unnest(p_queues) AS q(name),
         LATERAL (
             SELECT t.run_at FROM tasks t
-            WHERE t.queue = q.name AND t.state = 'PENDING' AND t.run_at > v_now
+            WHERE t.queue = q.name AND t.state = 'PENDING' AND t.run_at > v_now AND t.run_at > t.enqueued_at
             ORDER BY t.run_at
             LIMIT 1
         ) d;

@@ -348,7 +348,10 @@ impl MemoryStore {
                 } else {
                     self.live
                         .values()
+                        // Delayed tasks only, as PostgreSQL's index of them (a task due when
+                        // enqueued is not one, whatever the clock did since).
                         .filter(|row| row.state == TaskState::Pending && row.run_at > now)
+                        .filter(|row| row.run_at > row.enqueued_at)
                         .filter(|row| policy.queues.iter().any(|q| q.name == row.queue))
                         .map(|row| (row.run_at.0 - now.0) as u64)
                         .min()

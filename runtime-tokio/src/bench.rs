@@ -398,6 +398,8 @@ fn connect(url: &str, size: u32) -> Result<PgPool, BenchError> {
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(size.max(2))
         .acquire_timeout(Duration::from_secs(30))
+        // As canter's own `connect`: no ping (a round trip) before every statement.
+        .test_before_acquire(false)
         .connect_lazy_with(options))
 }
 

@@ -250,12 +250,16 @@ async fn listen<R: Runtime>(
 }
 
 /// A lazily connecting pool of at most `max_connections` for `url`: nothing is dialled until
-/// first use, so a worker can start while the database is down and wait it out.
+/// first use, so a worker can start while the database is down and wait it out. Connections
+/// are not pinged before use (sqlx's default): the ping is a round trip of its own before
+/// every statement, and a dead connection fails its statement anyway, which the worker and
+/// the client retry.
 pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
     let options: sqlx::postgres::PgConnectOptions = url.parse()?;
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections.max(2))
         .acquire_timeout(std::time::Duration::from_secs(5))
+        .test_before_acquire(false)
         .connect_lazy_with(options))
 }
 
