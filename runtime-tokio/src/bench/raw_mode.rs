@@ -312,25 +312,8 @@ async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, 
                 .map_err(|e| failed("insert", e))?;
             committed.push(Instant::now());
         }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let started = stamps.lock().unwrap_or_else(PoisonError::into_inner).iter().filter(|s| s.is_some()).count();
-            if started == n {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(BenchError::Failed(format!("only {started} of {n} raw latency jobs started within 30 s")));
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        let seconds = committed.last().map_or(0.0, |last| (*last - began).as_secs_f64());
-        let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
-        let ms: Vec<f64> = committed
-            .iter()
-            .zip(stamps.iter())
-            .map(|(at, started)| started.map_or(f64::NAN, |s| s.saturating_duration_since(*at).as_secs_f64() * 1e3))
-            .collect();
-        Ok((ms, seconds))
+        let ms = super::await_stamps(&stamps, &committed).await?;
+        Ok((ms, committed.last().map_or(0.0, |last| (*last - began).as_secs_f64())))
     }
     .await;
 
