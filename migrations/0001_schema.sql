@@ -169,48 +169,6 @@ BEGIN
     IF v_n = 0 THEN
         RETURN;
     END IF;
-    IF p_write AND NOT EXISTS (SELECT FROM unnest(p_keys) AS k(key) WHERE k.key IS NOT NULL) THEN
-        -- Without keys only times can refuse a task: check them, then number and insert the
-        -- batch in one statement (the bulk path; no classification, no key rows).
-        SELECT min(i.ord) INTO v_bad
-        FROM unnest(p_delays, p_ats, p_good_until) WITH ORDINALITY AS i(delay, at, good_until, ord)
-        WHERE i.good_until IS NOT NULL
-          AND CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
-                   WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
-                   ELSE v_now END >= at_ms(i.good_until);
-        IF v_bad IS NULL THEN
-            RETURN QUERY
-            WITH numbered AS (
-                SELECT x.*, nextval('task_id_seq') AS id
-                FROM (
-                    SELECT i.*,
-                           CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
-                                WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
-                                ELSE v_now END AS run_at
-                    FROM unnest(p_names, p_queues, p_priorities, p_args, p_delays, p_ats, p_good_until, p_retry)
-                         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, ord)
-                    ORDER BY i.ord OFFSET 0
-                ) x
-            ),
-            inserted AS (
-                INSERT INTO tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry)
-                OVERRIDING SYSTEM VALUE
-                SELECT n.id, n.name, n.queue, n.priority, n.args, 'PENDING', n.run_at, v_now, at_ms(n.good_until),
-                       n.retry
-                FROM numbered n
-                RETURNING tasks.queue
-            ),
-            notified AS (
-                SELECT count(pg_notify(p_channel_prefix || q.queue, '')) AS n
-                FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
-            )
-            SELECT n.ord, n.id, NULL::text, NULL::bigint, NULL::bigint, NULL::bigint
-            FROM numbered n CROSS JOIN notified
-            ORDER BY n.ord;
-            RETURN;
-        END IF;
-        -- A refused batch: the general path below finds and reports the problem.
-    END IF;
     LOOP
         v_try := v_try + 1;
         -- Per task: its run-at, the task its key already names (live or finished), the

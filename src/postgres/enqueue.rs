@@ -1,7 +1,8 @@
 //! Enqueueing tasks: one, many in one statement, or inside the caller's own transaction.
 //!
-//! Every enqueue is one statement (`SELECT … FROM <schema>.enqueue(…)` over parallel arrays),
-//! whatever the batch size, and sends at most one notification per queue that received a new
+//! Every enqueue is one statement over parallel arrays, whatever the batch size: a plain insert
+//! for a batch without idempotency keys, `SELECT … FROM <schema>.enqueue(…)` for one with
+//! keys (or to check without writing). It sends at most one notification per queue that received a new
 //! task (on commit). Checks happen before anything is written and a refused batch writes
 //! nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue inside
 //! the caller's transaction never aborts that transaction.
@@ -145,7 +146,13 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         retries.push(policy.map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
         keys.push(task.key.as_deref());
     }
-    let rows = sqlx::query(schema.sql().enqueue.clone())
+    let keyed = keys.iter().any(Option::is_some);
+    let query = if write && !keyed {
+        sqlx::query(schema.sql().enqueue_keyless.clone())
+    } else {
+        sqlx::query(schema.sql().enqueue.clone())
+    };
+    let query = query
         .bind(names)
         .bind(args)
         .bind(&queues)
@@ -153,12 +160,13 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         .bind(delays)
         .bind(ats)
         .bind(good_until)
-        .bind(retries)
-        .bind(keys)
-        .bind(write)
-        .bind(schema.queue_channel_prefix())
-        .fetch_all(executor)
-        .await?;
+        .bind(retries);
+    let query = if write && !keyed {
+        query.bind(schema.queue_channel_prefix())
+    } else {
+        query.bind(keys).bind(write).bind(schema.queue_channel_prefix())
+    };
+    let rows = query.fetch_all(executor).await?;
 
     let mut ids = Vec::with_capacity(n);
     for row in rows {

@@ -325,6 +325,49 @@ SELECT ord, id, problem, detail_id, run_at_ms, good_until_ms
 FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 
 /// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
+/// A batch without idempotency keys (the common case), as one plain statement: only times can
+/// refuse such a task, so it checks them and, when none is refused, numbers and inserts the
+/// batch in order, with one notification per queue. The rows it returns are those of the
+/// `enqueue()` function: per task its id, or one row naming the first refused task. (Keyed
+/// batches go through `enqueue()`; a PL/pgSQL call costs about as much again as the insert.)
+const ENQUEUE_KEYLESS: &str = "\
+WITH items AS (
+    SELECT i.ord, i.name, i.queue, i.priority, i.args, i.retry, {s}.at_ms(i.good_until) AS good_until,
+           CASE WHEN i.delay IS NOT NULL THEN {s}.db_now() + i.delay * interval '1 millisecond'
+                WHEN i.at IS NOT NULL THEN greatest({s}.at_ms(i.at), {s}.db_now())
+                ELSE {s}.db_now() END AS run_at
+    FROM unnest($1::text[], $3::text[], $4::smallint[], $2::jsonb[], $5::bigint[], $6::bigint[], $7::bigint[],
+                $8::jsonb[])
+         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, ord)
+),
+refused AS (
+    SELECT it.ord, it.run_at, it.good_until FROM items it
+    WHERE it.good_until IS NOT NULL AND it.run_at >= it.good_until
+    ORDER BY it.ord
+    LIMIT 1
+),
+numbered AS (
+    SELECT x.*, nextval('{s}.task_id_seq') AS id
+    FROM (SELECT it.* FROM items it WHERE NOT EXISTS (SELECT FROM refused) ORDER BY it.ord OFFSET 0) x
+),
+inserted AS (
+    INSERT INTO {s}.tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry)
+    OVERRIDING SYSTEM VALUE
+    SELECT n.id, n.name, n.queue, n.priority, n.args, 'PENDING', n.run_at, {s}.db_now(), n.good_until, n.retry
+    FROM numbered n
+    ORDER BY n.id
+    RETURNING queue
+),
+notified AS (
+    SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
+)
+SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
+       NULL::bigint AS good_until_ms
+FROM numbered n CROSS JOIN notified
+UNION ALL
+SELECT r.ord, NULL, 'run_at_after_good_until', NULL, {s}.ms(r.run_at), {s}.ms(r.good_until) FROM refused r
+ORDER BY 1";
+
 const RECORD: &str = "\
 SELECT t.id, t.name, t.queue, t.state, t.priority, t.args, t.attempts, t.retries, {s}.ms(t.enqueued_at) AS enqueued_at,
        {s}.ms(t.run_at) AS run_at, {s}.ms(t.good_until) AS good_until, NULL::bigint AS finished_at, t.claimed_by,
@@ -420,6 +463,7 @@ pub(crate) struct Statements {
     pub(crate) register_worker: SqlStr,
     pub(crate) deregister_worker: SqlStr,
     pub(crate) enqueue: SqlStr,
+    pub(crate) enqueue_keyless: SqlStr,
     pub(crate) get: SqlStr,
     pub(crate) list: SqlStr,
     pub(crate) attempts: SqlStr,
@@ -464,6 +508,7 @@ impl Statements {
             register_worker: fill(REGISTER_WORKER),
             deregister_worker: fill(DEREGISTER_WORKER),
             enqueue: fill(ENQUEUE),
+            enqueue_keyless: fill(ENQUEUE_KEYLESS),
             get: fill(&record("t.id = $1", "f.id = $1")),
             list: fill(&list),
             attempts: fill(ATTEMPTS),
