@@ -23,6 +23,17 @@ CREATE FUNCTION at_ms(ms bigint) RETURNS timestamptz
 LANGUAGE sql STABLE PARALLEL SAFE
 AS $$ SELECT timestamptz 'epoch' + ms * interval '1 millisecond' $$;
 
+-- When an enqueued task becomes due: after its delay in ms, at its run-at (never before now),
+-- or now (`canter::db::RunAt`). Self-contained (no call of `at_ms`), so that it resolves and
+-- inlines from statements sent with any search_path.
+CREATE FUNCTION due_at(delay_ms bigint, at bigint, now timestamptz) RETURNS timestamptz
+LANGUAGE sql STABLE PARALLEL SAFE
+AS $$
+    SELECT CASE WHEN delay_ms IS NOT NULL THEN now + delay_ms * interval '1 millisecond'
+                WHEN at IS NOT NULL THEN greatest(timestamptz 'epoch' + at * interval '1 millisecond', now)
+                ELSE now END
+$$;
+
 -- Live tasks. Columns mirror `canter::memory::StoredTask`.
 CREATE TABLE tasks (
     id               bigint GENERATED ALWAYS AS IDENTITY (SEQUENCE NAME task_id_seq) PRIMARY KEY,
@@ -175,10 +186,7 @@ BEGIN
         -- earlier task of this batch with the same key, and its problem if any (its time
         -- first, then its key).
         WITH items AS (
-            SELECT i.ord, i.name, i.args, i.key, i.good_until,
-                   CASE WHEN i.delay IS NOT NULL THEN v_now + i.delay * interval '1 millisecond'
-                        WHEN i.at IS NOT NULL THEN greatest(at_ms(i.at), v_now)
-                        ELSE v_now END AS run_at
+            SELECT i.ord, i.name, i.args, i.key, i.good_until, due_at(i.delay, i.at, v_now) AS run_at
             FROM unnest(p_names, p_args, p_delays, p_ats, p_good_until, p_keys)
                  WITH ORDINALITY AS i(name, args, delay, at, good_until, key, ord)
         ),

@@ -86,8 +86,9 @@ history, raw claims of 50 by C loops. --worker-args are `canter worker` settings
 (--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000);
 the drain's worker is `canter worker` as a child process (this program, or --worker-bin).";
 
-/// The worker settings the benchmark uses unless `--worker-args` says otherwise: the
-/// configuration that gave the best drain on the reference machine with the same latency.
+/// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
+/// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
+/// (latency does not depend on it: an idle worker claims and starts in one statement).
 /// Soft-cap mode with a large prefetch buffer: claims of about a thousand tasks, handlers of an
 /// uncapped queue started without a start request, completions written in large batches. (In
 /// hard-cap mode a worker of concurrency 16 claims at most 16 at a time: about 1,800 tasks/s.)
@@ -345,31 +346,62 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[rank.min(sorted.len()) - 1]
 }
 
-/// Waits (up to 30 s) until every task `committed` lists has its handler-start stamp; the
-/// latency of each in ms, from its enqueue commit to its handler's start.
-async fn await_stamps(
-    stamps: &std::sync::Mutex<Vec<Option<tokio::time::Instant>>>,
-    committed: &[tokio::time::Instant],
-) -> Result<Vec<f64>, BenchError> {
-    let lock = || stamps.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let n = committed.len();
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let started = lock().iter().filter(|s| s.is_some()).count();
-        if started >= n {
-            break;
-        }
-        if tokio::time::Instant::now() > deadline {
-            return Err(BenchError::Failed(format!("only {started} of {n} latency tasks started within 30 s")));
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
+/// The latency workload's enqueues, one every `interval`: when each committed, then the
+/// sample once every handler has stamped its start.
+struct Paced {
+    ticks: tokio::time::Interval,
+    began: tokio::time::Instant,
+    committed: Vec<tokio::time::Instant>,
+}
+
+impl Paced {
+    fn new(interval: Duration, n: usize) -> Paced {
+        let mut ticks = tokio::time::interval(interval);
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        Paced { ticks, began: tokio::time::Instant::now(), committed: Vec::with_capacity(n) }
     }
-    let stamps = lock();
-    Ok(committed
-        .iter()
-        .zip(stamps.iter())
-        .map(|(at, started)| started.map_or(f64::NAN, |s| s.saturating_duration_since(*at).as_secs_f64() * 1e3))
-        .collect())
+
+    /// Waits for the next enqueue's turn.
+    async fn next(&mut self) {
+        self.ticks.tick().await;
+    }
+
+    /// The enqueue just made has committed.
+    fn committed(&mut self) {
+        self.committed.push(tokio::time::Instant::now());
+    }
+
+    /// Waits (up to 30 s) until every enqueued task has its handler-start stamp: the sample of
+    /// `mode`, each latency from enqueue commit to handler start.
+    async fn sample(
+        self,
+        mode: Mode,
+        stamps: &std::sync::Mutex<Vec<Option<tokio::time::Instant>>>,
+    ) -> Result<Sample, BenchError> {
+        let lock = || stamps.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let n = self.committed.len();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let started = lock().iter().filter(|s| s.is_some()).count();
+            if started >= n {
+                break;
+            }
+            if tokio::time::Instant::now() > deadline {
+                return Err(BenchError::Failed(format!("only {started} of {n} latency tasks started within 30 s")));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let ms: Vec<f64> = self
+            .committed
+            .iter()
+            .zip(lock().iter())
+            .map(|(at, started)| started.map_or(f64::NAN, |s| s.saturating_duration_since(*at).as_secs_f64() * 1e3))
+            .collect();
+        let seconds = self.committed.last().map_or(0.0, |last| (*last - self.began).as_secs_f64());
+        let mut sample = Sample::new("latency", mode, n, seconds);
+        sample.latency = Some(latency_summary(ms));
+        Ok(sample)
+    }
 }
 
 /// p50, p90, p99 and max of latencies in ms.

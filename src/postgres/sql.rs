@@ -22,6 +22,13 @@ const FINISHED_COLUMNS: &str = "id, name, queue, priority, args, state, lease, c
 const KEPT: &str = "m.lease, m.claimed_by, m.claim_token, m.claimed_at, m.heartbeat_at, m.started_at, m.attempts, \
      m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry, m.key";
 
+/// The ids of the rows of CTE `{rows}` as comma-separated lists of at most 300 (one
+/// notification payload each: PostgreSQL caps a payload at 8,000 bytes).
+const ID_CHUNKS: &str = "\
+SELECT string_agg(r.id::text, ',') AS ids
+FROM (SELECT r.id, (row_number() OVER () - 1) / 300 AS chunk FROM {rows} r) r
+GROUP BY r.chunk";
+
 /// Clears the holder of a row going back to Pending.
 const UNCLAIM: &str =
     "state = 'PENDING', claimed_by = NULL, claim_token = NULL, claim_expires_at = NULL, heartbeat_at = NULL";
@@ -91,12 +98,7 @@ history AS (
     FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
-    SELECT count(pg_notify($8, n.ids)) AS n
-    FROM (
-        SELECT string_agg(m.id::text, ',') AS ids
-        FROM (SELECT m.id, (row_number() OVER () - 1) / 300 AS chunk FROM moved m) m
-        GROUP BY m.chunk
-    ) n
+    SELECT count(pg_notify($8, n.ids)) AS n FROM ({id_chunks_of_moved}) n
 ),
 -- A retry is work that becomes ready later: listeners claim and learn when (the wake-up hint).
 ready AS (
@@ -278,12 +280,7 @@ history AS (
     SELECT c.id, c.attempts, c.claimed_by, c.state, $4, {s}.db_now() FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
-    SELECT count(pg_notify($5, n.ids)) AS n
-    FROM (
-        SELECT string_agg(m.id::text, ',') AS ids
-        FROM (SELECT m.id, (row_number() OVER () - 1) / 300 AS chunk FROM moved m) m
-        GROUP BY m.chunk
-    ) n
+    SELECT count(pg_notify($5, n.ids)) AS n FROM ({id_chunks_of_moved}) n
 )
 SELECT c.id, c.state FROM chosen c CROSS JOIN notified CROSS JOIN ready ORDER BY c.id";
 
@@ -303,12 +300,7 @@ finished AS (
     FROM expired m
 ),
 notified AS (
-    SELECT count(pg_notify($2, n.ids)) AS n
-    FROM (
-        SELECT string_agg(e.id::text, ',') AS ids
-        FROM (SELECT e.id, (row_number() OVER () - 1) / 300 AS chunk FROM expired e) e
-        GROUP BY e.chunk
-    ) n
+    SELECT count(pg_notify($2, n.ids)) AS n FROM ({id_chunks_of_expired}) n
 )
 SELECT e.id FROM expired e CROSS JOIN notified ORDER BY e.id";
 
@@ -333,9 +325,7 @@ FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 const ENQUEUE_KEYLESS: &str = "\
 WITH items AS (
     SELECT i.ord, i.name, i.queue, i.priority, i.args, i.retry, {s}.at_ms(i.good_until) AS good_until,
-           CASE WHEN i.delay IS NOT NULL THEN {s}.db_now() + i.delay * interval '1 millisecond'
-                WHEN i.at IS NOT NULL THEN greatest({s}.at_ms(i.at), {s}.db_now())
-                ELSE {s}.db_now() END AS run_at
+           {s}.due_at(i.delay, i.at, {s}.db_now()) AS run_at
     FROM unnest($1::text[], $3::text[], $4::smallint[], $2::jsonb[], $5::bigint[], $6::bigint[], $7::bigint[],
                 $8::jsonb[])
          WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, ord)
@@ -483,6 +473,8 @@ impl Statements {
                 .replace("{finished_columns}", FINISHED_COLUMNS)
                 .replace("{kept}", KEPT)
                 .replace("{unclaim}", UNCLAIM)
+                .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
+                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
                 .replace("{s}", quoted);
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };

@@ -530,14 +530,7 @@ impl Checker {
                     let was = pre(t.task).expect("held rows have facts");
                     let row = post(t.task)?;
                     ensure!(row.state == TaskState::Running, "recorded task {} is {}", t.task, row.state);
-                    let counted = u32::from(was.state == TaskState::Claimed);
-                    ensure!(
-                        row.attempts == was.attempts + counted,
-                        "record of task {}: attempts {} -> {}",
-                        t.task,
-                        was.attempts,
-                        row.attempts
-                    );
+                    run_counted_once(t.task, "record", was, row)?;
                     touched.push(t.task);
                 }
             }
@@ -567,14 +560,7 @@ impl Checker {
                     let was = pre(id).expect("applied rows have facts");
                     let row = post(id)?;
                     ensure!(row.state == state, "finished task {id} is {}, reply says {state}", row.state);
-                    let counted = u32::from(was.state == TaskState::Claimed);
-                    ensure!(
-                        row.attempts == was.attempts + counted,
-                        "finish of task {id} from {}: attempts {} -> {}",
-                        was.state,
-                        was.attempts,
-                        row.attempts
-                    );
+                    run_counted_once(id, "finish", was, row)?;
                     match (&completion.outcome, state) {
                         (FinishOutcome::Completed(_), TaskState::Completed) => {}
                         (FinishOutcome::Failed(_) | FinishOutcome::Retry { .. }, TaskState::Failed) => {}
@@ -862,6 +848,20 @@ fn sorted(ids: &[TaskId]) -> Vec<TaskId> {
     let mut ids = ids.to_vec();
     ids.sort_unstable();
     ids
+}
+
+/// A write that ends or records a run counts it as an attempt exactly when the run started
+/// without a start request (the row was still Claimed); a Running row already counted it.
+fn run_counted_once(id: TaskId, what: &str, was: &Facts, row: &StoredTask) -> Result<(), String> {
+    let counted = u32::from(was.state == TaskState::Claimed);
+    ensure!(
+        row.attempts == was.attempts + counted,
+        "{what} of task {id} from {}: attempts {} -> {}",
+        was.state,
+        was.attempts,
+        row.attempts
+    );
+    Ok(())
 }
 
 /// Checks one live worker against the harness and the store: `handlers` are the tasks the

@@ -16,7 +16,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
-use super::{BenchError, Mode, Options, Sample, Scratch, Workload, checkpoint, connect, failed, latency_summary};
+use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
 use crate::TokioRuntime;
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
@@ -348,25 +348,18 @@ async fn latency(options: &Options, store: &PgStore) -> Result<Sample, BenchErro
         // Room for the listener to connect, and the startup claim to come back empty.
         tokio::time::sleep(Duration::from_millis(500)).await;
 
-        let mut committed = Vec::with_capacity(n);
-        let began = Instant::now();
-        let mut ticks = tokio::time::interval(options.interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
-            ticks.tick().await;
+            paced.next().await;
             store.enqueue(NewTask::new("stamp", json!({ "i": i }))).await.map_err(|e| failed("enqueue", e))?;
-            committed.push(Instant::now());
+            paced.committed();
         }
-        let ms = super::await_stamps(&stamps, &committed).await?;
-        Ok((ms, committed.last().map_or(0.0, |last| (*last - began).as_secs_f64())))
+        paced.sample(Mode::Canter, &stamps).await
     }
     .await;
 
     let _ = stop_tx.send(());
     let _ = tokio::time::timeout(Duration::from_secs(35), serve).await;
     runtime.shutdown_background();
-    let (ms, seconds) = result?;
-    let mut sample = Sample::new("latency", Mode::Canter, n, seconds);
-    sample.latency = Some(latency_summary(ms));
-    Ok(sample)
+    result
 }

@@ -11,7 +11,7 @@ use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool, Row};
 use tokio::time::Instant;
 
-use super::{BenchError, Mode, Options, Sample, Scratch, Workload, checkpoint, connect, failed, latency_summary};
+use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
 
 const CREATE: &str = "\
 CREATE SCHEMA {s};
@@ -298,33 +298,27 @@ async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, 
             .map_err(|_| BenchError::Failed("the raw worker failed to start".into()))?;
         tokio::time::sleep(Duration::from_millis(500)).await;
         let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
-        let mut committed = Vec::with_capacity(n);
-        let began = Instant::now();
-        let mut ticks = tokio::time::interval(options.interval);
-        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
-            ticks.tick().await;
+            paced.next().await;
             q(&sql.enqueue_one)
                 .bind(payload(i))
                 .bind(&sql.channel)
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(|e| failed("insert", e))?;
-            committed.push(Instant::now());
+            paced.committed();
         }
-        let ms = super::await_stamps(&stamps, &committed).await?;
-        Ok((ms, committed.last().map_or(0.0, |last| (*last - began).as_secs_f64())))
+        paced.sample(Mode::Raw, &stamps).await
     }
     .await;
 
     let _ = stop_tx.send(());
     let stopped = tokio::time::timeout(Duration::from_secs(10), worker).await;
     runtime.shutdown_background();
-    let (ms, seconds) = result?;
+    let sample = result?;
     if let Ok(Ok(Err(error))) = stopped {
         return Err(failed("raw worker", error));
     }
-    let mut sample = Sample::new("latency", Mode::Raw, n, seconds);
-    sample.latency = Some(latency_summary(ms));
     Ok(sample)
 }
