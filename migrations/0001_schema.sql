@@ -58,6 +58,8 @@ CREATE TABLE tasks (
     -- the task is claimed (the row stays small: every byte here is written three times).
     retry            jsonb,
     key              text,
+    -- Flags a worker may refuse (`WorkerConfig::forbidden_flags`); NULL for none.
+    flags            text[],
     error            jsonb
 ) WITH (
     -- Room for HOT updates (heartbeats touch no indexed column), and vacuum that keeps up with
@@ -102,6 +104,7 @@ CREATE TABLE finished_tasks (
     good_until   timestamptz,
     retry        jsonb,
     key          text,
+    flags        text[],
     error        jsonb,
     result       jsonb,
     finished_at  timestamptz NOT NULL
@@ -111,7 +114,9 @@ CREATE TABLE finished_tasks (
 -- to nothing per insert) serves where a B-tree would cost every finish an index insert.
 CREATE INDEX finished_tasks_finished_at_idx ON finished_tasks USING brin (finished_at);
 
--- Idempotency keys, live and finished tasks alike: the one place a key is unique.
+-- Keys: which task a key names (`canter::db::KeyMode`). An idempotency key names its task for
+-- good; in the other modes a key whose task finished is free (the next enqueue points it at a
+-- new task). Enqueuers of a key serialize on a transaction advisory lock of the key.
 CREATE TABLE task_keys (
     key     text   PRIMARY KEY,
     task_id bigint NOT NULL
@@ -139,176 +144,141 @@ CREATE TABLE workers (
     stopped_at  timestamptz
 );
 
--- Enqueue a batch as one statement (see `canter::postgres::enqueue`).
+-- Enqueue a batch as one statement (see `canter::postgres::enqueue`). Batches without keys use a
+-- plain INSERT statement instead; this function serves keyed batches and checks.
 --
--- The arrays are parallel, one element per task. Every task is checked before any is written;
--- on a problem the function writes nothing and returns one row naming the first task (in
--- order) with a problem: `run_at_after_good_until` or `payload_mismatch`. Otherwise, when
--- `p_write`, it returns one row per task with its id (an existing task's for a key that names
--- one with the same name and args). With `p_write` false it only checks.
+-- The arrays are parallel, one element per task (`p_flags`: each task's flags joined by commas,
+-- NULL for none). Every task is checked before any is written; on a problem the function
+-- writes nothing and returns one row naming the first task (in order) with a problem:
+-- `run_at_after_good_until`, or `payload_mismatch` (an idempotency key naming a task with
+-- another name or args). Otherwise, when `p_write`, the tasks apply in order, as if enqueued one
+-- by one, following their key mode (`canter::db::KeyMode`), and it returns one row per task with
+-- its id. With `p_write` false it only checks.
 --
--- Keys: `task_keys` is inserted with ON CONFLICT DO NOTHING; a key taken by a concurrent
--- enqueuer between the check and the insert makes the function undo its key rows and check
--- again (the taker has committed by then), so racing enqueuers of one key get one task.
+-- Enqueuers of a key take turns on a transaction advisory lock of the key (taken in key order,
+-- then the holders' rows in id order, as finishers lock them, so nothing deadlocks): each
+-- statement after the locks sees what the previous holder committed.
 CREATE FUNCTION enqueue(
     p_names text[], p_args jsonb[], p_queues text[], p_priorities smallint[],
     p_delays bigint[], p_ats bigint[], p_good_until bigint[], p_retry jsonb[], p_keys text[],
-    p_write boolean, p_channel_prefix text)
+    p_modes text[], p_flags text[], p_write boolean, p_channel_prefix text, p_lock_prefix text)
 RETURNS TABLE (ord bigint, id bigint, problem text, detail_id bigint, run_at_ms bigint, good_until_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
 AS $$
 #variable_conflict use_column
--- Arrays are only ever read through unnest(...) WITH ORDINALITY and joined on the ordinal:
--- subscripting an array of variable-width values (or one with NULLs) walks it from the
--- start, which would make a batch quadratic.
 DECLARE
-    v_now      timestamptz := db_now();
-    v_n        integer := coalesce(cardinality(p_names), 0);
-    v_run_at   timestamptz[];
-    v_existing bigint[];
-    v_same_as  bigint[];
-    v_problem  text[];
-    v_detail   bigint[];
-    v_bad      bigint;
-    v_new_ords bigint[];
-    v_new_ids  bigint[];
-    v_wanted   integer;
-    v_won      integer;
-    v_try      integer := 0;
+    v_now    timestamptz := db_now();
+    v_key    text;
+    v_bad    record;
+    r        record;
+    v_holder bigint;
+    v_state  text;
+    v_id     bigint;
+    v_ids    bigint[] := '{}';
+    v_queues text[] := '{}';
 BEGIN
-    IF v_n = 0 THEN
+    IF coalesce(cardinality(p_names), 0) = 0 THEN
         RETURN;
     END IF;
+    FOR v_key IN SELECT DISTINCT k.key FROM unnest(p_keys) AS k(key) WHERE k.key IS NOT NULL ORDER BY k.key LOOP
+        PERFORM pg_advisory_xact_lock(hashtextextended(p_lock_prefix || v_key, 0));
+    END LOOP;
+    PERFORM FROM tasks t
+    WHERE t.id IN (SELECT k.task_id FROM task_keys k WHERE k.key = ANY (p_keys))
+    ORDER BY t.id
+    FOR UPDATE;
+
+    -- The checks, against the rows before the batch (a batch uses a key in one mode, and an
+    -- idempotency key with one name and args: the client refuses others before sending).
+    SELECT c.ord, c.problem, c.run_at, c.good_until, c.holder INTO v_bad
+    FROM (
+        SELECT i.ord, due_at(i.delay, i.at, v_now) AS run_at, i.good_until, coalesce(t.id, f.id) AS holder,
+               CASE WHEN i.good_until IS NOT NULL AND due_at(i.delay, i.at, v_now) >= at_ms(i.good_until)
+                        THEN 'run_at_after_good_until'
+                    WHEN coalesce(t.id, f.id) IS NOT NULL
+                         AND (coalesce(t.name, f.name), coalesce(t.args, f.args)) IS DISTINCT FROM (i.name, i.args)
+                        THEN 'payload_mismatch'
+               END AS problem
+        FROM unnest(p_names, p_args, p_delays, p_ats, p_good_until, p_keys, p_modes)
+             WITH ORDINALITY AS i(name, args, delay, at, good_until, key, mode, ord)
+        LEFT JOIN task_keys k ON k.key = i.key AND i.mode = 'idempotent'
+        LEFT JOIN tasks t ON t.id = k.task_id
+        LEFT JOIN finished_tasks f ON f.id = k.task_id
+    ) c
+    WHERE c.problem IS NOT NULL
+    ORDER BY c.ord
+    LIMIT 1;
+    IF FOUND THEN
+        IF v_bad.problem = 'run_at_after_good_until' THEN
+            RETURN QUERY SELECT v_bad.ord, NULL::bigint, v_bad.problem, NULL::bigint, ms(v_bad.run_at), v_bad.good_until;
+        ELSE
+            RETURN QUERY SELECT v_bad.ord, NULL::bigint, v_bad.problem, v_bad.holder, NULL::bigint, NULL::bigint;
+        END IF;
+        RETURN;
+    END IF;
+    IF NOT p_write THEN
+        RETURN;
+    END IF;
+
+    FOR r IN
+        SELECT i.ord, i.name, i.args, i.queue, i.priority, at_ms(i.good_until) AS good_until, i.retry, i.key,
+               i.mode, due_at(i.delay, i.at, v_now) AS run_at, string_to_array(i.flags, ',') AS flags
+        FROM unnest(p_names, p_args, p_queues, p_priorities, p_delays, p_ats, p_good_until, p_retry, p_keys,
+                    p_modes, p_flags)
+             WITH ORDINALITY AS i(name, args, queue, priority, delay, at, good_until, retry, key, mode, flags, ord)
+        ORDER BY i.ord
     LOOP
-        v_try := v_try + 1;
-        -- Per task: its run-at, the task its key already names (live or finished), the
-        -- earlier task of this batch with the same key, and its problem if any (its time
-        -- first, then its key).
-        WITH items AS (
-            SELECT i.ord, i.name, i.args, i.key, i.good_until, due_at(i.delay, i.at, v_now) AS run_at
-            FROM unnest(p_names, p_args, p_delays, p_ats, p_good_until, p_keys)
-                 WITH ORDINALITY AS i(name, args, delay, at, good_until, key, ord)
-        ),
-        existing AS (
-            SELECT k.key, k.task_id, coalesce(t.name, f.name) AS name, coalesce(t.args, f.args) AS args
-            FROM task_keys k
-            LEFT JOIN tasks t ON t.id = k.task_id
-            LEFT JOIN finished_tasks f ON f.id = k.task_id
-            WHERE k.key = ANY (p_keys)
-        ),
-        firsts AS (
-            SELECT DISTINCT ON (it.key) it.key, it.ord, it.name, it.args
-            FROM items it WHERE it.key IS NOT NULL
-            ORDER BY it.key, it.ord
-        ),
-        classified AS (
-            SELECT it.ord, it.run_at, e.task_id AS existing,
-                   CASE WHEN e.key IS NULL AND fi.ord < it.ord THEN fi.ord END AS same_as,
-                   CASE WHEN it.good_until IS NOT NULL AND it.run_at >= at_ms(it.good_until)
-                            THEN 'run_at_after_good_until'
-                        WHEN e.key IS NOT NULL AND e.name IS NOT NULL AND (e.name <> it.name OR e.args <> it.args)
-                            THEN 'payload_mismatch'
-                        WHEN e.key IS NULL AND fi.ord < it.ord AND (fi.name <> it.name OR fi.args <> it.args)
-                            THEN 'payload_mismatch'
-                   END AS problem,
-                   CASE WHEN it.good_until IS NOT NULL AND it.run_at >= at_ms(it.good_until) THEN it.good_until
-                        ELSE coalesce(e.task_id, fi.ord) END AS detail
-            FROM items it
-            LEFT JOIN existing e ON e.key = it.key
-            LEFT JOIN firsts fi ON fi.key = it.key
-        )
-        SELECT array_agg(c.run_at ORDER BY c.ord), array_agg(c.existing ORDER BY c.ord),
-               array_agg(c.same_as ORDER BY c.ord), array_agg(c.problem ORDER BY c.ord),
-               array_agg(c.detail ORDER BY c.ord), min(c.ord) FILTER (WHERE c.problem IS NOT NULL)
-        INTO v_run_at, v_existing, v_same_as, v_problem, v_detail, v_bad
-        FROM classified c;
-
-        IF v_bad IS NOT NULL THEN
-            IF v_problem[v_bad] = 'run_at_after_good_until' THEN
-                RETURN QUERY SELECT v_bad, NULL::bigint, v_problem[v_bad], NULL::bigint, ms(v_run_at[v_bad]),
-                                    v_detail[v_bad];
-            ELSIF v_existing[v_bad] IS NOT NULL THEN
-                RETURN QUERY SELECT v_bad, NULL::bigint, v_problem[v_bad], v_existing[v_bad], NULL::bigint,
-                                    NULL::bigint;
-            ELSE
-                -- The key was first used earlier in this batch: name the id that task would
-                -- have had (the next sequence value plus the new tasks before it).
-                RETURN QUERY
-                SELECT v_bad, NULL::bigint, v_problem[v_bad],
-                       (SELECT CASE WHEN s.is_called THEN s.last_value + 1 ELSE s.last_value END FROM task_id_seq s)
-                       + (SELECT count(*) FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
-                          WHERE x.ord < v_detail[v_bad] AND x.existing IS NULL AND x.same_as IS NULL),
-                       NULL::bigint, NULL::bigint;
+        v_id := NULL;
+        v_holder := NULL;
+        v_state := NULL;
+        IF r.key IS NOT NULL THEN
+            SELECT k.task_id INTO v_holder FROM task_keys k WHERE k.key = r.key;
+            -- NULL when the holder finished (or is gone).
+            SELECT t.state INTO v_state FROM tasks t WHERE t.id = v_holder;
+            IF r.mode = 'idempotent' AND (v_state IS NOT NULL OR EXISTS (SELECT FROM finished_tasks f WHERE f.id = v_holder)) THEN
+                v_id := v_holder;
+            ELSIF r.mode = 'unsafe_dedupe' AND v_state IS NOT NULL THEN
+                v_id := v_holder;
+            ELSIF r.mode IN ('replace', 'preserve_run_at') AND v_state = 'PENDING' THEN
+                UPDATE tasks t SET
+                    name = r.name, queue = r.queue, priority = r.priority,
+                    -- Batch tasks collect items: arrays append.
+                    args = CASE WHEN jsonb_typeof(t.args) = 'array' AND jsonb_typeof(r.args) = 'array'
+                                THEN t.args || r.args ELSE r.args END,
+                    run_at = CASE WHEN r.mode = 'preserve_run_at' AND t.attempts = 0 THEN t.run_at ELSE r.run_at END,
+                    good_until = r.good_until, retry = r.retry, flags = r.flags, retries = 0, error = NULL
+                WHERE t.id = v_holder;
+                v_id := v_holder;
+                v_queues := v_queues || r.queue;
+            ELSIF v_state IS NOT NULL THEN
+                -- Claimed or Running: it runs on without its key.
+                UPDATE tasks t SET key = NULL WHERE t.id = v_holder;
+            ELSIF v_holder IS NOT NULL THEN
+                UPDATE finished_tasks f SET key = NULL WHERE f.id = v_holder;
             END IF;
-            RETURN;
         END IF;
-        IF NOT p_write THEN
-            RETURN;
+        IF v_id IS NULL THEN
+            INSERT INTO tasks (name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, key, flags)
+            VALUES (r.name, r.queue, r.priority, r.args, 'PENDING', r.run_at, v_now, r.good_until, r.retry, r.key,
+                    r.flags)
+            RETURNING tasks.id INTO v_id;
+            IF r.key IS NOT NULL THEN
+                INSERT INTO task_keys AS k (key, task_id) VALUES (r.key, v_id)
+                ON CONFLICT (key) DO UPDATE SET task_id = EXCLUDED.task_id;
+            END IF;
+            v_queues := v_queues || r.queue;
         END IF;
-
-        -- New tasks get ids in batch order.
-        SELECT coalesce(array_agg(n.o ORDER BY n.o), '{}'), coalesce(array_agg(n.id ORDER BY n.o), '{}')
-        INTO v_new_ords, v_new_ids
-        FROM (
-            SELECT s.o, nextval('task_id_seq') AS id
-            FROM (
-                SELECT x.ord AS o FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
-                WHERE x.existing IS NULL AND x.same_as IS NULL
-                ORDER BY x.ord OFFSET 0
-            ) s
-        ) n;
-
-        SELECT count(*) INTO v_wanted
-        FROM unnest(v_new_ords) AS n(o)
-        JOIN unnest(p_keys) WITH ORDINALITY AS i(key, ord) ON i.ord = n.o
-        WHERE i.key IS NOT NULL;
-        IF v_wanted = 0 THEN
-            EXIT;
-        END IF;
-        INSERT INTO task_keys (key, task_id)
-        SELECT i.key, n.id
-        FROM unnest(v_new_ords, v_new_ids) AS n(o, id)
-        JOIN unnest(p_keys) WITH ORDINALITY AS i(key, ord) ON i.ord = n.o
-        WHERE i.key IS NOT NULL
-        ON CONFLICT (key) DO NOTHING;
-        GET DIAGNOSTICS v_won = ROW_COUNT;
-        IF v_won = v_wanted THEN
-            EXIT;
-        END IF;
-        -- A concurrent enqueuer took a key first (it has committed: ON CONFLICT waited for it):
-        -- undo and check again.
-        DELETE FROM task_keys k WHERE k.task_id = ANY (v_new_ids);
-        IF v_try >= 5 THEN
-            RAISE EXCEPTION 'idempotency keys kept changing under this enqueue'
-                USING ERRCODE = 'serialization_failure';
-        END IF;
+        v_ids := v_ids || v_id;
     END LOOP;
 
-    INSERT INTO tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, key)
-    OVERRIDING SYSTEM VALUE
-    SELECT n.id, i.name, i.queue, i.priority, i.args, 'PENDING', i.run_at, v_now, at_ms(i.good_until), i.retry, i.key
-    FROM unnest(v_new_ords, v_new_ids) AS n(o, id)
-    JOIN unnest(p_names, p_queues, p_priorities, p_args, v_run_at, p_good_until, p_retry, p_keys)
-         WITH ORDINALITY AS i(name, queue, priority, args, run_at, good_until, retry, key, ord) ON i.ord = n.o
-    ORDER BY n.id;
+    -- One notification per queue that received a new or updated task.
+    PERFORM pg_notify(p_channel_prefix || q.queue, '') FROM (SELECT DISTINCT x.queue FROM unnest(v_queues) AS x(queue)) q;
 
-    -- One notification per queue that received a task.
-    PERFORM pg_notify(p_channel_prefix || q.queue, '')
-    FROM (
-        SELECT DISTINCT i.queue
-        FROM unnest(v_new_ords) AS n(o)
-        JOIN unnest(p_queues) WITH ORDINALITY AS i(queue, ord) ON i.ord = n.o
-    ) q;
-
-    -- Every task's id: new, existing, or the new id of the same key earlier in the batch.
     RETURN QUERY
-    WITH new AS (SELECT n.o, n.id FROM unnest(v_new_ords, v_new_ids) AS n(o, id))
-    SELECT x.ord, coalesce(a.id, x.existing, b.id), NULL::text, NULL::bigint, NULL::bigint, NULL::bigint
-    FROM unnest(v_existing, v_same_as) WITH ORDINALITY AS x(existing, same_as, ord)
-    LEFT JOIN new a ON a.o = x.ord
-    LEFT JOIN new b ON b.o = x.same_as
-    ORDER BY x.ord;
+    SELECT o.ord, o.id, NULL::text, NULL::bigint, NULL::bigint, NULL::bigint
+    FROM unnest(v_ids) WITH ORDINALITY AS o(id, ord)
+    ORDER BY o.ord;
 END;
 $$;
 
@@ -323,10 +293,13 @@ $$;
 -- NULL id carrying `more`: whether an eligible row of a served queue was left behind, and,
 -- when it is false, `next_run_in_ms`: how long until the earliest delayed Pending task of a
 -- served queue becomes due (one probe of `tasks_due_idx` per queue).
+--
+-- A serial queue (`p_serial`) counts its live claims against its cap in soft-cap mode too.
+-- Tasks with a flag in `p_forbidden` (NULL: none forbidden) are not claimed.
 CREATE FUNCTION claim(
     p_worker text, p_token bigint, p_queues text[], p_caps integer[], p_budget integer,
     p_hard boolean, p_cluster_cap integer, p_max_batch integer, p_lock_keys bigint[],
-    p_start_now integer, p_lease_ms bigint)
+    p_start_now integer, p_lease_ms bigint, p_serial boolean[], p_forbidden text[])
 RETURNS TABLE (id bigint, lease bigint, name text, queue text, args jsonb, priority smallint, started boolean,
                attempt integer, retries integer, retry jsonb, expires boolean, more boolean, next_run_in_ms bigint)
 LANGUAGE plpgsql VOLATILE
@@ -366,7 +339,7 @@ BEGIN
             SELECT count(*) INTO v_count FROM tasks t
             WHERE t.queue = v_queue AND t.state IN ('CLAIMED', 'RUNNING')
               AND (t.state = 'RUNNING'
-                   OR (p_hard AND (t.claim_expires_at IS NULL OR t.claim_expires_at > v_now)));
+                   OR ((p_hard OR p_serial[i]) AND (t.claim_expires_at IS NULL OR t.claim_expires_at > v_now)));
             v_want := least(v_want, greatest(p_caps[i] - v_count, 0));
         END IF;
         IF p_max_batch > 0 THEN
@@ -378,6 +351,7 @@ BEGIN
                 SELECT t.id, t.priority, t.run_at FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
                   AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT v_want
                 FOR UPDATE SKIP LOCKED
@@ -386,6 +360,7 @@ BEGIN
                 SELECT t.id, t.priority, t.run_at FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
                   AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT v_want
                 FOR UPDATE SKIP LOCKED
@@ -407,12 +382,14 @@ BEGIN
                 SELECT t.id FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
                   AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT 1
             ) IS NOT NULL OR (
                 SELECT t.id FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
                   AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.claim_expires_at
                 LIMIT 1
             ) IS NOT NULL;
@@ -541,10 +518,10 @@ BEGIN
     moved AS (
         INSERT INTO finished_tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
                                     heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry,
-                                    key, error, result, finished_at)
+                                    key, flags, error, result, finished_at)
         SELECT e.id, e.name, e.queue, e.priority, e.args, 'EXPIRED', e.lease, e.claimed_by, e.claim_token, e.claimed_at,
                e.heartbeat_at, e.started_at, e.attempts, e.retries, e.run_at, e.enqueued_at, e.good_until, e.retry,
-               e.key, p_expired_error, NULL, v_now
+               e.key, e.flags, p_expired_error, NULL, v_now
         FROM expired e
         RETURNING finished_tasks.id
     ),

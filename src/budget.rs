@@ -14,7 +14,8 @@
 //!   in-flight count, `max_claim_batch` (0 = no limit), the eligible tasks the pass sees).
 //!
 //! In hard-cap mode in-flight means Running plus live Claimed; in soft-cap mode per-queue counts
-//! are Running only (a prefetched claim does not hold a queue slot until it starts).
+//! are Running only (a prefetched claim does not hold a queue slot until it starts), except
+//! for serial queues, whose live claims always count: one task at a time, in order.
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,20 @@ pub struct QueuePolicy {
     pub priority: u8,
     /// The most tasks in flight in this queue across the cluster; `Some(0)` pauses it.
     pub max_concurrency: Option<u32>,
+    /// A serial queue counts its live claims against its cap in soft-cap mode too.
+    #[serde(default)]
+    pub serial: bool,
+}
+
+impl From<crate::config::CustomQueue> for QueuePolicy {
+    fn from(queue: crate::config::CustomQueue) -> Self {
+        QueuePolicy {
+            max_concurrency: queue.effective_cap(),
+            name: queue.name,
+            priority: queue.priority,
+            serial: queue.serial,
+        }
+    }
 }
 
 /// Everything about a worker's configuration that bounds its claims.
@@ -48,6 +63,9 @@ pub struct ClaimPolicy {
     pub cluster_wide_cap: Option<u32>,
     /// The queues served, in the order they are claimed from.
     pub queues: Vec<QueuePolicy>,
+    /// Tasks with any of these flags are not claimed.
+    #[serde(default)]
+    pub forbidden_flags: Vec<String>,
 }
 
 impl ClaimPolicy {
@@ -59,12 +77,14 @@ impl ClaimPolicy {
             max_claim_batch: worker.max_claim_batch,
             max_claim_per_worker: worker.max_claim_per_worker,
             cluster_wide_cap: app.cluster_wide_cap,
-            queues: worker
-                .served_queues(app)
-                .into_iter()
-                .map(|q| QueuePolicy { name: q.name, priority: q.priority, max_concurrency: q.max_concurrency })
-                .collect(),
+            queues: worker.served_queues(app).into_iter().map(QueuePolicy::from).collect(),
+            forbidden_flags: crate::db::normalized_flags(&worker.forbidden_flags),
         }
+    }
+
+    /// Whether a task with `flags` may be claimed under this policy.
+    pub fn admits(&self, flags: &[String]) -> bool {
+        self.forbidden_flags.is_empty() || !flags.iter().any(|f| self.forbidden_flags.contains(f))
     }
 
     /// Hard-cap mode counts live claims against every cap; soft-cap mode (a prefetch buffer)
@@ -164,7 +184,8 @@ pub fn plan(policy: &ClaimPolicy, counts: &ClaimCounts) -> ClaimPlan {
             break;
         }
         let in_flight = counts.queues.get(&queue.name).copied().unwrap_or_default();
-        let queue_room = queue.max_concurrency.map_or(u32::MAX, |cap| cap.saturating_sub(in_flight.counted(hard)));
+        let queue_room =
+            queue.max_concurrency.map_or(u32::MAX, |cap| cap.saturating_sub(in_flight.counted(hard || queue.serial)));
         let batch = if policy.max_claim_batch > 0 { policy.max_claim_batch } else { u32::MAX };
         let available = counts.available.get(&queue.name).copied().unwrap_or(0);
         let take = left.min(queue_room).min(batch).min(available);
@@ -194,8 +215,10 @@ mod tests {
                     name: name.to_string(),
                     priority: i as u8 + 1,
                     max_concurrency: *cap,
+                    serial: false,
                 })
                 .collect(),
+            forbidden_flags: Vec::new(),
         }
     }
 

@@ -69,6 +69,13 @@ const HANDLER_TIMEOUT_MS: RangeInclusive<u64> = 1..=86_400_000;
 const SHUTDOWN_GRACE_MS: RangeInclusive<u64> = 0..=3_600_000;
 const COMPLETION_BATCH_MAX: RangeInclusive<u32> = 1..=10_000;
 
+/// Whether `flag` is a valid task flag: 1 to 64 bytes of `a-z`, `0-9`, `_`, `-`, `.`, `:`.
+pub fn is_valid_flag(flag: &str) -> bool {
+    !flag.is_empty()
+        && flag.len() <= 64
+        && flag.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-.:".contains(&b))
+}
+
 /// Whether `name` is a valid queue name: 1 to [`MAX_QUEUE_NAME_LEN`] bytes of `a-z`, `0-9`
 /// and `_`.
 pub fn is_valid_queue_name(name: &str) -> bool {
@@ -107,13 +114,18 @@ pub struct CustomQueue {
     /// uncapped; `Some(0)` pauses it (nothing is claimed from it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_concurrency: Option<u32>,
+    /// A serial queue runs one task at a time across the cluster, in claim order (priority,
+    /// run-at, id), whatever the workers prefetch: its claimed tasks count against its cap of
+    /// 1 in soft-cap mode too. `max_concurrency` must then be unset (1) or 0 (paused).
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub serial: bool,
 }
 
 impl Default for CustomQueue {
     // No default name: a queue table without one fails validation instead of silently
     // becoming some queue.
     fn default() -> Self {
-        CustomQueue { name: String::new(), priority: 1, max_concurrency: None }
+        CustomQueue { name: String::new(), priority: 1, max_concurrency: None, serial: false }
     }
 }
 
@@ -133,6 +145,17 @@ impl CustomQueue {
     pub fn with_max_concurrency(mut self, max_concurrency: u32) -> Self {
         self.max_concurrency = Some(max_concurrency);
         self
+    }
+
+    /// The same queue, serial: one task at a time across the cluster, in order.
+    pub fn serial(mut self) -> Self {
+        self.serial = true;
+        self
+    }
+
+    /// The cap claims count against: `max_concurrency`, and at most 1 for a serial queue.
+    pub fn effective_cap(&self) -> Option<u32> {
+        if self.serial { Some(self.max_concurrency.map_or(1, |cap| cap.min(1))) } else { self.max_concurrency }
     }
 }
 
@@ -535,6 +558,13 @@ impl AppConfig {
                 first_at.insert(&queue.name, i);
             }
             c.range(&format!("custom_queues[{i}].priority"), queue.priority, QUEUE_PRIORITY);
+            if let (true, Some(cap @ 2..)) = (queue.serial, queue.max_concurrency) {
+                c.problem(
+                    &format!("custom_queues[{i}].max_concurrency"),
+                    cap,
+                    "unset, 1, or 0 (paused) for a serial queue",
+                );
+            }
         }
     }
 }
@@ -676,6 +706,10 @@ pub struct WorkerConfig {
     /// must fit an `i64`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub seed: Option<u64>,
+    /// Tasks carrying any of these flags are not claimed by this worker (graphile-worker's
+    /// forbidden flags); each a valid flag ([`is_valid_flag`]).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub forbidden_flags: Vec<String>,
 }
 
 impl Default for WorkerConfig {
@@ -693,6 +727,7 @@ impl Default for WorkerConfig {
             shutdown_grace_ms: 30_000,
             completion_batch_max: 500,
             seed: None,
+            forbidden_flags: Vec::new(),
         }
     }
 }
@@ -795,6 +830,15 @@ impl WorkerConfig {
         }
         c.range("shutdown_grace_ms", self.shutdown_grace_ms, SHUTDOWN_GRACE_MS);
         c.range("completion_batch_max", self.completion_batch_max, COMPLETION_BATCH_MAX);
+        for (i, flag) in self.forbidden_flags.iter().enumerate() {
+            if !is_valid_flag(flag) {
+                c.problem(
+                    &format!("forbidden_flags[{i}]"),
+                    format!("{flag:?}"),
+                    "1 to 64 bytes of a-z, 0-9, _, -, . and :",
+                );
+            }
+        }
     }
 }
 
@@ -1089,6 +1133,7 @@ mod tests {
                     CustomQueue::new("emails").with_max_concurrency(20),
                     CustomQueue::new("reports").with_priority(5),
                     CustomQueue::new("paused").with_max_concurrency(0),
+                    CustomQueue::new("ledger").serial(),
                 ],
                 cluster_wide_cap: None,
                 prefetch_buffer: 4,
@@ -1125,6 +1170,7 @@ mod tests {
                 shutdown_grace_ms: 10_000,
                 completion_batch_max: 200,
                 seed: Some(42),
+                forbidden_flags: vec!["gpu".into()],
             },
         }
     }

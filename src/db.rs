@@ -14,13 +14,14 @@
 //! - **Attempts and retries.** `attempts` counts starts and never decreases. `retries` counts
 //!   retries spent; [`Release`](DbRequest::Release) does not spend one.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
 use crate::budget::ClaimPolicy;
-use crate::config::{AppConfig, RetryPolicy, is_valid_queue_name};
+use crate::config::{AppConfig, RetryPolicy, is_valid_flag, is_valid_queue_name};
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
 /// A time on the database's clock: milliseconds since the Unix epoch.
@@ -76,8 +77,98 @@ pub struct NewTask {
     pub good_until: Option<DbTime>,
     /// Its retry policy; `None` takes the app's default.
     pub retry: Option<RetryPolicy>,
-    /// An idempotency key: enqueueing the same key and arguments again returns the same task.
+    /// A key naming the task while it is live (or, in [`KeyMode::Idempotent`], for good):
+    /// what enqueueing the key again does is its [`KeyMode`].
     pub key: Option<String>,
+    /// What an enqueue with a key that names a task already does (ignored without a key).
+    #[serde(default)]
+    pub key_mode: KeyMode,
+    /// Flags, which workers may be told to skip (`WorkerConfig::forbidden_flags`): each 1 to
+    /// 64 bytes of `a-z`, `0-9`, `_`, `-`, `.` and `:`.
+    #[serde(default)]
+    pub flags: Vec<String>,
+}
+
+/// What enqueueing a key that already names a task does: graphile-worker's job key modes
+/// (`replace`, `preserve_run_at`, `unsafe_dedupe`) and horsies' idempotency keys.
+///
+/// In the first three modes a key names a task only while it is live (Pending, Claimed or
+/// Running); once it finished the key is free again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default, Serialize, Deserialize)]
+#[cfg_attr(feature = "arbitrary", derive(arbitrary::Arbitrary))]
+#[serde(rename_all = "snake_case")]
+pub enum KeyMode {
+    /// A Pending task with the key is updated in place: name, queue, args, run-at, priority,
+    /// good-until, retry policy and flags are replaced and its retry budget starts over (when
+    /// its args and the new ones are both JSON arrays, the new items are appended instead:
+    /// batch tasks collect items). A Claimed or Running task loses its key (it runs on) and a
+    /// new task is inserted, as when no live task has the key.
+    #[default]
+    Replace,
+    /// As [`KeyMode::Replace`], except that a Pending task that never ran keeps its run-at
+    /// (a debounce that does not postpone).
+    PreserveRunAt,
+    /// A live task with the key is kept unchanged and its id returned; otherwise a new task is
+    /// inserted. "Unsafe": the live task may already be running with the old arguments.
+    UnsafeDedupe,
+    /// The key names its task for good, finished or not: enqueueing it again with the same
+    /// name and arguments returns that task, with others it is refused
+    /// ([`EnqueueError::PayloadMismatch`]).
+    Idempotent,
+}
+
+impl KeyMode {
+    /// The mode's name in SQL and on the command line.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            KeyMode::Replace => "replace",
+            KeyMode::PreserveRunAt => "preserve_run_at",
+            KeyMode::UnsafeDedupe => "unsafe_dedupe",
+            KeyMode::Idempotent => "idempotent",
+        }
+    }
+
+    /// The mode named `name` (as [`KeyMode::as_str`] writes it).
+    pub fn parse(name: &str) -> Option<KeyMode> {
+        [KeyMode::Replace, KeyMode::PreserveRunAt, KeyMode::UnsafeDedupe, KeyMode::Idempotent]
+            .into_iter()
+            .find(|mode| mode.as_str() == name)
+    }
+}
+
+/// Flags as stored: sorted, each once.
+pub fn normalized_flags(flags: &[String]) -> Vec<String> {
+    let mut flags = flags.to_vec();
+    flags.sort();
+    flags.dedup();
+    flags
+}
+
+/// The keys of one batch so far, to refuse what the stores cannot apply as one set of writes:
+/// a key used in two modes ([`EnqueueError::MixedKeyModes`]), and an idempotency key used
+/// twice with different names or arguments ([`EnqueueError::BatchKeyConflict`]).
+#[derive(Debug, Default)]
+pub struct BatchKeys<'a>(BTreeMap<&'a str, (usize, &'a NewTask)>);
+
+impl<'a> BatchKeys<'a> {
+    /// Records the key of `task`, the batch's task `index`, refusing it if an earlier task
+    /// used it in another mode or, in [`KeyMode::Idempotent`], with another name or args.
+    pub fn check(&mut self, index: usize, task: &'a NewTask) -> Result<(), EnqueueError> {
+        let Some(key) = task.key.as_deref() else { return Ok(()) };
+        match self.0.get(key) {
+            Some((_, first)) if first.key_mode != task.key_mode => Err(EnqueueError::MixedKeyModes(key.to_owned())),
+            Some((first_index, first))
+                if task.key_mode == KeyMode::Idempotent && (first.name != task.name || first.args != task.args) =>
+            {
+                Err(EnqueueError::BatchKeyConflict { key: key.to_owned(), first: *first_index, second: index })
+            }
+            Some(_) => Ok(()),
+            None => {
+                self.0.insert(key, (index, task));
+                Ok(())
+            }
+        }
+    }
 }
 
 impl NewTask {
@@ -92,6 +183,8 @@ impl NewTask {
             good_until: None,
             retry: None,
             key: None,
+            key_mode: KeyMode::Replace,
+            flags: Vec::new(),
         }
     }
 
@@ -125,9 +218,27 @@ impl NewTask {
         self
     }
 
-    /// The same task with an idempotency key.
+    /// The same task with a job key in the default mode, [`KeyMode::Replace`].
     pub fn key(mut self, key: impl Into<String>) -> Self {
         self.key = Some(key.into());
+        self
+    }
+
+    /// The same task with a key in `mode`.
+    pub fn key_with_mode(mut self, key: impl Into<String>, mode: KeyMode) -> Self {
+        self.key = Some(key.into());
+        self.key_mode = mode;
+        self
+    }
+
+    /// The same task with an idempotency key ([`KeyMode::Idempotent`]).
+    pub fn idempotency_key(self, key: impl Into<String>) -> Self {
+        self.key_with_mode(key, KeyMode::Idempotent)
+    }
+
+    /// The same task with one more flag.
+    pub fn flag(mut self, flag: impl Into<String>) -> Self {
+        self.flags.push(flag.into());
         self
     }
 }
@@ -160,9 +271,27 @@ pub enum EnqueueError {
     /// The task's retry policy breaks a rule.
     #[error("invalid retry policy: {0}")]
     InvalidRetryPolicy(String),
-    /// The idempotency key is empty or too long.
-    #[error("invalid idempotency key {0:?}: expected 1 to 256 bytes")]
+    /// The key is empty or too long.
+    #[error("invalid key {0:?}: expected 1 to 256 bytes")]
     InvalidKey(String),
+    /// A batch uses one idempotency key for two tasks with different names or arguments.
+    #[error(
+        "idempotency key {key:?} names tasks {first} and {second} of the batch with different arguments: expected the same task twice"
+    )]
+    BatchKeyConflict {
+        /// The key.
+        key: String,
+        /// The first task of the batch using it.
+        first: usize,
+        /// The task that differs from it.
+        second: usize,
+    },
+    /// A batch uses one key in two modes.
+    #[error("key {0:?} is used in two modes in one batch: expected one mode per key")]
+    MixedKeyModes(String),
+    /// A flag has characters or a length flags cannot have.
+    #[error("invalid flag {0:?}: expected 1 to 64 bytes of a-z, 0-9, _, -, . and :")]
+    InvalidFlag(String),
     /// The key names a task with other arguments (`PAYLOAD_MISMATCH`).
     #[error("idempotency key {key:?} already names task {existing} with different arguments")]
     PayloadMismatch {
@@ -177,7 +306,7 @@ impl EnqueueError {
     /// The error code callers see for this refusal.
     pub fn code(&self) -> ErrorCode {
         match self {
-            EnqueueError::PayloadMismatch { .. } => ErrorCode::PayloadMismatch,
+            EnqueueError::PayloadMismatch { .. } | EnqueueError::BatchKeyConflict { .. } => ErrorCode::PayloadMismatch,
             _ => ErrorCode::User("VALIDATION_FAILED".into()),
         }
     }
@@ -201,6 +330,9 @@ pub fn check_new_task(app: &AppConfig, task: &NewTask, now: DbTime) -> Result<St
         if key.is_empty() || key.len() > 256 {
             return Err(EnqueueError::InvalidKey(key.clone()));
         }
+    }
+    if let Some(flag) = task.flags.iter().find(|f| !is_valid_flag(f)) {
+        return Err(EnqueueError::InvalidFlag(flag.clone()));
     }
     if let Some(policy) = &task.retry {
         policy.validate().map_err(|e| EnqueueError::InvalidRetryPolicy(e.to_string()))?;
@@ -265,6 +397,10 @@ pub struct Completion {
     pub task: TaskLease,
     /// What to record.
     pub outcome: FinishOutcome,
+    /// New arguments to store with a failure (retried or not): the items of a batch task that
+    /// failed, so only those run again. `None` keeps the arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<serde_json::Value>,
 }
 
 /// What a finished run records.
@@ -559,8 +695,11 @@ pub struct TaskRecord {
     /// Its last error: the final one once Failed, Expired or Cancelled, the latest retried
     /// one while it waits for its next run.
     pub error: Option<TaskError>,
-    /// Its idempotency key.
+    /// Its key, while it holds one.
     pub key: Option<String>,
+    /// Its flags, sorted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flags: Vec<String>,
 }
 
 /// One finished run of a task, as the attempts history keeps it.

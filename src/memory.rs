@@ -29,8 +29,8 @@ use crate::backoff;
 use crate::budget::{self, ClaimCounts, ClaimPolicy, InFlight};
 use crate::config::{AppConfig, RetryPolicy};
 use crate::db::{
-    self, AttemptRecord, ClaimedTask, Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, NewTask,
-    ReapReport, TaskRecord, WorkerInfo,
+    self, AttemptRecord, ClaimedTask, Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode,
+    NewTask, ReapReport, TaskRecord, WorkerInfo,
 };
 use crate::rng::mix;
 use crate::task::{
@@ -93,8 +93,10 @@ pub struct StoredTask {
     pub good_until: Option<DbTime>,
     /// Its retry policy (the app's default resolved at enqueue).
     pub retry: RetryPolicy,
-    /// Its idempotency key.
+    /// Its key, while it holds one.
     pub key: Option<String>,
+    /// Its flags, sorted.
+    pub flags: Vec<String>,
     /// Its result, once Completed.
     pub result: Option<Value>,
     /// Its last error (see [`TaskRecord::error`]).
@@ -124,6 +126,7 @@ impl StoredTask {
             result: self.result.clone(),
             error: self.error.clone(),
             key: self.key.clone(),
+            flags: self.flags.clone(),
         }
     }
 
@@ -161,7 +164,7 @@ impl StoredTask {
 }
 
 /// Something PostgreSQL would announce with `NOTIFY`, for drivers to deliver.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Notification {
     /// Tasks of this queue may have become claimable (one per statement per queue).
     TaskReady {
@@ -260,37 +263,76 @@ impl MemoryStore {
         Ok(ids.into_iter().next().expect("one id per task enqueued"))
     }
 
-    /// Enqueues tasks as one statement: every task is checked ([`db::check_new_task`]) before
-    /// any is written, and on an error nothing is written. Returns one id per task, in order.
+    /// Enqueues tasks as one statement: every task is checked ([`db::check_new_task`], one
+    /// mode per key: [`db::BatchKeyModes`]) before any is written, and on an error nothing is
+    /// written. Then the tasks apply in order, as if enqueued one by one. Returns one id per
+    /// task, in order.
     ///
-    /// A task whose idempotency key names an existing task (live or finished, or an earlier
-    /// task of the same batch) with the same name and arguments is not written: its id is the
-    /// existing one. The same key with another name or other arguments is
-    /// [`EnqueueError::PayloadMismatch`]. New tasks get ids 1, 2, 3… in order, and each queue
-    /// that received one gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`).
+    /// A keyed task follows its [`KeyMode`]: in `Idempotent` mode a key that names a task
+    /// (live or finished, or an earlier task of the batch) with the same name and arguments
+    /// gives that task's id and writes nothing, with another name or other arguments it is
+    /// [`EnqueueError::PayloadMismatch`]; the graphile modes update a Pending holder in place,
+    /// detach the key from a Claimed or Running one, or keep a live one (`UnsafeDedupe`).
+    /// New tasks get ids 1, 2, 3… in order, and each queue that received a new or updated
+    /// task gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`).
     pub fn enqueue_many(&mut self, tasks: Vec<NewTask>, now: DbTime) -> Result<Vec<TaskId>, EnqueueError> {
-        let mut rows: Vec<StoredTask> = Vec::new();
-        let mut batch_keys: BTreeMap<String, usize> = BTreeMap::new();
-        let mut ids = Vec::with_capacity(tasks.len());
-        for task in tasks {
-            let queue = db::check_new_task(&self.app, &task, now)?;
-            if let Some(key) = &task.key {
-                let existing = match batch_keys.get(key) {
-                    Some(&index) => rows.get(index),
-                    None => self.keys.get(key).and_then(|id| self.row(*id)),
-                };
-                if let Some(existing) = existing {
-                    if existing.name == task.name && existing.args == task.args {
-                        ids.push(existing.id);
-                        continue;
+        let mut queues = Vec::with_capacity(tasks.len());
+        let mut batch_keys = db::BatchKeys::default();
+        for (index, task) in tasks.iter().enumerate() {
+            queues.push(db::check_new_task(&self.app, task, now)?);
+            batch_keys.check(index, task)?;
+            if let (Some(key), KeyMode::Idempotent) = (&task.key, task.key_mode) {
+                if let Some(holder) = self.keys.get(key).and_then(|id| self.row(*id)) {
+                    if holder.name != task.name || holder.args != task.args {
+                        return Err(EnqueueError::PayloadMismatch { key: key.clone(), existing: holder.id });
                     }
-                    return Err(EnqueueError::PayloadMismatch { key: key.clone(), existing: existing.id });
                 }
-                batch_keys.insert(key.clone(), rows.len());
             }
-            let id = TaskId(self.next_id.saturating_add(i64::try_from(rows.len()).unwrap_or(i64::MAX)));
+        }
+
+        let mut ids = Vec::with_capacity(tasks.len());
+        let mut ready = BTreeSet::new();
+        for (task, queue) in tasks.into_iter().zip(queues) {
+            let holder = task.key.as_ref().and_then(|key| self.keys.get(key).copied());
+            let live_holder = holder.and_then(|id| self.live.get(&id).map(|row| (id, row.state)));
+            let id = match (task.key_mode, holder, live_holder) {
+                _ if task.key.is_none() => self.insert_new(task, queue.clone(), now),
+                (KeyMode::Idempotent, Some(id), _) | (KeyMode::UnsafeDedupe, _, Some((id, _))) => {
+                    ids.push(id);
+                    continue;
+                }
+                (KeyMode::Replace | KeyMode::PreserveRunAt, _, Some((id, TaskState::Pending))) => {
+                    self.replace_pending(id, task, queue.clone(), now);
+                    id
+                }
+                (_, holder, _) => {
+                    // A Claimed or Running holder runs on without its key; a finished one
+                    // gives it up.
+                    if let Some(row) =
+                        holder.and_then(|id| self.live.get_mut(&id).or_else(|| self.finished.get_mut(&id)))
+                    {
+                        row.key = None;
+                    }
+                    self.insert_new(task, queue.clone(), now)
+                }
+            };
+            ready.insert(queue);
             ids.push(id);
-            rows.push(StoredTask {
+        }
+        self.notify_ready(ready);
+        Ok(ids)
+    }
+
+    /// Writes `task` as a new Pending row (taking its key, if it has one) and returns its id.
+    fn insert_new(&mut self, task: NewTask, queue: String, now: DbTime) -> TaskId {
+        let id = TaskId(self.next_id);
+        self.next_id = self.next_id.saturating_add(1);
+        if let Some(key) = &task.key {
+            self.keys.insert(key.clone(), id);
+        }
+        self.live.insert(
+            id,
+            StoredTask {
                 id,
                 name: task.name,
                 queue,
@@ -311,22 +353,39 @@ impl MemoryStore {
                 good_until: task.good_until,
                 retry: task.retry.unwrap_or_else(|| self.app.retry.clone()),
                 key: task.key,
+                flags: db::normalized_flags(&task.flags),
                 result: None,
                 error: None,
                 finished_at: None,
-            });
+            },
+        );
+        id
+    }
+
+    /// Updates the Pending task `id` in place from `task` ([`KeyMode::Replace`] and
+    /// [`KeyMode::PreserveRunAt`]).
+    fn replace_pending(&mut self, id: TaskId, task: NewTask, queue: String, now: DbTime) {
+        let default_retry = self.app.retry.clone();
+        let row = self.live.get_mut(&id).expect("the holder is live");
+        debug_assert_eq!(row.state, TaskState::Pending);
+        if !(task.key_mode == KeyMode::PreserveRunAt && row.attempts == 0) {
+            row.run_at = db::resolve_run_at(task.run_at, now);
         }
-        self.next_id = self.next_id.saturating_add(i64::try_from(rows.len()).unwrap_or(i64::MAX));
-        let mut queues = BTreeSet::new();
-        for row in rows {
-            queues.insert(row.queue.clone());
-            if let Some(key) = &row.key {
-                self.keys.insert(key.clone(), row.id);
+        row.args = match (&mut row.args, task.args) {
+            (Value::Array(old), Value::Array(new)) => {
+                old.extend(new);
+                Value::Array(std::mem::take(old))
             }
-            self.live.insert(row.id, row);
-        }
-        self.notify_ready(queues);
-        Ok(ids)
+            (_, new) => new,
+        };
+        row.name = task.name;
+        row.queue = queue;
+        row.priority = task.priority;
+        row.good_until = task.good_until;
+        row.retry = task.retry.unwrap_or(default_retry);
+        row.flags = db::normalized_flags(&task.flags);
+        row.retries = 0;
+        row.error = None;
     }
 
     // -----------------------------------------------------------------------------------------
@@ -336,6 +395,20 @@ impl MemoryStore {
     /// Applies one request of the worker machine atomically at database time `now`, with the
     /// semantics [`DbRequest`] documents, and returns its reply.
     pub fn apply(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
+        let before = self.notifications.len();
+        let reply = self.apply_request(request, now);
+        // PostgreSQL delivers identical notifications of one transaction once (a reap that
+        // requeues claims and retries runs of one queue announces it once).
+        let mut seen = BTreeSet::new();
+        let mut index = 0;
+        self.notifications.retain(|note| {
+            index += 1;
+            index <= before || seen.insert(note.clone())
+        });
+        reply
+    }
+
+    fn apply_request(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
         match request {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
                 let counts = self.claim_counts(policy, *my_running, *my_claimed, now);
@@ -405,7 +478,7 @@ impl MemoryStore {
                     add_in_flight(queue, running);
                 }
             }
-            if row.is_claimable(now) {
+            if row.is_claimable(now) && policy.admits(&row.flags) {
                 if let Some(available) = counts.available.get_mut(&row.queue) {
                     *available = available.saturating_add(1);
                 }
@@ -432,7 +505,12 @@ impl MemoryStore {
             let mut candidates: Vec<&StoredTask> = self
                 .live
                 .values()
-                .filter(|row| &row.queue == queue && row.is_claimable(now) && !taken.contains(&row.id))
+                .filter(|row| {
+                    &row.queue == queue
+                        && row.is_claimable(now)
+                        && policy.admits(&row.flags)
+                        && !taken.contains(&row.id)
+                })
                 .collect();
             candidates.sort_by_key(|row| (row.priority, row.run_at, row.id));
             for row in candidates.into_iter().take(*take as usize) {
@@ -550,7 +628,7 @@ impl MemoryStore {
         let mut applied = Vec::new();
         let mut lost = Vec::new();
         let mut retried = BTreeSet::new();
-        for Completion { task: TaskLease { task: id, lease }, outcome } in completions {
+        for Completion { task: TaskLease { task: id, lease }, outcome, args } in completions {
             let id = *id;
             match self.live.get(&id).filter(|row| row.held_by(worker, *lease)).map(|row| row.state) {
                 Some(TaskState::Running) => {}
@@ -562,6 +640,9 @@ impl MemoryStore {
                     lost.push(id);
                     continue;
                 }
+            }
+            if let (Some(args), false) = (args, matches!(outcome, FinishOutcome::Completed(_))) {
+                self.live.get_mut(&id).expect("a held task is live").args = args.clone();
             }
             let state = match outcome {
                 FinishOutcome::Completed(result) => {
@@ -985,6 +1066,19 @@ mod tests {
         store.enqueue(task, T0).expect("enqueue")
     }
 
+    /// A claim by a worker of this concurrency serving every queue.
+    fn claim_n(
+        store: &mut MemoryStore,
+        worker: &str,
+        token: u64,
+        concurrency: u32,
+        start_now: u32,
+        now: DbTime,
+    ) -> Vec<ClaimedTask> {
+        let policy = policy(store, concurrency);
+        claim_with(store, worker, token, &policy, start_now, now)
+    }
+
     fn claim_with(
         store: &mut MemoryStore,
         worker: &str,
@@ -1040,7 +1134,8 @@ mod tests {
     }
 
     fn finish(store: &mut MemoryStore, worker: &str, task: TaskLease, outcome: FinishOutcome, now: DbTime) -> DbReply {
-        let request = DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome }] };
+        let request =
+            DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome, args: None }] };
         store.apply(&request, now)
     }
 
@@ -1481,49 +1576,187 @@ mod tests {
     #[test]
     fn idempotency_keys_dedupe_same_payloads_and_refuse_others() {
         let mut store = MemoryStore::new(AppConfig::default());
-        let id = add(&mut store, NewTask::new("t", json!({"n": 1})).key("k"));
+        let id = add(&mut store, NewTask::new("t", json!({"n": 1})).idempotency_key("k"));
         store.take_notifications();
-        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).key("k"), at(5)), Ok(id));
+        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).idempotency_key("k"), at(5)), Ok(id));
         assert!(store.take_notifications().is_empty());
         assert_eq!(store.tasks().count(), 1);
         assert_eq!(
-            store.enqueue(NewTask::new("t", json!({"n": 2})).key("k"), at(5)),
+            store.enqueue(NewTask::new("t", json!({"n": 2})).idempotency_key("k"), at(5)),
             Err(EnqueueError::PayloadMismatch { key: "k".into(), existing: id })
         );
         assert_eq!(
-            store.enqueue(NewTask::new("other", json!({"n": 1})).key("k"), at(5)),
+            store.enqueue(NewTask::new("other", json!({"n": 1})).idempotency_key("k"), at(5)),
             Err(EnqueueError::PayloadMismatch { key: "k".into(), existing: id })
         );
         // A finished task still owns its key.
         store.cancel(id, at(6)).unwrap();
-        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).key("k"), at(7)), Ok(id));
+        assert_eq!(store.enqueue(NewTask::new("t", json!({"n": 1})).idempotency_key("k"), at(7)), Ok(id));
     }
 
     #[test]
     fn enqueue_many_is_all_or_nothing_and_dedupes_within_the_batch() {
         let mut store = MemoryStore::new(AppConfig::default());
-        let existing = add(&mut store, NewTask::new("t", json!(0)).key("k0"));
+        let existing = add(&mut store, NewTask::new("t", json!(0)).idempotency_key("k0"));
         let bad_batch = vec![
             NewTask::new("t", json!(1)),
-            NewTask::new("t", json!(0)).key("k0"),
-            NewTask::new("t", json!(2)).key("k1"),
-            NewTask::new("t", json!(3)).key("k1"),
+            NewTask::new("t", json!(0)).idempotency_key("k0"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
+            NewTask::new("t", json!(3)).idempotency_key("k1"),
         ];
         assert_eq!(
             store.enqueue_many(bad_batch, T0),
-            Err(EnqueueError::PayloadMismatch { key: "k1".into(), existing: TaskId(3) })
+            Err(EnqueueError::BatchKeyConflict { key: "k1".into(), first: 2, second: 3 })
         );
         assert_eq!(store.tasks().count(), 1);
         let batch = vec![
             NewTask::new("t", json!(1)),
-            NewTask::new("t", json!(0)).key("k0"),
-            NewTask::new("t", json!(2)).key("k1"),
-            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(0)).idempotency_key("k0"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
         ];
         let ids = store.enqueue_many(batch, T0).unwrap();
         assert_eq!(ids, vec![TaskId(2), existing, TaskId(3), TaskId(3)]);
         assert_eq!(store.tasks().count(), 3);
         assert_eq!(add(&mut store, NewTask::new("t", json!(9))), TaskId(4));
+    }
+
+    #[test]
+    fn replace_updates_a_pending_task_in_place_and_detaches_a_running_one() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let first = add(&mut store, NewTask::new("t", json!({"v": 1})).key("k").priority(5));
+        store.take_notifications();
+        let again = NewTask::new("u", json!({"v": 2})).key("k").run_at(RunAt::DelayMs(500)).flag("slow");
+        assert_eq!(store.enqueue(again, at(10)), Ok(first));
+        let row = store.task(first).unwrap();
+        assert_eq!((row.name.as_str(), &row.args, row.priority, row.run_at), ("u", &json!({"v": 2}), 0, at(510)));
+        assert_eq!(row.flags, vec!["slow".to_owned()]);
+        assert_eq!(store.take_notifications().len(), 1, "its queue hears of the update");
+        assert_eq!(store.tasks().count(), 1);
+
+        // Running: it keeps running without its key, and a new task takes the key.
+        let running = claim_n(&mut store, "w1", 1, 1, 1, at(600));
+        assert_eq!(running[0].id, first);
+        let second = store.enqueue(NewTask::new("t", json!({"v": 3})).key("k"), at(700)).unwrap();
+        assert_ne!(second, first);
+        assert_eq!(store.task(first).unwrap().key, None);
+        assert_eq!(store.task(second).unwrap().key.as_deref(), Some("k"));
+
+        // Finished: the key is free, the finished row gives it up.
+        finish(&mut store, "w1", lease(&running[0]), FinishOutcome::Completed(json!(1)), at(800));
+        let claimed = claim_n(&mut store, "w1", 2, 1, 1, at(900));
+        finish(&mut store, "w1", lease(&claimed[0]), FinishOutcome::Completed(json!(2)), at(950));
+        let third = store.enqueue(NewTask::new("t", json!({"v": 4})).key("k"), at(1_000)).unwrap();
+        assert!(third > second);
+        assert_eq!(store.task(second).unwrap().key, None);
+    }
+
+    #[test]
+    fn replace_appends_arrays_resets_retries_and_preserve_keeps_run_at() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("batch", json!([1, 2])).key("b").run_at(RunAt::DelayMs(1_000)));
+        assert_eq!(store.enqueue(NewTask::new("batch", json!([3])).key("b"), at(10)), Ok(id));
+        assert_eq!(store.task(id).unwrap().args, json!([1, 2, 3]));
+        assert_eq!(store.task(id).unwrap().run_at, at(10), "replace moves run-at");
+
+        let kept = store
+            .enqueue(
+                NewTask::new("batch", json!([4]))
+                    .key_with_mode("b", KeyMode::PreserveRunAt)
+                    .run_at(RunAt::DelayMs(9_000)),
+                at(20),
+            )
+            .unwrap();
+        assert_eq!(kept, id);
+        assert_eq!(store.task(id).unwrap().run_at, at(10), "preserve_run_at keeps it while it never ran");
+
+        // A task that ran and waits for a retry: its retry budget starts over, and
+        // preserve_run_at no longer applies.
+        let claimed = claim_n(&mut store, "w", 1, 1, 1, at(30));
+        let error = TaskError::new(ErrorCode::TaskError, "boom");
+        finish(&mut store, "w", lease(&claimed[0]), FinishOutcome::Retry { error, delay_ms: 5_000 }, at(40));
+        assert_eq!(store.task(id).unwrap().retries, 1);
+        let mode = KeyMode::PreserveRunAt;
+        store.enqueue(NewTask::new("batch", json!("x")).key_with_mode("b", mode), at(50)).unwrap();
+        let row = store.task(id).unwrap();
+        assert_eq!((row.retries, row.error.is_none(), row.run_at, &row.args), (0, true, at(50), &json!("x")));
+        assert_eq!(row.attempts, 1, "attempts never decrease");
+    }
+
+    #[test]
+    fn unsafe_dedupe_keeps_a_live_task_and_bulk_applies_in_order() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let mode = KeyMode::UnsafeDedupe;
+        let batch = vec![
+            NewTask::new("t", json!(1)).key_with_mode("d", mode),
+            NewTask::new("t", json!(2)).key_with_mode("d", mode),
+            NewTask::new("t", json!(3)),
+            NewTask::new("t", json!(4)).key("r"),
+            NewTask::new("t", json!(5)).key("r"),
+        ];
+        let ids = store.enqueue_many(batch, T0).unwrap();
+        assert_eq!(ids, vec![TaskId(1), TaskId(1), TaskId(2), TaskId(3), TaskId(3)]);
+        assert_eq!(store.task(TaskId(1)).unwrap().args, json!(1), "dedupe keeps the first");
+        assert_eq!(store.task(TaskId(3)).unwrap().args, json!(5), "replace takes the last");
+
+        let claimed = claim_n(&mut store, "w", 1, 1, 1, at(1));
+        assert_eq!(claimed[0].id, TaskId(1));
+        assert_eq!(store.enqueue(NewTask::new("t", json!(9)).key_with_mode("d", mode), at(2)), Ok(TaskId(1)));
+
+        let mixed = vec![NewTask::new("t", json!(1)).key("m"), NewTask::new("t", json!(1)).key_with_mode("m", mode)];
+        assert_eq!(store.enqueue_many(mixed, at(3)), Err(EnqueueError::MixedKeyModes("m".into())));
+        assert_eq!(store.tasks().count(), 3);
+    }
+
+    #[test]
+    fn forbidden_flags_are_not_claimed() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let slow = add(&mut store, NewTask::new("t", json!(1)).flag("slow").flag("gpu").flag("slow"));
+        let plain = add(&mut store, NewTask::new("t", json!(2)));
+        assert_eq!(store.task(slow).unwrap().flags, vec!["gpu".to_owned(), "slow".to_owned()]);
+        let worker = WorkerConfig { forbidden_flags: vec!["slow".into()], ..WorkerConfig::default() };
+        let picky = Arc::new(ClaimPolicy::from_config(store.app(), &worker));
+        assert_eq!(ids(&claim_with(&mut store, "w", 1, &picky, 0, T0)), vec![plain.0]);
+        assert_eq!(ids(&claim_n(&mut store, "w", 2, 4, 0, T0)), vec![slow.0]);
+        assert_eq!(
+            store.enqueue(NewTask::new("t", json!(3)).flag("Bad"), T0),
+            Err(EnqueueError::InvalidFlag("Bad".into()))
+        );
+    }
+
+    #[test]
+    fn a_serial_queue_holds_one_claim_at_a_time_in_soft_cap_mode_too() {
+        let mut app = custom(vec![CustomQueue::new("s").serial(), CustomQueue::new("free")]);
+        app.prefetch_buffer = 8;
+        app.claim_lease_ms = Some(LEASE_MS);
+        let mut store = MemoryStore::new(app);
+        for n in 0..3 {
+            add(&mut store, NewTask::new("t", json!(n)).queue("s"));
+        }
+        let policy = policy(&store, 4);
+        let first = claim_with(&mut store, "a", 1, &policy, 0, T0);
+        assert_eq!(ids(&first), vec![1], "one claim, though the buffer has room");
+        assert!(claim_with(&mut store, "b", 2, &policy, 0, T0).is_empty(), "another worker waits for it");
+        finish(&mut store, "a", lease(&first[0]), FinishOutcome::Completed(json!(0)), at(1));
+        assert_eq!(ids(&claim_with(&mut store, "b", 3, &policy, 0, at(2))), vec![2], "then the next, in order");
+        // A lapsed claim frees the queue.
+        assert_eq!(ids(&claim_with(&mut store, "a", 4, &policy, 0, at(2 + LEASE_MS as i64))), vec![2]);
+    }
+
+    #[test]
+    fn a_partial_failure_keeps_only_the_failed_items() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("batch", json!([1, 2, 3])));
+        let claimed = claim_n(&mut store, "w", 1, 1, 1, T0);
+        let error = TaskError::new(ErrorCode::TaskError, "2 failed");
+        let completion = Completion {
+            task: lease(&claimed[0]),
+            outcome: FinishOutcome::Retry { error, delay_ms: 1_000 },
+            args: Some(json!([2])),
+        };
+        store.apply(&DbRequest::Finish { worker: w("w"), completions: vec![completion] }, at(1));
+        assert_eq!(store.task(id).unwrap().args, json!([2]));
+        assert_eq!(store.task(id).unwrap().state, TaskState::Pending);
     }
 
     #[test]
@@ -1594,7 +1827,7 @@ mod tests {
         let claimed = claim_with(&mut store, "w", 2, &p, 4, at(2));
         let completions = claimed
             .iter()
-            .map(|t| Completion { task: lease(t), outcome: FinishOutcome::Completed(json!(t.id.0)) })
+            .map(|t| Completion { task: lease(t), outcome: FinishOutcome::Completed(json!(t.id.0)), args: None })
             .collect();
         store.apply(&DbRequest::Finish { worker: w("w"), completions }, at(3));
         let finished: Vec<Notification> =

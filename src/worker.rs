@@ -103,6 +103,14 @@ pub enum TaskOutcome {
     Success(serde_json::Value),
     /// An error.
     Failure(TaskError),
+    /// A batch task failed for some of its items: `error` is recorded, and the task's arguments
+    /// become `remaining` (the items that failed), so a retry runs only those.
+    PartialFailure {
+        /// The error to record.
+        error: TaskError,
+        /// The arguments to keep: the failed items.
+        remaining: serde_json::Value,
+    },
 }
 
 /// Something for the driver to do, drained with [`Worker::poll_command`].
@@ -1185,11 +1193,12 @@ impl Worker {
         if held.lease != lease || !matches!(held.stage, Stage::Running { .. }) {
             return; // aborted or superseded: its answer no longer counts
         }
-        let outcome = match outcome {
-            TaskOutcome::Success(value) => FinishOutcome::Completed(value),
-            TaskOutcome::Failure(error) => self.failure_outcome(task, error),
+        let (outcome, args) = match outcome {
+            TaskOutcome::Success(value) => (FinishOutcome::Completed(value), None),
+            TaskOutcome::Failure(error) => (self.failure_outcome(task, error), None),
+            TaskOutcome::PartialFailure { error, remaining } => (self.failure_outcome(task, error), Some(remaining)),
         };
-        self.finish(task, outcome, false);
+        self.finish(task, outcome, args, false);
     }
 
     fn failure_outcome(&mut self, task: TaskId, error: TaskError) -> FinishOutcome {
@@ -1202,11 +1211,11 @@ impl Worker {
         }
     }
 
-    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, resent: bool) {
+    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>, resent: bool) {
         let held = self.held.set_stage(&task, Stage::Finishing).expect("finish is called for held tasks");
         let lease = held.lease;
         self.timers.remove(&Timer::HandlerTimeout(task));
-        self.completions.push_back((Completion { task: TaskLease { task, lease }, outcome }, resent));
+        self.completions.push_back((Completion { task: TaskLease { task, lease }, outcome, args }, resent));
     }
 
     fn time_out(&mut self, task: TaskId) {
@@ -1221,7 +1230,7 @@ impl Worker {
         self.events.push_back(Event::TimedOut { task });
         let error = TaskError::new(ErrorCode::TaskTimeout, format!("handler ran past its timeout of {timeout} ms"));
         let outcome = self.failure_outcome(task, error);
-        self.finish(task, outcome, false);
+        self.finish(task, outcome, None, false);
     }
 
     /// Drops a task that is no longer ours under `lease`, aborting its handler if it runs. A

@@ -55,6 +55,7 @@ async fn claimer(store: PgStore, name: String, concurrency: u32, work: Duration,
             .map(|t| Completion {
                 task: TaskLease { task: t.id, lease: t.lease },
                 outcome: FinishOutcome::Completed(json!(t.id.0)),
+                args: None,
             })
             .collect();
         let reply = store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");

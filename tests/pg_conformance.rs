@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use canter::budget::{ClaimPolicy, QueuePolicy};
 use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy};
-use canter::db::{Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, NewTask, RunAt, WorkerInfo};
+use canter::db::{
+    Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt, WorkerInfo,
+};
 use canter::memory::{AdminError, MemoryStore, Notification, TaskFilter};
 use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
 use canter::rng::Rng;
@@ -54,6 +56,8 @@ struct Pair {
     now: DbTime,
     step: usize,
     label: String,
+    /// The step's operation, for failure messages.
+    last_op: String,
     /// What the replies showed, to check that random scripts reach the interesting cases.
     seen: BTreeMap<&'static str, usize>,
     _db: TestDb,
@@ -80,6 +84,7 @@ impl Pair {
             now: T0,
             step: 0,
             label: label.into(),
+            last_op: String::new(),
             seen: BTreeMap::new(),
             _db: db,
         }
@@ -90,11 +95,12 @@ impl Pair {
     }
 
     fn at(&self) -> String {
-        format!("{} step {}", self.label, self.step)
+        format!("{} step {} ({})", self.label, self.step, self.last_op)
     }
 
     async fn apply(&mut self, op: &Op) {
         self.step += 1;
+        self.last_op = format!("{op:?}").chars().take(400).collect();
         pin_clock(&self.pool, self.pg.schema(), self.now).await;
         let at = self.at();
         match op {
@@ -269,11 +275,7 @@ fn custom(queues: Vec<CustomQueue>) -> AppConfig {
 }
 
 fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
-    let mut queues: Vec<QueuePolicy> = app
-        .queues()
-        .into_iter()
-        .map(|q| QueuePolicy { name: q.name, priority: q.priority, max_concurrency: q.max_concurrency })
-        .collect();
+    let mut queues: Vec<QueuePolicy> = app.queues().into_iter().map(QueuePolicy::from).collect();
     queues.sort_by_key(|q| q.priority);
     Arc::new(ClaimPolicy {
         concurrency,
@@ -282,6 +284,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
         max_claim_per_worker: 0,
         cluster_wide_cap: app.cluster_wide_cap,
         queues,
+        forbidden_flags: Vec::new(),
     })
 }
 
@@ -302,7 +305,7 @@ fn lease(id: i64, lease: i64) -> TaskLease {
 }
 
 fn finish(worker: &str, task: TaskLease, outcome: FinishOutcome) -> Op {
-    Op::Db(DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome }] })
+    Op::Db(DbRequest::Finish { worker: w(worker), completions: vec![Completion { task, outcome, args: None }] })
 }
 
 fn error(code: ErrorCode) -> TaskError {
@@ -459,26 +462,29 @@ async fn retries_expiry_cancellation_reaping_and_requeue() {
 async fn idempotency_keys_and_refusals() {
     let mut pair = Pair::new(custom(vec![CustomQueue::new("a")]), "keys").await;
     let script = vec![
-        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).idempotency_key("k0")]),
         Op::Enqueue(vec![
             NewTask::new("t", json!(1)),
-            NewTask::new("t", json!(0)).key("k0"),
-            NewTask::new("t", json!(2)).key("k1"),
-            NewTask::new("t", json!(3)).key("k1"),
+            NewTask::new("t", json!(0)).idempotency_key("k0"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
+            NewTask::new("t", json!(3)).idempotency_key("k1"),
         ]),
         Op::Enqueue(vec![
             NewTask::new("t", json!(1)),
-            NewTask::new("t", json!(0)).key("k0"),
-            NewTask::new("t", json!(2)).key("k1"),
-            NewTask::new("t", json!(2)).key("k1"),
+            NewTask::new("t", json!(0)).idempotency_key("k0"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
+            NewTask::new("t", json!(2)).idempotency_key("k1"),
         ]),
-        Op::Enqueue(vec![NewTask::new("other", json!(0)).key("k0")]),
-        Op::Enqueue(vec![NewTask::new("t", json!(9)).queue("b"), NewTask::new("t", json!(0)).key("k0")]),
-        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k9"), NewTask::new("t", json!(1)).queue("Bad")]),
+        Op::Enqueue(vec![NewTask::new("other", json!(0)).idempotency_key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(9)).queue("b"), NewTask::new("t", json!(0)).idempotency_key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).idempotency_key("k9"), NewTask::new("t", json!(1)).queue("Bad")]),
         Op::Enqueue(vec![NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(100)).good_until(T0.plus_ms(100))]),
-        Op::Enqueue(vec![NewTask::new("t", json!(1)).key("k1"), NewTask::new("t", json!(1)).good_until(T0)]),
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)).idempotency_key("k1"),
+            NewTask::new("t", json!(1)).good_until(T0),
+        ]),
         Op::Cancel(TaskId(1)),
-        Op::Enqueue(vec![NewTask::new("t", json!(0)).key("k0")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(0)).idempotency_key("k0")]),
         Op::Enqueue(vec![NewTask::new("t", json!(1)).run_at(RunAt::At(DbTime(T0.0 - 5_000)))]),
     ];
     pair.run(&script).await;
@@ -538,7 +544,19 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
                         task.good_until = Some(DbTime(now.0 + rng.range(0, 5_000) as i64));
                     }
                     if rng.chance(0.3) {
-                        task.key = Some(format!("k{}", rng.range(0, 4)));
+                        // Each key has its mode, but now and then another (across batches a key
+                        // may change modes; within one it is refused).
+                        let key = rng.range(0, 4);
+                        let modes =
+                            [KeyMode::Idempotent, KeyMode::Replace, KeyMode::PreserveRunAt, KeyMode::UnsafeDedupe];
+                        let mode = if rng.chance(0.1) { modes[rng.range(0, 4) as usize] } else { modes[key as usize] };
+                        task = task.key_with_mode(format!("k{key}"), mode);
+                        if rng.chance(0.3) {
+                            task.args = json!([rng.range(0, 3)]);
+                        }
+                    }
+                    if rng.chance(0.25) {
+                        task = task.flag("slow");
                     }
                     if rng.chance(0.6) {
                         let policy = if rng.chance(0.5) {
@@ -555,12 +573,8 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
         }
         20..=39 => {
             let soft = app.prefetch_buffer > 0;
-            let mut queues: Vec<QueuePolicy> = app
-                .queues()
-                .into_iter()
-                .filter(|_| rng.chance(0.85))
-                .map(|q| QueuePolicy { name: q.name, priority: q.priority, max_concurrency: q.max_concurrency })
-                .collect();
+            let mut queues: Vec<QueuePolicy> =
+                app.queues().into_iter().filter(|_| rng.chance(0.85)).map(QueuePolicy::from).collect();
             queues.sort_by_key(|q| q.priority);
             let policy = ClaimPolicy {
                 concurrency: rng.range(1, 5) as u32,
@@ -569,6 +583,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
                 max_claim_per_worker: if rng.chance(0.2) { rng.range(1, 4) as u32 } else { 0 },
                 cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },
                 queues,
+                forbidden_flags: if rng.chance(0.3) { vec!["slow".into()] } else { Vec::new() },
             };
             let my_running = held(TaskState::Running).len() as u32;
             let my_claimed = held(TaskState::Claimed).len() as u32;
@@ -599,7 +614,9 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
                             FinishOutcome::Retry { error: error(ErrorCode::TaskTimeout), delay_ms: rng.range(0, 3_000) }
                         }
                     };
-                    Completion { task, outcome }
+                    // A batch task's failed items replace its args (ignored on completion).
+                    let args = rng.chance(0.3).then(|| json!([rng.range(0, 3)]));
+                    Completion { task, outcome, args }
                 })
                 .collect();
             Op::Db(DbRequest::Finish { worker: w(worker), completions })

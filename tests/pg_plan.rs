@@ -151,6 +151,7 @@ async fn latency(store: &PgStore) {
             .map(|t| Completion {
                 task: TaskLease { task: t.id, lease: t.lease },
                 outcome: FinishOutcome::Completed(json!({"ok": t.id.0})),
+                args: None,
             })
             .collect();
         let started = Instant::now();

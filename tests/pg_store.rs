@@ -133,20 +133,26 @@ async fn bad_input_is_refused_with_clear_errors_and_writes_nothing() {
 async fn idempotency_keys_survive_finishing_and_concurrent_enqueuers() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 8).await;
-    let id = store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap();
-    assert_eq!(store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap(), id);
-    let mismatch = store.enqueue(NewTask::new("t", json!({"a": 2})).key("k")).await.unwrap_err();
+    let id = store.enqueue(NewTask::new("t", json!({"a": 1})).idempotency_key("k")).await.unwrap();
+    assert_eq!(store.enqueue(NewTask::new("t", json!({"a": 1})).idempotency_key("k")).await.unwrap(), id);
+    let mismatch = store.enqueue(NewTask::new("t", json!({"a": 2})).idempotency_key("k")).await.unwrap_err();
     assert!(
         matches!(&mismatch, PgEnqueueError::Invalid(EnqueueError::PayloadMismatch { existing, .. }) if existing == &id)
     );
     assert_eq!(mismatch.code(), ErrorCode::PayloadMismatch);
     store.cancel(id).await.unwrap();
-    assert_eq!(store.enqueue(NewTask::new("t", json!({"a": 1})).key("k")).await.unwrap(), id, "finished keeps its key");
+    assert_eq!(
+        store.enqueue(NewTask::new("t", json!({"a": 1})).idempotency_key("k")).await.unwrap(),
+        id,
+        "finished keeps its key"
+    );
 
     // Many enqueuers of one new key at once get one task.
     let racers = (0..16).map(|_| {
         let store = store.clone();
-        tokio::spawn(async move { store.enqueue(NewTask::new("t", json!("race")).key("race")).await.unwrap() })
+        tokio::spawn(
+            async move { store.enqueue(NewTask::new("t", json!("race")).idempotency_key("race")).await.unwrap() },
+        )
     });
     let mut ids = Vec::new();
     for racer in racers {
@@ -174,7 +180,7 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
 
     let held = claim_and_start(&store, "w", 3).await;
     let completions =
-        held.iter().map(|&task| Completion { task, outcome: FinishOutcome::Completed(json!(1)) }).collect();
+        held.iter().map(|&task| Completion { task, outcome: FinishOutcome::Completed(json!(1)), args: None }).collect();
     let request = DbRequest::Finish { worker: WorkerId("w".into()), completions };
     assert!(matches!(store.execute(&request).await.unwrap(), DbReply::Finished { applied, .. } if applied.len() == 3));
     let (channel, payload) = next(&mut listener).await;
@@ -222,7 +228,11 @@ async fn waiting_for_results_with_a_timeout_and_through_a_router() {
     let held = claim_and_start(&store, "w", 1).await;
     let request = DbRequest::Finish {
         worker: WorkerId("w".into()),
-        completions: vec![Completion { task: held[0], outcome: FinishOutcome::Completed(json!({"ok": true})) }],
+        completions: vec![Completion {
+            task: held[0],
+            outcome: FinishOutcome::Completed(json!({"ok": true})),
+            args: None,
+        }],
     };
     store.execute(&request).await.unwrap();
     for record in [waiter.await.unwrap().unwrap(), routed.await.unwrap().unwrap()] {

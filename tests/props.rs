@@ -9,11 +9,17 @@ use canter::config::{AppConfig, BackoffStrategy, Config, ResilienceConfig, Retry
 use proptest::prelude::*;
 
 fn queue_policies() -> impl Strategy<Value = Vec<QueuePolicy>> {
-    prop::collection::vec((1u8..=100, prop::option::of(0u32..20)), 1..5).prop_map(|queues| {
+    prop::collection::vec((1u8..=100, prop::option::of(0u32..20), any::<bool>()), 1..5).prop_map(|queues| {
         let mut queues: Vec<QueuePolicy> = queues
             .into_iter()
             .enumerate()
-            .map(|(i, (priority, max_concurrency))| QueuePolicy { name: format!("q{i}"), priority, max_concurrency })
+            .map(|(i, (priority, max_concurrency, serial))| QueuePolicy {
+                name: format!("q{i}"),
+                priority,
+                // A serial queue's cap is 1 (or 0), as `CustomQueue::effective_cap` makes it.
+                max_concurrency: if serial { Some(max_concurrency.map_or(1, |c| c.min(1))) } else { max_concurrency },
+                serial,
+            })
             .collect();
         queues.sort_by_key(|q| q.priority);
         queues
@@ -30,6 +36,7 @@ fn claim_policies() -> impl Strategy<Value = ClaimPolicy> {
             // A cluster-wide cap with a prefetch buffer is a configuration error.
             cluster_wide_cap: if prefetch == 0 { cap } else { None },
             queues,
+            forbidden_flags: Vec::new(),
         })
 }
 
@@ -88,7 +95,11 @@ proptest! {
                 prop_assert!(*take <= policy.max_claim_batch);
             }
             if let Some(cap) = queue.max_concurrency {
-                prop_assert!(counts.queues[name].counted(hard) + take <= cap);
+                // A serial queue counts its live claims in soft-cap mode too.
+                prop_assert!(counts.queues[name].counted(hard || queue.serial) + take <= cap);
+            }
+            if queue.serial {
+                prop_assert!(counts.queues[name].running + counts.queues[name].claimed + take <= 1, "serial: one at a time");
             }
         }
     }
@@ -100,7 +111,8 @@ proptest! {
             // Then every queue got all it could take on its own.
             let takes: BTreeMap<&str, u32> = plan.takes.iter().map(|(q, n)| (q.as_str(), *n)).collect();
             for queue in &policy.queues {
-                let room = queue.max_concurrency.map_or(u32::MAX, |cap| cap.saturating_sub(counts.queues[&queue.name].counted(policy.hard_cap_mode())));
+                let counted = counts.queues[&queue.name].counted(policy.hard_cap_mode() || queue.serial);
+                let room = queue.max_concurrency.map_or(u32::MAX, |cap| cap.saturating_sub(counted));
                 let batch = if policy.max_claim_batch > 0 { policy.max_claim_batch } else { u32::MAX };
                 let could = room.min(batch).min(counts.available[&queue.name]);
                 prop_assert_eq!(takes.get(queue.name.as_str()).copied().unwrap_or(0), could, "queue {}", queue.name);

@@ -328,7 +328,7 @@ fn soft_cap_app(cap: Option<u32>) -> AppConfig {
         prefetch_buffer: 2,
         claim_lease_ms: Some(60_000),
         queue_mode: QueueMode::Custom,
-        custom_queues: vec![CustomQueue { name: "default".into(), priority: 1, max_concurrency: cap }],
+        custom_queues: vec![CustomQueue { name: "default".into(), priority: 1, max_concurrency: cap, serial: false }],
         ..AppConfig::default()
     }
 }

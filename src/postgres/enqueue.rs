@@ -20,7 +20,7 @@ use serde_json::Value;
 use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
-use crate::db::{DbTime, EnqueueError, NewTask, RunAt, check_new_task};
+use crate::db::{BatchKeys, DbTime, EnqueueError, NewTask, RunAt, check_new_task, normalized_flags};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration};
 use crate::task::{ErrorCode, TaskId};
@@ -94,15 +94,17 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     // refused one (without writing), so a problem it finds earlier in the batch still wins.
     let mut queues = Vec::with_capacity(tasks.len());
     let mut refused = None;
+    let mut batch_keys = BatchKeys::default();
     for (index, task) in tasks.iter().enumerate() {
         // With the earliest possible `now`, only run-at times given as instants are compared
         // here; the database compares the rest with its own clock.
-        let checked = check_new_task(app, task, DbTime(i64::MIN)).map_err(PgEnqueueError::from).and_then(|queue| {
-            match nul_in(&task.args) {
+        let checked = check_new_task(app, task, DbTime(i64::MIN))
+            .and_then(|queue| batch_keys.check(index, task).map(|()| queue))
+            .map_err(PgEnqueueError::from)
+            .and_then(|queue| match nul_in(&task.args) {
                 Some(reason) => Err(PgEnqueueError::InvalidArgs { index, reason }),
                 None => Ok(queue),
-            }
-        });
+            });
         match checked {
             Ok(queue) => queues.push(queue),
             Err(e) => {
@@ -129,6 +131,8 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     let mut good_until: Vec<Option<i64>> = Vec::with_capacity(n);
     let mut retries = Vec::with_capacity(n);
     let mut keys: Vec<Option<&str>> = Vec::with_capacity(n);
+    let mut modes: Vec<&str> = Vec::with_capacity(n);
+    let mut flags: Vec<Option<String>> = Vec::with_capacity(n);
     for task in tasks {
         names.push(task.name.as_str());
         args.push(&task.args);
@@ -145,6 +149,9 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         let policy = task.retry.as_ref().map(serde_json::to_value).transpose();
         retries.push(policy.map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
         keys.push(task.key.as_deref());
+        modes.push(task.key_mode.as_str());
+        // Flags hold no comma (`is_valid_flag`): one string per task, split in SQL.
+        flags.push((!task.flags.is_empty()).then(|| normalized_flags(&task.flags).join(",")));
     }
     let keyed = keys.iter().any(Option::is_some);
     let query = if write && !keyed {
@@ -162,9 +169,15 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         .bind(good_until)
         .bind(retries);
     let query = if write && !keyed {
-        query.bind(schema.queue_channel_prefix())
+        query.bind(flags).bind(schema.queue_channel_prefix())
     } else {
-        query.bind(keys).bind(write).bind(schema.queue_channel_prefix())
+        query
+            .bind(keys)
+            .bind(modes)
+            .bind(flags)
+            .bind(write)
+            .bind(schema.queue_channel_prefix())
+            .bind(schema.key_lock_prefix())
     };
     let rows = query.fetch_all(executor).await?;
 

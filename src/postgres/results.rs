@@ -350,6 +350,7 @@ fn record(row: &PgRow) -> Result<TaskRecord, sqlx::Error> {
         result: row.try_get("result")?,
         error: row.try_get::<Option<Value>, _>("error")?.map(json).transpose()?,
         key: row.try_get("key")?,
+        flags: row.try_get::<Option<Vec<String>>, _>("flags")?.unwrap_or_default(),
     })
 }
 

@@ -146,6 +146,12 @@ impl PgSchema {
         fnv1a64(format!("canter:claim:{}", self.inner.name).as_bytes())
     }
 
+    /// What the text hashed into the advisory lock of a task key starts with (the SQL
+    /// `enqueue()` hashes it with the key by `hashtextextended`).
+    pub fn key_lock_prefix(&self) -> String {
+        format!("canter:key:{}:", self.inner.name)
+    }
+
     /// The advisory lock key only one reaper at a time holds.
     pub fn reaper_lock_key(&self) -> i64 {
         fnv1a64(format!("canter:reap:{}", self.inner.name).as_bytes())

@@ -15,12 +15,13 @@ use sqlx::{AssertSqlSafe, SqlSafeStr, SqlStr};
 
 /// The columns of `finished_tasks`, in the order the moves below fill them.
 const FINISHED_COLUMNS: &str = "id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at, \
-     heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry, key, error, result, finished_at";
+     heartbeat_at, started_at, attempts, retries, run_at, enqueued_at, good_until, retry, key, flags, error, result, \
+     finished_at";
 
 /// The columns of a moved live row `m` that `finished_tasks` keeps as they are, in order
 /// after `state`.
 const KEPT: &str = "m.lease, m.claimed_by, m.claim_token, m.claimed_at, m.heartbeat_at, m.started_at, m.attempts, \
-     m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry, m.key";
+     m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry, m.key, m.flags";
 
 /// The ids of the rows of CTE `{rows}` as comma-separated lists of at most 300 (one
 /// notification payload each: PostgreSQL caps a payload at 8,000 bytes).
@@ -35,16 +36,16 @@ const UNCLAIM: &str =
 
 const CLAIM: &str = "\
 SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms
-FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 
 const START: &str = "\
 SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
 
 const FINISH: &str = "\
 WITH input AS (
-    SELECT i.id, i.lease, i.kind, i.result, i.error, i.delay_ms, i.ord
-    FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[])
-         WITH ORDINALITY AS i(id, lease, kind, result, error, delay_ms, ord)
+    SELECT i.id, i.lease, i.kind, i.result, i.error, i.delay_ms, i.args, i.ord
+    FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[], $10::jsonb[])
+         WITH ORDINALITY AS i(id, lease, kind, result, error, delay_ms, args, ord)
 ),
 -- Running, or Claimed by a worker that started it without a start request (the run counts
 -- as an attempt here).
@@ -55,7 +56,7 @@ held AS (
     FOR UPDATE
 ),
 chosen AS (
-    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error,
+    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error, i.args,
            h.attempts + CASE WHEN h.state = 'CLAIMED' THEN 1 ELSE 0 END AS attempts,
            CASE WHEN h.state = 'CLAIMED' THEN {s}.db_now() ELSE h.started_at END AS started_at,
            {s}.db_now() + i.delay_ms * interval '1 millisecond' AS run_at,
@@ -71,13 +72,15 @@ moved AS (
     DELETE FROM {s}.tasks t USING chosen c
     WHERE t.id = c.id AND c.state <> 'PENDING'
     RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error, c.attempts AS new_attempts,
-              c.started_at AS new_started_at
+              c.started_at AS new_started_at, c.args AS new_args
 ),
 finished AS (
     INSERT INTO {s}.finished_tasks ({finished_columns})
-    SELECT m.id, m.name, m.queue, m.priority, m.args, m.new_state, m.lease, m.claimed_by, m.claim_token, m.claimed_at,
+    SELECT m.id, m.name, m.queue, m.priority,
+           CASE WHEN m.new_state = 'COMPLETED' THEN m.args ELSE coalesce(m.new_args, m.args) END,
+           m.new_state, m.lease, m.claimed_by, m.claim_token, m.claimed_at,
            m.heartbeat_at, m.new_started_at, m.new_attempts, m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry,
-           m.key,
+           m.key, m.flags,
            CASE WHEN m.new_state = 'COMPLETED' THEN NULL ELSE m.new_error END,
            CASE WHEN m.new_state = 'COMPLETED' THEN m.new_result END,
            {s}.db_now()
@@ -85,7 +88,7 @@ finished AS (
 ),
 retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error,
-        attempts = c.attempts, started_at = c.started_at
+        attempts = c.attempts, started_at = c.started_at, args = coalesce(c.args, t.args)
     FROM chosen c
     WHERE t.id = c.id AND c.state = 'PENDING'
     RETURNING t.queue
@@ -139,10 +142,12 @@ WITH claimed_in AS (
 running_in AS (
     SELECT r.id, r.lease, r.ord FROM unnest($4::bigint[], $5::bigint[]) WITH ORDINALITY AS r(id, lease, ord)
 ),
+-- A listed claim may have started under the same lease since the beat was sent (a start that
+-- raced it): still held, and alive.
 held_claimed AS (
-    SELECT t.id, t.lease, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
+    SELECT t.id, t.lease, t.state, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
     FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state = 'CLAIMED' AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -150,7 +155,7 @@ renewed AS (
     UPDATE {s}.tasks t
     SET claim_expires_at = {s}.db_now() + $6 * interval '1 millisecond', heartbeat_at = {s}.db_now()
     FROM held_claimed h
-    WHERE t.id = h.id AND h.renewable
+    WHERE t.id = h.id AND h.state = 'CLAIMED' AND h.renewable
       AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)
 ),
 held_running AS (
@@ -161,8 +166,11 @@ held_running AS (
 ),
 beaten AS (
     UPDATE {s}.tasks t SET heartbeat_at = {s}.db_now()
-    FROM held_running h
-    WHERE t.id = h.id AND EXISTS (SELECT 1 FROM running_in r WHERE r.id = h.id AND r.lease = h.lease)
+    FROM (SELECT DISTINCT h.id FROM held_running h JOIN running_in r ON r.id = h.id AND r.lease = h.lease
+          UNION
+          SELECT h.id FROM held_claimed h JOIN claimed_in c ON c.id = h.id AND c.lease = h.lease
+          WHERE h.state = 'RUNNING') b
+    WHERE t.id = b.id
 ),
 seen AS (
     INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen)
@@ -314,10 +322,9 @@ const DEREGISTER_WORKER: &str = "UPDATE {s}.workers SET stopped_at = {s}.db_now(
 
 const ENQUEUE: &str = "\
 SELECT ord, id, problem, detail_id, run_at_ms, good_until_ms
-FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
-/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
-/// A batch without idempotency keys (the common case), as one plain statement: only times can
+/// A batch without keys (the common case), as one plain statement: only times can
 /// refuse such a task, so it checks them and, when none is refused, numbers and inserts the
 /// batch in order, with one notification per queue. The rows it returns are those of the
 /// `enqueue()` function: per task its id, or one row naming the first refused task. (Keyed
@@ -325,10 +332,10 @@ FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
 const ENQUEUE_KEYLESS: &str = "\
 WITH items AS (
     SELECT i.ord, i.name, i.queue, i.priority, i.args, i.retry, {s}.at_ms(i.good_until) AS good_until,
-           {s}.due_at(i.delay, i.at, {s}.db_now()) AS run_at
+           {s}.due_at(i.delay, i.at, {s}.db_now()) AS run_at, string_to_array(i.flags, ',') AS flags
     FROM unnest($1::text[], $3::text[], $4::smallint[], $2::jsonb[], $5::bigint[], $6::bigint[], $7::bigint[],
-                $8::jsonb[])
-         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, ord)
+                $8::jsonb[], $9::text[])
+         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, flags, ord)
 ),
 refused AS (
     SELECT it.ord, it.run_at, it.good_until FROM items it
@@ -341,15 +348,16 @@ numbered AS (
     FROM (SELECT it.* FROM items it WHERE NOT EXISTS (SELECT FROM refused) ORDER BY it.ord OFFSET 0) x
 ),
 inserted AS (
-    INSERT INTO {s}.tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry)
+    INSERT INTO {s}.tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, flags)
     OVERRIDING SYSTEM VALUE
-    SELECT n.id, n.name, n.queue, n.priority, n.args, 'PENDING', n.run_at, {s}.db_now(), n.good_until, n.retry
+    SELECT n.id, n.name, n.queue, n.priority, n.args, 'PENDING', n.run_at, {s}.db_now(), n.good_until, n.retry,
+           n.flags
     FROM numbered n
     ORDER BY n.id
     RETURNING queue
 ),
 notified AS (
-    SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
+    SELECT count(pg_notify($10 || q.queue, '')) AS n FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
 )
 SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
        NULL::bigint AS good_until_ms
@@ -358,15 +366,17 @@ UNION ALL
 SELECT r.ord, NULL, 'run_at_after_good_until', NULL, {s}.ms(r.run_at), {s}.ms(r.good_until) FROM refused r
 ORDER BY 1";
 
+/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
 const RECORD: &str = "\
 SELECT t.id, t.name, t.queue, t.state, t.priority, t.args, t.attempts, t.retries, {s}.ms(t.enqueued_at) AS enqueued_at,
        {s}.ms(t.run_at) AS run_at, {s}.ms(t.good_until) AS good_until, NULL::bigint AS finished_at, t.claimed_by,
-       NULL::jsonb AS result, t.error, t.key
+       NULL::jsonb AS result, t.error, t.key, t.flags
 FROM {s}.tasks t
 WHERE {live}
 UNION ALL
 SELECT f.id, f.name, f.queue, f.state, f.priority, f.args, f.attempts, f.retries, {s}.ms(f.enqueued_at),
-       {s}.ms(f.run_at), {s}.ms(f.good_until), {s}.ms(f.finished_at), f.claimed_by, f.result, f.error, f.key
+       {s}.ms(f.run_at), {s}.ms(f.good_until), {s}.ms(f.finished_at), f.claimed_by, f.result, f.error, f.key,
+       f.flags
 FROM {s}.finished_tasks f
 WHERE {finished}";
 
@@ -419,10 +429,10 @@ history AS (
 back AS (
     INSERT INTO {s}.tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
                            claim_expires_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at,
-                           good_until, retry, key, error)
+                           good_until, retry, key, flags, error)
     OVERRIDING SYSTEM VALUE
     SELECT g.id, g.name, g.queue, g.priority, g.args, 'PENDING', g.lease, NULL, NULL, g.claimed_at, NULL, NULL,
-           g.started_at, g.attempts, 0, {s}.db_now(), g.enqueued_at, g.good_until, g.retry, g.key, g.error
+           g.started_at, g.attempts, 0, {s}.db_now(), g.enqueued_at, g.good_until, g.retry, g.key, g.flags, g.error
     FROM gone g
     RETURNING id, queue
 ),

@@ -101,6 +101,8 @@ impl PgStore {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
                 let queues: Vec<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
                 let caps: Vec<Option<i32>> = policy.queues.iter().map(|q| q.max_concurrency.map(int)).collect();
+                let serial: Vec<bool> = policy.queues.iter().map(|q| q.serial).collect();
+                let forbidden = (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags);
                 let rows = sqlx::query(sql.claim.clone())
                     .bind(&worker.0)
                     .bind(*token as i64)
@@ -113,6 +115,8 @@ impl PgStore {
                     .bind(claim_lock_keys(&self.schema, policy))
                     .bind(int(*start_now))
                     .bind(duration(*lease_ms))
+                    .bind(serial)
+                    .bind(forbidden)
                     .fetch_all(&mut *conn)
                     .await?;
                 let mut tasks = Vec::with_capacity(rows.len().saturating_sub(1));
@@ -266,7 +270,9 @@ impl PgStore {
         let (mut ids, mut leases, mut kinds) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
         let (mut results, mut errors, mut delays) =
             (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        for Completion { task, outcome } in completions {
+        let mut new_args: Vec<Option<&Value>> = Vec::with_capacity(n);
+        for Completion { task, outcome, args } in completions {
+            new_args.push(args.as_ref());
             ids.push(task.task.0);
             leases.push(task.lease.0);
             let (kind, result, error, delay) = match outcome {
@@ -291,6 +297,7 @@ impl PgStore {
             .bind(delays)
             .bind(self.schema.done_channel())
             .bind(self.schema.queue_channel_prefix())
+            .bind(new_args)
             .fetch_all(&mut *conn)
             .await?;
         let (mut applied, mut lost) = (Vec::new(), Vec::new());

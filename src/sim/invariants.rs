@@ -165,6 +165,8 @@ impl Default for Seen {
 pub(crate) struct Checker {
     hard: bool,
     queue_caps: BTreeMap<String, u32>,
+    /// Serial queues: their live claims count against their cap in either mode.
+    serial: BTreeSet<String>,
     cluster_cap: Option<u32>,
     paused: BTreeSet<String>,
     /// Per task, indexed by `id - 1` (the store numbers tasks 1, 2, 3… in order): the most
@@ -194,7 +196,8 @@ impl Checker {
         let queues = app.queues();
         Checker {
             hard: app.is_hard_cap_mode(),
-            queue_caps: queues.iter().filter_map(|q| q.max_concurrency.map(|cap| (q.name.clone(), cap))).collect(),
+            queue_caps: queues.iter().filter_map(|q| q.effective_cap().map(|cap| (q.name.clone(), cap))).collect(),
+            serial: queues.iter().filter(|q| q.serial).map(|q| q.name.clone()).collect(),
             cluster_cap: app.cluster_wide_cap,
             paused: queues.iter().filter(|q| q.max_concurrency == Some(0)).map(|q| q.name.clone()).collect(),
             seen: Vec::new(),
@@ -756,13 +759,11 @@ impl Checker {
                 }
                 state => return Err(format!("task {id} is {state} in the live table")),
             }
-            let counted = match row.state {
-                TaskState::Running => true,
-                TaskState::Claimed => self.hard && row.claim_expires_at.is_some_and(|at| at > now),
-                _ => false,
-            };
-            if counted {
+            let live_claim = row.state == TaskState::Claimed && row.claim_expires_at.is_some_and(|at| at > now);
+            if row.state == TaskState::Running || (live_claim && (self.hard || self.serial.contains(&row.queue))) {
                 *queue_in_flight.entry(row.queue.as_str()).or_insert(0) += 1;
+            }
+            if row.state == TaskState::Running || (live_claim && self.hard) {
                 cluster_in_flight += 1;
             }
             if !self.paused.contains(&row.queue) {
@@ -770,7 +771,7 @@ impl Checker {
             }
         }
         self.unfinished = unfinished;
-        let counted = if self.hard { "Running + live Claimed" } else { "Running" };
+        let counted = if self.hard { "Running + live Claimed" } else { "Running (+ live Claimed if serial)" };
         for (queue, &n) in &queue_in_flight {
             if let Some(&cap) = self.queue_caps.get(*queue) {
                 ensure!(n <= cap, "CAP: queue {queue} has {n} in flight ({counted}), cap {cap}");

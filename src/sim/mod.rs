@@ -1386,7 +1386,14 @@ fn sample_outcome(rng: &mut Rng, load: &LoadOptions, task: TaskId) -> TaskOutcom
     let failure = |code: ErrorCode, message: &str| TaskOutcome::Failure(TaskError::new(code, message));
     if roll < load.error_chance {
         if rng.chance(0.7) {
-            failure(ErrorCode::TaskError, "the handler failed")
+            // Every third task is a batch whose failed items replace its arguments (decided by
+            // id, not by the PRNG, so recorded seeds replay as before).
+            let error = TaskError::new(ErrorCode::TaskError, "the handler failed");
+            if task.0 % 3 == 0 {
+                TaskOutcome::PartialFailure { error, remaining: json!([task.0]) }
+            } else {
+                TaskOutcome::Failure(error)
+            }
         } else {
             failure(ErrorCode::User(USER_ERROR_CODE.into()), "slow down")
         }
@@ -1407,6 +1414,7 @@ fn describe_outcome(outcome: &TaskOutcome) -> String {
     match outcome {
         TaskOutcome::Success(_) => "ok".to_owned(),
         TaskOutcome::Failure(error) => error.code.to_string(),
+        TaskOutcome::PartialFailure { error, .. } => format!("{} (partial)", error.code),
     }
 }
 

@@ -152,6 +152,7 @@ impl Setup {
             name: name.to_owned(),
             priority,
             max_concurrency: cap,
+            serial: false,
         });
         AppConfig {
             queue_mode: QueueMode::Custom,
@@ -348,7 +349,7 @@ impl Harness {
                     1 => FinishOutcome::Failed(error),
                     _ => FinishOutcome::Retry { error, delay_ms: RETRY_DELAY_MS },
                 };
-                let completions = vec![Completion { task: TaskLease { task, lease: held.lease }, outcome }];
+                let completions = vec![Completion { task: TaskLease { task, lease: held.lease }, outcome, args: None }];
                 let request = DbRequest::Finish { worker: worker_id(held.worker), completions };
                 let DbReply::Finished { applied, .. } = self.request(op, held.worker, &request) else {
                     unreachable!("the checker accepts only a Finished reply to a finish")
