@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::schedule::ScheduleConfig;
 use crate::task::ErrorCode;
 
 /// The claim lease used when [`AppConfig::claim_lease_ms`] is not set: 60 s.
@@ -403,6 +404,9 @@ pub struct AppConfig {
     pub recovery: RecoveryConfig,
     /// The policy of tasks enqueued without one.
     pub retry: RetryPolicy,
+    /// Tasks enqueued on a timetable (`[[app.schedules]]`): unique names, known queues.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub schedules: Vec<ScheduleConfig>,
 }
 
 impl Default for AppConfig {
@@ -417,6 +421,7 @@ impl Default for AppConfig {
             resilience: ResilienceConfig::default(),
             recovery: RecoveryConfig::default(),
             retry: RetryPolicy::none(),
+            schedules: Vec::new(),
         }
     }
 }
@@ -526,6 +531,7 @@ impl AppConfig {
         self.resilience.check(&mut c.nested("resilience"));
         self.recovery.check(&mut c.nested("recovery"));
         self.retry.check(&mut c.nested("retry"));
+        crate::schedule::check_schedules(self, c);
     }
 
     fn check_queues(&self, c: &mut Check<'_>) {
@@ -1008,7 +1014,7 @@ impl ConfigError {
         self.problems.iter().find(|p| p.field == field)
     }
 
-    fn from_problems(problems: Vec<ConfigProblem>) -> Result<(), ConfigError> {
+    pub(crate) fn from_problems(problems: Vec<ConfigProblem>) -> Result<(), ConfigError> {
         if problems.is_empty() { Ok(()) } else { Err(ConfigError { problems }) }
     }
 }
@@ -1051,22 +1057,22 @@ pub enum LoadError {
 // ---------------------------------------------------------------------------------------------
 
 /// Collects problems, naming fields under a dotted prefix.
-struct Check<'a> {
+pub(crate) struct Check<'a> {
     prefix: String,
     problems: &'a mut Vec<ConfigProblem>,
 }
 
 impl<'a> Check<'a> {
-    fn root(problems: &'a mut Vec<ConfigProblem>) -> Self {
+    pub(crate) fn root(problems: &'a mut Vec<ConfigProblem>) -> Self {
         Check { prefix: String::new(), problems }
     }
 
     /// A collector for the fields of the table `name`.
-    fn nested(&mut self, name: &str) -> Check<'_> {
+    pub(crate) fn nested(&mut self, name: &str) -> Check<'_> {
         Check { prefix: format!("{}{name}.", self.prefix), problems: &mut *self.problems }
     }
 
-    fn problem(&mut self, field: &str, value: impl fmt::Display, expected: impl Into<String>) {
+    pub(crate) fn problem(&mut self, field: &str, value: impl fmt::Display, expected: impl Into<String>) {
         self.problems.push(ConfigProblem {
             field: format!("{}{field}", self.prefix),
             value: value.to_string(),
@@ -1075,7 +1081,12 @@ impl<'a> Check<'a> {
     }
 
     /// Reports `value` unless it lies in `allowed`; says whether it does.
-    fn range<T: PartialOrd + fmt::Display>(&mut self, field: &str, value: T, allowed: RangeInclusive<T>) -> bool {
+    pub(crate) fn range<T: PartialOrd + fmt::Display>(
+        &mut self,
+        field: &str,
+        value: T,
+        allowed: RangeInclusive<T>,
+    ) -> bool {
         if allowed.contains(&value) {
             return true;
         }
@@ -1156,6 +1167,14 @@ mod tests {
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])
                     .with_jitter(false),
+                schedules: vec![ScheduleConfig {
+                    cron: Some("0 3 * * *".into()),
+                    args: serde_json::json!({"kind": "daily"}),
+                    queue: Some("reports".into()),
+                    timezone: "Europe/Paris".into(),
+                    backfill: 2,
+                    ..ScheduleConfig::new("nightly_report", "report")
+                }],
             },
             worker: WorkerConfig {
                 queues: vec!["reports".into(), "emails".into()],

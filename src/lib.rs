@@ -20,6 +20,8 @@
 //! - [`memory`]: an in-memory store with exactly the semantics of the SQL, for tests,
 //!   simulation and running without PostgreSQL.
 //! - [`rng`]: a small seeded PRNG.
+//! - [`schedule`]: tasks enqueued on a timetable (cron, intervals, daily, weekly, monthly) in
+//!   a time zone read from TZif bytes, and which ticks fall due.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
 //! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
@@ -83,6 +85,7 @@ pub mod config;
 pub mod db;
 pub mod memory;
 pub mod rng;
+pub mod schedule;
 pub mod task;
 pub mod worker;
 

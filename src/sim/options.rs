@@ -183,6 +183,7 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         resilience,
         recovery,
         retry: if rng.chance(0.5) { RetryPolicy::none() } else { swarm_retry(rng) },
+        schedules: Vec::new(),
     }
 }
 
