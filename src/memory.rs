@@ -51,9 +51,6 @@ pub const TASK_CANCELLED_MESSAGE: &str = "task cancelled";
 /// The message of a task failed by hand when the operator gives none.
 pub const FAILED_BY_OPERATOR_MESSAGE: &str = "failed by an operator";
 
-/// How many finished tasks one purge statement deletes (see `PgStore::purge_finished`).
-pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
-
 /// One task's full row, as the live or the finished table holds it.
 ///
 /// Invariants the store keeps (and a simulation may check): `claim_expires_at` is set exactly
@@ -440,6 +437,9 @@ impl MemoryStore {
             DbRequest::AbandonClaim { worker, token } => self.abandon_claim(worker, *token),
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 DbReply::Reaped(self.reap(*claimed_stale_ms, *running_stale_ms, *entropy, now))
+            }
+            DbRequest::Purge { older_than_ms, batch: _ } => {
+                DbReply::Purged { tasks: self.purge_finished(*older_than_ms, now) }
             }
             DbRequest::RegisterWorker(info) => {
                 self.workers

@@ -323,6 +323,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(!report.failed.is_empty(), "reaped and failed");
             see(!report.expired.is_empty(), "expired pending");
         }
+        DbReply::Purged { tasks } => see(*tasks > 0, "purged"),
         DbReply::Done => {}
     }
     seen
@@ -634,7 +635,7 @@ async fn operator_actions() {
         Op::Complete(TaskId(5), json!(5)),
         Op::Purge(5_000),
         Op::Enqueue(vec![NewTask::new("t", json!("other")).queue("a").key("k2")]),
-        Op::Purge(5_000),
+        Op::Db(DbRequest::Purge { older_than_ms: 5_000, batch: 2 }),
         Op::Advance(1),
         Op::Purge(0),
     ];

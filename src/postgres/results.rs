@@ -278,19 +278,8 @@ impl PgStore {
     /// locking only that batch, skipping rows another session holds) until a batch comes back
     /// short. Returns how many. A `batch` of 0 is taken as 1.
     pub async fn purge_finished(&self, retention_ms: u64, batch: u32) -> Result<u64, sqlx::Error> {
-        let batch = i64::from(batch.max(1));
-        let mut total = 0u64;
-        loop {
-            let n: i64 = sqlx::query_scalar(self.schema().sql().purge_finished.clone())
-                .bind(duration(retention_ms))
-                .bind(batch)
-                .fetch_one(self.pool())
-                .await?;
-            total = total.saturating_add(u64::try_from(n).unwrap_or(0));
-            if n < batch {
-                return Ok(total);
-            }
-        }
+        let mut conn = self.pool().acquire().await?;
+        self.purge_on(&mut conn, retention_ms, batch).await
     }
 
     /// Pauses `queue`: from the next claim on, no worker takes its Pending tasks (its Claimed
