@@ -144,6 +144,15 @@ CREATE TABLE workers (
     stopped_at  timestamptz
 );
 
+-- Queue states set by operators. A paused queue's Pending tasks are not claimed (its Claimed
+-- and Running ones go on); see `canter::postgres::PgStore::pause_queue`. One row per queue ever
+-- paused: the claim probes it once per pass.
+CREATE TABLE queue_states (
+    queue     text        PRIMARY KEY,
+    paused    boolean     NOT NULL DEFAULT false,
+    paused_at timestamptz
+);
+
 -- Enqueue a batch as one statement (see `canter::postgres::enqueue`). Batches without keys use a
 -- plain INSERT statement instead; this function serves keyed batches and checks.
 --
@@ -292,7 +301,8 @@ $$;
 -- rows in claim order start at once. Returns the rows in claim order, then one last row with a
 -- NULL id carrying `more`: whether an eligible row of a served queue was left behind, and,
 -- when it is false, `next_run_in_ms`: how long until the earliest delayed Pending task of a
--- served queue becomes due (one probe of `tasks_due_idx` per queue).
+-- served queue becomes due (one probe of `tasks_due_idx` per queue). Paused queues are not
+-- served: they leave `p_queues` (and `p_caps`, `p_serial`) first.
 --
 -- A serial queue (`p_serial`) counts its live claims against its cap in soft-cap mode too.
 -- Tasks with a flag in `p_forbidden` (NULL: none forbidden) are not claimed.
@@ -319,6 +329,16 @@ DECLARE
     v_queue text;
     v_more  boolean := false;
 BEGIN
+    -- Paused queues (`queue_states`) leave the pass before anything else: one probe of a tiny
+    -- table, and the queue list is rebuilt only when one of its queues is paused.
+    IF EXISTS (SELECT FROM queue_states s WHERE s.paused AND s.queue = ANY (p_queues)) THEN
+        SELECT coalesce(array_agg(q.name ORDER BY q.ord), '{}'), coalesce(array_agg(q.cap ORDER BY q.ord), '{}'),
+               coalesce(array_agg(q.serial ORDER BY q.ord), '{}')
+        INTO p_queues, p_caps, p_serial
+        FROM unnest(p_queues, p_caps, p_serial) WITH ORDINALITY AS q(name, cap, serial, ord)
+        WHERE NOT EXISTS (SELECT FROM queue_states s WHERE s.paused AND s.queue = q.name);
+    END IF;
+    -- End of the paused-queue filter.
     IF p_lock_keys IS NOT NULL THEN
         FOREACH v_key IN ARRAY p_lock_keys LOOP
             PERFORM pg_advisory_xact_lock(v_key);

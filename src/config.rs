@@ -59,6 +59,7 @@ const CLAIMED_STALE_THRESHOLD_MS: RangeInclusive<u64> = 1_000..=3_600_000;
 const RUNNING_STALE_THRESHOLD_MS: RangeInclusive<u64> = 1_000..=7_200_000;
 const CHECK_INTERVAL_MS: RangeInclusive<u64> = 1_000..=600_000;
 const HEARTBEAT_INTERVAL_MS: RangeInclusive<u64> = 1_000..=120_000;
+const FINISHED_RETENTION_MS: RangeInclusive<u64> = 60_000..=3_153_600_000_000;
 const MAX_RETRIES: RangeInclusive<u32> = 0..=20;
 const RETRY_INTERVALS: RangeInclusive<usize> = 1..=20;
 const RETRY_INTERVAL_SECS: RangeInclusive<u32> = 1..=86_400;
@@ -207,6 +208,11 @@ pub struct RecoveryConfig {
     /// How often a worker beats (and renews leases) for the tasks it holds claimed:
     /// 1 000 to 120 000 ms, default 30 000.
     pub claimer_heartbeat_interval_ms: u64,
+    /// How long finished tasks are kept, in ms: 60 000 to 3 153 600 000 000 (a hundred
+    /// years). When set, every worker deletes older ones (with their attempts and keys) once
+    /// an hour, in short batches; `None` (the default) keeps them forever.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finished_retention_ms: Option<u64>,
 }
 
 impl Default for RecoveryConfig {
@@ -219,6 +225,7 @@ impl Default for RecoveryConfig {
             check_interval_ms: 30_000,
             runner_heartbeat_interval_ms: 30_000,
             claimer_heartbeat_interval_ms: 30_000,
+            finished_retention_ms: None,
         }
     }
 }
@@ -634,6 +641,9 @@ impl RecoveryConfig {
         }
 
         c.range("check_interval_ms", self.check_interval_ms, CHECK_INTERVAL_MS);
+        if let Some(retention) = self.finished_retention_ms {
+            c.range("finished_retention_ms", retention, FINISHED_RETENTION_MS);
+        }
         c.range("runner_heartbeat_interval_ms", self.runner_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
         c.range("claimer_heartbeat_interval_ms", self.claimer_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
     }
@@ -1163,6 +1173,7 @@ mod tests {
                     check_interval_ms: 15_000,
                     runner_heartbeat_interval_ms: 20_000,
                     claimer_heartbeat_interval_ms: 10_000,
+                    finished_retention_ms: Some(86_400_000),
                 },
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])
@@ -1432,7 +1443,7 @@ mod tests {
 
     #[test]
     fn recovery_ranges() {
-        let cases: [(Change<RecoveryConfig>, &str); 10] = [
+        let cases: [(Change<RecoveryConfig>, &str); 12] = [
             (|r| r.claimed_stale_threshold_ms = 999, "claimed_stale_threshold_ms"),
             (|r| r.claimed_stale_threshold_ms = 3_600_001, "claimed_stale_threshold_ms"),
             (|r| r.running_stale_threshold_ms = 999, "running_stale_threshold_ms"),
@@ -1444,6 +1455,8 @@ mod tests {
             (|r| r.claimer_heartbeat_interval_ms = 999, "claimer_heartbeat_interval_ms"),
             // Also shorter than twice the heartbeat would be, but out of range is the problem.
             (|r| r.claimer_heartbeat_interval_ms = 120_001, "claimer_heartbeat_interval_ms"),
+            (|r| r.finished_retention_ms = Some(59_999), "finished_retention_ms"),
+            (|r| r.finished_retention_ms = Some(3_153_600_000_001), "finished_retention_ms"),
         ];
         for (change, field) in cases {
             let mut recovery = RecoveryConfig::default();
@@ -1452,6 +1465,8 @@ mod tests {
             assert_eq!(fields, [field]);
             assert_eq!(app_fields(|a| a.recovery = recovery), [format!("recovery.{field}")]);
         }
+        let kept = RecoveryConfig { finished_retention_ms: Some(60_000), ..RecoveryConfig::default() };
+        assert!(kept.validate().is_ok());
     }
 
     #[test]

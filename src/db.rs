@@ -24,6 +24,10 @@ use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, RetryPolicy, is_valid_flag, is_valid_queue_name};
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
+/// How many finished tasks one purge statement deletes unless told otherwise (see
+/// [`DbRequest::Purge`]): small enough that no statement holds its locks for long.
+pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
+
 /// A time on the database's clock: milliseconds since the Unix epoch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(transparent)]
@@ -542,6 +546,16 @@ pub enum DbRequest {
         /// Entropy for the jitter of crash retries.
         entropy: u64,
     },
+    /// Delete finished tasks that finished more than `older_than_ms` ago, with their attempts
+    /// history and the keys they still hold, at most `batch` per statement (PostgreSQL repeats
+    /// until a batch comes back short, each statement its own transaction). Replies
+    /// [`DbReply::Purged`].
+    Purge {
+        /// The retention.
+        older_than_ms: u64,
+        /// Tasks per statement (0 is taken as 1).
+        batch: u32,
+    },
     /// Add or refresh `worker` in the worker registry.
     RegisterWorker(WorkerInfo),
     /// Mark `worker` stopped in the worker registry.
@@ -560,6 +574,7 @@ impl DbRequest {
             DbRequest::Claim { .. }
             | DbRequest::AbandonClaim { .. }
             | DbRequest::Reap { .. }
+            | DbRequest::Purge { .. }
             | DbRequest::RegisterWorker(_)
             | DbRequest::DeregisterWorker(_) => 0,
         }
@@ -576,6 +591,7 @@ impl DbRequest {
             DbRequest::Release { .. } => "release",
             DbRequest::AbandonClaim { .. } => "abandon_claim",
             DbRequest::Reap { .. } => "reap",
+            DbRequest::Purge { .. } => "purge",
             DbRequest::RegisterWorker(_) => "register_worker",
             DbRequest::DeregisterWorker(_) => "deregister_worker",
         }
@@ -630,6 +646,11 @@ pub enum DbReply {
     },
     /// What a [`DbRequest::Reap`] did.
     Reaped(ReapReport),
+    /// How many finished tasks a [`DbRequest::Purge`] deleted.
+    Purged {
+        /// The count.
+        tasks: u64,
+    },
     /// A registry request was applied.
     Done,
 }

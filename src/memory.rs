@@ -22,15 +22,17 @@
 //! returned as an error.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::backoff;
 use crate::budget::{self, ClaimCounts, ClaimPolicy, InFlight};
-use crate::config::{AppConfig, RetryPolicy};
+use crate::config::{AppConfig, RetryPolicy, is_valid_queue_name};
 use crate::db::{
     self, AttemptRecord, ClaimedTask, Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode,
-    NewTask, ReapReport, TaskRecord, WorkerInfo,
+    NewTask, ReapReport, RunAt, TaskRecord, WorkerInfo,
 };
 use crate::rng::mix;
 use crate::task::{
@@ -45,6 +47,9 @@ pub const TASK_EXPIRED_MESSAGE: &str = "good_until passed before the task ran";
 
 /// The message of the error a task gets when it is cancelled.
 pub const TASK_CANCELLED_MESSAGE: &str = "task cancelled";
+
+/// The message of a task failed by hand when the operator gives none.
+pub const FAILED_BY_OPERATOR_MESSAGE: &str = "failed by an operator";
 
 /// One task's full row, as the live or the finished table holds it.
 ///
@@ -196,6 +201,66 @@ pub enum AdminError {
         /// The states the action applies to.
         expected: &'static str,
     },
+    /// No task holds this idempotency key.
+    #[error("no task holds idempotency key {0:?}")]
+    KeyNotFound(String),
+    /// A reschedule would make the task claimable only after it expires.
+    #[error("task {task}: run_at {run_at} ms is not before its good_until {good_until} ms: it could never run")]
+    RunAtAfterGoodUntil {
+        /// The task.
+        task: TaskId,
+        /// When it would become claimable.
+        run_at: i64,
+        /// When it expires.
+        good_until: i64,
+    },
+    /// The queue name has characters or a length queues cannot have.
+    #[error("invalid queue name {0:?}: expected 1 to 52 bytes of a-z, 0-9 and _")]
+    InvalidQueueName(String),
+}
+
+/// What [`MemoryStore::reschedule`] changes on a Pending task; `None` fields are kept.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Reschedule {
+    /// When it becomes claimable, resolved on the store's clock as at enqueue (a past time
+    /// means at once).
+    pub run_at: Option<RunAt>,
+    /// Its new priority (lower runs first).
+    pub priority: Option<i16>,
+    /// Its retries spent, e.g. 0 for a fresh retry budget (at most `i32::MAX`). Attempts are
+    /// never reset: they count runs started.
+    pub retries: Option<u32>,
+}
+
+/// What [`MemoryStore::remove_key`] did with the task holding the key; in every case the key
+/// is free for a new task and the task no longer shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "action", content = "task", rename_all = "snake_case")]
+pub enum KeyRemoval {
+    /// The task was Pending: it is Cancelled.
+    Cancelled(TaskId),
+    /// The task is Claimed or Running: it runs on without the key.
+    Detached(TaskId),
+    /// The task had finished.
+    Freed(TaskId),
+}
+
+impl KeyRemoval {
+    /// The task that held the key.
+    pub fn task(self) -> TaskId {
+        match self {
+            KeyRemoval::Cancelled(id) | KeyRemoval::Detached(id) | KeyRemoval::Freed(id) => id,
+        }
+    }
+}
+
+/// A paused queue: no claim takes its Pending tasks until it is resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedQueue {
+    /// The queue.
+    pub queue: String,
+    /// Since when (the first pause, if it was paused again).
+    pub paused_at: DbTime,
 }
 
 /// Which tasks [`MemoryStore::list`] returns; every field `None` lists them all.
@@ -230,6 +295,8 @@ pub struct MemoryStore {
     keys: BTreeMap<String, TaskId>,
     history: BTreeMap<TaskId, Vec<AttemptRecord>>,
     workers: BTreeMap<WorkerId, WorkerRecord>,
+    /// Paused queues and since when.
+    paused: BTreeMap<String, DbTime>,
     notifications: Vec<Notification>,
 }
 
@@ -244,6 +311,7 @@ impl MemoryStore {
             keys: BTreeMap::new(),
             history: BTreeMap::new(),
             workers: BTreeMap::new(),
+            paused: BTreeMap::new(),
             notifications: Vec::new(),
         }
     }
@@ -411,6 +479,7 @@ impl MemoryStore {
     fn apply_request(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
         match request {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
+                let policy = &self.without_paused(policy);
                 let counts = self.claim_counts(policy, *my_running, *my_claimed, now);
                 let tasks = self.claim(worker, *token, policy, &counts, *start_now, *lease_ms, now);
                 let eligible: u64 = counts.available.values().map(|&n| u64::from(n)).sum();
@@ -441,6 +510,9 @@ impl MemoryStore {
             DbRequest::AbandonClaim { worker, token } => self.abandon_claim(worker, *token),
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 DbReply::Reaped(self.reap(*claimed_stale_ms, *running_stale_ms, *entropy, now))
+            }
+            DbRequest::Purge { older_than_ms, batch: _ } => {
+                DbReply::Purged { tasks: self.purge_finished(*older_than_ms, now) }
             }
             DbRequest::RegisterWorker(info) => {
                 self.workers
@@ -756,6 +828,9 @@ impl MemoryStore {
         now: DbTime,
     ) -> ReapReport {
         let mut report = ReapReport::default();
+        // One transaction in PostgreSQL, which delivers a notification sent twice in one
+        // transaction once: each queue is announced once per pass.
+        let mut ready = BTreeSet::new();
         if let Some(threshold) = claimed_stale_ms {
             let cutoff = minus_ms(now, threshold);
             let stale: Vec<TaskId> = self
@@ -766,8 +841,7 @@ impl MemoryStore {
                 })
                 .map(|row| row.id)
                 .collect();
-            let queues: BTreeSet<String> = stale.iter().map(|&id| self.release_row(id)).collect();
-            self.notify_ready(queues);
+            ready.extend(stale.iter().map(|&id| self.release_row(id)));
             report.requeued = stale;
         }
         if let Some(threshold) = running_stale_ms {
@@ -780,7 +854,6 @@ impl MemoryStore {
                 })
                 .map(|row| row.id)
                 .collect();
-            let mut retried = BTreeSet::new();
             for id in stale {
                 let row = self.live_row(id);
                 let entropy = mix(entropy ^ id.0 as u64);
@@ -790,7 +863,7 @@ impl MemoryStore {
                     && row.good_until.is_none_or(|at| run_at < at);
                 let error = TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE);
                 if retry {
-                    retried.insert(self.live_row(id).queue.clone());
+                    ready.insert(self.live_row(id).queue.clone());
                     self.retry_run(id, error, run_at, now);
                     report.retried.push(id);
                 } else {
@@ -798,8 +871,8 @@ impl MemoryStore {
                     report.failed.push(id);
                 }
             }
-            self.notify_ready(retried);
         }
+        self.notify_ready(ready);
         let expired: Vec<TaskId> = self
             .live
             .values()
@@ -852,6 +925,170 @@ impl MemoryStore {
         self.live.insert(id, row);
         self.notify_ready([queue]);
         Ok(())
+    }
+
+    /// Changes a Pending task's run-at, priority or retries spent (see [`Reschedule`]); its
+    /// key, attempts and history are kept. Its queue is notified, so waiting workers claim it
+    /// if it is due, or learn its new run-at from the claim's wake-up hint.
+    pub fn reschedule(&mut self, id: TaskId, change: Reschedule, now: DbTime) -> Result<(), AdminError> {
+        let row = self.row(id).ok_or(AdminError::NotFound(id))?;
+        if row.state != TaskState::Pending {
+            return Err(AdminError::WrongState { task: id, state: row.state, expected: "PENDING" });
+        }
+        let run_at = change.run_at.map_or(row.run_at, |at| db::resolve_run_at(at, now));
+        if let Some(good_until) = row.good_until.filter(|&at| run_at >= at) {
+            return Err(AdminError::RunAtAfterGoodUntil { task: id, run_at: run_at.0, good_until: good_until.0 });
+        }
+        let row = self.live_row(id);
+        row.run_at = run_at;
+        row.priority = change.priority.unwrap_or(row.priority);
+        // The SQL column is an `integer`.
+        row.retries = change.retries.map_or(row.retries, |n| n.min(i32::MAX as u32));
+        let queue = row.queue.clone();
+        self.notify_ready([queue]);
+        Ok(())
+    }
+
+    /// Completes a Pending, Claimed or Running task by hand with `result`: it moves to the
+    /// finished table (no retry), a holder's later writes about it are reported lost, and
+    /// waiters are notified. A run it was in counts as its last run (as a finished run's does).
+    pub fn complete(&mut self, id: TaskId, result: Value, now: DbTime) -> Result<(), AdminError> {
+        self.finish_by_hand(id, TaskEvent::CompleteByHand, None, Some(result), now)
+    }
+
+    /// Fails a Pending, Claimed or Running task by hand with `FAILED_BY_OPERATOR` and
+    /// `message`, with no retry; otherwise as [`complete`](Self::complete).
+    pub fn fail(&mut self, id: TaskId, message: &str, now: DbTime) -> Result<(), AdminError> {
+        let error = TaskError::new(ErrorCode::FailedByOperator, message);
+        self.finish_by_hand(id, TaskEvent::FailByHand, Some(error), None, now)
+    }
+
+    fn finish_by_hand(
+        &mut self,
+        id: TaskId,
+        event: TaskEvent,
+        error: Option<TaskError>,
+        result: Option<Value>,
+        now: DbTime,
+    ) -> Result<(), AdminError> {
+        let row = self.row(id).ok_or(AdminError::NotFound(id))?;
+        let state = row.state;
+        let refused = |_| AdminError::WrongState { task: id, state, expected: "PENDING, CLAIMED or RUNNING" };
+        let outcome = transition(state, event).map_err(refused)?;
+        // The finished row holds the task's last run unless the history has it already (what
+        // PostgreSQL's attempts query reads back): a run cut off here, or one handed back.
+        let recorded = self.history.get(&id).and_then(|runs| runs.iter().map(|r| r.attempt.0).max()).unwrap_or(0);
+        if row.attempts > recorded {
+            self.record_attempt(id, outcome, error.clone(), now);
+        }
+        self.finish_row(id, event, now, error, result);
+        Ok(())
+    }
+
+    /// Hands the Claimed and Running tasks of dead `workers` back to Pending, as a
+    /// [`DbRequest::Release`] by their holder would: claimable at once, no retry spent, the
+    /// holder's later writes reported lost; each queue concerned is notified once. Registered
+    /// workers among them are marked stopped. Returns how many tasks went back.
+    pub fn force_unlock(&mut self, workers: &[WorkerId]) -> u64 {
+        let ids: Vec<TaskId> = self
+            .live
+            .values()
+            .filter(|row| matches!(row.state, TaskState::Claimed | TaskState::Running))
+            .filter(|row| row.claimed_by.as_ref().is_some_and(|w| workers.contains(w)))
+            .map(|row| row.id)
+            .collect();
+        let queues: BTreeSet<String> = ids.iter().map(|&id| self.release_row(id)).collect();
+        self.notify_ready(queues);
+        for worker in workers {
+            if let Some(record) = self.workers.get_mut(worker) {
+                record.stopped = true;
+            }
+        }
+        ids.len() as u64
+    }
+
+    /// Frees idempotency key `key`: the task holding it is Cancelled if Pending (as by
+    /// [`cancel`](Self::cancel)), runs on without it if Claimed or Running, and simply loses
+    /// it if finished. The task no longer shows the key, and a new task may take it.
+    pub fn remove_key(&mut self, key: &str, now: DbTime) -> Result<KeyRemoval, AdminError> {
+        let id = self.keys.remove(key).ok_or_else(|| AdminError::KeyNotFound(key.to_owned()))?;
+        if let Some(row) = self.live.get_mut(&id) {
+            row.key = None;
+            if row.state != TaskState::Pending {
+                return Ok(KeyRemoval::Detached(id));
+            }
+            let error = TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE);
+            self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+            return Ok(KeyRemoval::Cancelled(id));
+        }
+        if let Some(row) = self.finished.get_mut(&id) {
+            row.key = None;
+        }
+        Ok(KeyRemoval::Freed(id))
+    }
+
+    /// Deletes finished tasks that finished more than `retention_ms` before `now`, with their
+    /// attempts history and the keys they hold. Returns how many.
+    pub fn purge_finished(&mut self, retention_ms: u64, now: DbTime) -> u64 {
+        let cutoff = minus_ms(now, retention_ms);
+        let old: Vec<TaskId> = self
+            .finished
+            .values()
+            .filter(|row| row.finished_at.is_some_and(|at| at < cutoff))
+            .map(|row| row.id)
+            .collect();
+        for id in &old {
+            if let Some(row) = self.finished.remove(id) {
+                // A key another task has taken since is not this task's to drop.
+                if let Some(key) = row.key.filter(|key| self.keys.get(key) == Some(id)) {
+                    self.keys.remove(&key);
+                }
+            }
+            self.history.remove(id);
+        }
+        old.len() as u64
+    }
+
+    /// Pauses `queue`: from now on no claim takes its Pending tasks (its Claimed and Running
+    /// ones go on). Returns whether it was running before (pausing a paused queue keeps its
+    /// first pause time). Any valid queue name may be paused, configured or not.
+    pub fn pause_queue(&mut self, queue: &str, now: DbTime) -> Result<bool, AdminError> {
+        if !is_valid_queue_name(queue) {
+            return Err(AdminError::InvalidQueueName(queue.to_owned()));
+        }
+        if self.paused.contains_key(queue) {
+            return Ok(false);
+        }
+        self.paused.insert(queue.to_owned(), now);
+        Ok(true)
+    }
+
+    /// Resumes a paused `queue` and notifies it, so waiting workers claim its tasks. Returns
+    /// whether it was paused.
+    pub fn resume_queue(&mut self, queue: &str) -> Result<bool, AdminError> {
+        if !is_valid_queue_name(queue) {
+            return Err(AdminError::InvalidQueueName(queue.to_owned()));
+        }
+        if self.paused.remove(queue).is_none() {
+            return Ok(false);
+        }
+        self.notify_ready([queue.to_owned()]);
+        Ok(true)
+    }
+
+    /// The paused queues, by name.
+    pub fn paused_queues(&self) -> Vec<PausedQueue> {
+        self.paused.iter().map(|(queue, &paused_at)| PausedQueue { queue: queue.clone(), paused_at }).collect()
+    }
+
+    /// `policy` without the queues that are paused: what a claim pass serves.
+    fn without_paused(&self, policy: &Arc<ClaimPolicy>) -> Arc<ClaimPolicy> {
+        if self.paused.is_empty() || !policy.queues.iter().any(|q| self.paused.contains_key(&q.name)) {
+            return Arc::clone(policy);
+        }
+        let mut served = ClaimPolicy::clone(policy);
+        served.queues.retain(|q| !self.paused.contains_key(&q.name));
+        Arc::new(served)
     }
 
     // -----------------------------------------------------------------------------------------
@@ -1571,6 +1808,159 @@ mod tests {
         assert_eq!(store.attempts(held.task).len(), 2);
         let refused = store.requeue_failed(held.task, at(2_001)).unwrap_err();
         assert_eq!(refused.to_string(), "task 1 is CLAIMED: expected FAILED");
+    }
+
+    #[test]
+    fn reschedule_changes_pending_tasks_only_and_announces_them() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let id = add(&mut store, NewTask::new("t", json!(1)).good_until(at(10_000)).key("k"));
+        store.take_notifications();
+        let later = Reschedule { run_at: Some(RunAt::DelayMs(5_000)), priority: Some(-4), retries: Some(3) };
+        store.reschedule(id, later, at(1)).unwrap();
+        let row = store.task(id).unwrap();
+        assert_eq!((row.run_at, row.priority, row.retries, row.key.as_deref()), (at(5_001), -4, 3, Some("k")));
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        // A claim now waits for it: the wake-up hint names its new run-at.
+        let p = policy(&store, 1);
+        let request = DbRequest::Claim {
+            worker: w("a"),
+            token: 1,
+            policy: Arc::clone(&p),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 0,
+            lease_ms: LEASE_MS,
+        };
+        assert_eq!(
+            store.apply(&request, at(2)),
+            DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: Some(4_999) }
+        );
+        let too_late = Reschedule { run_at: Some(RunAt::At(at(10_000))), ..Reschedule::default() };
+        assert_eq!(
+            store.reschedule(id, too_late, at(3)),
+            Err(AdminError::RunAtAfterGoodUntil { task: id, run_at: at(10_000).0, good_until: at(10_000).0 })
+        );
+        store.reschedule(id, Reschedule { run_at: Some(RunAt::Now), ..Reschedule::default() }, at(4)).unwrap();
+        assert_eq!(ids(&claim_with(&mut store, "a", 2, &p, 1, at(4))), vec![id.0]);
+        let refused = store.reschedule(id, Reschedule::default(), at(5)).unwrap_err();
+        assert_eq!(refused.to_string(), "task 1 is RUNNING: expected PENDING");
+        assert_eq!(store.reschedule(TaskId(9), Reschedule::default(), at(5)), Err(AdminError::NotFound(TaskId(9))));
+    }
+
+    #[test]
+    fn hand_finishes_fence_the_holder_and_keep_the_cut_off_run() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let running = running_task(&mut store, NewTask::new("t", json!(1)), "a", T0);
+        let pending = add(&mut store, NewTask::new("t", json!(2)));
+        store.take_notifications();
+        store.complete(running.task, json!("by hand"), at(1)).unwrap();
+        store.fail(pending, "not wanted", at(2)).unwrap();
+        let late = finish(&mut store, "a", running, FinishOutcome::Completed(json!("late")), at(3));
+        assert_eq!(late, DbReply::Finished { applied: vec![], lost: vec![running.task] });
+        let done = store.get(running.task).unwrap();
+        assert_eq!((done.state, done.result, done.error), (TaskState::Completed, Some(json!("by hand")), None));
+        let history = store.attempts(running.task);
+        assert_eq!(history.len(), 1);
+        assert_eq!((history[0].worker.clone(), history[0].outcome), (Some(w("a")), TaskState::Completed));
+        let failed = store.get(pending).unwrap();
+        assert_eq!(failed.error.unwrap().code, ErrorCode::FailedByOperator);
+        assert!(store.attempts(pending).is_empty(), "it never ran");
+        assert_eq!(
+            store.take_notifications(),
+            vec![
+                Notification::TaskFinished { task: running.task, state: TaskState::Completed },
+                Notification::TaskFinished { task: pending, state: TaskState::Failed },
+            ]
+        );
+        let refused = store.complete(pending, json!(null), at(4)).unwrap_err();
+        assert_eq!(refused.to_string(), "task 2 is FAILED: expected PENDING, CLAIMED or RUNNING");
+    }
+
+    #[test]
+    fn force_unlock_releases_every_hold_of_the_dead_and_marks_them_stopped() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let info = WorkerInfo { worker: w("dead"), queues: vec![], concurrency: 2 };
+        store.apply(&DbRequest::RegisterWorker(info), T0);
+        for i in 0..3 {
+            add(&mut store, NewTask::new("t", json!(i)));
+        }
+        let p = policy(&store, 2);
+        let dead = claim_with(&mut store, "dead", 1, &p, 1, T0);
+        let other = claim(&mut store, "b", 1, T0);
+        store.take_notifications();
+        assert_eq!(store.force_unlock(&[w("dead")]), 2);
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        let states: Vec<(TaskState, u32, u32)> =
+            dead.iter().map(|t| store.get(t.id).unwrap()).map(|r| (r.state, r.attempts, r.retries)).collect();
+        assert_eq!(states, vec![(TaskState::Pending, 1, 0), (TaskState::Pending, 0, 0)]);
+        assert_eq!(state(&store, other[0].id), TaskState::Claimed);
+        assert!(store.workers()[0].stopped);
+        assert_eq!(store.force_unlock(&[w("dead")]), 0);
+    }
+
+    #[test]
+    fn removing_a_key_frees_it_whatever_the_task_did() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let held = add(&mut store, NewTask::new("t", json!(1)).key("held"));
+        claim(&mut store, "a", 1, T0);
+        let pending = add(&mut store, NewTask::new("t", json!(2)).key("pending"));
+        let done = add(&mut store, NewTask::new("t", json!(3)).key("done"));
+        store.cancel(done, T0).unwrap();
+        assert_eq!(store.remove_key("held", at(1)), Ok(KeyRemoval::Detached(held)));
+        assert_eq!(store.remove_key("pending", at(1)), Ok(KeyRemoval::Cancelled(pending)));
+        assert_eq!(store.remove_key("done", at(1)), Ok(KeyRemoval::Freed(done)));
+        assert_eq!(store.remove_key("done", at(1)), Err(AdminError::KeyNotFound("done".into())));
+        assert_eq!(state(&store, held), TaskState::Claimed);
+        assert_eq!(state(&store, pending), TaskState::Cancelled);
+        assert!(store.tasks().all(|t| t.key.is_none()));
+        // Free for new tasks, with other arguments.
+        let again = store.enqueue(NewTask::new("t", json!(9)).key("held"), at(2)).unwrap();
+        assert_eq!(again, TaskId(4));
+    }
+
+    #[test]
+    fn purge_forgets_old_finished_tasks_with_their_runs_and_keys() {
+        let mut store = MemoryStore::new(AppConfig::default());
+        let old = running_task(&mut store, NewTask::new("t", json!(1)).idempotency_key("old"), "a", T0);
+        finish(&mut store, "a", old, FinishOutcome::Completed(json!(1)), at(10));
+        let young = add(&mut store, NewTask::new("t", json!(2)).idempotency_key("young"));
+        store.cancel(young, at(1_000)).unwrap();
+        assert_eq!(store.purge_finished(500, at(1_000)), 1);
+        assert!(store.get(old.task).is_none() && store.attempts(old.task).is_empty());
+        assert_eq!(store.enqueue(NewTask::new("t", json!("new")).idempotency_key("old"), at(1_001)), Ok(TaskId(3)));
+        assert_eq!(store.enqueue(NewTask::new("t", json!(2)).idempotency_key("young"), at(1_001)), Ok(young));
+        assert_eq!(store.purge_finished(500, at(1_000)), 0);
+    }
+
+    #[test]
+    fn a_paused_queue_is_left_out_of_claims_until_resumed() {
+        let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]));
+        add(&mut store, NewTask::new("t", json!(1)).queue("a"));
+        add(&mut store, NewTask::new("t", json!(2)).queue("b"));
+        add(&mut store, NewTask::new("t", json!(3)).queue("a").run_at(RunAt::DelayMs(100)));
+        store.take_notifications();
+        assert_eq!(store.pause_queue("a", T0), Ok(true));
+        assert_eq!(store.pause_queue("a", at(5)), Ok(false));
+        assert_eq!(store.paused_queues(), vec![PausedQueue { queue: "a".into(), paused_at: T0 }]);
+        assert_eq!(store.pause_queue("A", T0), Err(AdminError::InvalidQueueName("A".into())));
+        let p = policy(&store, 4);
+        let request = DbRequest::Claim {
+            worker: w("w"),
+            token: 1,
+            policy: Arc::clone(&p),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 0,
+            lease_ms: LEASE_MS,
+        };
+        // Neither its due task nor the wake-up hint of its delayed one.
+        let DbReply::Claimed { tasks, more, next_run_in_ms } = store.apply(&request, T0) else { panic!() };
+        assert_eq!((ids(&tasks), more, next_run_in_ms), (vec![2], false, None));
+        assert!(store.take_notifications().is_empty());
+        assert_eq!(store.resume_queue("a"), Ok(true));
+        assert_eq!(store.resume_queue("a"), Ok(false));
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "a".into() }]);
+        assert_eq!(ids(&claim_with(&mut store, "w", 2, &p, 0, T0)), vec![1]);
     }
 
     #[test]

@@ -162,11 +162,15 @@ pub enum TaskEvent {
     Cancel,
     /// An operator put a failed task back to Pending.
     Requeue,
+    /// An operator completed it by hand before or while it ran.
+    CompleteByHand,
+    /// An operator failed it by hand before or while it ran (no retry).
+    FailByHand,
 }
 
 impl TaskEvent {
     /// Every event, in declaration order.
-    pub const ALL: [TaskEvent; 10] = [
+    pub const ALL: [TaskEvent; 12] = [
         TaskEvent::Claim,
         TaskEvent::ClaimAndStart,
         TaskEvent::Start,
@@ -177,6 +181,8 @@ impl TaskEvent {
         TaskEvent::Expire,
         TaskEvent::Cancel,
         TaskEvent::Requeue,
+        TaskEvent::CompleteByHand,
+        TaskEvent::FailByHand,
     ];
 }
 
@@ -216,6 +222,14 @@ pub fn transition(from: TaskState, event: TaskEvent) -> Result<TaskState, Transi
         E::Expire => (matches!(from, S::Pending | S::Claimed).then_some(S::Expired), "expected PENDING or CLAIMED"),
         E::Cancel => (matches!(from, S::Pending | S::Claimed).then_some(S::Cancelled), "expected PENDING or CLAIMED"),
         E::Requeue => ((from == S::Failed).then_some(S::Pending), "expected FAILED"),
+        E::CompleteByHand => (
+            matches!(from, S::Pending | S::Claimed | S::Running).then_some(S::Completed),
+            "expected PENDING, CLAIMED or RUNNING",
+        ),
+        E::FailByHand => (
+            matches!(from, S::Pending | S::Claimed | S::Running).then_some(S::Failed),
+            "expected PENDING, CLAIMED or RUNNING",
+        ),
     };
     to.ok_or(TransitionError { from, event, expected })
 }
@@ -254,6 +268,8 @@ pub enum ErrorCode {
     BrokerError,
     /// The worker lost the task's lease before it could write its outcome.
     ClaimLost,
+    /// An operator failed the task by hand.
+    FailedByOperator,
     /// A code chosen by user code.
     User(String),
 }
@@ -264,7 +280,7 @@ pub enum ErrorCode {
 pub struct InvalidErrorCode(pub String);
 
 impl ErrorCode {
-    const BUILTIN: [(ErrorCode, &'static str); 14] = [
+    const BUILTIN: [(ErrorCode, &'static str); 15] = [
         (ErrorCode::UnhandledError, "UNHANDLED_ERROR"),
         (ErrorCode::TaskError, "TASK_ERROR"),
         (ErrorCode::TaskTimeout, "TASK_TIMEOUT"),
@@ -279,6 +295,7 @@ impl ErrorCode {
         (ErrorCode::TaskNotFound, "TASK_NOT_FOUND"),
         (ErrorCode::BrokerError, "BROKER_ERROR"),
         (ErrorCode::ClaimLost, "CLAIM_LOST"),
+        (ErrorCode::FailedByOperator, "FAILED_BY_OPERATOR"),
     ];
 
     /// Every built-in code.

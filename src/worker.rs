@@ -39,7 +39,8 @@
 //!   next accumulates (up to `completion_batch_max`). A handler's permit is freed when it
 //!   finishes, before its completion is written (tasker's backpressure rule).
 //! - Renews leases and sends liveness for everything it holds in one request per heartbeat
-//!   interval; runs the reaper every check interval.
+//!   interval; runs the reaper every check interval, and with a retention for finished tasks
+//!   purges older ones every hour.
 //! - Backs off on database errors (`min(max, initial·2^(n−1))·U(0.75, 1.25)`) and re-sends what
 //!   was not confirmed; undoes claims whose reply never came.
 //! - On shutdown stops claiming, hands buffered claims back, lets handlers finish within the
@@ -52,13 +53,19 @@ use std::time::{Duration, Instant};
 use crate::backoff::{self, DbBackoff};
 use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
-use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport, WorkerInfo};
+use crate::db::{
+    ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,
+    WorkerInfo,
+};
 use crate::rng::Rng;
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
 /// worker and leave what it still holds to the reaper.
 const SHUTDOWN_DB_FAILURES: u32 = 3;
+
+/// How often a worker purges finished tasks past `recovery.finished_retention_ms`: an hour.
+pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
 
 /// Something that happened, reported to [`Worker::handle_input`].
 #[derive(Debug, Clone, PartialEq)]
@@ -217,6 +224,11 @@ pub enum Event {
     DbRecovered,
     /// The reaper changed something.
     Reaped(ReapReport),
+    /// This many finished tasks past `recovery.finished_retention_ms` were deleted.
+    Purged {
+        /// How many.
+        tasks: u64,
+    },
     /// `db_retry_max_attempts` failures in a row: the worker is shutting down.
     GaveUp,
     /// Shutdown finished: nothing is held and nothing is in flight (or the database was down
@@ -238,6 +250,8 @@ pub enum Timer {
     Heartbeat,
     /// Run the reaper.
     Reaper,
+    /// Delete finished tasks past their retention (only with `recovery.finished_retention_ms`).
+    Purge,
     /// Try the database again after a failure.
     DbRetry,
     /// The shutdown grace period ends.
@@ -411,6 +425,7 @@ enum Op {
     Release(Vec<TaskLease>),
     Abandon(u64),
     Reap,
+    Purge,
     Register,
     Deregister,
 }
@@ -456,6 +471,7 @@ pub struct Worker {
     /// A heartbeat is owed (its timer fired while it could not be sent).
     heartbeat_due: bool,
     reap_in_flight: bool,
+    purge_in_flight: bool,
     listening: bool,
     /// Completions not yet sent, and whether each is a re-send after an unknown reply.
     completions: VecDeque<(Completion, bool)>,
@@ -504,6 +520,7 @@ impl Worker {
             heartbeat_in_flight: false,
             heartbeat_due: false,
             reap_in_flight: false,
+            purge_in_flight: false,
             listening: false,
             completions: VecDeque::new(),
             finish_in_flight: false,
@@ -523,6 +540,12 @@ impl Worker {
         let check = worker.app.recovery.check_interval_ms;
         let first_reap = worker.rng.range(check / 10, check + 1);
         worker.arm(Timer::Reaper, now + Duration::from_millis(first_reap));
+        if worker.app.recovery.finished_retention_ms.is_some() {
+            // Spread like the reaper; each worker purges (concurrent purges skip each other's
+            // rows), so retention holds while any worker runs.
+            let first_purge = worker.rng.range(PURGE_INTERVAL_MS / 10, PURGE_INTERVAL_MS + 1);
+            worker.arm(Timer::Purge, now + Duration::from_millis(first_purge));
+        }
         worker.pump(now);
         Ok(worker)
     }
@@ -646,6 +669,10 @@ impl Worker {
                 Timer::Reaper => {
                     self.send_reap();
                     self.arm(Timer::Reaper, now + Duration::from_millis(self.app.recovery.check_interval_ms));
+                }
+                Timer::Purge => {
+                    self.send_purge();
+                    self.arm(Timer::Purge, now + Duration::from_millis(PURGE_INTERVAL_MS));
                 }
                 Timer::DbRetry => self.db_down = false,
                 Timer::ShutdownGrace => self.end_grace(),
@@ -912,6 +939,17 @@ impl Worker {
         self.send(request, Op::Reap);
     }
 
+    /// Skipped (until the next interval) while a purge is in flight, the database is down or
+    /// the worker drains.
+    fn send_purge(&mut self) {
+        let Some(older_than_ms) = self.app.recovery.finished_retention_ms else { return };
+        if self.purge_in_flight || self.db_down || self.phase != Phase::Running {
+            return;
+        }
+        self.purge_in_flight = true;
+        self.send(DbRequest::Purge { older_than_ms, batch: DEFAULT_PURGE_BATCH }, Op::Purge);
+    }
+
     fn on_notified(&mut self, queue: &str) {
         if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
             return;
@@ -1057,6 +1095,12 @@ impl Worker {
                 self.reap_in_flight = false;
                 if report != ReapReport::default() {
                     self.events.push_back(Event::Reaped(report));
+                }
+            }
+            (Op::Purge, DbReply::Purged { tasks }) => {
+                self.purge_in_flight = false;
+                if tasks > 0 {
+                    self.events.push_back(Event::Purged { tasks });
                 }
             }
             (Op::Register, DbReply::Done) => {
@@ -1303,6 +1347,7 @@ impl Worker {
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
             Op::Reap => self.reap_in_flight = false,
+            Op::Purge => self.purge_in_flight = false,
             Op::Register => self.register_in_flight = false,
             Op::Deregister => {
                 // Not worth waiting for: the registry marks silent workers dead anyway.
@@ -1390,6 +1435,7 @@ fn reply_kind(reply: &DbReply) -> &'static str {
         DbReply::Heartbeat { .. } => "heartbeat",
         DbReply::Released { .. } => "released",
         DbReply::Reaped(_) => "reaped",
+        DbReply::Purged { .. } => "purged",
         DbReply::Done => "done",
     }
 }

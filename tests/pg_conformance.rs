@@ -8,7 +8,7 @@
 //!
 //! Scripts: a few written by hand for the behaviours that matter most (claim ordering, caps in
 //! both modes, leases lapsing and re-claimed, fencing of stale writes, retries, expiry,
-//! cancellation), then random scripts generated from the memory store's state by a seeded
+//! cancellation, the operator actions), then random scripts generated from the memory store's state by a seeded
 //! PRNG over three applications (the default queue; custom queues with caps in hard-cap mode;
 //! soft-cap mode with a prefetch buffer). `CANTER_CONFORMANCE_SEEDS=n` runs more seeds; a
 //! failure names its seed and step.
@@ -25,7 +25,7 @@ use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy};
 use canter::db::{
     Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt, WorkerInfo,
 };
-use canter::memory::{AdminError, MemoryStore, Notification, TaskFilter};
+use canter::memory::{AdminError, KeyRemoval, MemoryStore, Notification, Reschedule, TaskFilter};
 use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
 use canter::rng::Rng;
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
@@ -43,6 +43,14 @@ enum Op {
     Db(DbRequest),
     Cancel(TaskId),
     Requeue(TaskId),
+    Reschedule(TaskId, Reschedule),
+    Complete(TaskId, serde_json::Value),
+    Fail(TaskId, String),
+    ForceUnlock(Vec<WorkerId>),
+    RemoveKey(String),
+    Purge(u64),
+    Pause(String),
+    Resume(String),
     Advance(u64),
 }
 
@@ -60,6 +68,8 @@ struct Pair {
     last_op: String,
     /// What the replies showed, to check that random scripts reach the interesting cases.
     seen: BTreeMap<&'static str, usize>,
+    /// Compare the attempts histories after every step, not every tenth.
+    every_history: bool,
     _db: TestDb,
 }
 
@@ -86,6 +96,7 @@ impl Pair {
             label: label.into(),
             last_op: String::new(),
             seen: BTreeMap::new(),
+            every_history: false,
             _db: db,
         }
     }
@@ -137,9 +148,72 @@ impl Pair {
                 let pg = self.pg.requeue_failed(*id).await.map_err(admin);
                 assert_eq!(pg, memory, "{at}: requeue {id}");
             }
+            Op::Reschedule(id, change) => {
+                let memory = self.memory.reschedule(*id, *change, self.now);
+                self.see(if memory.is_ok() { "rescheduled" } else { "reschedule refused" });
+                let pg = self.pg.reschedule(*id, *change).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: reschedule {id} {change:?}");
+            }
+            Op::Complete(id, result) => {
+                let memory = self.memory.complete(*id, result.clone(), self.now);
+                self.see(if memory.is_ok() { "completed by hand" } else { "finish by hand refused" });
+                let pg = self.pg.complete(*id, result.clone()).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: complete {id}");
+            }
+            Op::Fail(id, message) => {
+                let memory = self.memory.fail(*id, message, self.now);
+                self.see(if memory.is_ok() { "failed by hand" } else { "finish by hand refused" });
+                let pg = self.pg.fail(*id, message).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: fail {id}");
+            }
+            Op::ForceUnlock(workers) => {
+                let memory = self.memory.force_unlock(workers);
+                if memory > 0 {
+                    self.see("force-unlocked");
+                }
+                let pg = self.pg.force_unlock(workers).await.unwrap();
+                assert_eq!(pg, memory, "{at}: force-unlock {workers:?}");
+            }
+            Op::RemoveKey(key) => {
+                let memory = self.memory.remove_key(key, self.now);
+                self.see(match memory {
+                    Ok(KeyRemoval::Cancelled(_)) => "key of a pending task",
+                    Ok(KeyRemoval::Detached(_)) => "key of a held task",
+                    Ok(KeyRemoval::Freed(_)) => "key of a finished task",
+                    Err(_) => "unknown key",
+                });
+                let pg = self.pg.remove_key(key).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: remove key {key}");
+            }
+            Op::Purge(retention_ms) => {
+                let memory = self.memory.purge_finished(*retention_ms, self.now);
+                if memory > 0 {
+                    self.see("purged");
+                }
+                // Batches of 2: the loop runs several statements.
+                let pg = self.pg.purge_finished(*retention_ms, 2).await.unwrap();
+                assert_eq!(pg, memory, "{at}: purge {retention_ms}");
+            }
+            Op::Pause(queue) => {
+                let memory = self.memory.pause_queue(queue, self.now);
+                self.see("paused");
+                let pg = self.pg.pause_queue(queue).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: pause {queue}");
+            }
+            Op::Resume(queue) => {
+                let memory = self.memory.resume_queue(queue);
+                if memory == Ok(true) {
+                    self.see("resumed");
+                }
+                let pg = self.pg.resume_queue(queue).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: resume {queue}");
+            }
+        }
+        if std::env::var_os("CANTER_CONFORMANCE_TRACE").is_some() {
+            eprintln!("{at}: {op:?}");
         }
         self.compare_notifications().await;
-        self.compare_state(self.step % 10 == 0).await;
+        self.compare_state(self.every_history || self.step % 10 == 0).await;
     }
 
     async fn compare_state(&self, with_attempts: bool) {
@@ -154,6 +228,7 @@ impl Pair {
         }
         assert_eq!(self.pg.counts().await.unwrap(), self.memory.counts(), "{at}: counts");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
+        assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
         if with_attempts {
             for record in &memory {
                 assert_eq!(
@@ -254,6 +329,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(!report.failed.is_empty(), "reaped and failed");
             see(!report.expired.is_empty(), "expired pending");
         }
+        DbReply::Purged { tasks } => see(*tasks > 0, "purged"),
         DbReply::Done => {}
     }
     seen
@@ -490,14 +566,98 @@ async fn idempotency_keys_and_refusals() {
     pair.run(&script).await;
 }
 
+#[tokio::test]
+async fn operator_actions() {
+    let app = custom(vec![CustomQueue::new("a"), CustomQueue::new("b").with_priority(2)]);
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "operator").await;
+    pair.every_history = true;
+    let register = |worker: &str| {
+        Op::Db(DbRequest::RegisterWorker(WorkerInfo { worker: w(worker), queues: vec!["a".into()], concurrency: 2 }))
+    };
+    let at = |run_at| Some(run_at);
+    let script = vec![
+        Op::Enqueue(vec![
+            NewTask::new("t", json!(1)).queue("a").key("k1"),
+            NewTask::new("t", json!(2)).queue("a").key("k2"),
+            NewTask::new("t", json!(3)).queue("a").key("k3").run_at(RunAt::DelayMs(60_000)),
+            NewTask::new("t", json!(4)).queue("b").good_until(T0.plus_ms(10_000)),
+            NewTask::new("t", json!(5)).queue("b").key("k5"),
+            NewTask::new("t", json!(6)).queue("b").key("k6").run_at(RunAt::DelayMs(60_000)),
+        ]),
+        register("a"),
+        register("b"),
+        // 1 runs, 2 is claimed (both a's).
+        claim("a", 1, &p, 1, 60_000),
+        // Due now and first in its queue; notified.
+        Op::Reschedule(TaskId(3), Reschedule { run_at: at(RunAt::Now), priority: Some(-1), retries: None }),
+        Op::Reschedule(TaskId(4), Reschedule { run_at: at(RunAt::DelayMs(20_000)), ..Reschedule::default() }),
+        Op::Reschedule(
+            TaskId(4),
+            Reschedule { run_at: at(RunAt::At(T0.plus_ms(5_000))), priority: Some(3), retries: Some(2) },
+        ),
+        Op::Reschedule(TaskId(6), Reschedule { priority: Some(7), ..Reschedule::default() }),
+        Op::Reschedule(TaskId(1), Reschedule { run_at: at(RunAt::Now), ..Reschedule::default() }),
+        Op::Reschedule(TaskId(99), Reschedule::default()),
+        // b takes 3 and 5; 4 is due in 5 s (the wake-up hint).
+        claim("b", 1, &p, 0, 60_000),
+        Op::Advance(100),
+        // By hand: a's running and claimed tasks, a pending one; the holder's writes are lost.
+        Op::Complete(TaskId(1), json!({"done": "by hand"})),
+        finish("a", lease(1, 1), FinishOutcome::Completed(json!("late"))),
+        Op::Fail(TaskId(2), "stuck".into()),
+        Op::Db(DbRequest::Start { worker: w("a"), tasks: vec![lease(2, 1)], policy: Arc::clone(&p) }),
+        Op::Fail(TaskId(4), "not wanted".into()),
+        Op::Complete(TaskId(2), json!(null)),
+        Op::Fail(TaskId(99), "nope".into()),
+        Op::Requeue(TaskId(4)),
+        // Keys: held tasks run on without theirs, a pending one is cancelled, a finished one's
+        // key is freed; freed keys take new tasks.
+        Op::RemoveKey("k3".into()),
+        Op::RemoveKey("k6".into()),
+        Op::RemoveKey("k1".into()),
+        Op::RemoveKey("k1".into()),
+        Op::Enqueue(vec![
+            NewTask::new("t", json!("new")).queue("a").key("k1"),
+            NewTask::new("t", json!("new")).queue("a").key("k3"),
+        ]),
+        // b dies holding a started task and a claimed one: both go back without a retry spent.
+        Op::Db(DbRequest::Start { worker: w("b"), tasks: vec![lease(3, 1)], policy: Arc::clone(&p) }),
+        Op::ForceUnlock(vec![w("b"), w("nobody")]),
+        finish("b", lease(3, 1), FinishOutcome::Completed(json!("late"))),
+        Op::ForceUnlock(vec![w("b")]),
+        // Paused: no claim takes a's tasks; resumed: notified and claimed again.
+        Op::Pause("a".into()),
+        Op::Pause("a".into()),
+        Op::Pause("Bad".into()),
+        claim("c", 1, &p, 1, 60_000),
+        Op::Advance(100),
+        Op::Resume("a".into()),
+        Op::Resume("a".into()),
+        Op::Resume("b".into()),
+        claim("c", 2, &p, 1, 60_000),
+        // Retention: tasks finished 10 s ago and more go, with their histories and keys.
+        Op::Advance(10_000),
+        Op::Complete(TaskId(5), json!(5)),
+        Op::Purge(5_000),
+        Op::Enqueue(vec![NewTask::new("t", json!("other")).queue("a").key("k2")]),
+        Op::Db(DbRequest::Purge { older_than_ms: 5_000, batch: 2 }),
+        Op::Advance(1),
+        Op::Purge(0),
+    ];
+    pair.run(&script).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // Random scripts
 // ---------------------------------------------------------------------------------------------
 
 const WORKERS: [&str; 3] = ["w1", "w2", "w3"];
 
-/// The next operation, chosen from what the memory store holds now.
-fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64) -> Op {
+/// The next operation, chosen from what the memory store holds now; with `operator`, the
+/// operator actions (reschedule, complete and fail by hand, force-unlock, remove key, purge,
+/// pause, resume) are in the mix too (without, the scripts are those of the worker protocol).
+fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64, operator: bool) -> Op {
     let app = memory.app().clone();
     let worker = WORKERS[rng.range(0, 3) as usize];
     let held = |state: TaskState| -> Vec<TaskLease> {
@@ -521,7 +681,12 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
         tasks.retain(|_| rng.chance(0.85));
         tasks
     };
-    let roll = rng.range(0, 100);
+    let roll = rng.range(0, if operator { 114 } else { 100 });
+    let any_id = |rng: &mut Rng| TaskId(rng.range(1, max_id as u64 + 2) as i64);
+    let any_queue = |rng: &mut Rng| {
+        let queues = app.queues();
+        queues[rng.range(0, queues.len() as u64) as usize].name.clone()
+    };
     match roll {
         0..=19 => {
             let n = rng.range(1, 5);
@@ -654,7 +819,59 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64)
             concurrency: rng.range(1, 9) as u32,
         })),
         91 => Op::Db(DbRequest::DeregisterWorker(w(worker))),
-        _ => Op::Advance(rng.range(0, 1_500)),
+        92..=99 => Op::Advance(rng.range(0, 1_500)),
+        100 | 101 => {
+            // Mostly pending tasks, which a reschedule applies to.
+            let pending: Vec<TaskId> = memory.tasks().filter(|t| t.state == TaskState::Pending).map(|t| t.id).collect();
+            let id = match pending.is_empty() || rng.chance(0.2) {
+                true => any_id(rng),
+                false => pending[rng.range(0, pending.len() as u64) as usize],
+            };
+            let run_at = match rng.range(0, 4) {
+                0 => None,
+                1 => Some(RunAt::Now),
+                2 => Some(RunAt::DelayMs(rng.range(0, 4_000))),
+                _ => Some(RunAt::At(DbTime(now.0 + rng.range(0, 4_000) as i64 - 1_000))),
+            };
+            let priority = rng.chance(0.5).then(|| rng.range(0, 5) as i16 - 2);
+            let retries = rng.chance(0.4).then(|| rng.range(0, 3) as u32);
+            Op::Reschedule(id, Reschedule { run_at, priority, retries })
+        }
+        102 | 103 => {
+            let live: Vec<TaskId> = memory.tasks().filter(|t| !t.state.is_terminal()).map(|t| t.id).collect();
+            let id = match live.is_empty() || rng.chance(0.2) {
+                true => any_id(rng),
+                false => live[rng.range(0, live.len() as u64) as usize],
+            };
+            match roll {
+                102 => Op::Complete(id, json!({"by": "hand", "n": rng.range(0, 9)})),
+                _ => Op::Fail(id, "stop".to_owned()),
+            }
+        }
+        104 | 105 => {
+            let mut workers = vec![w(worker)];
+            if rng.chance(0.3) {
+                workers.push(w(WORKERS[rng.range(0, 3) as usize]));
+            }
+            Op::ForceUnlock(workers)
+        }
+        106 | 107 => {
+            // A key a Claimed or Running task holds, one any task holds, or any (k4 is never
+            // used).
+            let choice = rng.range(0, 3);
+            let keys: Vec<String> = memory
+                .tasks()
+                .filter(|t| choice == 2 || matches!(t.state, TaskState::Claimed | TaskState::Running))
+                .filter_map(|t| t.key.clone())
+                .collect();
+            match keys.is_empty() || choice == 0 {
+                true => Op::RemoveKey(format!("k{}", rng.range(0, 5))),
+                false => Op::RemoveKey(keys[rng.range(0, keys.len() as u64) as usize].clone()),
+            }
+        }
+        108 | 109 => Op::Purge(rng.range(0, 3_000)),
+        110 | 111 => Op::Pause(if rng.chance(0.05) { "Bad".to_owned() } else { any_queue(rng) }),
+        _ => Op::Resume(any_queue(rng)),
     }
 }
 
@@ -695,19 +912,21 @@ fn apps() -> Vec<(&'static str, AppConfig)> {
     ]
 }
 
-#[tokio::test]
-async fn random_scripts_agree() {
+/// Runs the random scripts of every app for `CANTER_CONFORMANCE_SEEDS` seeds (default 2) and
+/// returns what their replies showed.
+async fn random_scripts(operator: bool) -> BTreeMap<&'static str, usize> {
     let seeds: u64 = std::env::var("CANTER_CONFORMANCE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     let steps = 200;
     let mut seen: BTreeMap<&'static str, usize> = BTreeMap::new();
     for (name, app) in apps() {
         for seed in 0..seeds {
-            let mut pair = Pair::new(app.clone(), &format!("{name} seed {seed}")).await;
+            let label = format!("{name}{} seed {seed}", if operator { " operator" } else { "" });
+            let mut pair = Pair::new(app.clone(), &label).await;
             let mut rng = Rng::new(seed.wrapping_mul(0x9E37_79B9) ^ name.len() as u64);
             let mut tokens = 0;
             let mut kinds: BTreeMap<&'static str, usize> = BTreeMap::new();
             for _ in 0..steps {
-                let op = random_op(&mut rng, &pair.memory, pair.now, &mut tokens);
+                let op = random_op(&mut rng, &pair.memory, pair.now, &mut tokens, operator);
                 *kinds.entry(kind(&op)).or_default() += 1;
                 pair.apply(&op).await;
             }
@@ -715,9 +934,20 @@ async fn random_scripts_agree() {
             for (feature, n) in &pair.seen {
                 *seen.entry(feature).or_default() += n;
             }
-            assert!(kinds.len() >= 10, "{name} seed {seed}: too few kinds of operations: {kinds:?}");
+            assert!(kinds.len() >= 10, "{label}: too few kinds of operations: {kinds:?}");
         }
     }
+    seen
+}
+
+fn assert_reached(seen: &BTreeMap<&'static str, usize>, expected: &[&str]) {
+    let missing: Vec<&str> = expected.iter().copied().filter(|f| !seen.contains_key(f)).collect();
+    assert!(missing.is_empty(), "the random scripts never reached {missing:?} (seen: {seen:?})");
+}
+
+#[tokio::test]
+async fn random_scripts_agree() {
+    let seen = random_scripts(false).await;
     let expected = [
         "enqueued",
         "payload mismatch",
@@ -744,8 +974,32 @@ async fn random_scripts_agree() {
         "reaped and failed",
         "expired pending",
     ];
-    let missing: Vec<&str> = expected.into_iter().filter(|f| !seen.contains_key(f)).collect();
-    assert!(missing.is_empty(), "the random scripts never reached {missing:?} (seen: {seen:?})");
+    assert_reached(&seen, &expected);
+}
+
+#[tokio::test]
+async fn random_scripts_with_operator_actions_agree() {
+    let seen = random_scripts(true).await;
+    let expected = [
+        "claimed",
+        "completed",
+        "retried",
+        "finish lost",
+        "rescheduled",
+        "reschedule refused",
+        "completed by hand",
+        "finish by hand refused",
+        "failed by hand",
+        "force-unlocked",
+        "key of a pending task",
+        "key of a held task",
+        "key of a finished task",
+        "unknown key",
+        "purged",
+        "paused",
+        "resumed",
+    ];
+    assert_reached(&seen, &expected);
 }
 
 fn kind(op: &Op) -> &'static str {
@@ -754,6 +1008,14 @@ fn kind(op: &Op) -> &'static str {
         Op::Db(request) => request.kind(),
         Op::Cancel(_) => "cancel",
         Op::Requeue(_) => "requeue",
+        Op::Reschedule(..) => "reschedule",
+        Op::Complete(..) => "complete",
+        Op::Fail(..) => "fail",
+        Op::ForceUnlock(_) => "force-unlock",
+        Op::RemoveKey(_) => "remove key",
+        Op::Purge(_) => "purge",
+        Op::Pause(_) => "pause",
+        Op::Resume(_) => "resume",
         Op::Advance(_) => "advance",
     }
 }

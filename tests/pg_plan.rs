@@ -107,7 +107,7 @@ async fn the_claim_uses_its_index_with_a_long_history() {
     let mut tx = conn.begin().await.unwrap();
     let claim = format!(
         "SELECT count(id) FROM {s}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, true, NULL, 0, \
-         '{{}}', 16, 60000)"
+         '{{}}', 16, 60000, ARRAY[false], NULL)"
     );
     for _ in 0..10 {
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(claim.clone())).fetch_one(&mut *tx).await.unwrap();

@@ -567,3 +567,36 @@ fn a_driver_that_breaks_the_contract_does_not_panic_the_machine() {
     h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![] });
     assert!(matches!(h.events.last(), Some(Event::DbUnavailable { error: DbFailure::Rejected(_), .. })));
 }
+
+/// Fires timers until `timer` fires or `within` passes; the commands of that firing.
+fn fire_until(h: &mut Harness, timer: Timer, within: Duration) -> Option<Vec<Command>> {
+    let until = h.now + within;
+    while h.worker.poll_timeout().is_some_and(|(at, _)| at <= until) {
+        let (fired, commands) = h.fire();
+        if fired == timer {
+            return Some(commands);
+        }
+    }
+    None
+}
+
+#[test]
+fn a_retention_for_finished_tasks_purges_them_hourly() {
+    let hour = Duration::from_millis(canter::worker::PURGE_INTERVAL_MS);
+    let (mut kept, _) = Harness::default(2);
+    assert!(fire_until(&mut kept, Timer::Purge, 3 * hour).is_none(), "no retention, no purge");
+
+    let mut app = AppConfig::default();
+    app.recovery.finished_retention_ms = Some(86_400_000);
+    let (mut h, _) = Harness::new(app, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
+    let first = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("a purge within the hour");
+    let (op, request) = db_ops(&first).into_iter().find(|(_, r)| r.kind() == "purge").expect("a purge request");
+    assert_eq!(request, &DbRequest::Purge { older_than_ms: 86_400_000, batch: canter::db::DEFAULT_PURGE_BATCH });
+    // Still in flight an hour later: not sent twice.
+    let second = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("the next hour's timer");
+    assert!(!has(&second, "purge"), "{second:?}");
+    h.reply(op, DbReply::Purged { tasks: 3 });
+    assert!(h.events.iter().any(|e| matches!(e, Event::Purged { tasks: 3 })), "{:?}", h.events);
+    let third = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("the next hour's timer");
+    assert!(has(&third, "purge"));
+}

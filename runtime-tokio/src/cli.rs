@@ -97,6 +97,7 @@ pub fn config_with_flags(
                 node.as_object().is_some_and(|o| o.contains_key(&field))
                     || (path == &["app"] && ["cluster_wide_cap", "claim_lease_ms"].contains(&field.as_str()))
                     || (path == &["worker"] && field == "seed")
+                    || (path == &["app", "recovery"] && field == "finished_retention_ms")
             })
             .ok_or_else(|| UsageError(format!("unknown option --{flag}: not a configuration setting")))?;
         let parsed = if field == "queues" {
@@ -113,7 +114,7 @@ pub fn config_with_flags(
     canter::config::Config::from_json_str(&json.to_string()).map_err(|e| UsageError(e.to_string()))
 }
 
-/// A duration like `500ms`, `10s`, `2m`, `1h` or a bare number of seconds.
+/// A duration like `500ms`, `10s`, `2m`, `1h`, `30d` or a bare number of seconds.
 pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
     let text = text.trim();
     let split = text.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(text.len());
@@ -125,7 +126,8 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
         "" | "s" => value,
         "m" => value * 60.0,
         "h" => value * 3600.0,
-        _ => return Err(UsageError(format!("invalid duration unit {unit:?}: expected ms, s, m or h"))),
+        "d" => value * 86_400.0,
+        _ => return Err(UsageError(format!("invalid duration unit {unit:?}: expected ms, s, m, h or d"))),
     };
     if !seconds.is_finite() || seconds < 0.0 {
         return Err(UsageError(format!("invalid duration {text:?}")));
@@ -166,10 +168,24 @@ mod tests {
     }
 
     #[test]
+    fn optional_settings_are_flags_too() {
+        let values: BTreeMap<String, String> = [
+            ("finished-retention-ms".to_owned(), "86400000".to_owned()),
+            ("claim-lease-ms".to_owned(), "90000".to_owned()),
+        ]
+        .into_iter()
+        .collect();
+        let config = config_with_flags(&canter::config::Config::default(), &values, &[]).unwrap();
+        assert_eq!(config.app.recovery.finished_retention_ms, Some(86_400_000));
+        assert_eq!(config.app.claim_lease_ms, Some(90_000));
+    }
+
+    #[test]
     fn durations() {
         assert_eq!(parse_duration("500ms").unwrap().as_millis(), 500);
         assert_eq!(parse_duration("2m").unwrap().as_secs(), 120);
         assert_eq!(parse_duration("3").unwrap().as_secs(), 3);
+        assert_eq!(parse_duration("30d").unwrap().as_secs(), 30 * 86_400);
         assert!(parse_duration("3 weeks").is_err());
     }
 }

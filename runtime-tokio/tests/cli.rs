@@ -27,7 +27,27 @@ fn help_and_usage_errors_exit_with_their_codes() {
     let unknown = canter(&["frobnicate"]);
     assert_eq!(unknown.status.code(), Some(2));
     assert!(text(&unknown).contains("unknown command"));
-    for command in ["migrate", "worker", "enqueue", "status", "list", "show", "result", "cancel", "retry", "demo"] {
+    let commands = [
+        "migrate",
+        "worker",
+        "enqueue",
+        "status",
+        "list",
+        "show",
+        "result",
+        "cancel",
+        "retry",
+        "reschedule",
+        "complete",
+        "fail",
+        "force-unlock",
+        "remove-key",
+        "purge",
+        "pause",
+        "resume",
+        "demo",
+    ];
+    for command in commands {
         let help = canter(&[command, "--help"]);
         assert_eq!(help.status.code(), Some(0), "{command} --help");
         assert!(text(&help).starts_with("usage: canter"), "{command}: {}", text(&help));
@@ -133,4 +153,109 @@ async fn a_whole_flow_against_postgres() {
     let status = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
     assert!(status.success());
     assert!(worker.wait().unwrap().success(), "the worker exits 0 on SIGTERM");
+}
+
+/// Polls `canter show ID --json` until the task is in `state`.
+fn wait_for_state(run: &dyn Fn(&[&str]) -> Output, id: &str, state: &str) -> serde_json::Value {
+    for _ in 0..200 {
+        let shown = run(&["show", id, "--json"]);
+        let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap_or_default();
+        if shown["task"]["state"] == state {
+            return shown;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    panic!("task {id} never reached {state}");
+}
+
+fn first_line(output: &Output) -> String {
+    String::from_utf8_lossy(&output.stdout).trim().to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_against_postgres() {
+    let db = pg::TestDb::new().await;
+    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
+    let run = move |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--schema", &schema]);
+        canter(&all)
+    };
+    let worker = || {
+        Command::new(env!("CARGO_BIN_EXE_canter"))
+            .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
+            .env("CANTER_LOG", "warn")
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+
+    // A paused queue is not served, and status says so; resumed, it is.
+    let paused = run(&["pause", "default"]);
+    assert_eq!((paused.status.code(), first_line(&paused)), (Some(0), "queue default paused".to_owned()));
+    assert_eq!(first_line(&run(&["pause", "default"])), "queue default was already paused");
+    let held_back = first_line(&run(&["enqueue", "echo", "--args", "1"]));
+    let mut first = worker();
+    std::thread::sleep(std::time::Duration::from_millis(1_500));
+    assert!(text(&run(&["result", &held_back])).contains("no result yet"));
+    let status: serde_json::Value = serde_json::from_slice(&run(&["status", "--json"]).stdout).unwrap();
+    assert_eq!(status["paused"][0]["queue"], "default");
+    assert!(text(&run(&["status"])).contains("paused queues: default"));
+    let resumed = run(&["resume", "default", "--json"]);
+    let resumed: serde_json::Value = serde_json::from_slice(&resumed.stdout).unwrap();
+    assert_eq!((resumed["paused"].clone(), resumed["changed"].clone()), (false.into(), true.into()));
+    let result = run(&["result", &held_back, "--wait", "20s"]);
+    assert_eq!((result.status.code(), first_line(&result)), (Some(0), "1".to_owned()), "{}", text(&result));
+
+    // Completed by hand while it runs: the hand's result stands.
+    let long = first_line(&run(&["enqueue", "sleep", "--args", r#"{"ms":60000}"#]));
+    wait_for_state(&run, &long, "RUNNING");
+    assert_eq!(run(&["complete", &long, "--result", r#"{"x":1}"#]).status.code(), Some(0));
+    assert_eq!(first_line(&run(&["result", &long])), r#"{"x":1}"#);
+    let bad = run(&["complete", &long, "--result", "{nope"]);
+    assert_eq!(bad.status.code(), Some(2));
+
+    // A worker killed while running a task: force-unlock hands the task back.
+    let stranded = first_line(&run(&["enqueue", "sleep", "--args", r#"{"ms":60000}"#]));
+    let shown = wait_for_state(&run, &stranded, "RUNNING");
+    let dead = shown["task"]["worker"].as_str().expect("the worker running it").to_owned();
+    first.kill().unwrap();
+    first.wait().unwrap();
+    let unlocked = run(&["force-unlock", &dead, "--json"]);
+    let unlocked: serde_json::Value = serde_json::from_slice(&unlocked.stdout).expect("force-unlock --json is JSON");
+    assert_eq!(unlocked["tasks"], 1);
+    let back = wait_for_state(&run, &stranded, "PENDING");
+    assert_eq!((back["task"]["attempts"].clone(), back["task"]["retries"].clone()), (1.into(), 0.into()));
+    assert_eq!(first_line(&run(&["force-unlock", &dead])), "0 tasks back to pending");
+
+    // Reschedule, then fail by hand.
+    let later = first_line(&run(&["enqueue", "echo", "--args", "2", "--delay", "1h"]));
+    assert_eq!(run(&["reschedule", &later]).status.code(), Some(2), "nothing to change");
+    let moved = run(&["reschedule", &later, "--run-at", "2h", "--priority", "3", "--retries", "0"]);
+    assert_eq!(moved.status.code(), Some(0), "{}", text(&moved));
+    let shown = wait_for_state(&run, &later, "PENDING");
+    assert_eq!(shown["task"]["priority"], 3);
+    assert_eq!(run(&["fail", &later, "--message", "not today"]).status.code(), Some(0));
+    let failed = text(&run(&["result", &later]));
+    assert!(failed.contains("FAILED_BY_OPERATOR") && failed.contains("not today"), "{failed}");
+    let refused = run(&["reschedule", &later, "--now"]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(text(&refused).contains("is FAILED: expected PENDING"), "{}", text(&refused));
+
+    // Remove a key: its pending task is cancelled and the key is free.
+    let keyed = first_line(&run(&["enqueue", "echo", "--args", "3", "--delay", "1h", "--key", "kk"]));
+    let removed = run(&["remove-key", "kk", "--json"]);
+    let removed: serde_json::Value = serde_json::from_slice(&removed.stdout).expect("remove-key --json is JSON");
+    assert_eq!(removed["removal"]["action"], "cancelled");
+    assert_eq!(removed["removal"]["task"].to_string(), keyed);
+    let unknown = run(&["remove-key", "kk"]);
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(text(&unknown).contains("no task holds idempotency key \"kk\""), "{}", text(&unknown));
+
+    // Purge: every finished task goes.
+    let purged = run(&["purge", "--older-than", "0s", "--json"]);
+    let purged: serde_json::Value = serde_json::from_slice(&purged.stdout).expect("purge --json is JSON");
+    assert_eq!(purged["purged"], 4, "{purged}");
+    assert_eq!(run(&["show", &held_back]).status.code(), Some(1));
+    assert_eq!(run(&["purge"]).status.code(), Some(2), "--older-than is required");
 }

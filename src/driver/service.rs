@@ -194,6 +194,7 @@ fn log_event(worker: &WorkerId, event: &Event) {
         Event::TimedOut { task } => tracing::warn!(%worker, %task, "handler timed out"),
         Event::GaveUp => tracing::error!(%worker, "too many database failures in a row: shutting down"),
         Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
+        Event::Purged { tasks } => tracing::info!(%worker, tasks, "purged finished tasks past their retention"),
         Event::Drained { abandoned } => tracing::info!(%worker, abandoned, "drained"),
         _ => {}
     }

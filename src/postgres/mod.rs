@@ -16,12 +16,14 @@
 //! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
 //!   that finishes them, so claims cost the same however much history piles up;
 //! - `attempts`: one row per finished run; `task_keys`: idempotency keys of live and finished
-//!   tasks; `workers`: the worker registry with liveness;
+//!   tasks; `workers`: the worker registry with liveness; `queue_states`: paused queues, which
+//!   the claim leaves out;
 //! - functions `enqueue`, `claim` and `start_tasks` (each one round trip), and `db_now()`, the
 //!   one clock every statement reads (`now()`, unless a test pins `canter.now`).
 //!
-//! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue)
-//! and once per batch of finished tasks (see [`PgSchema`] for the channels).
+//! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue,
+//! reschedule, force-unlock, resume) and once per batch of finished tasks (see [`PgSchema`] for
+//! the channels).
 //!
 //! # Use
 //!

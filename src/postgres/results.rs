@@ -1,5 +1,7 @@
 //! Results and inspection: a task's status, result or error; its attempts; waiting for it to
-//! finish; cancelling and requeueing by hand; listing and counting; the worker registry.
+//! finish; listing and counting; the worker registry. Operator actions: cancel, requeue,
+//! reschedule, complete or fail by hand, force-unlock a dead worker's tasks, remove a key,
+//! purge old finished tasks, pause and resume queues.
 //!
 //! # Waiting for a result
 //!
@@ -25,9 +27,12 @@ use serde_json::Value;
 use sqlx::Row;
 use sqlx::postgres::{PgListener, PgRow};
 
-use crate::db::{AttemptRecord, DbTime, TaskRecord, WorkerInfo};
-use crate::memory::{AdminError, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord};
-use crate::postgres::store::{PgStore, count, error_json, json, parse_state};
+use crate::config::is_valid_queue_name;
+use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
+use crate::memory::{
+    AdminError, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
+};
+use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
 /// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
@@ -160,6 +165,154 @@ impl PgStore {
             return Ok(());
         }
         Err(self.refusal(id, "FAILED").await?.into())
+    }
+
+    /// Changes a Pending task's run-at, priority or retries spent (see [`Reschedule`]) in one
+    /// statement; its key, attempts and history are kept, and its queue is notified. A task
+    /// that is not Pending is refused with `WrongState`, a run-at at or past its good-until
+    /// with `RunAtAfterGoodUntil`.
+    pub async fn reschedule(&self, id: TaskId, change: Reschedule) -> Result<(), PgAdminError> {
+        let (delay, at) = match change.run_at {
+            None | Some(RunAt::Now) => (None, None),
+            Some(RunAt::DelayMs(ms)) => (Some(duration(ms)), None),
+            Some(RunAt::At(at)) => (None, Some(db_time(at))),
+        };
+        let row: Option<(String, i64, Option<i64>, bool)> = sqlx::query_as(self.schema().sql().reschedule.clone())
+            .bind(id.0)
+            .bind(change.run_at.is_some())
+            .bind(delay)
+            .bind(at)
+            .bind(change.priority)
+            .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_optional(self.pool())
+            .await?;
+        match row {
+            Some((_, _, _, true)) => Ok(()),
+            Some((state, run_at, good_until, false)) => match parse_state(&state)? {
+                TaskState::Pending => Err(AdminError::RunAtAfterGoodUntil {
+                    task: id,
+                    run_at,
+                    good_until: good_until.unwrap_or_default(),
+                }
+                .into()),
+                state => Err(AdminError::WrongState { task: id, state, expected: "PENDING" }.into()),
+            },
+            None => Err(self.refusal(id, "PENDING").await?.into()),
+        }
+    }
+
+    /// Completes a Pending, Claimed or Running task by hand with `result`, in one statement:
+    /// it moves to the finished table (no retry), its holder's later writes are reported lost
+    /// and waiters are notified. A run it was in is its last run, kept on the finished row.
+    pub async fn complete(&self, id: TaskId, result: Value) -> Result<(), PgAdminError> {
+        self.finish_by_hand(id, TaskState::Completed, None, Some(result)).await
+    }
+
+    /// Fails a Pending, Claimed or Running task by hand with `FAILED_BY_OPERATOR` and
+    /// `message`, with no retry; otherwise as [`complete`](PgStore::complete).
+    pub async fn fail(&self, id: TaskId, message: &str) -> Result<(), PgAdminError> {
+        let error = error_json(&TaskError::new(ErrorCode::FailedByOperator, message))?;
+        self.finish_by_hand(id, TaskState::Failed, Some(error), None).await
+    }
+
+    async fn finish_by_hand(
+        &self,
+        id: TaskId,
+        state: TaskState,
+        error: Option<Value>,
+        result: Option<Value>,
+    ) -> Result<(), PgAdminError> {
+        let done: Option<i64> = sqlx::query_scalar(self.schema().sql().finish_by_hand.clone())
+            .bind(id.0)
+            .bind(state.as_str())
+            .bind(error)
+            .bind(result)
+            .bind(self.schema().done_channel())
+            .fetch_optional(self.pool())
+            .await?;
+        if done.is_some() {
+            return Ok(());
+        }
+        Err(self.refusal(id, "PENDING, CLAIMED or RUNNING").await?.into())
+    }
+
+    /// Hands the Claimed and Running tasks of dead `workers` back to Pending in one statement,
+    /// as a release by their holder would: claimable at once, no retry spent, the holder's
+    /// later writes reported lost, each queue concerned notified. Registered workers among
+    /// them are marked stopped. Returns how many tasks went back.
+    pub async fn force_unlock(&self, workers: &[WorkerId]) -> Result<u64, sqlx::Error> {
+        let ids: Vec<&str> = workers.iter().map(|w| w.0.as_str()).collect();
+        let n: i64 = sqlx::query_scalar(self.schema().sql().force_unlock.clone())
+            .bind(ids)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_one(self.pool())
+            .await?;
+        Ok(u64::try_from(n).unwrap_or(0))
+    }
+
+    /// Frees idempotency key `key` in one statement: the task holding it is Cancelled if
+    /// Pending (waiters are notified), runs on without it if Claimed or Running, and simply
+    /// loses it if finished. Refused with `KeyNotFound` when no task holds it.
+    pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
+        let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
+        let row: Option<(i64, String)> = sqlx::query_as(self.schema().sql().remove_key.clone())
+            .bind(key)
+            .bind(error)
+            .bind(self.schema().done_channel())
+            .fetch_optional(self.pool())
+            .await?;
+        let Some((id, action)) = row else {
+            return Err(AdminError::KeyNotFound(key.to_owned()).into());
+        };
+        let id = TaskId(id);
+        Ok(match action.as_str() {
+            "cancelled" => KeyRemoval::Cancelled(id),
+            "detached" => KeyRemoval::Detached(id),
+            _ => KeyRemoval::Freed(id),
+        })
+    }
+
+    /// Deletes finished tasks that finished more than `retention_ms` ago, with their attempts
+    /// history and the keys they hold, `batch` tasks per statement (each its own transaction,
+    /// locking only that batch, skipping rows another session holds) until a batch comes back
+    /// short. Returns how many. A `batch` of 0 is taken as 1.
+    pub async fn purge_finished(&self, retention_ms: u64, batch: u32) -> Result<u64, sqlx::Error> {
+        let mut conn = self.pool().acquire().await?;
+        self.purge_on(&mut conn, retention_ms, batch).await
+    }
+
+    /// Pauses `queue`: from the next claim on, no worker takes its Pending tasks (its Claimed
+    /// and Running ones go on). Returns whether it was running before; pausing a paused queue
+    /// keeps its first pause time. Any valid queue name may be paused, configured or not.
+    pub async fn pause_queue(&self, queue: &str) -> Result<bool, PgAdminError> {
+        if !is_valid_queue_name(queue) {
+            return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
+        }
+        let row: Option<String> =
+            sqlx::query_scalar(self.schema().sql().pause_queue.clone()).bind(queue).fetch_optional(self.pool()).await?;
+        Ok(row.is_some())
+    }
+
+    /// Resumes a paused `queue` and notifies it, so waiting workers claim its tasks. Returns
+    /// whether it was paused.
+    pub async fn resume_queue(&self, queue: &str) -> Result<bool, PgAdminError> {
+        if !is_valid_queue_name(queue) {
+            return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
+        }
+        let row: Option<String> = sqlx::query_scalar(self.schema().sql().resume_queue.clone())
+            .bind(queue)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_optional(self.pool())
+            .await?;
+        Ok(row.is_some())
+    }
+
+    /// The paused queues, by name.
+    pub async fn paused_queues(&self) -> Result<Vec<PausedQueue>, sqlx::Error> {
+        let rows: Vec<(String, i64)> =
+            sqlx::query_as(self.schema().sql().paused_queues.clone()).fetch_all(self.pool()).await?;
+        Ok(rows.into_iter().map(|(queue, at)| PausedQueue { queue, paused_at: DbTime(at) }).collect())
     }
 
     /// Why an action found nothing to change: the task is missing or in another state.

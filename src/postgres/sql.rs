@@ -142,14 +142,21 @@ WITH claimed_in AS (
 running_in AS (
     SELECT r.id, r.lease, r.ord FROM unnest($4::bigint[], $5::bigint[]) WITH ORDINALITY AS r(id, lease, ord)
 ),
--- A listed claim may have started under the same lease since the beat was sent (a start that
--- raced it): still held, and alive.
-held_claimed AS (
+-- Both lists' rows, locked in one pass in id order as every other statement locks them (two
+-- passes could deadlock with a finish). A listed claim may have started under the same lease
+-- since the beat was sent (a start that raced it): still held, and alive.
+held AS (
     SELECT t.id, t.lease, t.state, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
     FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
+),
+held_claimed AS (
+    SELECT h.id, h.lease, h.state, h.renewable FROM held h WHERE h.id = ANY ($2::bigint[])
+),
+held_running AS (
+    SELECT h.id, h.lease FROM held h WHERE h.id = ANY ($4::bigint[]) AND h.state = 'RUNNING'
 ),
 renewed AS (
     UPDATE {s}.tasks t
@@ -158,15 +165,9 @@ renewed AS (
     WHERE t.id = h.id AND h.state = 'CLAIMED' AND h.renewable
       AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)
 ),
-held_running AS (
-    SELECT t.id, t.lease FROM {s}.tasks t
-    WHERE t.id = ANY ($4::bigint[]) AND t.state = 'RUNNING' AND t.claimed_by = $1
-    ORDER BY t.id
-    FOR UPDATE
-),
 beaten AS (
     UPDATE {s}.tasks t SET heartbeat_at = {s}.db_now()
-    FROM (SELECT DISTINCT h.id FROM held_running h JOIN running_in r ON r.id = h.id AND r.lease = h.lease
+    FROM (SELECT h.id FROM held_running h JOIN running_in r ON r.id = h.id AND r.lease = h.lease
           UNION
           SELECT h.id FROM held_claimed h JOIN claimed_in c ON c.id = h.id AND c.lease = h.lease
           WHERE h.state = 'RUNNING') b
@@ -441,6 +442,139 @@ notified AS (
 )
 SELECT b.id FROM back b CROSS JOIN notified";
 
+/// Reschedules a Pending task: `$2` whether to set its run-at (from delay `$3` or time `$4`,
+/// as at enqueue), `$5` its priority, `$6` its retries (NULL keeps each). Returns the live
+/// row's state, its would-be run-at and good-until, and whether it changed; no row when the
+/// task is not live.
+const RESCHEDULE: &str = "\
+WITH target AS (
+    SELECT t.id, t.state, t.good_until,
+           CASE WHEN $2 THEN {s}.due_at($3, $4, {s}.db_now()) ELSE t.run_at END AS run_at
+    FROM {s}.tasks t
+    WHERE t.id = $1
+    FOR UPDATE
+),
+changed AS (
+    UPDATE {s}.tasks t SET run_at = g.run_at, priority = coalesce($5, t.priority), retries = coalesce($6, t.retries)
+    FROM target g
+    WHERE t.id = g.id AND g.state = 'PENDING' AND (g.good_until IS NULL OR g.run_at < g.good_until)
+    RETURNING t.queue
+),
+-- Due now, workers claim it; due later, their claim learns when (the wake-up hint).
+notified AS (
+    SELECT count(pg_notify($7 || c.queue, '')) AS n FROM changed c
+)
+SELECT g.state, {s}.ms(g.run_at) AS run_at, {s}.ms(g.good_until) AS good_until,
+       EXISTS (SELECT FROM changed) AS changed
+FROM target g CROSS JOIN notified";
+
+/// Completes or fails a live task by hand: state `$2`, error `$3`, result `$4`. Its row moves
+/// as a finish moves it, so the holder's later writes find nothing and are reported lost.
+const FINISH_BY_HAND: &str = "\
+WITH gone AS (
+    DELETE FROM {s}.tasks t WHERE t.id = $1 RETURNING t.*
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, $2, {kept}, $3, $4, {s}.db_now()
+    FROM gone m
+),
+notified AS (
+    SELECT count(pg_notify($5, g.id::text)) AS n FROM gone g
+)
+SELECT g.id FROM gone g CROSS JOIN notified";
+
+/// Hands back every Claimed or Running task of the workers `$1`, as RELEASE does, and marks
+/// them stopped in the registry. Returns how many tasks.
+const FORCE_UNLOCK: &str = "\
+WITH released AS (
+    UPDATE {s}.tasks t SET {unclaim}
+    WHERE t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = ANY ($1::text[])
+    RETURNING t.queue
+),
+stopped AS (
+    UPDATE {s}.workers w SET stopped_at = coalesce(w.stopped_at, {s}.db_now()) WHERE w.id = ANY ($1::text[])
+),
+notified AS (
+    SELECT count(pg_notify($2 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM released r) q
+)
+SELECT count(*) FROM released r CROSS JOIN notified";
+
+/// Frees key `$1`: its task is cancelled (error `$2`) if Pending, else keeps running or stays
+/// finished; either way it no longer shows the key. Returns the task and what was done; no
+/// row for an unknown key.
+const REMOVE_KEY: &str = "\
+WITH k AS (
+    DELETE FROM {s}.task_keys k WHERE k.key = $1 RETURNING k.task_id
+),
+live AS (
+    SELECT t.id, t.state FROM {s}.tasks t WHERE t.id = (SELECT k.task_id FROM k) FOR UPDATE
+),
+cancelled AS (
+    DELETE FROM {s}.tasks t USING live l WHERE t.id = l.id AND l.state = 'PENDING' RETURNING t.*
+),
+moved AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, 'CANCELLED', {kept_keyless}, $2, NULL, {s}.db_now()
+    FROM cancelled m
+),
+detached AS (
+    UPDATE {s}.tasks t SET key = NULL FROM live l WHERE t.id = l.id AND l.state <> 'PENDING' RETURNING t.id
+),
+freed AS (
+    UPDATE {s}.finished_tasks f SET key = NULL FROM k WHERE f.id = k.task_id
+),
+notified AS (
+    SELECT count(pg_notify($3, c.id::text)) AS n FROM cancelled c
+)
+SELECT k.task_id,
+       CASE WHEN EXISTS (SELECT FROM cancelled) THEN 'cancelled'
+            WHEN EXISTS (SELECT FROM detached) THEN 'detached'
+            ELSE 'freed' END AS action
+FROM k CROSS JOIN notified";
+
+/// Deletes at most `$2` finished tasks that finished more than `$1` ms ago (by the BRIN index
+/// on finished_at), with their attempts and the key rows that still name them. Returns how
+/// many; the caller repeats until a batch comes back short.
+const PURGE_FINISHED: &str = "\
+WITH doomed AS (
+    SELECT f.id FROM {s}.finished_tasks f
+    WHERE f.finished_at < {s}.db_now() - $1 * interval '1 millisecond'
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+),
+gone AS (
+    DELETE FROM {s}.finished_tasks f USING doomed d WHERE f.id = d.id RETURNING f.id, f.key
+),
+runs AS (
+    DELETE FROM {s}.attempts a USING gone g WHERE a.task_id = g.id
+),
+-- By key (the primary key); a key taken by another task since is not this task's.
+keys AS (
+    DELETE FROM {s}.task_keys k USING gone g WHERE k.key = g.key AND k.task_id = g.id
+)
+SELECT count(*) FROM gone";
+
+/// Pauses queue `$1`; returns a row when it was not paused already.
+const PAUSE_QUEUE: &str = "\
+INSERT INTO {s}.queue_states AS q (queue, paused, paused_at) VALUES ($1, true, {s}.db_now())
+ON CONFLICT (queue) DO UPDATE SET paused = true, paused_at = {s}.db_now() WHERE NOT q.paused
+RETURNING q.queue";
+
+/// Resumes queue `$1` and notifies it; returns a row when it was paused.
+const RESUME_QUEUE: &str = "\
+WITH resumed AS (
+    UPDATE {s}.queue_states q SET paused = false, paused_at = NULL WHERE q.queue = $1 AND q.paused
+    RETURNING q.queue
+),
+notified AS (
+    SELECT count(pg_notify($2 || r.queue, '')) AS n FROM resumed r
+)
+SELECT r.queue FROM resumed r CROSS JOIN notified";
+
+const PAUSED_QUEUES: &str = "\
+SELECT queue, {s}.ms(paused_at) FROM {s}.queue_states WHERE paused ORDER BY queue COLLATE \"C\"";
+
 const STATE_OF: &str = "\
 SELECT state FROM {s}.tasks WHERE id = $1 UNION ALL SELECT state FROM {s}.finished_tasks WHERE id = $1";
 
@@ -471,6 +605,14 @@ pub(crate) struct Statements {
     pub(crate) workers: SqlStr,
     pub(crate) cancel: SqlStr,
     pub(crate) requeue_failed: SqlStr,
+    pub(crate) reschedule: SqlStr,
+    pub(crate) finish_by_hand: SqlStr,
+    pub(crate) force_unlock: SqlStr,
+    pub(crate) remove_key: SqlStr,
+    pub(crate) purge_finished: SqlStr,
+    pub(crate) pause_queue: SqlStr,
+    pub(crate) resume_queue: SqlStr,
+    pub(crate) paused_queues: SqlStr,
     pub(crate) state_of: SqlStr,
     pub(crate) now: SqlStr,
 }
@@ -481,6 +623,7 @@ impl Statements {
         let fill = |template: &str| -> SqlStr {
             let text = template
                 .replace("{finished_columns}", FINISHED_COLUMNS)
+                .replace("{kept_keyless}", &KEPT.replace("m.key", "NULL"))
                 .replace("{kept}", KEPT)
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
@@ -518,6 +661,14 @@ impl Statements {
             workers: fill(WORKERS),
             cancel: fill(CANCEL),
             requeue_failed: fill(REQUEUE_FAILED),
+            reschedule: fill(RESCHEDULE),
+            finish_by_hand: fill(FINISH_BY_HAND),
+            force_unlock: fill(FORCE_UNLOCK),
+            remove_key: fill(REMOVE_KEY),
+            purge_finished: fill(PURGE_FINISHED),
+            pause_queue: fill(PAUSE_QUEUE),
+            resume_queue: fill(RESUME_QUEUE),
+            paused_queues: fill(PAUSED_QUEUES),
             state_of: fill(STATE_OF),
             now: fill(NOW),
         }

@@ -244,6 +244,9 @@ impl PgStore {
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 self.reap(conn, *claimed_stale_ms, *running_stale_ms, *entropy).await.map(DbReply::Reaped)
             }
+            DbRequest::Purge { older_than_ms, batch } => {
+                Ok(DbReply::Purged { tasks: self.purge_on(conn, *older_than_ms, *batch).await? })
+            }
             DbRequest::RegisterWorker(info) => {
                 sqlx::query(sql.register_worker.clone())
                     .bind(&info.worker.0)
@@ -308,6 +311,29 @@ impl PgStore {
             }
         }
         Ok(DbReply::Finished { applied, lost })
+    }
+
+    /// Purges finished tasks on `conn`, `batch` per statement (each its own transaction),
+    /// until a batch comes back short; see [`PgStore::purge_finished`].
+    pub(crate) async fn purge_on(
+        &self,
+        conn: &mut PgConnection,
+        retention_ms: u64,
+        batch: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let batch = i64::from(batch.max(1));
+        let mut total = 0u64;
+        loop {
+            let n: i64 = sqlx::query_scalar(self.schema.sql().purge_finished.clone())
+                .bind(duration(retention_ms))
+                .bind(batch)
+                .fetch_one(&mut *conn)
+                .await?;
+            total = total.saturating_add(u64::try_from(n).unwrap_or(0));
+            if n < batch {
+                return Ok(total);
+            }
+        }
     }
 
     /// One reaper pass in one transaction, if this process wins the reaper's advisory lock;

@@ -1444,7 +1444,10 @@ fn describe_request(request: &DbRequest) -> String {
             format!("claimed {} running {}", leases(claimed), leases(running))
         }
         DbRequest::AbandonClaim { token, .. } => format!("token {token}"),
-        DbRequest::Reap { .. } | DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_) => String::new(),
+        DbRequest::Reap { .. }
+        | DbRequest::Purge { .. }
+        | DbRequest::RegisterWorker(_)
+        | DbRequest::DeregisterWorker(_) => String::new(),
     }
 }
 
@@ -1483,6 +1486,7 @@ fn describe_reply(reply: &DbReply) -> String {
             part("failed", ids(&report.failed), report.failed.is_empty());
             part("expired", ids(&report.expired), report.expired.is_empty());
         }
+        DbReply::Purged { tasks } => return format!("purged {tasks}"),
         DbReply::Done => return "done".to_owned(),
     }
     if parts.is_empty() { "nothing".to_owned() } else { parts.join(" ") }

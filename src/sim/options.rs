@@ -141,6 +141,7 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         check_interval_ms: rng.range(1_000, 10_001),
         runner_heartbeat_interval_ms: runner_hb,
         claimer_heartbeat_interval_ms: claimer_hb,
+        finished_retention_ms: None,
     };
     // Soft-cap mode needs an explicit lease; hard-cap mode sometimes keeps the 60 s default.
     let claim_lease_ms =

@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use canter_tokio::canter::config::{Config, RetryPolicy};
-use canter_tokio::canter::db::{DbTime, NewTask, RunAt, TaskRecord};
-use canter_tokio::canter::memory::TaskFilter;
+use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, NewTask, RunAt, TaskRecord};
+use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration};
-use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, builtins};
+use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use serde_json::Value;
 use sqlx::PgPool;
 use tracing_subscriber::filter::LevelFilter;
@@ -31,6 +31,14 @@ commands:
   result      print a task's result, optionally waiting for it
   cancel      cancel a pending or claimed task
   retry       put a failed task back to pending
+  reschedule  change a pending task's run-at, priority or retries spent
+  complete    complete a pending, claimed or running task by hand
+  fail        fail a pending, claimed or running task by hand
+  force-unlock  put the claimed and running tasks of dead workers back to pending
+  remove-key  free an idempotency key (cancelling its task if pending)
+  purge       delete finished tasks older than a retention period
+  pause       stop workers from claiming a queue's pending tasks
+  resume      let workers claim a paused queue's tasks again
   demo        run the demo: a mixed load through several workers
   bench       measure throughput, latency and memory against a raw-SQL baseline
 
@@ -121,12 +129,50 @@ fn command_help(command: &str) -> Option<&'static str> {
              D is a duration (500ms, 10s, 2m); T is a duration from now or an RFC 3339 UTC time\n\
              (2026-11-22T10:00:00Z). --force enqueues a task name the built-in worker does not serve."
         }
-        "status" => "usage: canter status [--json]",
+        "status" => "usage: canter status [--json]\n\ncounts by queue and state, paused queues, live workers.",
         "list" => "usage: canter list [--status S] [--queue Q] [--limit N] [--json]",
         "show" => "usage: canter show ID [--json]",
         "result" => "usage: canter result ID [--wait D]",
         "cancel" => "usage: canter cancel ID",
         "retry" => "usage: canter retry ID",
+        "reschedule" => {
+            "usage: canter reschedule ID [--now | --run-at T] [--priority N] [--retries N]\n\n\
+             changes a pending task: --now makes it due at once, --run-at T at T (a duration from now,\n\
+             10m, or an RFC 3339 UTC time, 2026-11-22T10:00:00Z; not at or past its good-until);\n\
+             --priority sets its priority (lower runs first); --retries sets the retries it has spent\n\
+             (0 gives it its whole retry budget again). its queue is notified."
+        }
+        "complete" => {
+            "usage: canter complete ID [--result JSON]\n\n\
+             completes a pending, claimed or running task with JSON (default null); a worker still\n\
+             running it has its result discarded. waiters are woken."
+        }
+        "fail" => {
+            "usage: canter fail ID [--message TEXT]\n\n\
+             fails a pending, claimed or running task for good with code FAILED_BY_OPERATOR; a\n\
+             worker still running it has its result discarded. waiters are woken."
+        }
+        "force-unlock" => {
+            "usage: canter force-unlock WORKER... [--json]\n\n\
+             puts every claimed or running task of these dead workers back to pending, claimable at\n\
+             once, without spending a retry, and marks the workers stopped; prints how many tasks.\n\
+             only for workers that are gone: a live one would see its tasks run twice."
+        }
+        "remove-key" => {
+            "usage: canter remove-key KEY [--json]\n\n\
+             frees an idempotency key: a pending task holding it is cancelled, a claimed or running\n\
+             one runs on without it, a finished one just loses it."
+        }
+        "purge" => {
+            "usage: canter purge --older-than D [--batch N] [--json]\n\n\
+             deletes finished tasks (with their attempts and keys) that finished more than D ago\n\
+             (e.g. 30d, 12h), N per statement (default 1000) so no lock is held long; prints how many."
+        }
+        "pause" => {
+            "usage: canter pause QUEUE [--json]\n\n\
+             stops every worker from claiming the queue's pending tasks; claimed and running ones go on."
+        }
+        "resume" => "usage: canter resume QUEUE [--json]\n\nlets workers claim a paused queue's tasks again.",
         "demo" => "usage: canter demo [--tasks N] [--workers W] [--concurrency C] [--database-url URL]",
         "bench" => canter_tokio::bench::HELP,
         _ => return None,
@@ -149,6 +195,12 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "show" => show(raw).await,
         "result" => result(raw).await,
         "cancel" | "retry" => admin(command, raw).await,
+        "reschedule" => reschedule(raw).await,
+        "complete" | "fail" => finish_by_hand(command, raw).await,
+        "force-unlock" => force_unlock(raw).await,
+        "remove-key" => remove_key(raw).await,
+        "purge" => purge(raw).await,
+        "pause" | "resume" => pause(command, raw).await,
         "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
             canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
             canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
@@ -364,6 +416,7 @@ async fn status(raw: &[String]) -> Outcome {
     let client = client(&args, Default::default())?;
     let counts = with_retry("read counts", || client.counts()).await?;
     let workers = with_retry("read workers", || client.workers()).await?;
+    let paused = with_retry("read paused queues", || client.paused_queues()).await?;
     if args.switch("json") {
         let counts: Vec<Value> = counts
             .iter()
@@ -373,7 +426,7 @@ async fn status(raw: &[String]) -> Outcome {
             .iter()
             .map(|w| serde_json::json!({"id": w.info.worker, "queues": w.info.queues, "concurrency": w.info.concurrency, "last_seen_ms": w.last_seen.0, "stopped": w.stopped}))
             .collect();
-        println!("{}", serde_json::json!({"counts": counts, "workers": workers}));
+        println!("{}", serde_json::json!({"counts": counts, "workers": workers, "paused": paused}));
         return Ok(());
     }
     let mut by_queue: BTreeMap<&str, BTreeMap<TaskState, u64>> = BTreeMap::new();
@@ -400,6 +453,10 @@ async fn status(raw: &[String]) -> Outcome {
     }
     if by_queue.is_empty() {
         println!("(no tasks)");
+    }
+    if !paused.is_empty() {
+        let names: Vec<&str> = paused.iter().map(|p| p.queue.as_str()).collect();
+        println!("\npaused queues: {}", names.join(", "));
     }
     let live: Vec<_> = workers.iter().filter(|w| !w.stopped).collect();
     println!("\n{} live workers", live.len());
@@ -498,6 +555,128 @@ async fn admin(command: &str, raw: &[String]) -> Outcome {
     } else {
         client.retry(id).await.map_err(failed)?;
         println!("task {id} is pending again");
+    }
+    Ok(())
+}
+
+async fn reschedule(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, &["database-url", "schema", "run-at", "priority", "retries"], &["now"], false)?;
+    let id = task_id(&args)?;
+    let run_at = match (args.switch("now"), args.value("run-at")) {
+        (true, Some(_)) => return Err(Failure::Usage("give --now or --run-at, not both".into())),
+        (true, None) => Some(RunAt::Now),
+        // A duration is from the database's now; a time is absolute.
+        (false, Some(at)) => Some(match parse_duration(at) {
+            Ok(delay) => RunAt::DelayMs(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)),
+            Err(_) => RunAt::At(parse_rfc3339(at).ok_or_else(|| {
+                Failure::Usage(format!("invalid time {at:?}: expected a duration (10m) or 2026-11-22T10:00:00Z"))
+            })?),
+        }),
+        (false, None) => None,
+    };
+    let change = Reschedule { run_at, priority: args.parsed("priority")?, retries: args.parsed("retries")? };
+    if change == Reschedule::default() {
+        return Err(Failure::Usage("nothing to change: give --now, --run-at, --priority or --retries".into()));
+    }
+    let client = client(&args, Default::default())?;
+    client.reschedule(id, change).await.map_err(failed)?;
+    println!("task {id} rescheduled");
+    Ok(())
+}
+
+async fn finish_by_hand(command: &str, raw: &[String]) -> Outcome {
+    let value = if command == "complete" { "result" } else { "message" };
+    let args = Args::parse(raw, &["database-url", "schema", value], &[], false)?;
+    let id = task_id(&args)?;
+    let client = client(&args, Default::default())?;
+    if command == "complete" {
+        let result: Value = match args.value("result") {
+            Some(text) => {
+                serde_json::from_str(text).map_err(|e| Failure::Usage(format!("--result is not valid JSON: {e}")))?
+            }
+            None => Value::Null,
+        };
+        client.complete(id, result).await.map_err(failed)?;
+        println!("task {id} completed");
+    } else {
+        client.fail(id, args.value("message").unwrap_or(FAILED_BY_OPERATOR_MESSAGE)).await.map_err(failed)?;
+        println!("task {id} failed");
+    }
+    Ok(())
+}
+
+async fn force_unlock(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &["json"], false)?;
+    if args.positional.is_empty() {
+        return Err(Failure::Usage("expected one or more WORKER ids".into()));
+    }
+    let workers: Vec<WorkerId> = args.positional.iter().cloned().map(WorkerId).collect();
+    let client = client(&args, Default::default())?;
+    let n = client.force_unlock(&workers).await.map_err(failed)?;
+    if args.switch("json") {
+        println!("{}", serde_json::json!({"workers": workers, "tasks": n}));
+    } else {
+        println!("{n} tasks back to pending");
+    }
+    Ok(())
+}
+
+async fn remove_key(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &["json"], false)?;
+    let [key] = args.positional.as_slice() else {
+        return Err(Failure::Usage("expected exactly one KEY".into()));
+    };
+    let client = client(&args, Default::default())?;
+    let removal = client.remove_key(key).await.map_err(failed)?;
+    if args.switch("json") {
+        println!("{}", serde_json::json!({"key": key, "removal": removal}));
+        return Ok(());
+    }
+    match removal {
+        KeyRemoval::Cancelled(id) => println!("key {key:?} freed; its pending task {id} cancelled"),
+        KeyRemoval::Detached(id) => println!("key {key:?} freed; task {id} runs on without it"),
+        KeyRemoval::Freed(id) => println!("key {key:?} freed from finished task {id}"),
+    }
+    Ok(())
+}
+
+async fn purge(raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, &["database-url", "schema", "older-than", "batch"], &["json"], false)?;
+    if !args.positional.is_empty() {
+        return Err(Failure::Usage("purge takes no positional arguments".into()));
+    }
+    let retention = parse_duration(
+        args.value("older-than").ok_or_else(|| Failure::Usage("give --older-than D (e.g. 30d)".into()))?,
+    )?;
+    let batch: u32 = args.parsed("batch")?.unwrap_or(DEFAULT_PURGE_BATCH);
+    if batch == 0 {
+        return Err(Failure::Usage("--batch must be at least 1".into()));
+    }
+    let client = client(&args, Default::default())?;
+    let retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+    let n = client.store().purge_finished(retention_ms, batch).await.map_err(failed)?;
+    if args.switch("json") {
+        println!("{}", serde_json::json!({"purged": n}));
+    } else {
+        println!("{n} finished tasks purged");
+    }
+    Ok(())
+}
+
+async fn pause(command: &str, raw: &[String]) -> Outcome {
+    let args = Args::parse(raw, COMMON, &["json"], false)?;
+    let [queue] = args.positional.as_slice() else {
+        return Err(Failure::Usage("expected exactly one QUEUE".into()));
+    };
+    let client = client(&args, Default::default())?;
+    let pausing = command == "pause";
+    let changed = if pausing { client.pause_queue(queue).await } else { client.resume_queue(queue).await };
+    let changed = changed.map_err(failed)?;
+    if args.switch("json") {
+        println!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
+    } else {
+        let state = if pausing { "paused" } else { "running" };
+        println!("queue {queue} {}{state}", if changed { "" } else { "was already " });
     }
     Ok(())
 }
