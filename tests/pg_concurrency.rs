@@ -167,3 +167,95 @@ async fn hard_caps_hold_under_concurrent_claimers() {
     assert!(max_total > 3, "the claimers ran in parallel");
     assert_claimed_once(&claims, total);
 }
+
+/// Many clients enqueue batches over the same four job keys (mode `replace`, array args, each
+/// batch's keys in its own order) while two workers claim and complete: every enqueued item
+/// ends up in exactly one task (appended to a waiting holder, or in a new task once the holder
+/// was claimed), and each key names at most one live task.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_enqueuers_of_one_key_lose_and_double_nothing() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 12).await;
+    let (clients, rounds) = (8u64, 25u64);
+    let stop = Arc::new(AtomicBool::new(false));
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            let (store, stop) = (store.clone(), Arc::clone(&stop));
+            tokio::spawn(async move {
+                let policy = Arc::new(ClaimPolicy::from_config(store.app(), &WorkerConfig::default()));
+                let worker = WorkerId(format!("w{i}"));
+                for token in 1.. {
+                    let request = DbRequest::Claim {
+                        worker: worker.clone(),
+                        token,
+                        policy: Arc::clone(&policy),
+                        my_running: 0,
+                        my_claimed: 0,
+                        start_now: 16,
+                        lease_ms: 60_000,
+                    };
+                    let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else {
+                        panic!()
+                    };
+                    if tasks.is_empty() {
+                        if stop.load(Ordering::SeqCst) {
+                            return;
+                        }
+                        tokio::time::sleep(Duration::from_millis(3)).await;
+                        continue;
+                    }
+                    let completions = tasks
+                        .iter()
+                        .map(|t| Completion {
+                            task: TaskLease { task: t.id, lease: t.lease },
+                            outcome: FinishOutcome::Completed(json!(null)),
+                            args: None,
+                        })
+                        .collect();
+                    store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");
+                }
+            })
+        })
+        .collect();
+    let enqueuers: Vec<_> = (0..clients)
+        .map(|client| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                for round in 0..rounds {
+                    let mut keys: Vec<u64> = (0..4).collect();
+                    keys.rotate_left(((client + round) % 4) as usize);
+                    let batch = keys
+                        .iter()
+                        .map(|k| NewTask::new("t", json!([[client, round, k]])).key(format!("k{k}")))
+                        .collect();
+                    store.enqueue_many(batch).await.expect("keyed enqueue");
+                }
+            })
+        })
+        .collect();
+    for enqueuer in enqueuers {
+        enqueuer.await.unwrap();
+    }
+    // Let the workers drain what is left.
+    while store.counts().await.unwrap().keys().any(|(_, state)| !state.is_terminal()) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+
+    let mut items: BTreeMap<(u64, u64, u64), usize> = BTreeMap::new();
+    for record in store.list(&Default::default()).await.unwrap() {
+        for item in record.args.as_array().expect("array args") {
+            let item: (u64, u64, u64) = serde_json::from_value(item.clone()).unwrap();
+            assert_eq!(record.key.as_deref().is_none_or(|k| k == format!("k{}", item.2)), true);
+            *items.entry(item).or_default() += 1;
+        }
+    }
+    assert_eq!(items.len() as u64, clients * rounds * 4, "every item is in some task");
+    assert!(items.values().all(|n| *n == 1), "no item is in two tasks");
+    let keyed: Vec<_> =
+        store.list(&Default::default()).await.unwrap().into_iter().filter(|r| r.key.is_some()).collect();
+    assert!(keyed.len() <= 4, "one task per key at most: {}", keyed.len());
+}

@@ -27,3 +27,6 @@ scenario!(failures_end_with_their_codes);
 scenario!(waiting_timeouts_and_cancel);
 scenario!(graceful_shutdown);
 scenario!(hooks_see_lifecycle_events);
+scenario!(serial_queue_runs_one_at_a_time_in_order);
+scenario!(batch_tasks_retry_only_failed_items);
+scenario!(forbidden_flags_leave_tasks_to_other_workers);

@@ -139,7 +139,7 @@ impl<R: Runtime> Client<R> {
     }
 
     /// Enqueues `task` with `args`, shaped by `options` (queue, priority, run-at, good-until,
-    /// retry policy, idempotency key: see [`NewTask`]'s builder methods).
+    /// retry policy, key and key mode, flags: see [`NewTask`]'s builder methods).
     pub async fn enqueue_with<A: Serialize, T>(
         &self,
         task: &TaskHandle<A, T>,

@@ -123,6 +123,23 @@ fn encode<R: Serialize>(name: &str, result: Result<R, TaskError>) -> TaskOutcome
     }
 }
 
+/// A batch's outcome from its items and the failures among them (by item index).
+fn batch_outcome(items: Vec<serde_json::Value>, mut failed: Vec<(usize, TaskError)>) -> TaskOutcome {
+    if failed.is_empty() {
+        return TaskOutcome::Success(serde_json::Value::from(items.len()));
+    }
+    failed.sort_by_key(|(index, _)| *index);
+    let (_, first) = &failed[0];
+    let details: Vec<serde_json::Value> = failed
+        .iter()
+        .map(|(index, e)| serde_json::json!({"index": index, "code": e.code.as_str(), "message": e.message}))
+        .collect();
+    let message = format!("{} of {} items failed; first: {}", failed.len(), items.len(), first.message);
+    let error = TaskError::new(first.code.clone(), message).with_data(serde_json::json!({ "failed": details }));
+    let remaining = failed.iter().map(|(index, _)| items[*index].clone()).collect();
+    TaskOutcome::PartialFailure { error, remaining: serde_json::Value::Array(remaining) }
+}
+
 impl Registry {
     /// An empty registry.
     pub fn new() -> Self {
@@ -165,6 +182,60 @@ impl Registry {
                     Ok(args) => encode(&name, handler(args, context).await),
                     Err(error) => TaskOutcome::Failure(error),
                 }
+            }
+            .boxed()
+        });
+        self.insert(name, erased)
+    }
+
+    /// Registers a batch handler under `name`: the task's arguments are a JSON array, the
+    /// handler gets the items and answers one result per item, in order. When some items
+    /// fail, the task fails with the first failure's code (which decides a retry) and its
+    /// arguments become the failed items, so a retry runs only those (graphile-worker's batch
+    /// jobs). An item that does not decode fails on its own (`WORKER_SERIALIZATION_ERROR`).
+    /// The result is the number of items done. Enqueueing more items under the same job key
+    /// (mode `replace`) while the task waits appends them.
+    pub fn register_batch<A, F, Fut>(
+        &mut self,
+        name: &str,
+        handler: F,
+    ) -> Result<TaskHandle<Vec<A>, usize>, RegistryError>
+    where
+        A: DeserializeOwned + Send + 'static,
+        F: Fn(Vec<A>, TaskContext) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Vec<Result<(), TaskError>>> + Send + 'static,
+    {
+        let owned: Arc<str> = name.into();
+        let handler = Arc::new(handler);
+        let erased: Erased = Arc::new(move |args, context, _runtime| {
+            let name = owned.clone();
+            let handler = handler.clone();
+            async move {
+                let items = match args {
+                    serde_json::Value::Array(items) => items,
+                    other => vec![other],
+                };
+                let mut decoded = Vec::with_capacity(items.len());
+                let mut failed: Vec<(usize, TaskError)> = Vec::new();
+                let mut positions = Vec::with_capacity(items.len());
+                for (index, item) in items.iter().enumerate() {
+                    match decode::<A>(&name, item.clone()) {
+                        Ok(value) => {
+                            decoded.push(value);
+                            positions.push(index);
+                        }
+                        Err(error) => failed.push((index, error)),
+                    }
+                }
+                let expected = decoded.len();
+                let results = if expected == 0 { Vec::new() } else { handler(decoded, context).await };
+                if results.len() != expected {
+                    let message =
+                        format!("batch handler {name} answered {} results for {expected} items", results.len());
+                    return TaskOutcome::Failure(TaskError::new(ErrorCode::UnhandledError, message));
+                }
+                failed.extend(positions.into_iter().zip(results).filter_map(|(i, r)| r.err().map(|e| (i, e))));
+                batch_outcome(items, failed)
             }
             .boxed()
         });

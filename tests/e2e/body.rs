@@ -62,6 +62,14 @@ pub struct Seen {
     pub running: AtomicI64,
     pub max_running: AtomicI64,
     pub flaky_calls: AtomicU64,
+    /// Serial-queue tasks in start order, and how many ran at once.
+    pub serial_order: Mutex<Vec<u64>>,
+    pub serial_running: AtomicI64,
+    pub serial_max: AtomicI64,
+    /// Batch items handled: item and attempt.
+    pub batch_items: Mutex<Vec<(u64, u32)>>,
+    /// Which worker ran each flagged task.
+    pub flagged_by: Mutex<Vec<(u64, String)>>,
 }
 
 pub struct Tasks {
@@ -71,6 +79,8 @@ pub struct Tasks {
     pub panic: TaskHandle<(), ()>,
     pub blocking: TaskHandle<Work, u64>,
     pub flaky: TaskHandle<(), String>,
+    pub serial: TaskHandle<u64, ()>,
+    pub batch: TaskHandle<Vec<u64>, usize>,
     pub seen: Arc<Seen>,
 }
 
@@ -127,7 +137,42 @@ pub fn tasks<R: Runtime>(runtime: Arc<R>) -> Tasks {
             }
         })
         .unwrap();
-    Tasks { registry: Arc::new(registry), work, fail, panic, blocking, flaky, seen }
+    let (s, rt) = (seen.clone(), runtime.clone());
+    let serial = registry
+        .register("serial", move |n: u64, _ctx: TaskContext| {
+            let (seen, runtime) = (s.clone(), rt.clone());
+            async move {
+                let now = seen.serial_running.fetch_add(1, Ordering::SeqCst) + 1;
+                seen.serial_max.fetch_max(now, Ordering::SeqCst);
+                seen.serial_order.lock().unwrap().push(n);
+                sleep(&*runtime, Duration::from_millis(3)).await;
+                seen.serial_running.fetch_sub(1, Ordering::SeqCst);
+                Ok::<_, TaskError>(())
+            }
+        })
+        .unwrap();
+    let s = seen.clone();
+    let batch = registry
+        .register_batch("batch", move |items: Vec<u64>, ctx: TaskContext| {
+            let seen = s.clone();
+            async move {
+                let mut handled = seen.batch_items.lock().unwrap();
+                items
+                    .into_iter()
+                    .map(|item| {
+                        handled.push((item, ctx.attempt.0));
+                        // Odd items fail on the first run.
+                        if item % 2 == 1 && ctx.attempt.0 == 1 {
+                            Err(TaskError::new(ErrorCode::User("ODD".into()), format!("item {item}")))
+                        } else {
+                            Ok(())
+                        }
+                    })
+                    .collect()
+            }
+        })
+        .unwrap();
+    Tasks { registry: Arc::new(registry), work, fail, panic, blocking, flaky, serial, batch, seen }
 }
 
 /// Short intervals so recovery happens within a test.
@@ -402,4 +447,87 @@ pub async fn hooks_see_lifecycle_events<R: Runtime>(runtime: Arc<R>, pool: PgPoo
     let finished = position(&|e| matches!(e, Event::Finished { task, state: TaskState::Completed } if *task == id));
     assert!(claimed < started && started < finished);
     worker.stop().await;
+}
+
+/// A serial queue runs one task at a time across workers that prefetch, in enqueue order
+/// (graphile-worker #621: prefetching workers each held a task of one named queue and ran them
+/// out of order). Busy workers buffer serial tasks they cannot start yet: another worker must
+/// not take the next one meanwhile.
+pub async fn serial_queue_runs_one_at_a_time_in_order<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let mut app = fast_app();
+    app.queue_mode = QueueMode::Custom;
+    app.custom_queues = vec![CustomQueue::new("default"), CustomQueue::new("ledger").with_priority(2).serial()];
+    app.prefetch_buffer = 16;
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let total = 30u64;
+    for n in 0..total {
+        client.enqueue_with(&tasks.serial, &n, |t| t.queue("ledger")).await.unwrap();
+    }
+    client.enqueue_many(&tasks.work, (0..12).map(|id| Work { id, ms: 10 })).await.unwrap();
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            start_worker(
+                &runtime,
+                &pool,
+                &schema,
+                app.clone(),
+                fast_worker(1),
+                tasks.registry.clone(),
+                &format!("w{i}"),
+            )
+        })
+        .collect();
+    wait_until(&*runtime, Duration::from_secs(60), async || {
+        tasks.seen.serial_order.lock().unwrap().len() as u64 == total
+    })
+    .await;
+    for worker in workers {
+        worker.stop().await;
+    }
+    assert_eq!(tasks.seen.serial_max.load(Ordering::SeqCst), 1, "one at a time");
+    assert_eq!(*tasks.seen.serial_order.lock().unwrap(), (0..total).collect::<Vec<_>>(), "in order");
+}
+
+/// A batch task whose items partly fail retries only the failed ones.
+pub async fn batch_tasks_retry_only_failed_items<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let mut app = fast_app();
+    app.retry = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("ODD".into())]).with_jitter(false);
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let handle = client.enqueue(&tasks.batch, &vec![1, 2, 3, 4]).await.unwrap();
+    let worker = start_worker(&runtime, &pool, &schema, app, fast_worker(4), tasks.registry.clone(), "w");
+    assert_eq!(handle.wait(Duration::from_secs(30)).await.unwrap(), 2, "the retry handled the two odd items");
+    worker.stop().await;
+    let mut handled = tasks.seen.batch_items.lock().unwrap().clone();
+    handled.sort_unstable();
+    assert_eq!(handled, vec![(1, 1), (1, 2), (2, 1), (3, 1), (3, 2), (4, 1)]);
+    let attempts = client.attempts(handle.id()).await.unwrap();
+    assert_eq!(attempts.len(), 2);
+    assert_eq!(attempts[0].error.as_ref().unwrap().code, ErrorCode::User("ODD".into()));
+}
+
+/// A worker told to skip a flag leaves those tasks to the others.
+pub async fn forbidden_flags_leave_tasks_to_other_workers<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let mut ids = Vec::new();
+    for id in 0..20u64 {
+        let flag = |t: canter::db::NewTask| if id % 2 == 0 { t.flag("gpu") } else { t };
+        ids.push(client.enqueue_with(&tasks.work, &Work { id, ms: 1 }, flag).await.unwrap().id());
+    }
+    let picky = WorkerConfig { forbidden_flags: vec!["gpu".into()], ..fast_worker(4) };
+    let picky = start_worker(&runtime, &pool, &schema, app.clone(), picky, tasks.registry.clone(), "picky");
+    // Only the picky worker runs first: the unflagged half finishes, the flagged half waits.
+    wait_until(&*runtime, Duration::from_secs(30), async || tasks.seen.runs.lock().unwrap().len() == 10).await;
+    sleep(&*runtime, Duration::from_millis(300)).await;
+    assert!(tasks.seen.runs.lock().unwrap().keys().all(|id| id % 2 == 1), "no flagged task ran on the picky worker");
+    let any = start_worker(&runtime, &pool, &schema, app, fast_worker(4), tasks.registry.clone(), "any");
+    wait_until(&*runtime, Duration::from_secs(30), async || all_terminal(&client, &ids).await).await;
+    picky.stop().await;
+    any.stop().await;
+    assert_eq!(tasks.seen.runs.lock().unwrap().len(), 20);
+    let record = client.get(ids[0]).await.unwrap().unwrap();
+    assert_eq!(record.flags, vec!["gpu".to_owned()]);
 }
