@@ -259,3 +259,38 @@ async fn operator_commands_against_postgres() {
     assert_eq!(run(&["show", &held_back]).status.code(), Some(1));
     assert_eq!(run(&["purge"]).status.code(), Some(2), "--older-than is required");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn job_keys_and_flags_from_the_command_line() {
+    let db = pg::TestDb::new().await;
+    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
+    let run = move |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--schema", &schema]);
+        canter(&all)
+    };
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let id = |output: Output| {
+        assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+        String::from_utf8_lossy(&output.stdout).trim().to_owned()
+    };
+    let first = id(run(&["enqueue", "echo", "--args", "[1]", "--key", "k", "--delay", "1h", "--flags", "gpu,slow"]));
+    // Replace (the default) appends array items to the waiting task.
+    let again = id(run(&["enqueue", "echo", "--args", "[2]", "--key", "k", "--delay", "1h"]));
+    assert_eq!(first, again);
+    let shown = run(&["show", &first, "--json"]);
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["task"]["args"], serde_json::json!([1, 2]));
+    assert_eq!(shown["task"]["key"], "k");
+    let deduped = id(run(&["enqueue", "echo", "--args", "[3]", "--key", "k", "--key-mode", "unsafe_dedupe"]));
+    assert_eq!(deduped, first);
+    let bad = run(&["enqueue", "echo", "--key", "k", "--key-mode", "sometimes"]);
+    assert_eq!(bad.status.code(), Some(2));
+    assert!(text(&bad).contains("--key-mode"), "{}", text(&bad));
+    let flagged = id(run(&["enqueue", "echo", "--flags", "gpu"]));
+    let shown = run(&["show", &flagged, "--json"]);
+    let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
+    assert_eq!(shown["task"]["flags"], serde_json::json!(["gpu"]));
+    let bad_flag = run(&["enqueue", "echo", "--flags", "GPU"]);
+    assert_eq!(bad_flag.status.code(), Some(1), "{}", text(&bad_flag));
+}

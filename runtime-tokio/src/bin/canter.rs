@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use canter_tokio::canter::config::{Config, RetryPolicy};
-use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, NewTask, RunAt, TaskRecord};
+use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
 use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration};
 use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
@@ -125,9 +125,12 @@ fn command_help(command: &str) -> Option<&'static str> {
         }
         "enqueue" => {
             "usage: canter enqueue TASK [--args JSON] [--queue Q] [--priority N] [--delay D | --run-at T]\n\
-             \x20                     [--good-until T] [--max-retries N] [--key K] [--count N] [--force]\n\n\
+             \x20                     [--good-until T] [--max-retries N] [--key K [--key-mode M]] [--flags F,G]\n\
+             \x20                     [--count N] [--force]\n\n\
              D is a duration (500ms, 10s, 2m); T is a duration from now or an RFC 3339 UTC time\n\
-             (2026-11-22T10:00:00Z). --force enqueues a task name the built-in worker does not serve."
+             (2026-11-22T10:00:00Z). M is replace (default: a waiting task with the key is updated),\n\
+             preserve_run_at, unsafe_dedupe or idempotent. --force enqueues a task name the built-in\n\
+             worker does not serve."
         }
         "status" => "usage: canter status [--json]\n\ncounts by queue and state, paused queues, live workers.",
         "list" => "usage: canter list [--status S] [--queue Q] [--limit N] [--json]",
@@ -335,6 +338,8 @@ async fn enqueue(raw: &[String]) -> Outcome {
         "good-until",
         "max-retries",
         "key",
+        "key-mode",
+        "flags",
         "count",
     ];
     let args = Args::parse(raw, &values, &["force"], false)?;
@@ -395,7 +400,22 @@ async fn enqueue(raw: &[String]) -> Outcome {
         if count > 1 {
             return Err(Failure::Usage("--key names one task: it cannot go with --count".into()));
         }
-        template = template.key(key);
+        let mode = match args.value("key-mode") {
+            Some(name) => KeyMode::parse(name).ok_or_else(|| {
+                Failure::Usage(format!(
+                    "invalid --key-mode {name:?}: expected replace, preserve_run_at, unsafe_dedupe or idempotent"
+                ))
+            })?,
+            None => KeyMode::Replace,
+        };
+        template = template.key_with_mode(key, mode);
+    } else if args.value("key-mode").is_some() {
+        return Err(Failure::Usage("--key-mode needs --key".into()));
+    }
+    if let Some(flags) = args.value("flags") {
+        for flag in flags.split(',').filter(|f| !f.is_empty()) {
+            template = template.flag(flag);
+        }
     }
     // Retried: the read-only probe. Not retried: the write, whose commit a lost connection
     // could hide (a retry would enqueue twice).
