@@ -1886,4 +1886,14 @@ mod tests {
         assert_eq!(serde_json::from_str::<QueueMode>("\"DEFAULT\"").unwrap(), QueueMode::Default);
         assert_eq!(serde_json::to_string(&BackoffStrategy::Exponential).unwrap(), "\"exponential\"");
     }
+
+    #[test]
+    fn the_readme_configuration_example_is_valid() {
+        let readme = include_str!("../README.md");
+        let start = readme.find("```toml\n[app]").expect("the README has a configuration example") + "```toml\n".len();
+        let end = start + readme[start..].find("```").expect("the example ends");
+        let config = Config::from_toml_str(&readme[start..end]).expect("the README's example is valid");
+        assert!(config.app.custom_queues.iter().any(|q| q.serial));
+        assert_eq!(config.worker.forbidden_flags, vec!["gpu".to_owned()]);
+    }
 }
