@@ -252,7 +252,11 @@ async fn all_terminal<R: Runtime>(client: &Client<R>, ids: &[TaskId]) -> bool {
 /// Thousands of tasks through several workers: every one completes exactly once.
 pub async fn many_tasks_through_several_workers<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
-    let app = fast_app();
+    // No crash here: stale thresholds of seconds would only let a loaded machine (the whole
+    // suite at once on 2 cores) reap live runs, and the counts below would be off.
+    let mut app = fast_app();
+    app.recovery.running_stale_threshold_ms = 30_000;
+    app.recovery.claimed_stale_threshold_ms = 30_000;
     let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
     let total = 3_000u64;
     let handles = client
