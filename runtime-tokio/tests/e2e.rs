@@ -27,3 +27,5 @@ scenario!(failures_end_with_their_codes);
 scenario!(waiting_timeouts_and_cancel);
 scenario!(graceful_shutdown);
 scenario!(hooks_see_lifecycle_events);
+scenario!(schedules_fire_inside_a_worker);
+scenario!(racing_scheduler_loops);
