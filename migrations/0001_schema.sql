@@ -153,6 +153,19 @@ CREATE TABLE queue_states (
     paused_at timestamptz
 );
 
+-- Schedules' records (`canter::schedule`): the last tick each schedule recorded. A scheduler
+-- writes a row only by compare-and-set on the last tick it read (an insert only if there is no
+-- row), in the transaction that enqueues the ticks' tasks, so however many schedulers race,
+-- each tick is enqueued once. A row of a schedule no longer configured is left alone.
+CREATE TABLE schedules (
+    name         text        PRIMARY KEY,
+    last_tick    timestamptz NOT NULL,
+    next_tick    timestamptz,
+    last_task_id bigint,
+    run_count    bigint      NOT NULL DEFAULT 0,
+    updated_at   timestamptz NOT NULL
+);
+
 -- Enqueue a batch as one statement (see `canter::postgres::enqueue`). Batches without keys use a
 -- plain INSERT statement instead; this function serves keyed batches and checks.
 --

@@ -726,6 +726,12 @@ pub struct WorkerConfig {
     /// forbidden flags); each a valid flag ([`is_valid_flag`]).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub forbidden_flags: Vec<String>,
+    /// Whether this worker also runs the scheduler of the app's schedules
+    /// ([`AppConfig::schedules`]) beside its worker loop, default false: schedules then fire
+    /// only where a process opts in (a few workers, or `canter scheduler`), so a large fleet
+    /// does not send every check from every worker. Any number of schedulers may run: each
+    /// tick is enqueued once.
+    pub run_scheduler: bool,
 }
 
 impl Default for WorkerConfig {
@@ -744,6 +750,7 @@ impl Default for WorkerConfig {
             completion_batch_max: 500,
             seed: None,
             forbidden_flags: Vec::new(),
+            run_scheduler: false,
         }
     }
 }
@@ -1201,6 +1208,7 @@ mod tests {
                 completion_batch_max: 200,
                 seed: Some(42),
                 forbidden_flags: vec!["gpu".into()],
+                run_scheduler: true,
             },
         }
     }

@@ -64,7 +64,10 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(tables, 7, "tasks, finished_tasks, task_keys, attempts, workers, queue_states, _sqlx_migrations");
+    assert_eq!(
+        tables, 8,
+        "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, _sqlx_migrations"
+    );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", other.quoted()))).execute(&pool).await.unwrap();
 }
 

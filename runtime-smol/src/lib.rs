@@ -34,10 +34,11 @@ pub use canter::config::{
 };
 pub use canter::db::{NewTask, RunAt};
 pub use canter::driver::{
-    ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, Runtime, ServeError, TaskContext,
-    TaskHandle, connect, new_worker_id,
+    ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, Runtime, SchedulerOptions,
+    SchedulerRunError, SchedulerStats, ServeError, TaskContext, TaskHandle, connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
+pub use canter::schedule::{ScheduleConfig, SchedulerError};
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};
 
@@ -87,6 +88,11 @@ pub type Client = canter::driver::Client<SmolRuntime>;
 
 /// A task's future result on smol.
 pub type ResultHandle<T> = canter::driver::ResultHandle<SmolRuntime, T>;
+
+/// A scheduler on smol, on its own: enqueues the ticks of the app's schedules until told to
+/// stop (`run()` stops at SIGINT or SIGTERM). Workers run one too with
+/// `WorkerConfig::run_scheduler`; any number may run at once, each tick is enqueued once.
+pub type Scheduler = canter::driver::PgScheduler<SmolRuntime>;
 
 /// A worker on smol: claims and runs tasks of its queues until told to stop.
 pub type Worker = canter::driver::PgWorker<SmolRuntime>;

@@ -33,6 +33,8 @@ scenario!(hooks_see_lifecycle_events);
 scenario!(serial_queue_runs_one_at_a_time_in_order);
 scenario!(batch_tasks_retry_only_failed_items);
 scenario!(forbidden_flags_leave_tasks_to_other_workers);
+scenario!(schedules_fire_inside_a_worker);
+scenario!(racing_scheduler_loops);
 
 /// async-std's executor shares async-io with smol: the smol adapter's worker runs from it.
 #[test]

@@ -42,10 +42,11 @@ pub use canter::config::{
 };
 pub use canter::db::{NewTask, RunAt};
 pub use canter::driver::{
-    ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, ServeError, TaskContext, TaskHandle,
-    connect, new_worker_id,
+    ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, SchedulerOptions, SchedulerRunError,
+    SchedulerStats, ServeError, TaskContext, TaskHandle, connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
+pub use canter::schedule::{ScheduleConfig, SchedulerError};
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};
 pub use runtime::TokioRuntime;
@@ -80,6 +81,11 @@ pub async fn shutdown_signal() {
         () = terminate => {}
     }
 }
+
+/// A scheduler on tokio, on its own: enqueues the ticks of the app's schedules until told to
+/// stop (`run()` stops at SIGINT or SIGTERM). Workers run one too with
+/// `WorkerConfig::run_scheduler`; any number may run at once, each tick is enqueued once.
+pub type Scheduler = canter::driver::PgScheduler<TokioRuntime>;
 
 /// A worker on tokio: claims and runs tasks of its queues until told to stop.
 pub type Worker = canter::driver::PgWorker<TokioRuntime>;

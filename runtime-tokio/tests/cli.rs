@@ -45,6 +45,8 @@ fn help_and_usage_errors_exit_with_their_codes() {
         "purge",
         "pause",
         "resume",
+        "scheduler",
+        "schedules",
         "demo",
     ];
     for command in commands {
@@ -293,4 +295,95 @@ async fn job_keys_and_flags_from_the_command_line() {
     assert_eq!(shown["task"]["flags"], serde_json::json!(["gpu"]));
     let bad_flag = run(&["enqueue", "echo", "--flags", "GPU"]);
     assert_eq!(bad_flag.status.code(), Some(1), "{}", text(&bad_flag));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scheduler_command_against_postgres() {
+    let db = pg::TestDb::new().await;
+    let config = std::env::temp_dir().join(format!("canter-schedules-{}.toml", db.schema.name()));
+    std::fs::write(
+        &config,
+        r#"
+[[app.schedules]]
+name = "every_second"
+task = "echo"
+args = { hello = "schedule" }
+every = "1s"
+backfill = 2
+
+[[app.schedules]]
+name = "paris_morning"
+task = "noop"
+daily = "09:00"
+timezone = "Europe/Paris"
+"#,
+    )
+    .unwrap();
+    let (url, schema, file) = (db.url.clone(), db.schema.name().to_owned(), config.display().to_string());
+    let run = |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--config", &file, "--database-url", &url, "--schema", &schema]);
+        canter(&all)
+    };
+    let count = |name: &str| -> i64 {
+        let listed = run(&["schedules", "--json"]);
+        let listed: serde_json::Value = serde_json::from_slice(&listed.stdout).expect("schedules --json is JSON");
+        let row = listed.as_array().unwrap().iter().find(|r| r["name"] == name).cloned().unwrap_or_default();
+        row["run_count"].as_i64().unwrap_or(0)
+    };
+
+    let none = canter(&["scheduler", "--database-url", &db.url]);
+    assert_eq!(none.status.code(), Some(2));
+    assert!(text(&none).contains("no schedules"), "{}", text(&none));
+    let both = run(&["scheduler", "--once", "--dry-run"]);
+    assert_eq!(both.status.code(), Some(2));
+
+    let dry = run(&["scheduler", "--dry-run"]);
+    assert_eq!(dry.status.code(), Some(0), "{}", text(&dry));
+    assert!(text(&dry).contains("would record new schedule every_second"), "{}", text(&dry));
+    assert!(text(&dry).contains("would record new schedule paris_morning"), "{}", text(&dry));
+
+    // Recorded ten seconds ago: the latest tick is on time and two missed ones are backfilled.
+    let sql = format!(
+        "INSERT INTO {s}.schedules (name, last_tick, updated_at) VALUES ('every_second', {s}.db_now() - interval '10 s', {s}.db_now())",
+        s = db.schema.quoted()
+    );
+    let pool = db.pool(1).await;
+    sqlx::query(sqlx::AssertSqlSafe(sql)).execute(&pool).await.unwrap();
+    let dry = run(&["scheduler", "--dry-run"]);
+    assert_eq!(text(&dry).matches("would enqueue echo for schedule every_second").count(), 3, "{}", text(&dry));
+    assert_eq!(count("every_second"), 0, "a dry run writes nothing");
+
+    let once = run(&["scheduler", "--once"]);
+    assert_eq!(once.status.code(), Some(0), "{}", text(&once));
+    let out = text(&once);
+    assert_eq!(out.matches("schedule every_second: enqueued task").count(), 3, "{out}");
+    assert_eq!(out.matches("(backfilled)").count(), 2, "{out}");
+    assert!(out.contains("schedule paris_morning: recorded; first tick") && out.contains(":00:00+0"), "{out}");
+    assert_eq!(count("every_second"), 3);
+
+    let table = text(&run(&["schedules"]));
+    assert!(table.contains("NEXT TICK") && table.contains("every 1s") && table.contains("Europe/Paris"), "{table}");
+    assert!(table.contains("daily at 09:00"), "{table}");
+
+    // The long-running scheduler enqueues as ticks fall due and stops cleanly on SIGTERM.
+    let mut scheduler = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["scheduler", "--config", &file, "--database-url", &db.url, "--schema", db.schema.name()])
+        .env("CANTER_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut fired = false;
+    for _ in 0..60 {
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        if count("every_second") > 3 {
+            fired = true;
+            break;
+        }
+    }
+    let status = Command::new("kill").args(["-TERM", &scheduler.id().to_string()]).status().unwrap();
+    assert!(status.success());
+    assert!(scheduler.wait().unwrap().success(), "the scheduler exits 0 on SIGTERM");
+    assert!(fired, "the scheduler enqueued the next ticks");
+    let _ = std::fs::remove_file(&config);
 }

@@ -7,6 +7,10 @@
 //!
 //! It is written against `futures` only. The loop itself is a single task: database requests
 //! run concurrently inside it (they are futures, not spawned tasks), handlers are spawned.
+//!
+//! Beside it, with `postgres`, the scheduler loop ([`run_scheduler`], [`PgScheduler`]) enqueues
+//! the app's schedules' ticks, inside workers or on its own; [`load_time_zone`] reads the zone
+//! files the pure [`schedule`](crate::schedule) module needs.
 
 use std::collections::BTreeMap;
 use std::panic::AssertUnwindSafe;
@@ -20,9 +24,12 @@ use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
 mod observe;
 mod registry;
+mod zones;
 
 #[cfg(feature = "postgres")]
 mod client;
+#[cfg(feature = "postgres")]
+mod scheduler;
 #[cfg(feature = "postgres")]
 mod service;
 
@@ -31,7 +38,10 @@ pub use client::{Client, ClientError, ResultError, ResultHandle};
 pub use observe::{CounterSnapshot, Counters, HOOK_BUFFER, Hook, HookSink};
 pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHandle};
 #[cfg(feature = "postgres")]
+pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
+#[cfg(feature = "postgres")]
 pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
+pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};
 
 use crate::db::{DbFailure, DbReply, DbRequest, OpId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId};

@@ -5,7 +5,7 @@
 use std::future::Future;
 use std::sync::Arc;
 
-use futures::channel::mpsc;
+use futures::channel::{mpsc, oneshot};
 use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures::stream::StreamExt;
 use sqlx::PgPool;
@@ -13,11 +13,14 @@ use sqlx::postgres::PgListener;
 use tracing::Instrument;
 
 use super::observe::{Counters, Hook, HookSink};
+use super::scheduler::{SchedulerOptions, run_scheduler};
+use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ConfigError, ResilienceConfig, WorkerConfig};
 use crate::postgres::{PgSchema, PgStore};
 use crate::rng::{Rng, mix};
+use crate::schedule::SchedulerError;
 use crate::task::WorkerId;
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 
@@ -49,6 +52,9 @@ pub enum ServeError {
     /// The configuration breaks a rule.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// The app's schedules could not be prepared (with `run_scheduler`).
+    #[error(transparent)]
+    Schedules(#[from] SchedulerError),
     /// The database could not be reached (or migrated) within `db_retry_max_attempts` tries.
     #[error("the database could not be reached at startup after {failures} tries: {error}")]
     DatabaseUnavailable {
@@ -92,13 +98,27 @@ impl WorkerService {
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Stats, ServeError> {
         let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters } = self;
+        // Schedules are prepared first: a bad zone or task ends the worker before it claims.
+        let scheduler = if config.run_scheduler && !app.schedules.is_empty() {
+            Some(Arc::new(load_scheduler(&app)?))
+        } else {
+            if !app.schedules.is_empty() {
+                tracing::info!(worker = %id, schedules = app.schedules.len(), "not running the app's schedules (worker.run_scheduler is off)");
+            }
+            None
+        };
         let store = PgStore::new(pool, schema, app.clone());
         let seed = mix(config.seed_for(&id));
         let (control_tx, mut control_rx) = mpsc::unbounded::<Input>();
+        // Dropping the sender stops the scheduler: at the shutdown signal, or when the worker ends.
+        let (scheduler_stop_tx, scheduler_stop_rx) = oneshot::channel::<()>();
+        let scheduler_stop = Arc::new(std::sync::Mutex::new(Some(scheduler_stop_tx)));
         {
             let control = control_tx.clone();
+            let scheduler_stop = scheduler_stop.clone();
             runtime.spawn(Box::pin(async move {
                 shutdown.await;
+                stop(&scheduler_stop);
                 let _ = control.unbounded_send(Input::Shutdown);
             }));
         }
@@ -167,6 +187,24 @@ impl WorkerService {
             None
         };
 
+        let scheduler_done = scheduler.map(|scheduler| {
+            let (done_tx, done_rx) = oneshot::channel::<()>();
+            let options = SchedulerOptions { give_up: false, ..SchedulerOptions::default() };
+            let stopped = async move {
+                let _ = scheduler_stop_rx.await;
+            };
+            let run =
+                run_scheduler(runtime.clone(), store.clone(), scheduler, options, mix(seed ^ 0x5c4e_d01e), stopped);
+            let worker = id.clone();
+            runtime.spawn(Box::pin(async move {
+                if let Err(error) = run.await {
+                    tracing::error!(%worker, %error, "the scheduler stopped");
+                }
+                let _ = done_tx.send(());
+            }));
+            done_rx
+        });
+
         let mut sink = HookSink::start(&*runtime, hooks, counters);
         let log_id = id.clone();
         let observer: super::Observer = Box::new(move |event| {
@@ -179,9 +217,18 @@ impl WorkerService {
         if let Some(listener) = listener {
             listener.abort();
         }
+        stop(&scheduler_stop);
+        if let Some(done) = scheduler_done {
+            let _ = done.await;
+        }
         tracing::info!(worker = %id, ?stats, "canter worker stopped");
         Ok(stats)
     }
+}
+
+/// Stops the scheduler by dropping its stop sender (once; later calls do nothing).
+fn stop(sender: &std::sync::Mutex<Option<oneshot::Sender<()>>>) {
+    drop(sender.lock().unwrap_or_else(std::sync::PoisonError::into_inner).take());
 }
 
 fn log_event(worker: &WorkerId, event: &Event) {

@@ -17,7 +17,7 @@
 //!   that finishes them, so claims cost the same however much history piles up;
 //! - `attempts`: one row per finished run; `task_keys`: idempotency keys of live and finished
 //!   tasks; `workers`: the worker registry with liveness; `queue_states`: paused queues, which
-//!   the claim leaves out;
+//!   the claim leaves out; `schedules`: each schedule's last tick (see [`PgStore::check_schedules`]);
 //! - functions `enqueue`, `claim` and `start_tasks` (each one round trip), and `db_now()`, the
 //!   one clock every statement reads (`now()`, unless a test pins `canter.now`).
 //!
@@ -43,12 +43,14 @@
 
 mod enqueue;
 mod results;
+mod schedules;
 mod schema;
 mod sql;
 mod store;
 
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
+pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{
     DEFAULT_SCHEMA, InvalidSchemaName, MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, migrate,
 };

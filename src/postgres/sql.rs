@@ -578,6 +578,61 @@ SELECT queue, {s}.ms(paused_at) FROM {s}.queue_states WHERE paused ORDER BY queu
 const STATE_OF: &str = "\
 SELECT state FROM {s}.tasks WHERE id = $1 UNION ALL SELECT state FROM {s}.finished_tasks WHERE id = $1";
 
+/// The records of the schedules named in `$1`, one row per name in order (NULL columns for a
+/// schedule without a record), each with the database's clock.
+const SCHEDULE_STATES: &str = "\
+SELECT {s}.ms({s}.db_now()) AS now, n.name, {s}.ms(r.last_tick) AS last_tick, {s}.ms(r.next_tick) AS next_tick,
+       r.last_task_id, r.run_count, {s}.ms(r.updated_at) AS updated_at
+FROM unnest($1::text[]) WITH ORDINALITY AS n(name, ord)
+LEFT JOIN {s}.schedules r ON r.name = n.name
+ORDER BY n.ord";
+
+/// Every schedule record, by name.
+const SCHEDULE_RECORDS: &str = "\
+SELECT name, {s}.ms(last_tick) AS last_tick, {s}.ms(next_tick) AS next_tick, last_task_id, run_count,
+       {s}.ms(updated_at) AS updated_at
+FROM {s}.schedules ORDER BY name COLLATE \"C\"";
+
+/// Records without tasks, by compare-and-set: a name whose read `$2` is NULL is inserted only
+/// if it has no record; the others advance to `$3` (next tick `$4`) only if they still hold
+/// `$2`. Rows are locked in name order first, so concurrent schedulers cannot deadlock. Returns
+/// the names written; the others lost a race.
+const ADVANCE_SCHEDULES: &str = "\
+WITH input AS (
+    SELECT i.name, i.read, i.advance, i.next
+    FROM unnest($1::text[], $2::bigint[], $3::bigint[], $4::bigint[]) AS i(name, read, advance, next)
+),
+held AS (
+    SELECT r.name FROM {s}.schedules r WHERE r.name = ANY ($1::text[]) ORDER BY r.name COLLATE \"C\" FOR UPDATE
+),
+inserted AS (
+    INSERT INTO {s}.schedules AS r (name, last_tick, next_tick, updated_at)
+    SELECT i.name, {s}.at_ms(i.advance), {s}.at_ms(i.next), {s}.db_now() FROM input i WHERE i.read IS NULL
+    ON CONFLICT (name) DO NOTHING
+    RETURNING r.name
+),
+advanced AS (
+    UPDATE {s}.schedules r SET last_tick = {s}.at_ms(i.advance), next_tick = {s}.at_ms(i.next),
+        updated_at = {s}.db_now()
+    FROM held h JOIN input i ON i.name = h.name
+    WHERE r.name = h.name AND i.read IS NOT NULL AND {s}.ms(r.last_tick) = i.read
+    RETURNING r.name
+)
+SELECT name FROM inserted UNION ALL SELECT name FROM advanced";
+
+/// Fires schedule `$1`: advances it from `$2` to `$3` (next tick `$4`) and counts `$5` tasks,
+/// only if it still holds `$2`. Returns a row when it won (the caller then enqueues the tasks
+/// in the same transaction; a concurrent scheduler's update waits for that commit and then
+/// finds another last tick).
+const FIRE_SCHEDULE: &str = "\
+UPDATE {s}.schedules r SET last_tick = {s}.at_ms($3), next_tick = {s}.at_ms($4), run_count = r.run_count + $5,
+    updated_at = {s}.db_now()
+WHERE r.name = $1 AND {s}.ms(r.last_tick) = $2
+RETURNING r.name";
+
+/// Records the last task enqueued by schedule `$1`.
+const SCHEDULE_LAST_TASK: &str = "UPDATE {s}.schedules SET last_task_id = $2 WHERE name = $1";
+
 const NOW: &str = "SELECT {s}.ms({s}.db_now())";
 
 /// Every statement of a store, with its schema filled in.
@@ -614,6 +669,11 @@ pub(crate) struct Statements {
     pub(crate) resume_queue: SqlStr,
     pub(crate) paused_queues: SqlStr,
     pub(crate) state_of: SqlStr,
+    pub(crate) schedule_states: SqlStr,
+    pub(crate) schedule_records: SqlStr,
+    pub(crate) advance_schedules: SqlStr,
+    pub(crate) fire_schedule: SqlStr,
+    pub(crate) schedule_last_task: SqlStr,
     pub(crate) now: SqlStr,
 }
 
@@ -670,6 +730,11 @@ impl Statements {
             resume_queue: fill(RESUME_QUEUE),
             paused_queues: fill(PAUSED_QUEUES),
             state_of: fill(STATE_OF),
+            schedule_states: fill(SCHEDULE_STATES),
+            schedule_records: fill(SCHEDULE_RECORDS),
+            advance_schedules: fill(ADVANCE_SCHEDULES),
+            fire_schedule: fill(FIRE_SCHEDULE),
+            schedule_last_task: fill(SCHEDULE_LAST_TASK),
             now: fill(NOW),
         }
     }

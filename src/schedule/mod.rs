@@ -58,10 +58,20 @@
 //! its record still holds the `last_tick` the decision was computed from (compare-and-set, or
 //! an "advance only if greater" upsert that returns the previous value, with only the ticks
 //! after that value enqueued). Concurrent schedulers then enqueue each tick exactly once.
+//!
+//! # Schedulers
+//!
+//! A [`Scheduler`] holds an app's parsed schedules ([`Scheduler::from_app`], with zones from a
+//! loader the caller gives) and turns the records a store read into a [`Plan`]: one
+//! [`ScheduleWrite`] per record to change, each with the value it read (for the
+//! compare-and-set), the tick to record and the tasks to enqueue, and the instant of the next
+//! check ([`check_delay_ms`] bounds the sleep until then). The PostgreSQL store applies plans
+//! (`PgStore::check_schedules`); the driver runs checks in a loop, inside workers or on its own.
 
 mod calendar;
 mod civil;
 mod cron;
+mod scheduler;
 mod tz;
 
 use std::collections::BTreeMap;
@@ -72,6 +82,10 @@ use serde::{Deserialize, Serialize};
 use self::calendar::{Pattern, SEARCH_SECS};
 pub use self::civil::{CivilDateTime, TimeOfDay, Weekday, WeekdaySet};
 pub use self::cron::{Cron, CronError, CronField};
+pub use self::scheduler::{
+    DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, ScheduleRecord, ScheduleWrite, Scheduler, SchedulerError,
+    check_delay_ms,
+};
 pub use self::tz::{LocalDateTime, LocalResult, TimeZone, TzError, UtcOffset, ZoneId, ZoneRules, zone_path};
 use crate::config::{AppConfig, Check, ConfigError, is_valid_queue_name};
 use crate::db::{DbTime, NewTask};

@@ -265,6 +265,7 @@ fn swarm_worker(rng: &mut Rng, app: &AppConfig, queue_names: &[String]) -> Worke
         completion_batch_max: rng.range(1, 11) as u32,
         seed: Some(rng.next_u64()),
         forbidden_flags: Vec::new(),
+        run_scheduler: false,
     }
 }
 

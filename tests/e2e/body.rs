@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
 use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService};
-use canter::postgres::PgSchema;
+use canter::postgres::{PgSchema, PgStore};
+use canter::schedule::ScheduleConfig;
 use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Event, Stats};
 use futures::channel::oneshot;
@@ -534,4 +535,83 @@ pub async fn forbidden_flags_leave_tasks_to_other_workers<R: Runtime>(runtime: A
     assert_eq!(tasks.seen.runs.lock().unwrap().len(), 20);
     let record = client.get(ids[0]).await.unwrap().unwrap();
     assert_eq!(record.flags, vec!["gpu".to_owned()]);
+}
+
+/// A schedule's tasks in the store, live or finished.
+async fn scheduled_tasks(pool: &PgPool, schema: &PgSchema, name: &str) -> i64 {
+    let sql = format!(
+        "SELECT (SELECT count(*) FROM {s}.tasks WHERE name = $1) + (SELECT count(*) FROM {s}.finished_tasks WHERE name = $1)",
+        s = schema.quoted()
+    );
+    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(name).fetch_one(pool).await.unwrap()
+}
+
+/// A worker with `run_scheduler` enqueues its app's schedules' ticks and runs them; its
+/// scheduler stops with it.
+pub async fn schedules_fire_inside_a_worker<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let every_second = ScheduleConfig {
+        every: Some("1s".into()),
+        args: serde_json::json!({"id": 70, "ms": 0}),
+        ..ScheduleConfig::new("every_second", "work")
+    };
+    let app = AppConfig { schedules: vec![every_second], ..fast_app() };
+    let config = WorkerConfig { run_scheduler: true, ..fast_worker(2) };
+    let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "s1");
+    wait_until(&*runtime, Duration::from_secs(10), async || {
+        tasks.seen.runs.lock().unwrap().get(&70).is_some_and(|n| *n >= 2)
+    })
+    .await;
+    let stats = worker.stop().await;
+    assert!(stats.completed >= 2, "{stats:?}");
+    let enqueued = scheduled_tasks(&pool, &schema, "work").await;
+    sleep(&*runtime, Duration::from_millis(1_500)).await;
+    assert_eq!(scheduled_tasks(&pool, &schema, "work").await, enqueued, "the scheduler stopped with the worker");
+    let store = PgStore::new(pool.clone(), schema.clone(), AppConfig::default());
+    let record = store.schedule_records().await.unwrap().into_iter().find(|r| r.name == "every_second").unwrap();
+    assert_eq!(record.run_count, enqueued as u64, "one task per recorded tick");
+}
+
+/// Three scheduler loops racing on one schema for a few seconds of real time: every tick in
+/// between is enqueued exactly once.
+pub async fn racing_scheduler_loops<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let every_second = ScheduleConfig { every: Some("1s".into()), backfill: 5, ..ScheduleConfig::new("tick", "tick") };
+    let app = AppConfig { schedules: vec![every_second], ..fast_app() };
+    let store = PgStore::new(pool.clone(), schema.clone(), app.clone());
+    let scheduler = Arc::new(canter::driver::load_scheduler(&app).unwrap());
+    // The record starts at a known instant, so the ticks due since are known.
+    let start = store.now().await.unwrap();
+    let sql = format!(
+        "INSERT INTO {s}.schedules (name, last_tick, updated_at) VALUES ('tick', {s}.at_ms($1), {s}.db_now())",
+        s = schema.quoted()
+    );
+    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(start.0).execute(&pool).await.unwrap();
+    let mut loops = Vec::new();
+    for seed in 0..3u64 {
+        let (stop, stopped) = oneshot::channel::<()>();
+        let run = canter::driver::run_scheduler(
+            runtime.clone(),
+            store.clone(),
+            scheduler.clone(),
+            canter::driver::SchedulerOptions::default(),
+            seed,
+            async move {
+                let _ = stopped.await;
+            },
+        );
+        loops.push((stop, runtime.spawn_with_output(run)));
+    }
+    sleep(&*runtime, Duration::from_millis(3_300)).await;
+    let mut enqueued_by_loops = 0;
+    for (stop, done) in loops {
+        let _ = stop.send(());
+        enqueued_by_loops += done.await.unwrap().unwrap().tasks;
+    }
+    let record = store.schedule_records().await.unwrap().into_iter().find(|r| r.name == "tick").unwrap();
+    let ticks = record.last_tick.0 / 1000 - start.0 / 1000;
+    assert!(ticks >= 2, "ticks fell due: {ticks}");
+    assert_eq!(record.last_tick.0 % 1000, 0, "the last tick recorded is a tick");
+    let tasks = scheduled_tasks(&pool, &schema, "tick").await;
+    assert_eq!(tasks, ticks, "each tick once");
+    assert_eq!((record.run_count, enqueued_by_loops), (ticks as u64, ticks as u64));
 }

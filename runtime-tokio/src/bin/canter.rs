@@ -10,8 +10,10 @@ use std::time::Duration;
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
 use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
+use canter_tokio::canter::postgres::CheckReport;
+use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration};
-use canter_tokio::{Client, PgSchema, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
+use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use serde_json::Value;
 use sqlx::PgPool;
 use tracing_subscriber::filter::LevelFilter;
@@ -39,6 +41,8 @@ commands:
   purge       delete finished tasks older than a retention period
   pause       stop workers from claiming a queue's pending tasks
   resume      let workers claim a paused queue's tasks again
+  scheduler   enqueue the ticks of the configured schedules (--once, --dry-run, --list)
+  schedules   each schedule's last and next tick
   demo        run the demo: a mixed load through several workers
   bench       measure throughput, latency and memory against a raw-SQL baseline
 
@@ -176,6 +180,18 @@ fn command_help(command: &str) -> Option<&'static str> {
              stops every worker from claiming the queue's pending tasks; claimed and running ones go on."
         }
         "resume" => "usage: canter resume QUEUE [--json]\n\nlets workers claim a paused queue's tasks again.",
+        "scheduler" => {
+            "usage: canter scheduler --config FILE [--database-url URL] [--schema NAME] [--once | --dry-run | --list [--json]]\n\n\
+             enqueues the ticks of the file's [[app.schedules]] until SIGINT or SIGTERM: each tick once,\n\
+             however many schedulers and workers with worker.run_scheduler run (migrates at startup).\n\
+             --once checks once and prints what it enqueued; --dry-run prints what a check would\n\
+             enqueue and writes nothing; --list prints each schedule's last and next tick."
+        }
+        "schedules" => {
+            "usage: canter schedules [--config FILE] [--json]\n\n\
+             each schedule's kind, zone, last tick, next tick, runs and last task: the file's\n\
+             schedules, then recorded schedules the file does not configure."
+        }
         "demo" => "usage: canter demo [--tasks N] [--workers W] [--concurrency C] [--database-url URL]",
         "bench" => canter_tokio::bench::HELP,
         _ => return None,
@@ -204,6 +220,8 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "remove-key" => remove_key(raw).await,
         "purge" => purge(raw).await,
         "pause" | "resume" => pause(command, raw).await,
+        "scheduler" => scheduler(raw, false).await,
+        "schedules" => scheduler(raw, true).await,
         "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
             canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
             canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
@@ -697,6 +715,197 @@ async fn pause(command: &str, raw: &[String]) -> Outcome {
     } else {
         let state = if pausing { "paused" } else { "running" };
         println!("queue {queue} {}{state}", if changed { "" } else { "was already " });
+    }
+    Ok(())
+}
+
+async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
+    let switches: &[&str] = if list_only { &["json"] } else { &["once", "dry-run", "list", "json"] };
+    let args = Args::parse(raw, &["config", "database-url", "schema"], switches, false)?;
+    if !args.positional.is_empty() {
+        return Err(Failure::Usage("takes no positional arguments".into()));
+    }
+    let modes = ["once", "dry-run", "list"].iter().filter(|m| args.switch(m)).count();
+    if modes > 1 {
+        return Err(Failure::Usage("give one of --once, --dry-run and --list".into()));
+    }
+    if args.switch("json") && !(list_only || args.switch("list")) {
+        return Err(Failure::Usage("--json goes with --list".into()));
+    }
+    let app = match args.value("config") {
+        Some(path) => Config::from_path(std::path::Path::new(path)).map_err(|e| Failure::Usage(e.to_string()))?.app,
+        None => canter_tokio::AppConfig::default(),
+    };
+    let list = list_only || args.switch("list");
+    if app.schedules.is_empty() && !list {
+        return Err(Failure::Usage("no schedules: give --config FILE with [[app.schedules]] tables".into()));
+    }
+    let scheduler =
+        Scheduler::new(pool(&args, 4)?, app).map_err(|e| Failure::Usage(e.to_string()))?.schema(schema(&args)?);
+    if list {
+        return list_schedules(&scheduler, args.switch("json")).await;
+    }
+    if args.switch("dry-run") {
+        let plan = with_retry("read the schedules", || scheduler.plan()).await?;
+        print_plan(&scheduler, &plan);
+        return Ok(());
+    }
+    if args.switch("once") {
+        with_retry("migrate", || scheduler.store().migrate()).await?;
+        let report = scheduler.check().await.map_err(|e| failed(format!("check failed: {e}")))?;
+        print_report(&scheduler, &report);
+        return if report.refused.is_empty() { Ok(()) } else { Err(failed("some schedules' tasks were refused")) };
+    }
+    println!(
+        "scheduler of {} schedules starting; stop it with Ctrl-C or SIGTERM",
+        scheduler.scheduler().schedules().len()
+    );
+    let stats = scheduler.run().await.map_err(failed)?;
+    println!("scheduler stopped: {} checks, {} tasks enqueued, {} races lost", stats.checks, stats.tasks, stats.lost);
+    Ok(())
+}
+
+/// `t` in the schedule's zone (UTC when it is not configured), RFC 3339.
+fn tick_time(schedule: Option<&ParsedSchedule>, t: DbTime) -> String {
+    match schedule {
+        Some(schedule) => schedule.time_zone().to_local(t).to_string(),
+        None => canter_tokio::canter::schedule::TimeZone::Utc.to_local(t).to_string(),
+    }
+}
+
+fn tick_or(schedule: Option<&ParsedSchedule>, t: Option<DbTime>, none: &str) -> String {
+    t.map_or_else(|| none.to_owned(), |t| tick_time(schedule, t))
+}
+
+fn print_plan(scheduler: &Scheduler, plan: &Plan) {
+    println!("dry run at {}: nothing is written", tick_time(None, plan.now));
+    for write in &plan.writes {
+        let schedule = scheduler.scheduler().get(&write.name);
+        for (i, tick) in write.ticks.iter().enumerate() {
+            let task = write.tasks.get(i).map_or("", |t| t.name.as_str());
+            let kind = if i < write.backfilled { " (backfilled)" } else { "" };
+            println!("would enqueue {task} for schedule {} at tick {}{kind}", write.name, tick_time(schedule, *tick));
+        }
+        if write.read.is_none() {
+            println!(
+                "would record new schedule {}: first tick {}",
+                write.name,
+                tick_or(schedule, write.next_tick, "never")
+            );
+        }
+        if write.skipped {
+            println!(
+                "would skip missed ticks of schedule {} up to {}",
+                write.name,
+                tick_time(schedule, write.advance_to)
+            );
+        }
+    }
+    if plan.writes.iter().all(|w| w.ticks.is_empty()) {
+        println!("nothing due; next tick {}", tick_or(None, plan.next_check, "never"));
+    }
+}
+
+fn print_report(scheduler: &Scheduler, report: &CheckReport) {
+    for applied in &report.applied {
+        let write = &applied.write;
+        let schedule = scheduler.scheduler().get(&write.name);
+        for (i, (tick, id)) in write.ticks.iter().zip(&applied.task_ids).enumerate() {
+            let kind = if i < write.backfilled { " (backfilled)" } else { "" };
+            println!("schedule {}: enqueued task {id} for tick {}{kind}", write.name, tick_time(schedule, *tick));
+        }
+        if write.read.is_none() {
+            println!("schedule {}: recorded; first tick {}", write.name, tick_or(schedule, write.next_tick, "never"));
+        }
+        if write.skipped {
+            println!("schedule {}: missed ticks up to {} skipped", write.name, tick_time(schedule, write.advance_to));
+        }
+    }
+    for refused in &report.refused {
+        eprintln!("schedule {}: tasks refused: {}", refused.name, refused.error);
+    }
+    println!("{} tasks enqueued; next tick {}", report.tasks(), tick_or(None, report.next_check, "never"));
+}
+
+/// One line of `canter schedules`.
+struct ScheduleRow {
+    name: String,
+    kind: String,
+    zone: String,
+    record: Option<ScheduleRecord>,
+    next: Option<DbTime>,
+}
+
+async fn list_schedules(scheduler: &Scheduler, json: bool) -> Outcome {
+    let store = scheduler.store();
+    let names = scheduler.scheduler().names();
+    let (now, configured) = with_retry("read the schedules", || store.schedule_states(&names)).await?;
+    let all = with_retry("read the schedules", || store.schedule_records()).await?;
+    // Configured schedules first, then records of schedules the file does not configure.
+    let mut rows = Vec::new();
+    for (schedule, record) in scheduler.scheduler().schedules().iter().zip(configured) {
+        let after = record.as_ref().map_or(now, |r| r.last_tick.max(now));
+        rows.push(ScheduleRow {
+            name: schedule.name().to_owned(),
+            kind: schedule.schedule().to_string(),
+            zone: schedule.time_zone().id().to_string(),
+            next: schedule.next_after(after),
+            record,
+        });
+    }
+    for record in all.into_iter().filter(|r| !names.contains(&r.name.as_str())) {
+        rows.push(ScheduleRow {
+            name: record.name.clone(),
+            kind: "(not configured)".into(),
+            zone: "UTC".into(),
+            next: record.next_tick,
+            record: Some(record),
+        });
+    }
+    if json {
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|row| {
+                let schedule = scheduler.scheduler().get(&row.name);
+                let record = row.record.as_ref();
+                serde_json::json!({
+                    "name": row.name,
+                    "schedule": row.kind,
+                    "timezone": row.zone,
+                    "configured": schedule.is_some(),
+                    "last_tick": record.map(|r| tick_time(schedule, r.last_tick)),
+                    "last_tick_ms": record.map(|r| r.last_tick.0),
+                    "next_tick": row.next.map(|t| tick_time(schedule, t)),
+                    "next_tick_ms": row.next.map(|t| t.0),
+                    "run_count": record.map_or(0, |r| r.run_count),
+                    "last_task_id": record.and_then(|r| r.last_task_id),
+                })
+            })
+            .collect();
+        println!("{}", Value::from(rows));
+        return Ok(());
+    }
+    if rows.is_empty() {
+        println!("(no schedules configured or recorded)");
+        return Ok(());
+    }
+    println!(
+        "{:<24} {:<34} {:<16} {:<25} {:<25} {:>6} {:>9}",
+        "NAME", "SCHEDULE", "ZONE", "LAST TICK", "NEXT TICK", "RUNS", "LAST TASK"
+    );
+    for row in &rows {
+        let schedule = scheduler.scheduler().get(&row.name);
+        let record = row.record.as_ref();
+        println!(
+            "{:<24} {:<34} {:<16} {:<25} {:<25} {:>6} {:>9}",
+            row.name,
+            row.kind,
+            row.zone,
+            tick_or(schedule, record.map(|r| r.last_tick), "never"),
+            tick_or(schedule, row.next, "never"),
+            record.map_or(0, |r| r.run_count),
+            record.and_then(|r| r.last_task_id).map_or_else(|| "-".to_owned(), |id| id.to_string()),
+        );
     }
     Ok(())
 }

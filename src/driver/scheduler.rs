@@ -1,0 +1,283 @@
+//! The scheduler loop on any runtime: check the app's schedules against PostgreSQL
+//! ([`PgStore::check_schedules`]), sleep until the next tick falls due, repeat; database errors
+//! are waited out with the resilience backoff; a shutdown signal ends it between checks (a
+//! check in flight finishes first, or times out and its transaction rolls back).
+//!
+//! It runs inside workers ([`WorkerConfig::run_scheduler`](crate::config::WorkerConfig)) or
+//! on its own ([`PgScheduler`], `canter scheduler`). Any number of schedulers may run against
+//! one schema: each tick is enqueued exactly once.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::future::FutureExt;
+use sqlx::PgPool;
+
+use super::Runtime;
+use super::zones::load_scheduler;
+use crate::backoff::DbBackoff;
+use crate::config::{AppConfig, ResilienceConfig};
+use crate::postgres::{CheckReport, PgSchema, PgStore};
+use crate::rng::{Rng, mix};
+use crate::schedule::{
+    DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, Scheduler, SchedulerError, check_delay_ms,
+};
+
+/// Settings of the scheduler loop.
+#[derive(Debug, Clone)]
+pub struct SchedulerOptions {
+    /// The longest sleep between two checks (default 60 s): bounds the drift between the
+    /// local timer and the database's clock while waiting for a distant tick.
+    pub max_check_delay: Duration,
+    /// A check with no answer after this long counts as failed (default 30 s).
+    pub request_timeout: Duration,
+    /// Whether to stop after `resilience.db_retry_max_attempts` failures in a row (default
+    /// true). A worker's scheduler never does: the worker decides when to give up.
+    pub give_up: bool,
+}
+
+impl Default for SchedulerOptions {
+    fn default() -> Self {
+        SchedulerOptions {
+            max_check_delay: Duration::from_millis(DEFAULT_MAX_CHECK_DELAY_MS),
+            request_timeout: Duration::from_secs(30),
+            give_up: true,
+        }
+    }
+}
+
+/// What a scheduler loop did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SchedulerStats {
+    /// Checks made, failed ones included.
+    pub checks: u64,
+    /// Tasks enqueued.
+    pub tasks: u64,
+    /// Races lost to other schedulers (each planned again).
+    pub lost: u64,
+    /// Checks that failed.
+    pub failures: u64,
+}
+
+/// Why a scheduler stopped without being asked to.
+#[derive(Debug, thiserror::Error)]
+pub enum SchedulerRunError {
+    /// The schedules could not be prepared.
+    #[error(transparent)]
+    Setup(#[from] SchedulerError),
+    /// The database failed `db_retry_max_attempts` times in a row.
+    #[error("the scheduler gave up after {failures} database failures in a row: {error}")]
+    GaveUp {
+        /// Failures in a row.
+        failures: u32,
+        /// The last error.
+        error: String,
+    },
+}
+
+/// Runs `scheduler`'s checks against `store` until `shutdown` resolves (or, with
+/// `options.give_up`, until the database has failed too often). See the module docs.
+pub async fn run_scheduler<R: Runtime>(
+    runtime: Arc<R>,
+    store: PgStore,
+    scheduler: Arc<Scheduler>,
+    options: SchedulerOptions,
+    seed: u64,
+    shutdown: impl Future<Output = ()> + Send,
+) -> Result<SchedulerStats, SchedulerRunError> {
+    let mut shutdown = Box::pin(shutdown).fuse();
+    let resilience = store.app().resilience.clone();
+    let max_ms = u64::try_from(options.max_check_delay.as_millis()).unwrap_or(u64::MAX);
+    let mut backoff = DbBackoff::new();
+    let mut rng = Rng::new(mix(seed));
+    let mut stats = SchedulerStats::default();
+    tracing::info!(schedules = ?scheduler.names(), schema = store.schema().name(), "canter scheduler starting");
+    loop {
+        let started = runtime.now();
+        let result = {
+            let check = store.check_schedules(&scheduler).fuse();
+            let timeout = runtime.sleep_until(started + options.request_timeout).fuse();
+            futures::pin_mut!(check, timeout);
+            // A check in flight finishes (or times out) before a shutdown is looked at, so its
+            // transaction is never cut between commit and report.
+            futures::select_biased! {
+                result = check => result.map_err(|e| e.to_string()),
+                () = timeout => Err(format!("no answer within {:?}", options.request_timeout)),
+            }
+        };
+        stats.checks += 1;
+        let delay = match result {
+            Ok(report) => {
+                if backoff.failures() > 0 {
+                    tracing::info!("scheduler: database reachable again");
+                }
+                backoff.on_success();
+                log_report(&report);
+                stats.tasks += report.tasks() as u64;
+                stats.lost += u64::from(report.lost);
+                Duration::from_millis(check_delay_ms(report.now, report.next_check, max_ms))
+            }
+            Err(error) => {
+                stats.failures += 1;
+                let delay = backoff.on_failure(&resilience, &mut rng);
+                tracing::warn!(failures = backoff.failures(), retry_in = ?delay, %error, "scheduler check failed");
+                if options.give_up && backoff.exhausted(&resilience) {
+                    tracing::error!(failures = backoff.failures(), "scheduler: too many database failures in a row");
+                    return Err(SchedulerRunError::GaveUp { failures: backoff.failures(), error });
+                }
+                delay
+            }
+        };
+        // From the check's start (the clock was read then), and never less than the floor.
+        let wake = (started + delay).max(runtime.now() + Duration::from_millis(MIN_CHECK_DELAY_MS));
+        let sleep = runtime.sleep_until(wake).fuse();
+        futures::pin_mut!(sleep);
+        futures::select_biased! {
+            () = shutdown => break,
+            () = sleep => {}
+        }
+    }
+    tracing::info!(?stats, "canter scheduler stopped");
+    Ok(stats)
+}
+
+fn log_report(report: &CheckReport) {
+    for applied in &report.applied {
+        let write = &applied.write;
+        if !applied.task_ids.is_empty() {
+            tracing::info!(
+                schedule = %write.name,
+                ticks = ?write.ticks,
+                backfilled = write.backfilled,
+                tasks = ?applied.task_ids.iter().map(|t| t.0).collect::<Vec<_>>(),
+                "schedule fired"
+            );
+        } else if write.read.is_none() {
+            tracing::info!(schedule = %write.name, next_tick = ?write.next_tick, "schedule recorded: it fires from its next tick");
+        }
+        if write.skipped {
+            tracing::warn!(schedule = %write.name, up_to = ?write.advance_to, "missed ticks skipped (late beyond misfire_ms, beyond the backfill)");
+        }
+    }
+    for refused in &report.refused {
+        tracing::error!(schedule = %refused.name, error = %refused.error, "schedule's tasks refused; its ticks stay due");
+    }
+    if report.lost > 0 {
+        tracing::debug!(lost = report.lost, "scheduler lost races to other schedulers");
+    }
+}
+
+/// A seed that differs between processes, so that schedulers' backoffs do not move in step.
+fn process_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    // RandomState is seeded per process by the OS.
+    std::collections::hash_map::RandomState::new().build_hasher().finish()
+}
+
+/// A scheduler on a runtime `R`, on its own (not inside a worker): enqueues the app's
+/// schedules' ticks until told to stop. The adapters name it `Scheduler`
+/// (`canter_tokio::Scheduler`, `canter_smol::Scheduler`).
+pub struct PgScheduler<R> {
+    store: PgStore,
+    scheduler: Arc<Scheduler>,
+    options: SchedulerOptions,
+    migrate: bool,
+    seed: u64,
+    runtime: Arc<R>,
+}
+
+impl<R: Runtime + Default> PgScheduler<R> {
+    /// A scheduler of `app`'s schedules on `pool` in the default schema; the app is validated
+    /// and named time zones are read from the system's tz database here.
+    pub fn new(pool: PgPool, app: AppConfig) -> Result<Self, SchedulerError> {
+        let scheduler = Arc::new(load_scheduler(&app)?);
+        Ok(PgScheduler {
+            store: PgStore::new(pool, PgSchema::default(), app),
+            scheduler,
+            options: SchedulerOptions::default(),
+            migrate: true,
+            seed: process_seed(),
+            runtime: Arc::new(R::default()),
+        })
+    }
+}
+
+impl<R: Runtime> PgScheduler<R> {
+    /// Uses `schema` instead of the default `canter`.
+    pub fn schema(mut self, schema: PgSchema) -> Self {
+        self.store = PgStore::new(self.store.pool().clone(), schema, self.store.app().clone());
+        self
+    }
+
+    /// Whether to apply migrations at startup (default) or only check the database is there.
+    pub fn migrate(mut self, migrate: bool) -> Self {
+        self.migrate = migrate;
+        self
+    }
+
+    /// Uses these loop settings.
+    pub fn options(mut self, options: SchedulerOptions) -> Self {
+        self.options = options;
+        self
+    }
+
+    /// The schedules.
+    pub fn scheduler(&self) -> &Scheduler {
+        &self.scheduler
+    }
+
+    /// The store it writes to.
+    pub fn store(&self) -> &PgStore {
+        &self.store
+    }
+
+    /// One check now (no migration, no retry): enqueues the due ticks.
+    pub async fn check(&self) -> Result<CheckReport, sqlx::Error> {
+        self.store.check_schedules(&self.scheduler).await
+    }
+
+    /// What a check now would write and enqueue, without writing (a dry run).
+    pub async fn plan(&self) -> Result<Plan, sqlx::Error> {
+        self.store.plan_schedules(&self.scheduler).await
+    }
+
+    /// Runs until the runtime's shutdown signal (SIGINT or SIGTERM).
+    pub async fn run(self) -> Result<SchedulerStats, SchedulerRunError> {
+        let signal = self.runtime.shutdown_signal();
+        self.run_until(signal).await
+    }
+
+    /// Runs until `shutdown` resolves: first reaches the database (migrating, unless told not
+    /// to), waiting out outages with backoff, then checks the schedules in a loop.
+    pub async fn run_until(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<SchedulerStats, SchedulerRunError> {
+        let PgScheduler { store, scheduler, options, migrate, seed, runtime } = self;
+        let mut shutdown = shutdown.boxed().fuse();
+        let resilience: ResilienceConfig = store.app().resilience.clone();
+        let mut backoff = DbBackoff::new();
+        let mut rng = Rng::new(seed);
+        loop {
+            let ready = if migrate {
+                store.migrate().await.map_err(|e| e.to_string())
+            } else {
+                store.now().await.map(|_| ()).map_err(|e| e.to_string())
+            };
+            let Err(error) = ready else { break };
+            let delay = backoff.on_failure(&resilience, &mut rng);
+            tracing::warn!(failures = backoff.failures(), retry_in = ?delay, %error, "scheduler: database not ready at startup");
+            if options.give_up && backoff.exhausted(&resilience) {
+                return Err(SchedulerRunError::GaveUp { failures: backoff.failures(), error });
+            }
+            let sleep = runtime.sleep_until(runtime.now() + delay).fuse();
+            futures::pin_mut!(sleep);
+            futures::select_biased! {
+                () = shutdown => return Ok(SchedulerStats::default()),
+                () = sleep => {}
+            }
+        }
+        run_scheduler(runtime, store, scheduler, options, seed, shutdown).await
+    }
+}
