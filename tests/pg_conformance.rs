@@ -906,7 +906,11 @@ fn apps() -> Vec<(&'static str, AppConfig)> {
             AppConfig {
                 prefetch_buffer: 2,
                 claim_lease_ms: Some(2_000),
-                ..custom(vec![CustomQueue::new("a").with_max_concurrency(2), CustomQueue::new("b").with_priority(2)])
+                ..custom(vec![
+                    CustomQueue::new("a").with_max_concurrency(2),
+                    CustomQueue::new("b").with_priority(2),
+                    CustomQueue::new("s").with_priority(3).serial(),
+                ])
             },
         ),
     ]
