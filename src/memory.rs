@@ -804,7 +804,10 @@ impl MemoryStore {
         for &TaskLease { task: id, lease } in claimed {
             match self.live.get_mut(&id) {
                 Some(row) if row.state == TaskState::Claimed && row.held_by(worker, lease) => {
-                    if row.claimed_at.is_some_and(|at| at >= oldest_renewable) {
+                    // A lapsed claim is not renewed: claimers already count it out (a serial
+                    // queue or a hard cap would overshoot) and may take it; its start fails.
+                    let live = row.claim_expires_at.is_none_or(|at| at > now);
+                    if live && row.claimed_at.is_some_and(|at| at >= oldest_renewable) {
                         row.claim_expires_at = Some(now.plus_ms(lease_ms));
                         row.heartbeat_at = Some(now);
                     }
@@ -2181,6 +2184,34 @@ mod tests {
         assert_eq!(ids(&claim_with(&mut store, "b", 3, &policy, 0, at(2))), vec![2], "then the next, in order");
         // A lapsed claim frees the queue.
         assert_eq!(ids(&claim_with(&mut store, "a", 4, &policy, 0, at(2 + LEASE_MS as i64))), vec![2]);
+    }
+
+    /// Regression (simulation seed 6012823): a heartbeat renewed a lapsed claim of a serial
+    /// queue after another worker, counting it out, had claimed the queue's next task.
+    #[test]
+    fn a_lapsed_claim_is_not_renewed_by_a_late_heartbeat() {
+        let mut app = custom(vec![CustomQueue::new("s").serial()]);
+        app.prefetch_buffer = 8;
+        app.claim_lease_ms = Some(LEASE_MS);
+        let mut store = MemoryStore::new(app);
+        add(&mut store, NewTask::new("t", json!(1)).queue("s"));
+        let policy = policy(&store, 1);
+        let first = claim_with(&mut store, "a", 1, &policy, 0, T0);
+        let later = at(LEASE_MS as i64 + 1);
+        store.enqueue(NewTask::new("t", json!(2)).queue("s").priority(-1), later).unwrap();
+        let second = claim_with(&mut store, "b", 2, &policy, 1, later);
+        assert_eq!(ids(&second), vec![2], "the lapsed claim is counted out; the urgent task goes first");
+        let beat = DbRequest::Heartbeat {
+            worker: w("a"),
+            claimed: vec![lease(&first[0])],
+            running: vec![],
+            lease_ms: LEASE_MS,
+            max_renew_age_ms: 10 * LEASE_MS,
+        };
+        store.apply(&beat, later.plus_ms(1));
+        assert_eq!(store.task(first[0].id).unwrap().claim_expires_at, Some(at(LEASE_MS as i64)), "not renewed");
+        let reply = start(&mut store, "a", vec![lease(&first[0])], &policy, later.plus_ms(2));
+        assert_eq!(started(&reply), vec![], "and it cannot start");
     }
 
     #[test]

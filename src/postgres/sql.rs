@@ -144,9 +144,12 @@ running_in AS (
 ),
 -- Both lists' rows, locked in one pass in id order as every other statement locks them (two
 -- passes could deadlock with a finish). A listed claim may have started under the same lease
--- since the beat was sent (a start that raced it): still held, and alive.
+-- since the beat was sent (a start that raced it): still held, and alive. A lapsed claim is
+-- not renewed: claimers already count it out, and may take it.
 held AS (
-    SELECT t.id, t.lease, t.state, t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond' AS renewable
+    SELECT t.id, t.lease, t.state,
+           t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond'
+           AND (t.claim_expires_at IS NULL OR t.claim_expires_at > {s}.db_now()) AS renewable
     FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
     ORDER BY t.id
