@@ -2349,19 +2349,19 @@ mod tests {
             claimed: vec![held],
             running: vec![],
             lease_ms: LEASE_MS,
-            max_renew_age_ms: 100_000,
+            max_renew_age_ms: 50_000,
         };
-        assert_eq!(store.apply(&beat, at(100_000)), DbReply::Heartbeat { lost: vec![] });
-        assert_eq!(store.task(held.task).unwrap().claim_expires_at, Some(at(160_000)));
+        assert_eq!(store.apply(&beat, at(50_000)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(store.task(held.task).unwrap().claim_expires_at, Some(at(110_000)));
         // Too old to renew: left to lapse, yet still held.
-        assert_eq!(store.apply(&beat, at(100_001)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(store.apply(&beat, at(50_001)), DbReply::Heartbeat { lost: vec![] });
         let row = store.task(held.task).unwrap();
-        assert_eq!((row.claim_expires_at, row.heartbeat_at), (Some(at(160_000)), Some(at(100_000))));
+        assert_eq!((row.claim_expires_at, row.heartbeat_at), (Some(at(110_000)), Some(at(50_000))));
         assert_eq!(
             store.workers(),
             vec![WorkerRecord {
                 info: WorkerInfo { worker: w("a"), queues: vec![], concurrency: 0 },
-                last_seen: at(100_001),
+                last_seen: at(50_001),
                 stopped: false,
             }]
         );
