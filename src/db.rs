@@ -498,7 +498,8 @@ pub enum DbRequest {
         completions: Vec<Completion>,
     },
     /// Renew what `worker` holds: Claimed tasks get their lease extended to `now + lease_ms`
-    /// (unless claimed more than `max_renew_age_ms` ago), Running tasks a fresh heartbeat; the
+    /// (unless claimed more than `max_renew_age_ms` ago, or lapsed already: claimers count a
+    /// lapsed claim out), Running tasks a fresh heartbeat; the
     /// worker's registry row is marked alive. Replies [`DbReply::Heartbeat`] with the tasks
     /// no longer held.
     Heartbeat {

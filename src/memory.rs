@@ -5,8 +5,8 @@
 //! the whole system with no database. Like the SQL schema it keeps two tables: the live table
 //! (Pending, Claimed and Running tasks, the only ones a claim scans) and the finished table
 //! (terminal tasks with their result or error); a terminal transition moves the row. It also
-//! keeps the attempts history (one record per finished run), the idempotency keys, the worker
-//! registry and the notifications PostgreSQL would send.
+//! keeps the attempts history (one record per finished run), the task keys, the worker
+//! registry, paused queues, schedule records and the notifications PostgreSQL would send.
 //!
 //! Every request applies atomically: [`MemoryStore::apply`] takes `&mut self`, so no two
 //! requests interleave. That is what `FOR UPDATE SKIP LOCKED` achieves across workers in
@@ -1369,6 +1369,19 @@ mod tests {
         claim_with(store, worker, token, &policy, start_now, now)
     }
 
+    /// A claim by a worker holding nothing, under a lease of [`LEASE_MS`].
+    fn claim_request(worker: &str, token: u64, policy: &Arc<ClaimPolicy>, start_now: u32) -> DbRequest {
+        DbRequest::Claim {
+            worker: w(worker),
+            token,
+            policy: Arc::clone(policy),
+            my_running: 0,
+            my_claimed: 0,
+            start_now,
+            lease_ms: LEASE_MS,
+        }
+    }
+
     fn claim_with(
         store: &mut MemoryStore,
         worker: &str,
@@ -1377,15 +1390,7 @@ mod tests {
         start_now: u32,
         now: DbTime,
     ) -> Vec<ClaimedTask> {
-        let request = DbRequest::Claim {
-            worker: w(worker),
-            token,
-            policy: Arc::clone(policy),
-            my_running: 0,
-            my_claimed: 0,
-            start_now,
-            lease_ms: LEASE_MS,
-        };
+        let request = claim_request(worker, token, policy, start_now);
         match store.apply(&request, now) {
             DbReply::Claimed { tasks, .. } => tasks,
             other => panic!("unexpected reply {other:?}"),
@@ -1482,26 +1487,10 @@ mod tests {
         for i in 0..5 {
             add(&mut store, NewTask::new("t", json!(i)));
         }
-        let request = DbRequest::Claim {
-            worker: w("a"),
-            token: 1,
-            policy: policy(&store, 2),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: 0,
-            lease_ms: LEASE_MS,
-        };
+        let request = claim_request("a", 1, &policy(&store, 2), 0);
         let DbReply::Claimed { tasks, more, .. } = store.apply(&request, T0) else { panic!() };
         assert_eq!((ids(&tasks), more), (vec![1, 2], true));
-        let request = DbRequest::Claim {
-            worker: w("b"),
-            token: 1,
-            policy: policy(&store, 10),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: 0,
-            lease_ms: LEASE_MS,
-        };
+        let request = claim_request("b", 1, &policy(&store, 10), 0);
         let DbReply::Claimed { tasks, more, .. } = store.apply(&request, T0) else { panic!() };
         assert_eq!((ids(&tasks), more), (vec![3, 4, 5], false));
     }
@@ -1875,15 +1864,7 @@ mod tests {
         assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
         // A claim now waits for it: the wake-up hint names its new run-at.
         let p = policy(&store, 1);
-        let request = DbRequest::Claim {
-            worker: w("a"),
-            token: 1,
-            policy: Arc::clone(&p),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: 0,
-            lease_ms: LEASE_MS,
-        };
+        let request = claim_request("a", 1, &p, 0);
         assert_eq!(
             store.apply(&request, at(2)),
             DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: Some(4_999) }
@@ -1997,15 +1978,7 @@ mod tests {
         assert_eq!(store.paused_queues(), vec![PausedQueue { queue: "a".into(), paused_at: T0 }]);
         assert_eq!(store.pause_queue("A", T0), Err(AdminError::InvalidQueueName("A".into())));
         let p = policy(&store, 4);
-        let request = DbRequest::Claim {
-            worker: w("w"),
-            token: 1,
-            policy: Arc::clone(&p),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: 0,
-            lease_ms: LEASE_MS,
-        };
+        let request = claim_request("w", 1, &p, 0);
         // Neither its due task nor the wake-up hint of its delayed one.
         let DbReply::Claimed { tasks, more, next_run_in_ms } = store.apply(&request, T0) else { panic!() };
         assert_eq!((ids(&tasks), more, next_run_in_ms), (vec![2], false, None));

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use canter::db::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
+use canter::db::{ClaimedTask, Completion, DbReply, DbRequest, FinishOutcome, NewTask};
 use canter::postgres::PgStore;
 use canter::task::{TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
@@ -20,48 +20,61 @@ use serde_json::json;
 /// Every claim any worker made: (task, lease).
 type Claims = Arc<Mutex<Vec<(TaskId, i64)>>>;
 
-/// A worker that claims and starts up to `concurrency` tasks per pass, runs each for `work`,
-/// completes them, and stops when a pass finds nothing and nothing is left.
+/// One pass of a worker: claims and starts up to `concurrency` tasks, runs each for `work`,
+/// completes them (none may be lost), and returns what it claimed.
+async fn claim_and_complete(
+    store: &PgStore,
+    worker: &WorkerId,
+    token: u64,
+    policy: &Arc<ClaimPolicy>,
+    concurrency: u32,
+    work: Duration,
+) -> Vec<ClaimedTask> {
+    let request = DbRequest::Claim {
+        worker: worker.clone(),
+        token,
+        policy: Arc::clone(policy),
+        my_running: 0,
+        my_claimed: 0,
+        start_now: concurrency,
+        lease_ms: 60_000,
+    };
+    let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else { panic!() };
+    if tasks.is_empty() {
+        return tasks;
+    }
+    assert!(tasks.iter().all(|t| t.started));
+    tokio::time::sleep(work).await;
+    let completions = tasks
+        .iter()
+        .map(|t| Completion {
+            task: TaskLease { task: t.id, lease: t.lease },
+            outcome: FinishOutcome::Completed(json!(t.id.0)),
+            args: None,
+        })
+        .collect();
+    let reply = store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");
+    let DbReply::Finished { applied, lost } = reply else { panic!() };
+    assert!(lost.is_empty(), "a worker lost tasks it held: {lost:?}");
+    assert_eq!(applied.len(), tasks.len());
+    tasks
+}
+
+/// A worker that claims and completes tasks until a pass finds nothing and nothing is left.
 async fn claimer(store: PgStore, name: String, concurrency: u32, work: Duration, total: usize, claims: Claims) {
     let config = WorkerConfig { concurrency, ..WorkerConfig::default() };
     let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
     let worker = WorkerId(name);
-    let mut token = 0;
-    loop {
-        token += 1;
-        let request = DbRequest::Claim {
-            worker: worker.clone(),
-            token,
-            policy: Arc::clone(&policy),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: concurrency,
-            lease_ms: 60_000,
-        };
-        let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else { panic!() };
+    for token in 1.. {
+        let tasks = claim_and_complete(&store, &worker, token, &policy, concurrency, work).await;
         if tasks.is_empty() {
-            let done = claims.lock().unwrap().len();
-            if done >= total {
+            if claims.lock().unwrap().len() >= total {
                 return;
             }
             tokio::time::sleep(Duration::from_millis(2)).await;
             continue;
         }
-        assert!(tasks.iter().all(|t| t.started));
         claims.lock().unwrap().extend(tasks.iter().map(|t| (t.id, t.lease.0)));
-        tokio::time::sleep(work).await;
-        let completions = tasks
-            .iter()
-            .map(|t| Completion {
-                task: TaskLease { task: t.id, lease: t.lease },
-                outcome: FinishOutcome::Completed(json!(t.id.0)),
-                args: None,
-            })
-            .collect();
-        let reply = store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");
-        let DbReply::Finished { applied, lost } = reply else { panic!() };
-        assert!(lost.is_empty(), "a worker lost tasks it held: {lost:?}");
-        assert_eq!(applied.len(), tasks.len());
     }
 }
 
@@ -185,34 +198,13 @@ async fn concurrent_enqueuers_of_one_key_lose_and_double_nothing() {
                 let policy = Arc::new(ClaimPolicy::from_config(store.app(), &WorkerConfig::default()));
                 let worker = WorkerId(format!("w{i}"));
                 for token in 1.. {
-                    let request = DbRequest::Claim {
-                        worker: worker.clone(),
-                        token,
-                        policy: Arc::clone(&policy),
-                        my_running: 0,
-                        my_claimed: 0,
-                        start_now: 16,
-                        lease_ms: 60_000,
-                    };
-                    let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else {
-                        panic!()
-                    };
+                    let tasks = claim_and_complete(&store, &worker, token, &policy, 16, Duration::ZERO).await;
                     if tasks.is_empty() {
                         if stop.load(Ordering::SeqCst) {
                             return;
                         }
                         tokio::time::sleep(Duration::from_millis(3)).await;
-                        continue;
                     }
-                    let completions = tasks
-                        .iter()
-                        .map(|t| Completion {
-                            task: TaskLease { task: t.id, lease: t.lease },
-                            outcome: FinishOutcome::Completed(json!(null)),
-                            args: None,
-                        })
-                        .collect();
-                    store.execute(&DbRequest::Finish { worker: worker.clone(), completions }).await.expect("finish");
                 }
             })
         })

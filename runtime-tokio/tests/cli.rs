@@ -16,6 +16,16 @@ fn canter(args: &[&str]) -> Output {
         .expect("run canter")
 }
 
+/// Runs `canter` with `args` against the test database's schema.
+fn against(db: &pg::TestDb) -> impl Fn(&[&str]) -> Output + use<> {
+    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
+    move |args: &[&str]| {
+        let mut all = args.to_vec();
+        all.extend(["--database-url", &url, "--schema", &schema]);
+        canter(&all)
+    }
+}
+
 fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
@@ -98,12 +108,7 @@ fn the_demo_runs_on_the_embedded_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_flow_against_postgres() {
     let db = pg::TestDb::new().await;
-    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
-    let run = move |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--database-url", &url, "--schema", &schema]);
-        canter(&all)
-    };
+    let run = against(&db);
     assert_eq!(run(&["migrate"]).status.code(), Some(0));
     let enqueued = run(&["enqueue", "echo", "--args", r#"{"a":1}"#, "--count", "3"]);
     assert_eq!(enqueued.status.code(), Some(0), "{}", text(&enqueued));
@@ -177,12 +182,7 @@ fn first_line(output: &Output) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn operator_commands_against_postgres() {
     let db = pg::TestDb::new().await;
-    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
-    let run = move |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--database-url", &url, "--schema", &schema]);
-        canter(&all)
-    };
+    let run = against(&db);
     let worker = || {
         Command::new(env!("CARGO_BIN_EXE_canter"))
             .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
@@ -265,12 +265,7 @@ async fn operator_commands_against_postgres() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn job_keys_and_flags_from_the_command_line() {
     let db = pg::TestDb::new().await;
-    let (url, schema) = (db.url.clone(), db.schema.name().to_owned());
-    let run = move |args: &[&str]| {
-        let mut all = args.to_vec();
-        all.extend(["--database-url", &url, "--schema", &schema]);
-        canter(&all)
-    };
+    let run = against(&db);
     assert_eq!(run(&["migrate"]).status.code(), Some(0));
     let id = |output: Output| {
         assert_eq!(output.status.code(), Some(0), "{}", text(&output));

@@ -1,20 +1,25 @@
 //! Enqueueing tasks: one, many in one statement, or inside the caller's own transaction.
 //!
 //! Every enqueue is one statement over parallel arrays, whatever the batch size: a plain insert
-//! for a batch without idempotency keys, `SELECT … FROM <schema>.enqueue(…)` for one with
-//! keys (or to check without writing). It sends at most one notification per queue that received a new
-//! task (on commit). Checks happen before anything is written and a refused batch writes
-//! nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue inside
-//! the caller's transaction never aborts that transaction.
+//! for a batch without keys, `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to
+//! check without writing). It sends at most one notification per queue that received a new or
+//! updated task (on commit). Checks happen before anything is written and a refused batch
+//! writes nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue
+//! inside the caller's transaction never aborts that transaction.
 //!
 //! What is checked, in task order (the first problem wins, as in the memory store): the
-//! rules of [`check_new_task`] (task name, queue name and membership, key, retry policy),
-//! arguments PostgreSQL's `jsonb` cannot store (strings with NUL characters), then on the
-//! database's clock run-at against good-until, and idempotency keys: a key that names a task,
-//! live or finished, with the same name and arguments gives that task's id and writes no new
-//! one; with another name or other arguments it is `PAYLOAD_MISMATCH`. Arguments compare as
-//! `jsonb` values (so `1` and `1.0` are the same arguments). Concurrent enqueuers of one key
-//! get one task.
+//! rules of [`check_new_task`] (task name, queue name and membership, key, flags, retry
+//! policy), one mode per key in a batch ([`BatchKeys`]), arguments PostgreSQL's `jsonb` cannot
+//! store (strings with NUL characters), then on the database's clock run-at against
+//! good-until, and idempotency keys ([`KeyMode::Idempotent`]): a key that names a task, live
+//! or finished, with the same name and arguments gives that task's id and writes no new one;
+//! with another name or other arguments it is `PAYLOAD_MISMATCH`. Arguments compare as `jsonb`
+//! values (so `1` and `1.0` are the same arguments). Keyed tasks then apply in order, each as
+//! its [`KeyMode`] says; enqueuers of one key take turns on an advisory lock of the key, so
+//! concurrent enqueuers never make two live tasks of one key.
+//!
+//! [`KeyMode`]: crate::db::KeyMode
+//! [`KeyMode::Idempotent`]: crate::db::KeyMode::Idempotent
 
 use serde_json::Value;
 use sqlx::{PgExecutor, Row};
