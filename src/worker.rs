@@ -990,6 +990,7 @@ impl Worker {
                 self.on_claimed(tasks, more)
             }
             (Op::Start(sent), DbReply::Started { started, expired, deferred, lost }) => {
+                let sent = SentLeases::new(sent);
                 self.start_in_flight = false;
                 // Only tasks this request starts under the lease held now count: one lost and
                 // claimed again while the request was in flight belongs to a newer lease.
@@ -1015,14 +1016,15 @@ impl Worker {
                     }
                 }
                 for task in lost {
-                    self.lose(TaskLease { task, lease: lease_in(&sent, task) }, LostReason::LeaseLost);
+                    self.lose(TaskLease { task, lease: sent.lease_of(task) }, LostReason::LeaseLost);
                 }
             }
             (Op::RecordStarts(sent), DbReply::Started { started, expired, deferred, lost }) => {
+                let sent = SentLeases::new(sent);
                 self.record_in_flight = false;
                 for (task, attempt) in started {
                     if let Some(held) =
-                        self.held.get_mut(&task).filter(|h| sent.contains(&TaskLease { task, lease: h.lease }))
+                        self.held.get_mut(&task).filter(|h| sent.contains(TaskLease { task, lease: h.lease }))
                     {
                         held.unrecorded = false;
                         held.attempt = attempt;
@@ -1030,7 +1032,7 @@ impl Worker {
                 }
                 // Nothing is expired or deferred by a record; a store that says so lost the task.
                 for task in lost.into_iter().chain(expired).chain(deferred) {
-                    let lease = lease_in(&sent, task);
+                    let lease = sent.lease_of(task);
                     // A finish or release under way reports on its task itself.
                     if self
                         .held
@@ -1048,9 +1050,9 @@ impl Worker {
             }
             (Op::Finish { completions, resent }, DbReply::Finished { applied, lost }) => {
                 self.finish_in_flight = false;
-                let sent: Vec<TaskLease> = completions.iter().map(|c| c.task).collect();
+                let sent = SentLeases::new(completions.iter().map(|c| c.task));
                 for (task, state) in applied {
-                    if self.held.get(&task).is_some_and(|held| sent.contains(&TaskLease { task, lease: held.lease })) {
+                    if self.held.get(&task).is_some_and(|held| sent.contains(TaskLease { task, lease: held.lease })) {
                         self.held.remove(&task);
                     }
                     match state {
@@ -1066,7 +1068,7 @@ impl Worker {
                     // loss of the lease this worker holds now counts.
                     if let Some(held) = self.held.get(&task) {
                         let lease = held.lease;
-                        if sent.contains(&TaskLease { task, lease }) {
+                        if sent.contains(TaskLease { task, lease }) {
                             self.lose(TaskLease { task, lease }, reason);
                         }
                     }
@@ -1080,8 +1082,9 @@ impl Worker {
             }
             (Op::Heartbeat(sent), DbReply::Heartbeat { lost }) => {
                 self.heartbeat_in_flight = false;
+                let sent = SentLeases::new(sent);
                 for task in lost {
-                    self.lose(TaskLease { task, lease: lease_in(&sent, task) }, LostReason::LeaseLost);
+                    self.lose(TaskLease { task, lease: sent.lease_of(task) }, LostReason::LeaseLost);
                 }
             }
             (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => {
@@ -1186,10 +1189,10 @@ impl Worker {
     }
 
     /// Whether `task` waits for the start request that named `sent`, under the lease it names.
-    fn starting(&self, task: TaskId, sent: &[TaskLease]) -> bool {
+    fn starting(&self, task: TaskId, sent: &SentLeases) -> bool {
         self.held
             .get(&task)
-            .is_some_and(|held| held.stage == Stage::Starting && sent.contains(&TaskLease { task, lease: held.lease }))
+            .is_some_and(|held| held.stage == Stage::Starting && sent.contains(TaskLease { task, lease: held.lease }))
     }
 
     /// A start that did not happen (deferred, or no answer): back to the buffer, or, while
@@ -1321,8 +1324,9 @@ impl Worker {
             Op::Start(tasks) => {
                 self.start_in_flight = false;
                 // Starting again is idempotent: a started row under our lease counts as started.
+                let sent = SentLeases::new(tasks.iter().copied());
                 for lease in tasks.iter().rev() {
-                    if self.starting(lease.task, &tasks) {
+                    if self.starting(lease.task, &sent) {
                         self.unstart(lease.task);
                     }
                 }
@@ -1440,7 +1444,26 @@ fn reply_kind(reply: &DbReply) -> &'static str {
     }
 }
 
-/// The lease `sent` names for `task` (a request names each task once).
-fn lease_in(sent: &[TaskLease], task: TaskId) -> Lease {
-    sent.iter().find(|t| t.task == task).map_or(Lease(-1), |t| t.lease)
+/// The task leases a request named, looked up while its reply is handled: a reply names up
+/// to a whole batch of tasks, so a scan of the request per task would be quadratic.
+struct SentLeases(BTreeSet<TaskLease>);
+
+impl SentLeases {
+    fn new(sent: impl IntoIterator<Item = TaskLease>) -> SentLeases {
+        SentLeases(sent.into_iter().collect())
+    }
+
+    fn contains(&self, lease: TaskLease) -> bool {
+        self.0.contains(&lease)
+    }
+
+    /// The lease named for `task` (start, record and heartbeat requests name each task once),
+    /// or `Lease(-1)`, which no task holds.
+    fn lease_of(&self, task: TaskId) -> Lease {
+        self.0
+            .range(TaskLease { task, lease: Lease(i64::MIN) }..)
+            .next()
+            .filter(|t| t.task == task)
+            .map_or(Lease(-1), |t| t.lease)
+    }
 }
