@@ -63,6 +63,10 @@ pub enum ServeError {
         /// The last error.
         error: String,
     },
+    /// The runtime dropped the worker's loop before it had shut down (the runtime itself was
+    /// shutting down); tasks it held are left to their claim leases and the reaper.
+    #[error("the runtime dropped the worker loop before it shut down")]
+    Dropped,
 }
 
 impl WorkerService {
@@ -213,7 +217,15 @@ impl WorkerService {
         });
         let handlers = Traced { inner: registry.bind(runtime.clone()) };
         let inputs = futures::stream::select(control_rx, notes_rx);
-        let stats = super::run(worker, runtime, store, handlers, inputs, driver, Some(observer)).await;
+        // The loop runs as a task of the runtime, beside the handlers it spawns, whatever polls
+        // this future (often `block_on` on a thread of its own): otherwise every spawn and every
+        // finished handler would wake a thread across the runtime's boundary.
+        let (stats_tx, stats_rx) = oneshot::channel::<Stats>();
+        let driven = super::run(worker, runtime.clone(), store, handlers, inputs, driver, Some(observer));
+        runtime.spawn(Box::pin(async move {
+            let _ = stats_tx.send(driven.await);
+        }));
+        let stats = stats_rx.await.map_err(|_| ServeError::Dropped);
         if let Some(listener) = listener {
             listener.abort();
         }
@@ -221,6 +233,7 @@ impl WorkerService {
         if let Some(done) = scheduler_done {
             let _ = done.await;
         }
+        let stats = stats?;
         tracing::info!(worker = %id, ?stats, "canter worker stopped");
         Ok(stats)
     }
