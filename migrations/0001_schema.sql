@@ -166,6 +166,10 @@ CREATE TABLE schedules (
     updated_at   timestamptz NOT NULL
 );
 
+-- The functions below pin generic plans (`plan_cache_mode`): their statements take the same
+-- shapes on every call, and a custom plan would be planned again on every call (a third of an
+-- idle claim's time).
+
 -- Enqueue a batch as one statement (see `canter::postgres::enqueue`). Batches without keys use a
 -- plain INSERT statement instead; this function serves keyed batches and checks.
 --
@@ -187,6 +191,7 @@ CREATE FUNCTION enqueue(
 RETURNS TABLE (ord bigint, id bigint, problem text, detail_id bigint, run_at_ms bigint, good_until_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -327,6 +332,7 @@ RETURNS TABLE (id bigint, lease bigint, name text, queue text, args jsonb, prior
                attempt integer, retries integer, retry jsonb, expires boolean, more boolean, next_run_in_ms bigint)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE
@@ -341,6 +347,10 @@ DECLARE
     v_count integer;
     v_queue text;
     v_more  boolean := false;
+    -- The last Pending row a queue's pass took, in claim order (priority, run_at, id).
+    v_last_priority smallint;
+    v_last_run_at   timestamptz;
+    v_last_id       bigint;
 BEGIN
     -- Paused queues (`queue_states`) leave the pass before anything else: one probe of a tiny
     -- table, and the queue list is rebuilt only when one of its queues is paused.
@@ -379,49 +389,72 @@ BEGIN
             v_want := least(v_want, p_max_batch);
         END IF;
         v_got := '{}';
+        v_last_id := NULL;
         IF v_want > 0 THEN
+            -- Queues are distinct, so rows of earlier queues (in `v_ids`) cannot turn up here.
             WITH pend AS (
-                SELECT t.id, t.priority, t.run_at FROM tasks t
+                SELECT t.id, t.priority, t.run_at, true AS pending FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
-                  AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND (t.good_until IS NULL OR t.good_until > v_now)
                   AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT v_want
                 FOR UPDATE SKIP LOCKED
             ),
             lapsed AS (
-                SELECT t.id, t.priority, t.run_at FROM tasks t
+                SELECT t.id, t.priority, t.run_at, false AS pending FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
-                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now)
                   AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT v_want
                 FOR UPDATE SKIP LOCKED
-            )
-            SELECT coalesce(array_agg(c.id ORDER BY c.priority, c.run_at, c.id), '{}') INTO v_got
-            FROM (
-                SELECT u.id, u.priority, u.run_at
+            ),
+            chosen AS (
+                SELECT u.id, u.priority, u.run_at, u.pending
                 FROM (SELECT * FROM pend UNION ALL SELECT * FROM lapsed) u
                 ORDER BY u.priority, u.run_at, u.id
                 LIMIT v_want
-            ) c;
+            )
+            SELECT coalesce(array_agg(c.id ORDER BY c.priority, c.run_at, c.id), '{}'),
+                   (array_agg(c.priority ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1],
+                   (array_agg(c.run_at ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1],
+                   (array_agg(c.id ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1]
+            INTO v_got, v_last_priority, v_last_run_at, v_last_id
+            FROM chosen c;
             v_ids := v_ids || v_got;
             v_left := v_left - cardinality(v_got);
         END IF;
         IF NOT v_more AND cardinality(v_got) >= v_want THEN
-            -- Ordered like the claim, so the planner walks the same indexes (EXISTS would drop
-            -- the ORDER BY and LIMIT and invite a sequential scan).
-            v_more := (
-                SELECT t.id FROM tasks t
-                WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
-                  AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
-                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                ORDER BY t.priority, t.run_at, t.id
-                LIMIT 1
-            ) IS NOT NULL OR (
+            -- Was an eligible row left behind? Pending rows are probed after the last one this
+            -- pass took, in claim order (one index descent: the rows it took are still Pending
+            -- until the update below, and skipping them one by one would cost a pass's size
+            -- squared); rows before it were taken by other claimers. Ordered like the claim, so
+            -- the planner walks the same indexes (EXISTS would drop the ORDER BY and LIMIT).
+            IF v_last_id IS NULL THEN
+                v_more := (
+                    SELECT t.id FROM tasks t
+                    WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
+                      AND (t.good_until IS NULL OR t.good_until > v_now)
+                      AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                    ORDER BY t.priority, t.run_at, t.id
+                    LIMIT 1
+                ) IS NOT NULL;
+            ELSE
+                v_more := (
+                    SELECT t.id FROM tasks t
+                    WHERE t.queue = v_queue AND t.state = 'PENDING' AND t.run_at <= v_now
+                      AND (t.priority, t.run_at, t.id) > (v_last_priority, v_last_run_at, v_last_id)
+                      AND (t.good_until IS NULL OR t.good_until > v_now)
+                      AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                    ORDER BY t.priority, t.run_at, t.id
+                    LIMIT 1
+                ) IS NOT NULL;
+            END IF;
+            v_more := v_more OR (
                 SELECT t.id FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
-                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_ids)
+                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)
                   AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                 ORDER BY t.claim_expires_at
                 LIMIT 1
@@ -481,6 +514,7 @@ CREATE FUNCTION start_tasks(
 RETURNS TABLE (ord bigint, id bigint, outcome text, attempt integer)
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
+SET plan_cache_mode = force_generic_plan
 AS $$
 #variable_conflict use_column
 DECLARE

@@ -256,3 +256,68 @@ async fn failures_map_onto_the_protocol() {
     store.pool().close().await;
     assert!(matches!(store.execute(&request).await, Err(DbFailure::Unavailable(_))));
 }
+
+#[tokio::test]
+async fn plain_enqueues_keep_task_order_times_and_flags() {
+    let db = TestDb::new().await;
+    let store = db.store(custom(&["a", "b"]), 4).await;
+    // One task: the single-row statement, with a delay and flags.
+    let delayed =
+        store.enqueue(NewTask::new("t", json!("later")).run_at(RunAt::DelayMs(60_000)).flag("slow")).await.unwrap();
+    let record = store.get(delayed).await.unwrap().unwrap();
+    assert_eq!(record.run_at.0 - record.enqueued_at.0, 60_000);
+    assert_eq!((record.args, record.flags), (json!("later"), vec!["slow".to_owned()]));
+    // A batch without keys or good-until: the plain insert; each id names its own task.
+    let tasks = (0..300)
+        .map(|i| NewTask::new("t", json!(i)).queue(if i % 3 == 0 { "a" } else { "b" }).priority((i % 5) as i16));
+    let ids = store.enqueue_many(tasks.collect()).await.unwrap();
+    for (i, id) in ids.iter().enumerate() {
+        let record = store.get(*id).await.unwrap().unwrap();
+        assert_eq!(record.args, json!(i), "task {i}");
+        assert_eq!((record.queue.as_str(), record.priority), (if i % 3 == 0 { "a" } else { "b" }, (i % 5) as i16));
+        assert_eq!(record.run_at, record.enqueued_at);
+    }
+}
+
+#[tokio::test]
+async fn a_full_claim_says_whether_rows_were_left_behind() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    store.enqueue_many((0..5).map(|i| NewTask::new("t", json!(i)).priority(-(i as i16))).collect()).await.unwrap();
+    let claim = |batch: u32| {
+        let config = WorkerConfig { concurrency: batch, ..WorkerConfig::default() };
+        DbRequest::Claim {
+            worker: WorkerId("w".into()),
+            token: 1,
+            policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 0,
+            lease_ms: 60_000,
+        }
+    };
+    // Claim order is priority first: the probe for more starts after the last row taken.
+    let mut taken = Vec::new();
+    for (batch, more) in [(2, true), (2, true), (2, false)] {
+        match store.execute(&claim(batch)).await.unwrap() {
+            DbReply::Claimed { tasks, more: reported, .. } => {
+                assert_eq!(reported, more, "after {taken:?}");
+                taken.extend(tasks.iter().map(|t| t.args.clone()));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(taken, [4, 3, 2, 1, 0].map(|i| json!(i)));
+}
+
+#[tokio::test]
+async fn closing_the_pool_does_not_wait_for_the_connections_a_store_keeps() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    // A kept connection serves the next statement.
+    store.enqueue(NewTask::new("t", json!(1))).await.unwrap();
+    store.enqueue(NewTask::new("t", json!(2))).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), store.pool().close()).await.expect("the pool closed");
+    let after = store.enqueue(NewTask::new("t", json!(3))).await;
+    assert!(matches!(after, Err(PgEnqueueError::Database(sqlx::Error::PoolClosed))), "{after:?}");
+}

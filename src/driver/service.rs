@@ -299,6 +299,7 @@ async fn listen<R: Runtime>(
                 // A full channel drops the note: wake-ups coalesce anyway.
                 while let Ok(Some(note)) = listener.try_recv().await {
                     if let Some(queue) = note.channel().strip_prefix(&prefix) {
+                        tracing::trace!(target: "canter::listen", queue, "notified");
                         let _ = notes.try_send(Input::Notified { queue: queue.to_owned() });
                     }
                 }

@@ -1,8 +1,8 @@
 //! Enqueueing tasks: one, many in one statement, or inside the caller's own transaction.
 //!
 //! Every enqueue is one statement over parallel arrays, whatever the batch size: a plain insert
-//! for a batch without keys, `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to
-//! check without writing). It sends at most one notification per queue that received a new or
+//! for a batch without keys (checking run-at against good-until first when a task has one),
+//! `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to check without writing). It sends at most one notification per queue that received a new or
 //! updated task (on commit). Checks happen before anything is written and a refused batch
 //! writes nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue
 //! inside the caller's transaction never aborts that transaction.
@@ -65,12 +65,18 @@ impl PgStore {
     /// Enqueues one task and returns its id (an existing task's id for a known idempotency key
     /// with the same arguments).
     pub async fn enqueue(&self, task: NewTask) -> Result<TaskId, PgEnqueueError> {
-        enqueue_in(self.pool(), self.schema(), self.app(), task).await
+        let mut conn = self.connection().await?;
+        let id = enqueue_in(&mut *conn, self.schema(), self.app(), task).await?;
+        self.keep(conn);
+        Ok(id)
     }
 
     /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
     pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
-        enqueue_many_in(self.pool(), self.schema(), self.app(), tasks).await
+        let mut conn = self.connection().await?;
+        let ids = enqueue_many_in(&mut *conn, self.schema(), self.app(), tasks).await?;
+        self.keep(conn);
+        Ok(ids)
     }
 }
 
@@ -159,6 +165,44 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         flags.push((!task.flags.is_empty()).then(|| normalized_flags(&task.flags).join(",")));
     }
     let keyed = keys.iter().any(Option::is_some);
+    if write && !keyed && good_until.iter().all(Option::is_none) && n == 1 {
+        // Nothing left to check, one task: the plain insert of one row.
+        let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one.clone())
+            .bind(names[0])
+            .bind(&queues[0])
+            .bind(priorities[0])
+            .bind(args[0])
+            .bind(delays[0])
+            .bind(ats[0])
+            .bind(&retries[0])
+            .bind(&flags[0])
+            .bind(schema.queue_channel_prefix())
+            .fetch_one(executor)
+            .await?;
+        return Ok(vec![TaskId(id)]);
+    }
+    if write && !keyed && good_until.iter().all(Option::is_none) {
+        // Nothing left to check: the plain insert.
+        let rows = sqlx::query(schema.sql().enqueue_plain.clone())
+            .bind(names)
+            .bind(&queues)
+            .bind(priorities)
+            .bind(args)
+            .bind(delays)
+            .bind(ats)
+            .bind(retries)
+            .bind(flags)
+            .bind(schema.queue_channel_prefix())
+            .fetch_all(executor)
+            .await?;
+        let mut ids = rows.iter().map(|row| row.try_get::<i64, _>(0).map(TaskId)).collect::<Result<Vec<_>, _>>()?;
+        if ids.len() != n {
+            return Err(sqlx::Error::Protocol(format!("enqueue returned {} ids for {n} tasks", ids.len())).into());
+        }
+        // Drawn from the sequence in task order.
+        ids.sort_unstable();
+        return Ok(ids);
+    }
     let query = if write && !keyed {
         sqlx::query(schema.sql().enqueue_keyless.clone())
     } else {

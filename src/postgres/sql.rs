@@ -370,6 +370,36 @@ UNION ALL
 SELECT r.ord, NULL, 'run_at_after_good_until', NULL, {s}.ms(r.run_at), {s}.ms(r.good_until) FROM refused r
 ORDER BY 1";
 
+/// A batch without keys and without good-until times (most batches): nothing can refuse such
+/// a task, so it is one INSERT over the arrays and the clock read once, with one notification
+/// per queue. It returns the new ids, which the insert draws from the sequence in array order
+/// (so the caller sorts them to match the tasks). About a third cheaper than
+/// [`ENQUEUE_KEYLESS`]'s checks, numbering and sorts, per task.
+const ENQUEUE_PLAIN: &str = "\
+WITH c AS (SELECT {s}.db_now() AS now),
+inserted AS (
+    INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at, retry, flags)
+    SELECT i.name, i.queue, i.priority, i.args, 'PENDING', {s}.due_at(i.delay, i.at, c.now), c.now, i.retry,
+           string_to_array(i.flags, ',')
+    FROM c, unnest($1::text[], $2::text[], $3::smallint[], $4::jsonb[], $5::bigint[], $6::bigint[], $7::jsonb[],
+                   $8::text[]) AS i(name, queue, priority, args, delay, at, retry, flags)
+    RETURNING id, queue
+),
+notified AS (
+    SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT ins.queue FROM inserted ins) q
+)
+SELECT ins.id FROM inserted ins CROSS JOIN notified";
+
+/// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
+const ENQUEUE_ONE: &str = "\
+WITH inserted AS (
+    INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at, retry, flags)
+    SELECT $1, $2, $3, $4, 'PENDING', {s}.due_at($5, $6, c.now), c.now, $7, string_to_array($8, ',')
+    FROM (SELECT {s}.db_now() AS now) c
+    RETURNING id, queue
+)
+SELECT ins.id FROM inserted ins CROSS JOIN LATERAL (SELECT pg_notify($9 || ins.queue, '')) n";
+
 /// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
 const RECORD: &str = "\
 SELECT t.id, t.name, t.queue, t.state, t.priority, t.args, t.attempts, t.retries, {s}.ms(t.enqueued_at) AS enqueued_at,
@@ -656,6 +686,8 @@ pub(crate) struct Statements {
     pub(crate) deregister_worker: SqlStr,
     pub(crate) enqueue: SqlStr,
     pub(crate) enqueue_keyless: SqlStr,
+    pub(crate) enqueue_plain: SqlStr,
+    pub(crate) enqueue_one: SqlStr,
     pub(crate) get: SqlStr,
     pub(crate) list: SqlStr,
     pub(crate) attempts: SqlStr,
@@ -717,6 +749,8 @@ impl Statements {
             deregister_worker: fill(DEREGISTER_WORKER),
             enqueue: fill(ENQUEUE),
             enqueue_keyless: fill(ENQUEUE_KEYLESS),
+            enqueue_plain: fill(ENQUEUE_PLAIN),
+            enqueue_one: fill(ENQUEUE_ONE),
             get: fill(&record("t.id = $1", "f.id = $1")),
             list: fill(&list),
             attempts: fill(ATTEMPTS),

@@ -19,11 +19,13 @@
 //!   rolled back, retrying is right); any other SQLSTATE → `Rejected` (a bug or a schema
 //!   mismatch; nothing was applied).
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;
-use sqlx::{Acquire, PgConnection, PgPool, Row};
+use sqlx::pool::PoolConnection;
+use sqlx::{Acquire, PgConnection, PgPool, Postgres, Row};
 
 use crate::backoff;
 use crate::budget::ClaimPolicy;
@@ -47,19 +49,109 @@ const MIN_DB_TIME_MS: i64 = -200_000_000_000_000;
 /// ([`enqueue`](PgStore::enqueue)), inspection and result waiting
 /// ([`get`](PgStore::get), [`wait_result`](PgStore::wait_result)).
 ///
-/// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s.
+/// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s. Clones
+/// share the few connections the store keeps between the worker's requests and enqueues (at
+/// most 3, at most half the pool's size, beside the pool's own): sqlx tests a connection with
+/// a round trip every time it goes back to its pool.
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,
     schema: PgSchema,
     app: Arc<AppConfig>,
+    kept: Arc<KeptConnections>,
+}
+
+/// Connections kept between statements. sqlx tests every connection that goes back to its pool
+/// with a round trip (a ping, in a task it spawns), so a worker sending a statement or two per
+/// batch of tasks, or a client enqueueing one task at a time, would pay a second round trip and
+/// a wake-up of another thread per statement. A kept connection is detached from the pool (so
+/// closing the pool never waits for the store) and is kept only after a statement succeeded;
+/// one unused for [`KeptConnections::MAX_IDLE`] is closed rather than trusted.
+#[derive(Debug)]
+pub(crate) struct KeptConnections {
+    idle: Mutex<Vec<(PgConnection, Instant)>>,
+    cap: usize,
+}
+
+impl KeptConnections {
+    /// How long a kept connection may sit unused before it is closed.
+    const MAX_IDLE: Duration = Duration::from_secs(30);
+
+    fn new(pool: &PgPool) -> KeptConnections {
+        let cap = (pool.options().get_max_connections() as usize / 2).min(3);
+        KeptConnections { idle: Mutex::new(Vec::with_capacity(cap)), cap }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(PgConnection, Instant)>> {
+        self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// A connection for one statement: kept by the store, or fresh from the pool.
+pub(crate) enum StoreConnection {
+    Kept(PgConnection),
+    Pooled(PoolConnection<Postgres>),
+}
+
+impl std::ops::Deref for StoreConnection {
+    type Target = PgConnection;
+
+    fn deref(&self) -> &PgConnection {
+        match self {
+            StoreConnection::Kept(conn) => conn,
+            StoreConnection::Pooled(conn) => conn,
+        }
+    }
+}
+
+impl std::ops::DerefMut for StoreConnection {
+    fn deref_mut(&mut self) -> &mut PgConnection {
+        match self {
+            StoreConnection::Kept(conn) => conn,
+            StoreConnection::Pooled(conn) => conn,
+        }
+    }
 }
 
 impl PgStore {
     /// A store on `pool` in `schema`, checking enqueues against `app`. It does not touch the
     /// database; run [`migrate`](PgStore::migrate) once at startup.
     pub fn new(pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
-        PgStore { pool, schema, app: Arc::new(app) }
+        let kept = Arc::new(KeptConnections::new(&pool));
+        PgStore { pool, schema, app: Arc::new(app), kept }
+    }
+
+    /// A connection for a statement: the last one kept, else one from the pool. Hand it back
+    /// with [`keep`](PgStore::keep) once its statement succeeded.
+    pub(crate) async fn connection(&self) -> Result<StoreConnection, sqlx::Error> {
+        if self.pool.is_closed() {
+            self.kept.lock().clear();
+            return Err(sqlx::Error::PoolClosed);
+        }
+        loop {
+            let kept = self.kept.lock().pop();
+            match kept {
+                Some((conn, since)) if since.elapsed() < KeptConnections::MAX_IDLE => {
+                    return Ok(StoreConnection::Kept(conn));
+                }
+                // Too long unused: the server may have closed it.
+                Some((stale, _)) => drop(stale),
+                None => return self.pool.acquire().await.map(StoreConnection::Pooled),
+            }
+        }
+    }
+
+    /// Keeps `conn` for the next statement, or lets it go when enough are kept.
+    pub(crate) fn keep(&self, conn: StoreConnection) {
+        let mut kept = self.kept.lock();
+        if kept.len() >= self.kept.cap || self.pool.is_closed() {
+            return;
+        }
+        let conn = match conn {
+            StoreConnection::Kept(conn) => conn,
+            StoreConnection::Pooled(conn) => conn.detach(),
+        };
+        kept.push((conn, Instant::now()));
     }
 
     /// The connection pool.
@@ -91,17 +183,22 @@ impl PgStore {
     /// Runs one request of the worker machine and returns its reply, with the semantics
     /// [`DbRequest`] documents. See the module docs for how failures map.
     pub async fn execute(&self, request: &DbRequest) -> Result<DbReply, DbFailure> {
-        let mut conn = self.pool.acquire().await.map_err(|e| DbFailure::Unavailable(e.to_string()))?;
-        self.run(&mut conn, request).await.map_err(failure)
+        let mut conn = self.connection().await.map_err(|e| DbFailure::Unavailable(e.to_string()))?;
+        let reply = self.run(&mut conn, request).await.map_err(failure)?;
+        self.keep(conn);
+        Ok(reply)
     }
 
     async fn run(&self, conn: &mut PgConnection, request: &DbRequest) -> Result<DbReply, sqlx::Error> {
         let sql = self.schema.sql();
         match request {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
-                let queues: Vec<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
-                let caps: Vec<Option<i32>> = policy.queues.iter().map(|q| q.max_concurrency.map(int)).collect();
-                let serial: Vec<bool> = policy.queues.iter().map(|q| q.serial).collect();
+                // claim() relies on distinct queues (a queue named twice is served once).
+                let mut seen = std::collections::BTreeSet::new();
+                let served: Vec<_> = policy.queues.iter().filter(|q| seen.insert(q.name.as_str())).collect();
+                let queues: Vec<&str> = served.iter().map(|q| q.name.as_str()).collect();
+                let caps: Vec<Option<i32>> = served.iter().map(|q| q.max_concurrency.map(int)).collect();
+                let serial: Vec<bool> = served.iter().map(|q| q.serial).collect();
                 let forbidden = (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags);
                 let rows = sqlx::query(sql.claim.clone())
                     .bind(&worker.0)
