@@ -537,7 +537,7 @@ BEGIN
     held AS (
         SELECT t.id, t.lease, t.state, t.queue, t.claim_expires_at, t.good_until, t.attempts
         FROM tasks t
-        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state IN ('CLAIMED', 'RUNNING')
+        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state <> 'PENDING'
         ORDER BY t.id
         FOR UPDATE
     ),

@@ -100,6 +100,21 @@ async fn the_claim_uses_its_index_with_a_long_history() {
             .unwrap();
         check_plan(&plan, &format!("{mode}, limit {limit}"));
     }
+    // The lookup of held rows that finish, record-starts, release and `start_tasks` share, with
+    // a generic plan (sqlx reuses its prepared statements; PostgreSQL plans them generically
+    // after five runs): the primary key finds the rows. Scanning the in-flight index instead
+    // tests each row against the id array element by element, quadratic in the batch.
+    let held = format!(
+        "SELECT t.id FROM {s}.tasks t
+         WHERE t.id = ANY ($2::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
+         ORDER BY t.id
+         FOR UPDATE"
+    );
+    let explain = format!("EXPLAIN (FORMAT JSON) {held}");
+    let plan: Value =
+        sqlx::query_scalar(AssertSqlSafe(explain)).bind("w").bind(vec![1_i64, 2]).fetch_one(&mut *conn).await.unwrap();
+    let scans: Vec<_> = nodes(&plan[0]["Plan"]).into_iter().filter_map(|n| n["Index Name"].as_str()).collect();
+    assert_eq!(scans, ["tasks_pkey"], "held rows: {plan:#}");
     sqlx::raw_sql("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
 
     // The real function, ten passes in one transaction (PL/pgSQL switches to generic plans

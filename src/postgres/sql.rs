@@ -4,8 +4,16 @@
 //! any size is one prepared statement. Every write about a held task names its lease and the
 //! state it expects, and locks the rows it decides on (`FOR UPDATE`, in id order, so two
 //! statements of one worker cannot deadlock) before deciding: a concurrent writer (another
-//! worker, the reaper) either went first and the row no longer matches, or waits. Notifications are sent from the same statement: a `notified` CTE that
-//! the final SELECT cross-joins, so it runs whenever there is something to announce.
+//! worker, the reaper) either went first and the row no longer matches, or waits.
+//!
+//! Held rows are found by `t.id = ANY ($ids)` on the primary key with `t.state <> 'PENDING'`
+//! (the same rows as `IN ('CLAIMED', 'RUNNING')` under the state check), a condition the
+//! in-flight index cannot serve: otherwise a generic plan (sqlx reuses prepared statements, and
+//! PostgreSQL switches to a generic plan after five runs) scans that index and tests each row
+//! against the id array one element at a time, quadratic in the batch.
+//!
+//! Notifications are sent from the same statement: a `notified` CTE that the final SELECT
+//! cross-joins, so it runs whenever there is something to announce.
 //!
 //! [`PgSchema`]: crate::postgres::PgSchema
 
@@ -51,7 +59,7 @@ WITH input AS (
 -- as an attempt here).
 held AS (
     SELECT t.id, t.lease, t.good_until, t.state, t.attempts, t.started_at FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('RUNNING', 'CLAIMED') AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -117,7 +125,7 @@ WITH input AS (
 ),
 held AS (
     SELECT t.id, t.lease, t.state, t.attempts FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -151,7 +159,7 @@ held AS (
            t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond'
            AND (t.claim_expires_at IS NULL OR t.claim_expires_at > {s}.db_now()) AS renewable
     FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -196,7 +204,7 @@ WITH input AS (
 ),
 held AS (
     SELECT t.id, t.lease FROM {s}.tasks t
-    WHERE t.id = ANY ($2::bigint[]) AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+    WHERE t.id = ANY ($2::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
