@@ -5,7 +5,8 @@
 //! Workloads (each run in a fresh schema of its own, dropped afterwards):
 //!
 //! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then the
-//!   same number in calls of `--bulk-size` (`enqueue_bulk`);
+//!   same number in calls of `--bulk-size` (`enqueue_bulk`), after a `CHECKPOINT` (so neither
+//!   mode's commits wait behind the WAL of its schema's creation);
 //! - `drain`: `--tasks` no-op tasks committed in one transaction while one idle worker process
 //!   (`canter worker --concurrency C`, a child of this process) waits; timed from the commit
 //!   until the last task is finished (results kept), checked by a count; the worker's peak RSS

@@ -42,8 +42,9 @@ fn noop(i: usize) -> NewTask {
 }
 
 async fn enqueue(options: &Options, store: &PgStore) -> Result<Vec<Sample>, BenchError> {
-    // Connect before the clock starts.
+    // Connect before the clock starts, with the schema's creation flushed.
     store.now().await.map_err(|e| failed("connect", e))?;
+    checkpoint(store.pool()).await;
     let n = options.enqueue_tasks;
     let start = Instant::now();
     for i in 0..n {

@@ -93,6 +93,7 @@ fn payload(i: usize) -> Value {
 
 async fn enqueue(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Vec<Sample>, BenchError> {
     let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+    checkpoint(pool).await;
     let n = options.enqueue_tasks;
     let start = Instant::now();
     for i in 0..n {
