@@ -76,7 +76,7 @@ pub trait Handlers: Send + Sync + 'static {
     /// A panic while the future is polled is caught by the driver (`UNHANDLED_ERROR`): do the
     /// work inside the future, not in `run` itself. A timed-out blocking handler's thread
     /// cannot be stopped: it runs to its end while the task is written as timed out.
-    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome>;
+    fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome>;
 }
 
 impl<S: Store + ?Sized> Store for Arc<S> {
@@ -86,7 +86,7 @@ impl<S: Store + ?Sized> Store for Arc<S> {
 }
 
 impl<H: Handlers + ?Sized> Handlers for Arc<H> {
-    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+    fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome> {
         (**self).run(run)
     }
 }
@@ -173,9 +173,9 @@ where
                     if let Some((_, previous)) = running.insert(run.id, (run.lease, handle)) {
                         previous.abort();
                     }
-                    let handler = handlers.run(&run);
-                    let done = done_tx.clone();
                     let (task, lease) = (run.id, run.lease);
+                    let handler = handlers.run(run);
+                    let done = done_tx.clone();
                     runtime.spawn(Box::pin(async move {
                         let caught = Abortable::new(AssertUnwindSafe(handler).catch_unwind(), registration).await;
                         let outcome = match caught {

@@ -292,10 +292,10 @@ pub struct BoundRegistry<R> {
 }
 
 impl<R: Runtime> Handlers for BoundRegistry<R> {
-    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
-        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue.clone() };
+    fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome> {
+        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue };
         match self.registry.handlers.get(&run.name) {
-            Some(handler) => handler(run.args.clone(), context, &*self.runtime),
+            Some(handler) => handler(run.args, context, &*self.runtime),
             None => {
                 let error = TaskError::new(
                     ErrorCode::WorkerResolutionError,

@@ -266,7 +266,7 @@ struct Traced<H> {
 }
 
 impl<H: Handlers> Handlers for Traced<H> {
-    fn run(&self, run: &TaskRun) -> BoxFuture<'static, TaskOutcome> {
+    fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome> {
         let span = tracing::info_span!("canter.task", id = %run.id, name = %run.name, queue = %run.queue, attempt = run.attempt.0);
         self.inner.run(run).instrument(span).boxed()
     }
