@@ -142,6 +142,8 @@ impl PgStore {
     }
 
     /// Keeps `conn` for the next statement, or lets it go when enough are kept.
+    // Connection bookkeeping of the I/O adapter, not the core's time (which is the database's).
+    #[allow(clippy::disallowed_methods)]
     pub(crate) fn keep(&self, conn: StoreConnection) {
         let mut kept = self.kept.lock();
         if kept.len() >= self.kept.cap || self.pool.is_closed() {
