@@ -277,6 +277,16 @@ async fn plain_enqueues_keep_task_order_times_and_flags() {
         assert_eq!((record.queue.as_str(), record.priority), (if i % 3 == 0 { "a" } else { "b" }, (i % 5) as i16));
         assert_eq!(record.run_at, record.enqueued_at);
     }
+    // A batch of one kind due now: the insert with the arguments as its only array.
+    let ids = store.enqueue_many((0..300).map(|i| NewTask::new("u", json!([i])).queue("a").priority(-3)).collect());
+    let ids = ids.await.unwrap();
+    assert_eq!(ids.len(), 300);
+    for (i, id) in ids.iter().enumerate() {
+        let record = store.get(*id).await.unwrap().unwrap();
+        assert_eq!((record.name.as_str(), &record.args), ("u", &json!([i])), "task {i}");
+        assert_eq!((record.queue.as_str(), record.priority, record.flags.len()), ("a", -3, 0));
+        assert_eq!(record.run_at, record.enqueued_at);
+    }
 }
 
 #[tokio::test]

@@ -1,9 +1,10 @@
 //! Enqueueing tasks: one, many in one statement, or inside the caller's own transaction.
 //!
-//! Every enqueue is one statement over parallel arrays, whatever the batch size: a plain insert
-//! for a batch without keys (checking run-at against good-until first when a task has one),
-//! `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to check without writing). It sends at most one notification per queue that received a new or
-//! updated task (on commit). Checks happen before anything is written and a refused batch
+//! Every enqueue is one statement, whatever the batch size: a plain insert for a batch without
+//! keys (over parallel arrays; with scalars for one task; with the arguments the only array for
+//! a batch of one kind due now; checking run-at against good-until first when a task has one),
+//! `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to check without writing). It
+//! sends at most one notification per queue that received a new or updated task (on commit). Checks happen before anything is written and a refused batch
 //! writes nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue
 //! inside the caller's transaction never aborts that transaction.
 //!
@@ -22,6 +23,7 @@
 //! [`KeyMode::Idempotent`]: crate::db::KeyMode::Idempotent
 
 use serde_json::Value;
+use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
@@ -134,6 +136,18 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     }
 
     let n = tasks.len();
+    if write && n > 1 && of_one_kind_due_now(tasks, &queues) {
+        let first = &tasks[0];
+        let rows = sqlx::query(schema.sql().enqueue_uniform.clone())
+            .bind(first.name.as_str())
+            .bind(&queues[0])
+            .bind(first.priority)
+            .bind(tasks.iter().map(|task| &task.args).collect::<Vec<_>>())
+            .bind(schema.queue_channel_prefix())
+            .fetch_all(executor)
+            .await?;
+        return ids_in_task_order(&rows, n);
+    }
     let mut names = Vec::with_capacity(n);
     let mut args = Vec::with_capacity(n);
     let mut priorities = Vec::with_capacity(n);
@@ -195,13 +209,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
             .bind(schema.queue_channel_prefix())
             .fetch_all(executor)
             .await?;
-        let mut ids = rows.iter().map(|row| row.try_get::<i64, _>(0).map(TaskId)).collect::<Result<Vec<_>, _>>()?;
-        if ids.len() != n {
-            return Err(sqlx::Error::Protocol(format!("enqueue returned {} ids for {n} tasks", ids.len())).into());
-        }
-        // Drawn from the sequence in task order.
-        ids.sort_unstable();
-        return Ok(ids);
+        return ids_in_task_order(&rows, n);
     }
     let query = if write && !keyed {
         sqlx::query(schema.sql().enqueue_keyless.clone())
@@ -254,6 +262,34 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         None if ids.len() == n => Ok(ids),
         None => Err(sqlx::Error::Protocol(format!("enqueue returned {} ids for {n} tasks", ids.len())).into()),
     }
+}
+
+/// Whether every task is of the first's kind (name, queue, priority), due now, with no key,
+/// good-until time, retry policy or flags: the batch the
+/// uniform insert writes.
+fn of_one_kind_due_now(tasks: &[NewTask], queues: &[String]) -> bool {
+    let first = &tasks[0];
+    tasks.iter().zip(queues).all(|(task, queue)| {
+        task.name == first.name
+            && *queue == queues[0]
+            && task.priority == first.priority
+            && matches!(task.run_at, RunAt::Now)
+            && task.key.is_none()
+            && task.good_until.is_none()
+            && task.retry.is_none()
+            && task.flags.is_empty()
+    })
+}
+
+/// The ids an insert returned, one per task, in task order: the insert draws them from the
+/// sequence in array order, so sorting restores it.
+fn ids_in_task_order(rows: &[PgRow], n: usize) -> Result<Vec<TaskId>, PgEnqueueError> {
+    let mut ids = rows.iter().map(|row| row.try_get::<i64, _>(0).map(TaskId)).collect::<Result<Vec<_>, _>>()?;
+    if ids.len() != n {
+        return Err(sqlx::Error::Protocol(format!("enqueue returned {} ids for {n} tasks", ids.len())).into());
+    }
+    ids.sort_unstable();
+    Ok(ids)
 }
 
 /// Where a NUL character hides in `value` (PostgreSQL's `jsonb` cannot store one), if anywhere.
