@@ -81,7 +81,8 @@ async fn the_claim_uses_its_index_with_a_long_history() {
     // The candidate query of `claim` (migrations/0001_schema.sql, CTE `pend`).
     let candidates = format!(
         "SELECT t.id, t.priority, t.run_at FROM {s}.tasks t
-         WHERE t.queue = $1 AND t.state = 'PENDING' AND t.run_at <= {s}.db_now()
+         WHERE hashtext(t.queue) = hashtext($1) AND t.queue = $1 AND t.state = 'PENDING'
+           AND t.run_at <= {s}.db_now()
            AND (t.good_until IS NULL OR t.good_until > {s}.db_now()) AND t.id <> ALL ($2::bigint[])
          ORDER BY t.priority, t.run_at, t.id
          LIMIT $3

@@ -320,6 +320,48 @@ async fn a_full_claim_says_whether_rows_were_left_behind() {
     assert_eq!(taken, [4, 3, 2, 1, 0].map(|i| json!(i)));
 }
 
+/// The claim index keys queues by `hashtext(queue)`; two queues with the same hash share its
+/// key range, and the claim must still take only its own queue's rows.
+#[tokio::test]
+async fn queues_whose_names_share_a_hash_stay_apart() {
+    let db = TestDb::new().await;
+    let (mine, other) = ("q22137", "q190411");
+    let store = db.store(custom(&[mine, other]), 4).await;
+    let same: bool = sqlx::query_scalar("SELECT hashtext($1) = hashtext($2)")
+        .bind(mine)
+        .bind(other)
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert!(same, "the two queue names no longer share a hash");
+    // The other queue's rows come first in the shared key range (higher priority, earlier).
+    let tasks = (0..6)
+        .map(|i| {
+            let queue = if i < 3 { other } else { mine };
+            NewTask::new("t", json!(i)).queue(queue).priority(if i < 3 { -1 } else { 0 })
+        })
+        .collect();
+    store.enqueue_many(tasks).await.unwrap();
+    let config = WorkerConfig { concurrency: 10, queues: vec![mine.into()], ..WorkerConfig::default() };
+    let claim = DbRequest::Claim {
+        worker: WorkerId("w".into()),
+        token: 1,
+        policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
+        my_running: 0,
+        my_claimed: 0,
+        start_now: 0,
+        lease_ms: 60_000,
+    };
+    match store.execute(&claim).await.unwrap() {
+        DbReply::Claimed { tasks, more, .. } => {
+            let taken: Vec<_> = tasks.iter().map(|t| (t.queue.clone(), t.args.clone())).collect();
+            assert_eq!(taken, [3, 4, 5].map(|i| (mine.to_string(), json!(i))));
+            assert!(!more, "the other queue's rows are not this claim's");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn closing_the_pool_does_not_wait_for_the_connections_a_store_keeps() {
     let db = TestDb::new().await;
