@@ -463,6 +463,21 @@ impl AppConfig {
         self.queues().into_iter().find(|q| q.name == name)
     }
 
+    /// The names of [`queues`](Self::queues), in order, borrowed (enqueue checks every task's
+    /// queue against them).
+    pub fn queue_names(&self) -> impl Iterator<Item = &str> {
+        let (default, custom) = match self.queue_mode {
+            QueueMode::Default => (Some(DEFAULT_QUEUE_NAME), &[][..]),
+            QueueMode::Custom => (None, &self.custom_queues[..]),
+        };
+        default.into_iter().chain(custom.iter().map(|q| q.name.as_str()))
+    }
+
+    /// Whether the application has a queue named `name`.
+    pub fn has_queue(&self, name: &str) -> bool {
+        self.queue_names().any(|q| q == name)
+    }
+
     /// Every problem of this configuration; fields are named without a prefix
     /// (`prefetch_buffer`, `recovery.check_interval_ms`).
     pub fn validate(&self) -> Result<(), ConfigError> {

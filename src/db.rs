@@ -318,17 +318,17 @@ impl EnqueueError {
 
 /// The queue a new task goes to, after checking everything a store checks before writing:
 /// task name, queue, key, retry policy, and run-at against good-until (`now` is the store's).
-pub fn check_new_task(app: &AppConfig, task: &NewTask, now: DbTime) -> Result<String, EnqueueError> {
+pub fn check_new_task<'a>(app: &'a AppConfig, task: &'a NewTask, now: DbTime) -> Result<&'a str, EnqueueError> {
     if task.name.is_empty() || task.name.len() > 128 {
         return Err(EnqueueError::InvalidTaskName(task.name.clone()));
     }
-    let queue = task.queue.clone().unwrap_or_else(|| default_queue(app));
-    if !is_valid_queue_name(&queue) {
-        return Err(EnqueueError::InvalidQueueName(queue));
+    let queue = task.queue.as_deref().unwrap_or_else(|| default_queue(app));
+    if !is_valid_queue_name(queue) {
+        return Err(EnqueueError::InvalidQueueName(queue.to_owned()));
     }
-    if app.queue(&queue).is_none() {
-        let known = app.queues().into_iter().map(|q| q.name).collect::<Vec<_>>().join(", ");
-        return Err(EnqueueError::UnknownQueue { queue, known });
+    if !app.has_queue(queue) {
+        let known = app.queue_names().collect::<Vec<_>>().join(", ");
+        return Err(EnqueueError::UnknownQueue { queue: queue.to_owned(), known });
     }
     if let Some(key) = &task.key {
         if key.is_empty() || key.len() > 256 {
@@ -351,8 +351,8 @@ pub fn check_new_task(app: &AppConfig, task: &NewTask, now: DbTime) -> Result<St
 }
 
 /// The queue of tasks enqueued without one: `default`, or in custom mode the first queue.
-pub fn default_queue(app: &AppConfig) -> String {
-    app.queues().into_iter().next().map_or_else(|| "default".to_owned(), |q| q.name)
+pub fn default_queue(app: &AppConfig) -> &str {
+    app.queue_names().next().unwrap_or(crate::config::DEFAULT_QUEUE_NAME)
 }
 
 /// The database time a [`RunAt`] means when enqueued at `now`.

@@ -397,7 +397,7 @@ impl MemoryStore {
         let mut queues = Vec::with_capacity(tasks.len());
         let mut batch_keys = db::BatchKeys::default();
         for (index, task) in tasks.iter().enumerate() {
-            queues.push(db::check_new_task(&self.app, task, now)?);
+            queues.push(db::check_new_task(&self.app, task, now)?.to_owned());
             batch_keys.check(index, task)?;
             if let (Some(key), KeyMode::Idempotent) = (&task.key, task.key_mode) {
                 if let Some(holder) = self.keys.get(key).and_then(|id| self.row(*id)) {

@@ -140,7 +140,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         let first = &tasks[0];
         let rows = sqlx::query(schema.sql().enqueue_uniform.clone())
             .bind(first.name.as_str())
-            .bind(&queues[0])
+            .bind(queues[0])
             .bind(first.priority)
             .bind(tasks.iter().map(|task| &task.args).collect::<Vec<_>>())
             .bind(schema.queue_channel_prefix())
@@ -183,7 +183,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         // Nothing left to check, one task: the plain insert of one row.
         let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one.clone())
             .bind(names[0])
-            .bind(&queues[0])
+            .bind(queues[0])
             .bind(priorities[0])
             .bind(args[0])
             .bind(delays[0])
@@ -267,7 +267,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
 /// Whether every task is of the first's kind (name, queue, priority), due now, with no key,
 /// good-until time, retry policy or flags: the batch the
 /// uniform insert writes.
-fn of_one_kind_due_now(tasks: &[NewTask], queues: &[String]) -> bool {
+fn of_one_kind_due_now(tasks: &[NewTask], queues: &[&str]) -> bool {
     let first = &tasks[0];
     tasks.iter().zip(queues).all(|(task, queue)| {
         task.name == first.name
