@@ -2,11 +2,12 @@
 //! run by a raw baseline (hand-written SQL through sqlx, no library) in the same invocation, so
 //! every figure comes with a ratio measured on the same machine at the same time.
 //!
-//! Workloads (each run in a fresh schema of its own, dropped afterwards):
+//! Workloads (each run in a fresh schema of its own, dropped afterwards; the two modes of a run
+//! back to back, the first of them alternating from run to run):
 //!
-//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then the
-//!   same number in calls of `--bulk-size` (`enqueue_bulk`), after a `CHECKPOINT` (so neither
-//!   mode's commits wait behind the WAL of its schema's creation);
+//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then, in a
+//!   fresh schema, the same number in calls of `--bulk-size` (`enqueue_bulk`), each after a
+//!   `CHECKPOINT` (so neither mode's commits wait behind the WAL of its schema's creation);
 //! - `drain`: `--tasks` no-op tasks committed in one transaction while one idle worker process
 //!   (`canter worker --concurrency C`, a child of this process) waits; timed from the commit
 //!   until the last task is finished (results kept), checked by a count; the worker's peak RSS
@@ -97,7 +98,10 @@ pub const DEFAULT_WORKER_ARGS: &str = "--prefetch-buffer 2048 --claim-lease-ms 6
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Workload {
-    Enqueue,
+    /// Enqueues one by one; `--workload enqueue` runs it and then [`Workload::EnqueueBulk`].
+    EnqueueOne,
+    /// Enqueues in calls of `--bulk-size`, in a fresh schema of its own.
+    EnqueueBulk,
     Drain,
     Latency,
     History,
@@ -106,7 +110,8 @@ enum Workload {
 impl Workload {
     fn name(self) -> &'static str {
         match self {
-            Workload::Enqueue => "enqueue",
+            Workload::EnqueueOne => "enqueue_one",
+            Workload::EnqueueBulk => "enqueue_bulk",
             Workload::Drain => "drain",
             Workload::Latency => "latency",
             Workload::History => "history",
@@ -184,8 +189,10 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         Ok(value)
     };
     let workloads = match args.value("workload").unwrap_or("all") {
-        "all" => vec![Workload::Enqueue, Workload::Drain, Workload::Latency, Workload::History],
-        "enqueue" => vec![Workload::Enqueue],
+        "all" => {
+            vec![Workload::EnqueueOne, Workload::EnqueueBulk, Workload::Drain, Workload::Latency, Workload::History]
+        }
+        "enqueue" => vec![Workload::EnqueueOne, Workload::EnqueueBulk],
         "drain" => vec![Workload::Drain],
         "latency" => vec![Workload::Latency],
         "history" => vec![Workload::History],
@@ -493,7 +500,13 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
     let mut samples = Vec::new();
     for &workload in &options.workloads {
         for run in 1..=options.runs {
-            for &mode in &options.modes {
+            // Each run alternates which mode goes first, so a machine that speeds up or slows
+            // down over a minute does not always favour the same one.
+            let mut modes = options.modes.clone();
+            if run % 2 == 0 {
+                modes.reverse();
+            }
+            for &mode in &modes {
                 let results = run_one(&options, &pool, workload, mode, run).await?;
                 for mut sample in results {
                     sample.run = run;

@@ -25,7 +25,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     let store = PgStore::new(pool.clone(), schema.clone(), options.config.app.clone());
     store.migrate().await.map_err(|e| failed("migrate", e))?;
     let result = match workload {
-        Workload::Enqueue => enqueue(options, &store).await,
+        Workload::EnqueueOne => enqueue_one(options, &store).await.map(|s| vec![s]),
+        Workload::EnqueueBulk => enqueue_bulk(options, &store).await.map(|s| vec![s]),
         Workload::Drain => drain(options, &store, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
@@ -41,17 +42,26 @@ fn noop(i: usize) -> NewTask {
     NewTask::new("noop", json!({ "i": i }))
 }
 
-async fn enqueue(options: &Options, store: &PgStore) -> Result<Vec<Sample>, BenchError> {
-    // Connect before the clock starts, with the schema's creation flushed.
+/// Connects before the clock starts, with the schema's creation flushed.
+async fn before_enqueues(store: &PgStore) -> Result<(), BenchError> {
     store.now().await.map_err(|e| failed("connect", e))?;
     checkpoint(store.pool()).await;
+    Ok(())
+}
+
+async fn enqueue_one(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
+    before_enqueues(store).await?;
     let n = options.enqueue_tasks;
     let start = Instant::now();
     for i in 0..n {
         store.enqueue(noop(i)).await.map_err(|e| failed("enqueue", e))?;
     }
-    let one = Sample::new("enqueue_one", Mode::Canter, n, start.elapsed().as_secs_f64());
+    Ok(Sample::new(Workload::EnqueueOne.name(), Mode::Canter, n, start.elapsed().as_secs_f64()))
+}
 
+async fn enqueue_bulk(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
+    before_enqueues(store).await?;
+    let n = options.enqueue_tasks;
     let start = Instant::now();
     let mut done = 0;
     while done < n {
@@ -60,8 +70,7 @@ async fn enqueue(options: &Options, store: &PgStore) -> Result<Vec<Sample>, Benc
         store.enqueue_many(tasks).await.map_err(|e| failed("enqueue_many", e))?;
         done += size;
     }
-    let bulk = Sample::new("enqueue_bulk", Mode::Canter, n, start.elapsed().as_secs_f64());
-    Ok(vec![one, bulk])
+    Ok(Sample::new(Workload::EnqueueBulk.name(), Mode::Canter, n, start.elapsed().as_secs_f64()))
 }
 
 /// Stores `n` finished tasks (and their attempts) directly, as a worker would have left them,

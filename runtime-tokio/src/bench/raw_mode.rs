@@ -7,8 +7,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::{Value, json};
+use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgListener;
-use sqlx::{PgConnection, PgPool, Row};
+use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
 use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
@@ -75,7 +76,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
     let sql = Sql::new(scratch);
     let result = match workload {
-        Workload::Enqueue => enqueue(options, &pool, &sql).await,
+        Workload::EnqueueOne => enqueue_one(options, &pool, &sql).await.map(|s| vec![s]),
+        Workload::EnqueueBulk => enqueue_bulk(options, &pool, &sql).await.map(|s| vec![s]),
         Workload::Drain => drain(options, &pool, &sql, scratch, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&pool, scratch, options.history_tasks).await?;
@@ -91,9 +93,15 @@ fn payload(i: usize) -> Value {
     json!({ "i": i })
 }
 
-async fn enqueue(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Vec<Sample>, BenchError> {
-    let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+/// A connection made before the clock starts, with the schema's creation flushed.
+async fn before_enqueues(pool: &PgPool) -> Result<PoolConnection<Postgres>, BenchError> {
+    let conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
     checkpoint(pool).await;
+    Ok(conn)
+}
+
+async fn enqueue_one(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
+    let mut conn = before_enqueues(pool).await?;
     let n = options.enqueue_tasks;
     let start = Instant::now();
     for i in 0..n {
@@ -106,8 +114,12 @@ async fn enqueue(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Vec<Samp
             .try_get(0)
             .map_err(|e| failed("insert", e))?;
     }
-    let one = Sample::new("enqueue_one", Mode::Raw, n, start.elapsed().as_secs_f64());
+    Ok(Sample::new(Workload::EnqueueOne.name(), Mode::Raw, n, start.elapsed().as_secs_f64()))
+}
 
+async fn enqueue_bulk(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
+    let mut conn = before_enqueues(pool).await?;
+    let n = options.enqueue_tasks;
     let start = Instant::now();
     let mut done = 0;
     while done < n {
@@ -123,8 +135,7 @@ async fn enqueue(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Vec<Samp
             rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
         done += size;
     }
-    let bulk = Sample::new("enqueue_bulk", Mode::Raw, n, start.elapsed().as_secs_f64());
-    Ok(vec![one, bulk])
+    Ok(Sample::new(Workload::EnqueueBulk.name(), Mode::Raw, n, start.elapsed().as_secs_f64()))
 }
 
 /// `n` finished jobs in the same table, vacuumed and analyzed.
