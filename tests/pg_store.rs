@@ -25,11 +25,14 @@ fn custom(queues: &[&str]) -> AppConfig {
 }
 
 fn claim_request(store: &PgStore, worker: &str, concurrency: u32, start_now: u32) -> DbRequest {
-    let config = WorkerConfig { concurrency, ..WorkerConfig::default() };
+    claim_with(store, worker, &WorkerConfig { concurrency, ..WorkerConfig::default() }, start_now)
+}
+
+fn claim_with(store: &PgStore, worker: &str, config: &WorkerConfig, start_now: u32) -> DbRequest {
     DbRequest::Claim {
         worker: WorkerId(worker.into()),
         token: 1,
-        policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
+        policy: Arc::new(ClaimPolicy::from_config(store.app(), config)),
         my_running: 0,
         my_claimed: 0,
         start_now,
@@ -294,18 +297,7 @@ async fn a_full_claim_says_whether_rows_were_left_behind() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 4).await;
     store.enqueue_many((0..5).map(|i| NewTask::new("t", json!(i)).priority(-(i as i16))).collect()).await.unwrap();
-    let claim = |batch: u32| {
-        let config = WorkerConfig { concurrency: batch, ..WorkerConfig::default() };
-        DbRequest::Claim {
-            worker: WorkerId("w".into()),
-            token: 1,
-            policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
-            my_running: 0,
-            my_claimed: 0,
-            start_now: 0,
-            lease_ms: 60_000,
-        }
-    };
+    let claim = |batch: u32| claim_request(&store, "w", batch, 0);
     // Claim order is priority first: the probe for more starts after the last row taken.
     let mut taken = Vec::new();
     for (batch, more) in [(2, true), (2, true), (2, false)] {
@@ -343,15 +335,7 @@ async fn queues_whose_names_share_a_hash_stay_apart() {
         .collect();
     store.enqueue_many(tasks).await.unwrap();
     let config = WorkerConfig { concurrency: 10, queues: vec![mine.into()], ..WorkerConfig::default() };
-    let claim = DbRequest::Claim {
-        worker: WorkerId("w".into()),
-        token: 1,
-        policy: Arc::new(ClaimPolicy::from_config(store.app(), &config)),
-        my_running: 0,
-        my_claimed: 0,
-        start_now: 0,
-        lease_ms: 60_000,
-    };
+    let claim = claim_with(&store, "w", &config, 0);
     match store.execute(&claim).await.unwrap() {
         DbReply::Claimed { tasks, more, .. } => {
             let taken: Vec<_> = tasks.iter().map(|t| (t.queue.clone(), t.args.clone())).collect();
