@@ -5,9 +5,11 @@
 //! Workloads (each run in a fresh schema of its own, dropped afterwards; the two modes of a run
 //! back to back, the first of them alternating from run to run):
 //!
-//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then, in a
-//!   fresh schema, the same number in calls of `--bulk-size` (`enqueue_bulk`), each after a
-//!   `CHECKPOINT` (so neither mode's commits wait behind the WAL of its schema's creation);
+//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then, in
+//!   fresh schemas, the same number in calls of `--bulk-size` (`enqueue_bulk`), after a
+//!   `CHECKPOINT` (so no commit waits behind the WAL of a schema's creation). The two modes take
+//!   turns, 100 tasks one by one or one bulk call at a time, and each one's time is the sum of
+//!   its turns: the machine's speed drifts over seconds, and both modes see the same drifts;
 //! - `drain`: `--tasks` no-op tasks committed in one transaction while one idle worker process
 //!   (`canter worker --concurrency C`, a child of this process) waits; timed from the commit
 //!   until the last task is finished (results kept), checked by a count; the worker's peak RSS
@@ -506,14 +508,23 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
             if run % 2 == 0 {
                 modes.reverse();
             }
-            for &mode in &modes {
-                let results = run_one(&options, &pool, workload, mode, run).await?;
-                for mut sample in results {
-                    sample.run = run;
-                    println!("{}", sample.json(options.concurrency));
-                    let _ = std::io::stdout().flush();
-                    samples.push(sample);
+            let results = match workload {
+                Workload::EnqueueOne | Workload::EnqueueBulk => {
+                    run_enqueue(&options, &pool, workload, &modes, run).await?
                 }
+                _ => {
+                    let mut results = Vec::new();
+                    for &mode in &modes {
+                        results.extend(run_one(&options, &pool, workload, mode, run).await?);
+                    }
+                    results
+                }
+            };
+            for mut sample in results {
+                sample.run = run;
+                println!("{}", sample.json(options.concurrency));
+                let _ = std::io::stdout().flush();
+                samples.push(sample);
             }
         }
     }
@@ -549,6 +560,81 @@ async fn run_one(
         sample.commit_ms = Some(commit_ms);
     }
     Ok(samples)
+}
+
+/// Tasks a mode enqueues one by one before the other mode takes its turn.
+const ONE_BY_ONE_BLOCK: usize = 100;
+
+/// An enqueue workload, every mode in a fresh schema of its own. The modes take turns, a block
+/// at a time ([`ONE_BY_ONE_BLOCK`] tasks one by one, or one call of `--bulk-size`), the first
+/// alternating, so that the machine's drifts in speed (seconds long here) fall on all alike;
+/// a mode's time is the sum of its blocks'.
+async fn run_enqueue(
+    options: &Options,
+    pool: &PgPool,
+    workload: Workload,
+    modes: &[Mode],
+    run: u32,
+) -> Result<Vec<Sample>, BenchError> {
+    let bulk = workload == Workload::EnqueueBulk;
+    let mut scratches = Vec::new();
+    let result = async {
+        let (mut canter, mut raw) = (None, None);
+        let mut commit_ms = BTreeMap::new();
+        for &mode in modes {
+            let scratch = Scratch::new(pool, workload, mode, run).await?;
+            commit_ms.insert(mode, commit_latency(pool, &scratch).await?);
+            match mode {
+                Mode::Canter => canter = Some(canter_mode::CanterEnqueuer::new(options, &scratch).await?),
+                Mode::Raw => raw = Some(raw_mode::RawEnqueuer::new(options, &scratch).await?),
+            }
+            scratches.push(scratch);
+        }
+        // Neither mode's commits wait behind the WAL of the schemas' creation.
+        checkpoint(pool).await;
+        let n = options.enqueue_tasks;
+        let block = if bulk { options.bulk_size } else { ONE_BY_ONE_BLOCK };
+        let mut seconds: BTreeMap<Mode, f64> = modes.iter().map(|&mode| (mode, 0.0)).collect();
+        let mut done = 0;
+        for turn in 0.. {
+            if done >= n {
+                break;
+            }
+            let range = done..(done + block).min(n);
+            for k in 0..modes.len() {
+                let mode = modes[(k + turn) % modes.len()];
+                let start = tokio::time::Instant::now();
+                match (mode, &mut canter, &mut raw) {
+                    (Mode::Canter, Some(canter), _) => canter.enqueue(range.clone(), bulk).await?,
+                    (Mode::Raw, _, Some(raw)) => raw.enqueue(range.clone(), bulk).await?,
+                    _ => unreachable!("every mode's client is set up before the turns"),
+                }
+                *seconds.entry(mode).or_default() += start.elapsed().as_secs_f64();
+            }
+            done = range.end;
+        }
+        if let Some(canter) = canter {
+            canter.close().await;
+        }
+        if let Some(raw) = raw {
+            raw.close().await;
+        }
+        Ok::<_, BenchError>(
+            modes
+                .iter()
+                .map(|&mode| {
+                    let mut sample = Sample::new(workload.name(), mode, n, seconds[&mode]);
+                    sample.commit_ms = commit_ms.get(&mode).copied();
+                    sample
+                })
+                .collect(),
+        )
+    }
+    .await;
+    for scratch in &scratches {
+        scratch.drop_now().await?;
+    }
+    result
 }
 
 /// The median of 15 one-row autocommit inserts, in ms (each waits for its WAL flush).

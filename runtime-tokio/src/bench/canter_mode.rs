@@ -1,6 +1,7 @@
 //! The workloads through Canter: the client's enqueue, `canter worker` as a child process for
 //! the drains, and a worker on a runtime of its own in this process for latency.
 
+use std::ops::Range;
 use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -25,8 +26,9 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     let store = PgStore::new(pool.clone(), schema.clone(), options.config.app.clone());
     store.migrate().await.map_err(|e| failed("migrate", e))?;
     let result = match workload {
-        Workload::EnqueueOne => enqueue_one(options, &store).await.map(|s| vec![s]),
-        Workload::EnqueueBulk => enqueue_bulk(options, &store).await.map(|s| vec![s]),
+        Workload::EnqueueOne | Workload::EnqueueBulk => {
+            unreachable!("the enqueue workloads run through CanterEnqueuer")
+        }
         Workload::Drain => drain(options, &store, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
@@ -42,35 +44,35 @@ fn noop(i: usize) -> NewTask {
     NewTask::new("noop", json!({ "i": i }))
 }
 
-/// Connects before the clock starts, with the schema's creation flushed.
-async fn before_enqueues(store: &PgStore) -> Result<(), BenchError> {
-    store.now().await.map_err(|e| failed("connect", e))?;
-    checkpoint(store.pool()).await;
-    Ok(())
+/// The enqueue workloads' client: a store on a fresh schema.
+pub(super) struct CanterEnqueuer {
+    store: PgStore,
 }
 
-async fn enqueue_one(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
-    before_enqueues(store).await?;
-    let n = options.enqueue_tasks;
-    let start = Instant::now();
-    for i in 0..n {
-        store.enqueue(noop(i)).await.map_err(|e| failed("enqueue", e))?;
+impl CanterEnqueuer {
+    /// Migrates the schema and connects (before any clock starts).
+    pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<CanterEnqueuer, BenchError> {
+        let store = PgStore::new(connect(&options.url, 2)?, scratch.schema()?, options.config.app.clone());
+        store.migrate().await.map_err(|e| failed("migrate", e))?;
+        store.now().await.map_err(|e| failed("connect", e))?;
+        Ok(CanterEnqueuer { store })
     }
-    Ok(Sample::new(Workload::EnqueueOne.name(), Mode::Canter, n, start.elapsed().as_secs_f64()))
-}
 
-async fn enqueue_bulk(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
-    before_enqueues(store).await?;
-    let n = options.enqueue_tasks;
-    let start = Instant::now();
-    let mut done = 0;
-    while done < n {
-        let size = options.bulk_size.min(n - done);
-        let tasks = (done..done + size).map(noop).collect();
-        store.enqueue_many(tasks).await.map_err(|e| failed("enqueue_many", e))?;
-        done += size;
+    /// Enqueues tasks `range`: one call each, or all in one when `bulk`.
+    pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
+        if bulk {
+            self.store.enqueue_many(range.map(noop).collect()).await.map_err(|e| failed("enqueue_many", e))?;
+            return Ok(());
+        }
+        for i in range {
+            self.store.enqueue(noop(i)).await.map_err(|e| failed("enqueue", e))?;
+        }
+        Ok(())
     }
-    Ok(Sample::new(Workload::EnqueueBulk.name(), Mode::Canter, n, start.elapsed().as_secs_f64()))
+
+    pub(super) async fn close(self) {
+        self.store.pool().close().await;
+    }
 }
 
 /// Stores `n` finished tasks (and their attempts) directly, as a worker would have left them,

@@ -2,6 +2,7 @@
 //! (tasks with a payload, claimed with `FOR UPDATE SKIP LOCKED`, results kept, notifications
 //! on enqueue), through sqlx with its statement cache and no library.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -76,8 +77,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
     let sql = Sql::new(scratch);
     let result = match workload {
-        Workload::EnqueueOne => enqueue_one(options, &pool, &sql).await.map(|s| vec![s]),
-        Workload::EnqueueBulk => enqueue_bulk(options, &pool, &sql).await.map(|s| vec![s]),
+        Workload::EnqueueOne | Workload::EnqueueBulk => unreachable!("the enqueue workloads run through RawEnqueuer"),
         Workload::Drain => drain(options, &pool, &sql, scratch, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&pool, scratch, options.history_tasks).await?;
@@ -93,49 +93,54 @@ fn payload(i: usize) -> Value {
     json!({ "i": i })
 }
 
-/// A connection made before the clock starts, with the schema's creation flushed.
-async fn before_enqueues(pool: &PgPool) -> Result<PoolConnection<Postgres>, BenchError> {
-    let conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
-    checkpoint(pool).await;
-    Ok(conn)
+/// The enqueue workloads' client: the jobs table in a fresh schema and one connection.
+pub(super) struct RawEnqueuer {
+    pool: PgPool,
+    conn: PoolConnection<Postgres>,
+    sql: Sql,
 }
 
-async fn enqueue_one(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
-    let mut conn = before_enqueues(pool).await?;
-    let n = options.enqueue_tasks;
-    let start = Instant::now();
-    for i in 0..n {
-        let _id: i64 = q(&sql.enqueue_one)
-            .bind(payload(i))
-            .bind(&sql.channel)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(|e| failed("insert", e))?
-            .try_get(0)
-            .map_err(|e| failed("insert", e))?;
+impl RawEnqueuer {
+    /// Creates the table and connects (before any clock starts).
+    pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<RawEnqueuer, BenchError> {
+        let pool = connect(&options.url, 2)?;
+        let create = CREATE.replace("{s}", &scratch.quoted());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
+        let conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+        Ok(RawEnqueuer { pool, conn, sql: Sql::new(scratch) })
     }
-    Ok(Sample::new(Workload::EnqueueOne.name(), Mode::Raw, n, start.elapsed().as_secs_f64()))
-}
 
-async fn enqueue_bulk(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
-    let mut conn = before_enqueues(pool).await?;
-    let n = options.enqueue_tasks;
-    let start = Instant::now();
-    let mut done = 0;
-    while done < n {
-        let size = options.bulk_size.min(n - done);
-        let payloads: Vec<Value> = (done..done + size).map(payload).collect();
-        let rows = q(&sql.enqueue_many)
-            .bind(payloads)
-            .bind(&sql.channel)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(|e| failed("insert", e))?;
-        let _ids: Vec<i64> =
-            rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
-        done += size;
+    /// Inserts jobs `range`: one statement each, or all in one when `bulk`.
+    pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
+        if bulk {
+            let payloads: Vec<Value> = range.map(payload).collect();
+            let rows = q(&self.sql.enqueue_many)
+                .bind(payloads)
+                .bind(&self.sql.channel)
+                .fetch_all(&mut *self.conn)
+                .await
+                .map_err(|e| failed("insert", e))?;
+            let _ids: Vec<i64> =
+                rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
+            return Ok(());
+        }
+        for i in range {
+            let _id: i64 = q(&self.sql.enqueue_one)
+                .bind(payload(i))
+                .bind(&self.sql.channel)
+                .fetch_one(&mut *self.conn)
+                .await
+                .map_err(|e| failed("insert", e))?
+                .try_get(0)
+                .map_err(|e| failed("insert", e))?;
+        }
+        Ok(())
     }
-    Ok(Sample::new(Workload::EnqueueBulk.name(), Mode::Raw, n, start.elapsed().as_secs_f64()))
+
+    pub(super) async fn close(self) {
+        drop(self.conn);
+        self.pool.close().await;
+    }
 }
 
 /// `n` finished jobs in the same table, vacuumed and analyzed.
