@@ -121,10 +121,7 @@ async fn the_claim_uses_its_index_with_a_long_history() {
     // The real function, ten passes in one transaction (PL/pgSQL switches to generic plans
     // after five): its table statistics show index scans only.
     let mut tx = conn.begin().await.unwrap();
-    let claim = format!(
-        "SELECT count(id) FROM {s}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, true, NULL, 0, \
-         '{{}}', 16, 60000, ARRAY[false], NULL)"
-    );
+    let claim = pg::claim_call(store.schema(), true);
     for _ in 0..10 {
         let n: i64 = sqlx::query_scalar(AssertSqlSafe(claim.clone())).fetch_one(&mut *tx).await.unwrap();
         assert_eq!(n, 16);
@@ -143,20 +140,18 @@ async fn the_claim_uses_its_index_with_a_long_history() {
 }
 
 /// The claim's plans are generic (`force_generic_plan`), made at a connection's first claim
-/// (each statement's at its first run) and kept until the table's statistics change. A worker's first claim often meets an empty
-/// table; plans made then must still walk indexes once the table fills, even where no vacuum
-/// or analyze comes to replace them (they once updated the claimed rows by a sequential scan,
-/// which made every one-task claim of the latency benchmark read the whole table).
+/// (each statement's at its first run) and kept until the table's statistics change. A
+/// worker's first claim often meets an empty table; plans made then must still walk indexes
+/// once the table fills, even where no vacuum or analyze comes to replace them (they once
+/// updated the claimed rows by a sequential scan, which made every one-task claim of the
+/// latency benchmark read the whole table).
 #[tokio::test]
 async fn claim_plans_made_on_an_empty_table_still_use_indexes_once_it_fills() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 2).await;
     let s = store.schema().quoted();
     let mut conn = store.pool().acquire().await.unwrap();
-    let claim = format!(
-        "SELECT count(id) FROM {s}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, false, NULL, 0, \
-         '{{}}', 16, 60000, ARRAY[false], NULL)"
-    );
+    let claim = pg::claim_call(store.schema(), false);
     // One task, so that every statement of the claim runs (and is planned) on a tiny table.
     store.enqueue(NewTask::new("report", json!({"n": -1}))).await.unwrap();
     let n: i64 = sqlx::query_scalar(AssertSqlSafe(claim.clone())).fetch_one(&mut *conn).await.unwrap();

@@ -318,14 +318,10 @@ async fn a_full_claim_says_whether_rows_were_left_behind() {
 async fn a_claim_commits_asynchronously_and_only_its_own_transaction() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 2).await;
-    let s = store.schema().quoted();
     let mut conn = store.pool().acquire().await.unwrap();
     let show = || sqlx::query_scalar::<_, String>("SHOW synchronous_commit");
     assert_eq!(show().fetch_one(&mut *conn).await.unwrap(), "on");
-    let claim = format!(
-        "SELECT count(*) FROM {s}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, false, NULL, 0, \
-         '{{}}', 16, 60000, ARRAY[false], NULL)"
-    );
+    let claim = pg::claim_call(store.schema(), false);
     sqlx::raw_sql("BEGIN").execute(&mut *conn).await.unwrap();
     sqlx::query(sqlx::AssertSqlSafe(claim)).execute(&mut *conn).await.unwrap();
     assert_eq!(show().fetch_one(&mut *conn).await.unwrap(), "off");

@@ -170,3 +170,14 @@ pub async fn pin_clock(pool: &PgPool, schema: &PgSchema, now: DbTime) {
     let sql = format!("SELECT set_config('canter.now', {}.at_ms($1)::text, false)", schema.quoted());
     sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(pool).await.expect("pin the clock");
 }
+
+/// A call of the schema's `claim` function for a worker `w` on the default queue: a budget and
+/// start-now of 16, no caps, `hard` or soft cap mode; selects the number of rows it returns
+/// with a task (the last row, with no id, carries `more`).
+pub fn claim_call(schema: &PgSchema, hard: bool) -> String {
+    format!(
+        "SELECT count(id) FROM {}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, {hard}, NULL, 0, \
+         '{{}}', 16, 60000, ARRAY[false], NULL)",
+        schema.quoted()
+    )
+}
