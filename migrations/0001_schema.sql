@@ -373,12 +373,6 @@ DECLARE
     v_last_run_at   timestamptz;
     v_last_id       bigint;
 BEGIN
-    -- The claim's commit does not wait for its WAL flush (0.2 ms of a one-task claim's 0.65 to
-    -- 0.9 ms round trip, pgbench with fsync on): its transaction ends with this statement, and
-    -- a claim lost to a server crash only puts its tasks back to Pending, as a worker's crash
-    -- does (execution is at least once; the lost run's writes are fenced by its lease). Every
-    -- later commit's flush covers it, so a finish can never outlive the claim it follows.
-    PERFORM set_config('synchronous_commit', 'off', true);
     -- Paused queues (`queue_states`) leave the pass before anything else: one probe of a tiny
     -- table, and the queue list is rebuilt only when one of its queues is paused.
     IF EXISTS (SELECT FROM queue_states s WHERE s.paused AND s.queue = ANY (p_queues)) THEN
