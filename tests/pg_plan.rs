@@ -118,8 +118,8 @@ async fn the_claim_uses_its_index_with_a_long_history() {
     assert_eq!(scans, ["tasks_pkey"], "held rows: {plan:#}");
     sqlx::raw_sql("RESET plan_cache_mode").execute(&mut *conn).await.unwrap();
 
-    // The real function, ten passes in one transaction (PL/pgSQL switches to generic plans
-    // after five): its table statistics show index scans only.
+    // The real function, ten passes in one transaction (its plans are generic, as
+    // `force_generic_plan` makes them): its table statistics show index scans only.
     let mut tx = conn.begin().await.unwrap();
     let claim = pg::claim_call(store.schema(), true);
     for _ in 0..10 {

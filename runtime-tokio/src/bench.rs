@@ -3,7 +3,7 @@
 //! every figure comes with a ratio measured on the same machine at the same time.
 //!
 //! Workloads (each run in a fresh schema of its own, dropped afterwards; the two modes of a run
-//! back to back, the first of them alternating from run to run):
+//! back to back, or taking turns for the enqueue workloads, the first alternating by run):
 //!
 //! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then, in
 //!   fresh schemas, the same number in calls of `--bulk-size` (`enqueue_bulk`), after a
@@ -582,13 +582,13 @@ async fn run_enqueue(
         let (mut canter, mut raw) = (None, None);
         let mut commit_ms = BTreeMap::new();
         for &mode in modes {
-            let scratch = Scratch::new(pool, workload, mode, run).await?;
-            commit_ms.insert(mode, commit_latency(pool, &scratch).await?);
+            scratches.push(Scratch::new(pool, workload, mode, run).await?);
+            let scratch = scratches.last().expect("just pushed");
+            commit_ms.insert(mode, commit_latency(pool, scratch).await?);
             match mode {
-                Mode::Canter => canter = Some(canter_mode::CanterEnqueuer::new(options, &scratch).await?),
-                Mode::Raw => raw = Some(raw_mode::RawEnqueuer::new(options, &scratch).await?),
+                Mode::Canter => canter = Some(canter_mode::CanterEnqueuer::new(options, scratch).await?),
+                Mode::Raw => raw = Some(raw_mode::RawEnqueuer::new(options, scratch).await?),
             }
-            scratches.push(scratch);
         }
         // Neither mode's commits wait behind the WAL of the schemas' creation.
         checkpoint(pool).await;
@@ -631,10 +631,17 @@ async fn run_enqueue(
         )
     }
     .await;
+    // Every schema goes, whatever failed; the workload's own error comes first.
+    let mut dropped = Ok(());
     for scratch in &scratches {
-        scratch.drop_now().await?;
+        let outcome = scratch.drop_now().await;
+        if dropped.is_ok() {
+            dropped = outcome;
+        }
     }
-    result
+    let samples = result?;
+    dropped?;
+    Ok(samples)
 }
 
 /// The median of 15 one-row autocommit inserts, in ms (each waits for its WAL flush).

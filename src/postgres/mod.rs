@@ -11,8 +11,9 @@
 //! [`migrate`] from the embedded [`MIGRATOR`]:
 //!
 //! - `tasks`: live tasks only (Pending, Claimed, Running), with partial indexes that match the
-//!   claim exactly (`(queue, priority, run_at, id) WHERE state = 'PENDING'`, and in-flight rows
-//!   by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive autovacuum;
+//!   claim exactly (`(hashtext(queue), priority, run_at, id) WHERE state = 'PENDING'`, and
+//!   in-flight rows by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive
+//!   autovacuum;
 //! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
 //!   that finishes them, so claims cost the same however much history piles up;
 //! - `attempts`: one row per finished run; `task_keys`: idempotency keys of live and finished

@@ -70,6 +70,7 @@ impl CanterEnqueuer {
         Ok(())
     }
 
+    /// Closes the store.
     pub(super) async fn close(self) {
         self.store.pool().close().await;
     }

@@ -137,6 +137,7 @@ impl RawEnqueuer {
         Ok(())
     }
 
+    /// Closes the connection and pool.
     pub(super) async fn close(self) {
         drop(self.conn);
         self.pool.close().await;
