@@ -565,6 +565,36 @@ async fn run_one(
 /// Tasks a mode enqueues one by one before the other mode takes its turn.
 const ONE_BY_ONE_BLOCK: usize = 100;
 
+/// One mode's client in an enqueue workload.
+enum Enqueuer {
+    Canter(canter_mode::CanterEnqueuer),
+    Raw(raw_mode::RawEnqueuer),
+}
+
+impl Enqueuer {
+    /// Sets up `mode`'s client on `scratch` (before any clock starts).
+    async fn new(options: &Options, scratch: &Scratch, mode: Mode) -> Result<Enqueuer, BenchError> {
+        Ok(match mode {
+            Mode::Canter => Enqueuer::Canter(canter_mode::CanterEnqueuer::new(options, scratch).await?),
+            Mode::Raw => Enqueuer::Raw(raw_mode::RawEnqueuer::new(options, scratch).await?),
+        })
+    }
+
+    async fn enqueue(&mut self, range: std::ops::Range<usize>, bulk: bool) -> Result<(), BenchError> {
+        match self {
+            Enqueuer::Canter(client) => client.enqueue(range, bulk).await,
+            Enqueuer::Raw(client) => client.enqueue(range, bulk).await,
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            Enqueuer::Canter(client) => client.close().await,
+            Enqueuer::Raw(client) => client.close().await,
+        }
+    }
+}
+
 /// An enqueue workload, every mode in a fresh schema of its own. The modes take turns, a block
 /// at a time ([`ONE_BY_ONE_BLOCK`] tasks one by one, or one call of `--bulk-size`), the first
 /// alternating, so that the machine's drifts in speed (seconds long here) fall on all alike;
@@ -579,56 +609,36 @@ async fn run_enqueue(
     let bulk = workload == Workload::EnqueueBulk;
     let mut scratches = Vec::new();
     let result = async {
-        let (mut canter, mut raw) = (None, None);
-        let mut commit_ms = BTreeMap::new();
+        // Per mode: its sample (commit probe kept, time summed over its turns) and its client.
+        let mut turns = Vec::new();
         for &mode in modes {
             scratches.push(Scratch::new(pool, workload, mode, run).await?);
             let scratch = scratches.last().expect("just pushed");
-            commit_ms.insert(mode, commit_latency(pool, scratch).await?);
-            match mode {
-                Mode::Canter => canter = Some(canter_mode::CanterEnqueuer::new(options, scratch).await?),
-                Mode::Raw => raw = Some(raw_mode::RawEnqueuer::new(options, scratch).await?),
-            }
+            let mut sample = Sample::new(workload.name(), mode, options.enqueue_tasks, 0.0);
+            sample.commit_ms = Some(commit_latency(pool, scratch).await?);
+            turns.push((sample, Enqueuer::new(options, scratch, mode).await?));
         }
         // Neither mode's commits wait behind the WAL of the schemas' creation.
         checkpoint(pool).await;
         let n = options.enqueue_tasks;
         let block = if bulk { options.bulk_size } else { ONE_BY_ONE_BLOCK };
-        let mut seconds: BTreeMap<Mode, f64> = modes.iter().map(|&mode| (mode, 0.0)).collect();
-        let mut done = 0;
-        for turn in 0.. {
-            if done >= n {
-                break;
-            }
+        let (mut done, mut turn) = (0, 0);
+        while done < n {
             let range = done..(done + block).min(n);
-            for k in 0..modes.len() {
-                let mode = modes[(k + turn) % modes.len()];
+            for k in 0..turns.len() {
+                let (sample, client) = &mut turns[(k + turn) % modes.len()];
                 let start = tokio::time::Instant::now();
-                match (mode, &mut canter, &mut raw) {
-                    (Mode::Canter, Some(canter), _) => canter.enqueue(range.clone(), bulk).await?,
-                    (Mode::Raw, _, Some(raw)) => raw.enqueue(range.clone(), bulk).await?,
-                    _ => unreachable!("every mode's client is set up before the turns"),
-                }
-                *seconds.entry(mode).or_default() += start.elapsed().as_secs_f64();
+                client.enqueue(range.clone(), bulk).await?;
+                sample.seconds += start.elapsed().as_secs_f64();
             }
-            done = range.end;
+            (done, turn) = (range.end, turn + 1);
         }
-        if let Some(canter) = canter {
-            canter.close().await;
+        let mut samples = Vec::with_capacity(turns.len());
+        for (sample, client) in turns {
+            client.close().await;
+            samples.push(sample);
         }
-        if let Some(raw) = raw {
-            raw.close().await;
-        }
-        Ok::<_, BenchError>(
-            modes
-                .iter()
-                .map(|&mode| {
-                    let mut sample = Sample::new(workload.name(), mode, n, seconds[&mode]);
-                    sample.commit_ms = commit_ms.get(&mode).copied();
-                    sample
-                })
-                .collect(),
-        )
+        Ok::<_, BenchError>(samples)
     }
     .await;
     // Every schema goes, whatever failed; the workload's own error comes first.

@@ -4,9 +4,10 @@
 //! keys (over parallel arrays; with scalars for one task; with the arguments the only array for
 //! a batch of one kind due now; checking run-at against good-until first when a task has one),
 //! `SELECT … FROM <schema>.enqueue(…)` for one with keys (or to check without writing). It
-//! sends at most one notification per queue that received a new or updated task (on commit). Checks happen before anything is written and a refused batch
-//! writes nothing; a refusal is returned as a value, not raised as an SQL error, so an enqueue
-//! inside the caller's transaction never aborts that transaction.
+//! sends at most one notification per queue that received a new or updated task (on commit).
+//! Checks happen before anything is written and a refused batch writes nothing; a refusal is
+//! returned as a value, not raised as an SQL error, so an enqueue inside the caller's
+//! transaction never aborts that transaction.
 //!
 //! What is checked, in task order (the first problem wins, as in the memory store): the
 //! rules of [`check_new_task`] (task name, queue name and membership, key, flags, retry
@@ -265,8 +266,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
 }
 
 /// Whether every task is of the first's kind (name, queue, priority), due now, with no key,
-/// good-until time, retry policy or flags: the batch the
-/// uniform insert writes.
+/// good-until time, retry policy or flags: the batch the uniform insert writes.
 fn of_one_kind_due_now(tasks: &[NewTask], queues: &[&str]) -> bool {
     let first = &tasks[0];
     tasks.iter().zip(queues).all(|(task, queue)| {

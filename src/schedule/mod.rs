@@ -686,12 +686,12 @@ pub(crate) fn check_schedules(app: &AppConfig, c: &mut Check<'_>) {
             }
         }
         if let Some(queue) = &schedule.queue {
-            if is_valid_queue_name(queue) && app.queue(queue).is_none() {
-                let known: Vec<String> = app.queues().into_iter().map(|q| q.name).collect();
+            if is_valid_queue_name(queue) && !app.has_queue(queue) {
+                let known = app.queue_names().collect::<Vec<_>>().join(", ");
                 c.problem(
                     &format!("schedules[{i}].queue"),
                     format!("{queue:?}"),
-                    format!("one of the app's queues: {}", known.join(", ")),
+                    format!("one of the app's queues: {known}"),
                 );
             }
         }
