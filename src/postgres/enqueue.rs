@@ -137,8 +137,19 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     }
 
     let n = tasks.len();
-    if write && n > 1 && of_one_kind_due_now(tasks, &queues) {
+    if write && of_one_kind_due_now(tasks, &queues) {
         let first = &tasks[0];
+        if n == 1 {
+            let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one_now.clone())
+                .bind(first.name.as_str())
+                .bind(queues[0])
+                .bind(first.priority)
+                .bind(&first.args)
+                .bind(schema.queue_channel_prefix())
+                .fetch_one(executor)
+                .await?;
+            return Ok(vec![TaskId(id)]);
+        }
         let rows = sqlx::query(schema.sql().enqueue_uniform.clone())
             .bind(first.name.as_str())
             .bind(queues[0])
@@ -181,7 +192,8 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     }
     let keyed = keys.iter().any(Option::is_some);
     if write && !keyed && good_until.iter().all(Option::is_none) && n == 1 {
-        // Nothing left to check, one task: the plain insert of one row.
+        // Nothing left to check, one task with a run-at, retry policy or flags: the plain
+        // insert of one row.
         let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one.clone())
             .bind(names[0])
             .bind(queues[0])

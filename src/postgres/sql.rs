@@ -410,6 +410,17 @@ inserted AS (
 )
 SELECT ins.id FROM (SELECT pg_notify($5 || $2, '')) n, inserted ins";
 
+/// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
+/// single enqueue), with scalar parameters. About 6% less server time than [`ENQUEUE_ONE`]'s
+/// run-at and optional columns (pgbench, the two interleaved).
+const ENQUEUE_ONE_NOW: &str = "\
+WITH inserted AS (
+    INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at)
+    SELECT $1, $2, $3, $4, 'PENDING', c.now, c.now FROM (SELECT {s}.db_now() AS now) c
+    RETURNING id
+)
+SELECT ins.id FROM (SELECT pg_notify($5 || $2, '')) n, inserted ins";
+
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
 const ENQUEUE_ONE: &str = "\
 WITH inserted AS (
@@ -708,6 +719,7 @@ pub(crate) struct Statements {
     pub(crate) enqueue_keyless: SqlStr,
     pub(crate) enqueue_plain: SqlStr,
     pub(crate) enqueue_one: SqlStr,
+    pub(crate) enqueue_one_now: SqlStr,
     pub(crate) enqueue_uniform: SqlStr,
     pub(crate) get: SqlStr,
     pub(crate) list: SqlStr,
@@ -772,6 +784,7 @@ impl Statements {
             enqueue_keyless: fill(ENQUEUE_KEYLESS),
             enqueue_plain: fill(ENQUEUE_PLAIN),
             enqueue_one: fill(ENQUEUE_ONE),
+            enqueue_one_now: fill(ENQUEUE_ONE_NOW),
             enqueue_uniform: fill(ENQUEUE_UNIFORM),
             get: fill(&record("t.id = $1", "f.id = $1")),
             list: fill(&list),
