@@ -105,6 +105,25 @@ fn the_demo_runs_on_the_embedded_store() {
     assert!(text.contains("in-memory store") && text.contains("summary") && text.contains("tasks/s"), "{text}");
 }
 
+#[test]
+fn canter_log_takes_a_level_or_per_target_directives() {
+    let demo = |log: &str| {
+        let output = Command::new(env!("CARGO_BIN_EXE_canter"))
+            .args(["demo", "--tasks", "50", "--workers", "1"])
+            .env("CANTER_LOG", log)
+            .stdin(Stdio::null())
+            .output()
+            .expect("run canter");
+        assert_eq!(output.status.code(), Some(0), "{}", text(&output));
+        String::from_utf8_lossy(&output.stderr).into_owned()
+    };
+    // The workers' start is logged at info, from the `canter` crate.
+    assert!(demo("info").contains("canter worker starting"));
+    assert!(demo("sqlx=trace,canter=info").contains("canter worker starting"));
+    assert!(!demo("canter=warn,info").contains("canter worker starting"));
+    assert!(!demo("warn").contains("canter worker starting"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_flow_against_postgres() {
     let db = pg::TestDb::new().await;

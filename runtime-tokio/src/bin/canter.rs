@@ -16,7 +16,8 @@ use canter_tokio::cli::{self, Args, UsageError, parse_duration};
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use serde_json::Value;
 use sqlx::PgPool;
-use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::filter::{LevelFilter, Targets};
+use tracing_subscriber::layer::SubscriberExt;
 
 const HELP: &str = "\
 canter: a PostgreSQL task queue
@@ -110,10 +111,21 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs to stderr at `CANTER_LOG` (error, warn, info, debug, trace) or `default`.
+/// Logs to stderr as `CANTER_LOG` says: a level (error, warn, info, debug, trace), or
+/// comma-separated `target=level` directives with an optional bare default level
+/// (`canter::db=trace,info`); `default` when it is unset or unreadable.
 fn init_logging(default: LevelFilter) {
-    let level = std::env::var("CANTER_LOG").ok().and_then(|l| l.parse::<LevelFilter>().ok()).unwrap_or(default);
-    let _ = tracing_subscriber::fmt().with_max_level(level).with_writer(std::io::stderr).with_target(false).try_init();
+    let filter = std::env::var("CANTER_LOG")
+        .ok()
+        .and_then(|directives| directives.parse::<Targets>().ok())
+        .unwrap_or_else(|| Targets::new().with_default(default));
+    let subscriber = tracing_subscriber::fmt()
+        .with_max_level(LevelFilter::TRACE)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .finish()
+        .with(filter);
+    let _ = tracing::subscriber::set_global_default(subscriber);
 }
 
 fn command_help(command: &str) -> Option<&'static str> {
