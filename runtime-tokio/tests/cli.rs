@@ -110,6 +110,7 @@ fn canter_log_takes_a_level_or_per_target_directives() {
     let demo = |log: &str| {
         let output = Command::new(env!("CARGO_BIN_EXE_canter"))
             .args(["demo", "--tasks", "50", "--workers", "1"])
+            .env_remove("DATABASE_URL")
             .env("CANTER_LOG", log)
             .stdin(Stdio::null())
             .output()
@@ -117,11 +118,14 @@ fn canter_log_takes_a_level_or_per_target_directives() {
         assert_eq!(output.status.code(), Some(0), "{}", text(&output));
         String::from_utf8_lossy(&output.stderr).into_owned()
     };
-    // The workers' start is logged at info, from the `canter` crate.
-    assert!(demo("info").contains("canter worker starting"));
-    assert!(demo("sqlx=trace,canter=info").contains("canter worker starting"));
-    assert!(!demo("canter=warn,info").contains("canter worker starting"));
-    assert!(!demo("warn").contains("canter worker starting"));
+    // Every database request of the workers is traced under the target `canter::db`.
+    let request = "kind=";
+    assert!(demo("trace").contains(request));
+    assert!(demo("sqlx=trace, canter::db=trace,warn").contains(request));
+    assert!(!demo("canter::db=warn,trace").contains(request));
+    assert!(!demo("warn").contains(request));
+    let misspelt = demo("wran");
+    assert!(misspelt.contains("CANTER_LOG=\"wran\" is neither") && !misspelt.contains(request), "{misspelt}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

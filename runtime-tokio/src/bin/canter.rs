@@ -3,6 +3,7 @@
 //! Exit codes: 0 success, 1 failure, 2 usage.
 
 use std::collections::BTreeMap;
+use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -111,21 +112,46 @@ fn main() -> ExitCode {
     }
 }
 
-/// Logs to stderr as `CANTER_LOG` says: a level (error, warn, info, debug, trace), or
-/// comma-separated `target=level` directives with an optional bare default level
-/// (`canter::db=trace,info`); `default` when it is unset or unreadable.
+/// Logs to stderr as `CANTER_LOG` says (see [`log_filter`]); `default` when it is unset, and,
+/// said so, when it cannot be read. Colours only on a terminal.
 fn init_logging(default: LevelFilter) {
-    let filter = std::env::var("CANTER_LOG")
-        .ok()
-        .and_then(|directives| directives.parse::<Targets>().ok())
-        .unwrap_or_else(|| Targets::new().with_default(default));
+    let value = std::env::var("CANTER_LOG").unwrap_or_default();
+    let (filter, max) = log_filter(&value, default).unwrap_or_else(|| {
+        eprintln!("canter: CANTER_LOG={value:?} is neither a level nor target=level directives; logging at {default}");
+        (Targets::new().with_default(default), default)
+    });
     let subscriber = tracing_subscriber::fmt()
-        .with_max_level(LevelFilter::TRACE)
+        .with_max_level(max)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
         .finish()
         .with(filter);
     let _ = tracing::subscriber::set_global_default(subscriber);
+}
+
+/// Reads log directives: comma-separated levels (error, warn, info, debug, trace, off) and
+/// `target=level` pairs (`canter::db=trace,info`); targets without a pair of their own log at
+/// the bare level, else at `default`. Returns the filter and the most verbose level it lets
+/// through, or `None` when a part is neither (a misspelt level must not silence every log).
+fn log_filter(directives: &str, default: LevelFilter) -> Option<(Targets, LevelFilter)> {
+    let mut targets = Targets::new();
+    let (mut fallback, mut max) = (None, LevelFilter::OFF);
+    for part in directives.split(',').map(str::trim).filter(|part| !part.is_empty()) {
+        match part.split_once('=') {
+            Some((target, level)) => {
+                let (target, level) = (target.trim(), level.trim().parse::<LevelFilter>().ok()?);
+                if target.is_empty() {
+                    return None;
+                }
+                targets = targets.with_target(target.to_owned(), level);
+                max = max.max(level);
+            }
+            None => fallback = Some(part.parse::<LevelFilter>().ok()?),
+        }
+    }
+    let fallback = fallback.unwrap_or(default);
+    Some((targets.with_default(fallback), max.max(fallback)))
 }
 
 fn command_help(command: &str) -> Option<&'static str> {
@@ -933,5 +959,31 @@ mod tests {
         assert_eq!(parse_rfc3339("2026-13-22T10:00:00Z"), None);
         assert_eq!(parse_rfc3339("yesterday"), None);
         assert_eq!(parse_rfc3339("2026-01-01T00:00:00.\u{e9}\u{e9}Z"), None, "no panic on non-ASCII fractions");
+    }
+
+    #[test]
+    fn log_directives_are_levels_and_target_levels() {
+        let (filter, max) = log_filter("warn", LevelFilter::INFO).expect("a level");
+        assert_eq!((filter.default_level(), max), (Some(LevelFilter::WARN), LevelFilter::WARN));
+
+        let (filter, max) = log_filter(" canter::db = trace , info ", LevelFilter::WARN).expect("directives");
+        assert_eq!((filter.default_level(), max), (Some(LevelFilter::INFO), LevelFilter::TRACE));
+        assert!(filter.would_enable("canter::db", &tracing::Level::TRACE));
+        assert!(!filter.would_enable("sqlx::query", &tracing::Level::DEBUG));
+
+        // No bare level: other targets keep the default, errors included.
+        let (filter, max) = log_filter("canter::db=trace", LevelFilter::WARN).expect("a directive");
+        assert_eq!((filter.default_level(), max), (Some(LevelFilter::WARN), LevelFilter::TRACE));
+        assert!(filter.would_enable("canter::driver", &tracing::Level::ERROR));
+
+        let (filter, max) = log_filter("", LevelFilter::INFO).expect("nothing");
+        assert_eq!((filter.default_level(), max), (Some(LevelFilter::INFO), LevelFilter::INFO));
+    }
+
+    #[test]
+    fn unreadable_log_directives_are_refused() {
+        for bad in ["wran", "verbose", "canter::db=loud", "=info", "canter::db=trace,nonsense"] {
+            assert!(log_filter(bad, LevelFilter::INFO).is_none(), "{bad}");
+        }
     }
 }
