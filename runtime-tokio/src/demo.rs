@@ -269,6 +269,9 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
         if done >= total {
             break counts;
         }
+        if workers.iter().all(|worker| worker.is_finished()) {
+            return Err(DemoError::Failed(format!("every worker stopped with {done} of {total} tasks done")));
+        }
     };
     let elapsed = runtime.now() - epoch;
     if tty {

@@ -128,6 +128,34 @@ fn canter_log_takes_a_level_or_per_target_directives() {
     assert!(misspelt.contains("CANTER_LOG=\"wran\" is neither") && !misspelt.contains(request), "{misspelt}");
 }
 
+#[test]
+fn a_closed_stderr_does_not_stop_the_workers() {
+    // Regression: the log subscriber reported a failed write with `eprintln!`, which panicked
+    // inside the worker's loop at its first traced request, and the demo waited forever.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["demo", "--tasks", "50", "--workers", "1"])
+        .env_remove("DATABASE_URL")
+        .env("CANTER_LOG", "trace")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run canter");
+    drop(child.stderr.take());
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for canter") {
+            break status;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the demo did not finish within 60 s with its stderr closed");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(status.success(), "{status}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_whole_flow_against_postgres() {
     let db = pg::TestDb::new().await;

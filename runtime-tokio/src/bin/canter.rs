@@ -125,6 +125,10 @@ fn init_logging(default: LevelFilter) {
         .with_writer(std::io::stderr)
         .with_ansi(std::io::stderr().is_terminal())
         .with_target(false)
+        // A log that cannot be written is dropped: by default the subscriber reports it with
+        // `eprintln!`, which panics when stderr is gone, inside whatever task logged (a worker's
+        // loop, whose process then hangs).
+        .log_internal_errors(false)
         .finish()
         .with(filter);
     let _ = tracing::subscriber::set_global_default(subscriber);
