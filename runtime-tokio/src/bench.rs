@@ -46,6 +46,7 @@ use serde_json::{Value, json};
 use sqlx::PgPool;
 
 use crate::cli::Args;
+use crate::outln;
 
 /// Why the benchmark could not run.
 #[derive(Debug, thiserror::Error)]
@@ -492,12 +493,18 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
     let started = load_average();
     if !options.json_only {
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-        println!("canter bench: {version}");
-        println!(
+        outln!("canter bench: {version}");
+        outln!(
             "{cores} cores, load average {:.2} {:.2} {:.2}; {} runs; worker concurrency {}; raw: {} loops claiming {}",
-            started[0], started[1], started[2], options.runs, options.concurrency, options.raw_loops, options.raw_batch
+            started[0],
+            started[1],
+            started[2],
+            options.runs,
+            options.concurrency,
+            options.raw_loops,
+            options.raw_batch
         );
-        println!("worker config: {}", serde_json::to_string(&options.config).map_err(|e| failed("config", e))?);
+        outln!("worker config: {}", serde_json::to_string(&options.config).map_err(|e| failed("config", e))?);
     }
     let mut samples = Vec::new();
     for &workload in &options.workloads {
@@ -522,7 +529,7 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
             };
             for mut sample in results {
                 sample.run = run;
-                println!("{}", sample.json(options.concurrency));
+                outln!("{}", sample.json(options.concurrency));
                 let _ = std::io::stdout().flush();
                 samples.push(sample);
             }
@@ -530,10 +537,15 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
     }
     if !options.json_only {
         let ended = load_average();
-        print!("{}", table(&samples, &options));
-        println!(
+        outln!("{}", table(&samples, &options).trim_end_matches('\n'));
+        outln!(
             "load average at start {:.2} {:.2} {:.2}, at end {:.2} {:.2} {:.2}",
-            started[0], started[1], started[2], ended[0], ended[1], ended[2]
+            started[0],
+            started[1],
+            started[2],
+            ended[0],
+            ended[1],
+            ended[2]
         );
     }
     pool.close().await;

@@ -2,6 +2,7 @@
 //! positional arguments, with every unknown flag refused.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
 
 /// A usage error: the program prints it with the command's help and exits with 2.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -133,6 +134,31 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
         return Err(UsageError(format!("invalid duration {text:?}")));
     }
     Ok(std::time::Duration::from_secs_f64(seconds))
+}
+
+/// Writes one line of the program's output to stdout. When the reader has gone away
+/// (`canter list | head`), the program ends quietly with status 141 (128 + SIGPIPE), as Unix
+/// tools do, where `println!` would panic.
+pub fn print_line(line: std::fmt::Arguments<'_>) {
+    let written = writeln!(std::io::stdout().lock(), "{line}");
+    match written {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        // Another failure (a full disk) is not the reader leaving: say so, as `println!` would.
+        Err(e) => panic!("failed printing to stdout: {e}"),
+        Ok(()) => {}
+    }
+}
+
+/// `println!` for the program's output (see [`print_line`]).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! outln {
+    () => {
+        $crate::cli::print_line(format_args!(""))
+    };
+    ($($arg:tt)*) => {
+        $crate::cli::print_line(format_args!($($arg)*))
+    };
 }
 
 #[cfg(test)]

@@ -18,7 +18,7 @@ use futures::channel::mpsc;
 use serde_json::json;
 
 use crate::cli::Args;
-use crate::{Client, TokioRuntime, builtins};
+use crate::{Client, TokioRuntime, builtins, outln};
 
 /// Why the demo could not run.
 #[derive(Debug, thiserror::Error)]
@@ -163,10 +163,12 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
     let mut workers = Vec::new();
     let backend = match &options.url {
         None => {
-            println!(
+            outln!(
                 "canter demo: {} tasks, {} workers x concurrency {}, on the embedded in-memory store \
                  (give --database-url or DATABASE_URL to use PostgreSQL)",
-                options.tasks, options.workers, options.concurrency
+                options.tasks,
+                options.workers,
+                options.concurrency
             );
             let clock = runtime.clone();
             let backend =
@@ -206,7 +208,7 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
         Some(url) => {
             let schema = PgSchema::new(&format!("canter_demo_{}", std::process::id()))
                 .map_err(|e| DemoError::Failed(e.to_string()))?;
-            println!(
+            outln!(
                 "canter demo: {} tasks, {} workers x concurrency {}, on PostgreSQL (schema {}, dropped at the end)",
                 options.tasks,
                 options.workers,
@@ -264,7 +266,7 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
             print!("\r{line}");
             let _ = std::io::stdout().flush();
         } else {
-            println!("{line}");
+            outln!("{line}");
         }
         if done >= total {
             break counts;
@@ -275,7 +277,7 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
     };
     let elapsed = runtime.now() - epoch;
     if tty {
-        println!();
+        outln!();
     }
     let _ = stop_tx.send(());
     let mut stats = Vec::new();
@@ -318,21 +320,21 @@ fn summary(
         t.started.iter().filter_map(|(id, at)| t.enqueued.get(id).map(|e| at.saturating_duration_since(*e))).collect();
     let through =
         t.finished.iter().filter_map(|(id, at)| t.enqueued.get(id).map(|e| at.saturating_duration_since(*e))).collect();
-    println!("\nsummary");
-    println!(
+    outln!("\nsummary");
+    outln!(
         "  throughput       {total} tasks in {:.2}s: {:.0} tasks/s",
         elapsed.as_secs_f64(),
         total as f64 / elapsed.as_secs_f64()
     );
-    println!("  enqueue → start  {}", percentiles(pickup));
-    println!("  enqueue → done   {}", percentiles(through));
-    println!("  (latencies include the backlog, the 8-at-once cap of the bulk queue, run_at delays and retries)");
+    outln!("  enqueue → start  {}", percentiles(pickup));
+    outln!("  enqueue → done   {}", percentiles(through));
+    outln!("  (latencies include the backlog, the 8-at-once cap of the bulk queue, run_at delays and retries)");
     for (state, n) in counts {
-        println!("  {:<16} {n}", state.as_str().to_lowercase());
+        outln!("  {:<16} {n}", state.as_str().to_lowercase());
     }
-    println!("  retried runs     {}", t.retried);
+    outln!("  retried runs     {}", t.retried);
     for (i, s) in stats.iter().enumerate() {
-        println!(
+        outln!(
             "  worker {}: claimed {} in {} passes, completed {}, failed {}, retried {}",
             i + 1,
             s.claimed,

@@ -129,6 +129,25 @@ fn canter_log_takes_a_level_or_per_target_directives() {
 }
 
 #[test]
+fn a_reader_that_goes_away_ends_the_program_quietly() {
+    // `canter demo | head -1`: the output's reader leaves; the program ends with 128 + SIGPIPE
+    // as Unix tools do, not with a panic.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["demo", "--tasks", "200", "--workers", "1"])
+        .env_remove("DATABASE_URL")
+        .env("CANTER_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run canter");
+    drop(child.stdout.take());
+    let output = child.wait_with_output().expect("wait for canter");
+    assert_eq!(output.status.code(), Some(141), "{}", text(&output));
+    assert!(!text(&output).contains("panicked"), "{}", text(&output));
+}
+
+#[test]
 fn a_closed_stderr_does_not_stop_the_workers() {
     // Regression: the log subscriber reported a failed write with `eprintln!`, which panicked
     // inside the worker's loop at its first traced request, and the demo waited forever.

@@ -14,6 +14,7 @@ use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Resch
 use canter_tokio::canter::postgres::CheckReport;
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration};
+use canter_tokio::outln;
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use serde_json::Value;
 use sqlx::PgPool;
@@ -77,7 +78,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     if matches!(command.as_str(), "help" | "--help" | "-h") {
-        println!("{HELP}");
+        outln!("{HELP}");
         return ExitCode::SUCCESS;
     }
     let rest = &raw[1..];
@@ -87,7 +88,7 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     if rest.iter().any(|a| a == "--help" || a == "-h") {
-        println!("{}", help.unwrap_or_default());
+        outln!("{}", help.unwrap_or_default());
         return ExitCode::SUCCESS;
     }
     // The demo prints its own progress: only warnings from the workers.
@@ -246,7 +247,7 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
             let args = Args::parse(raw, COMMON, &[], false)?;
             let client = client(&args, Default::default())?;
             with_retry("migrate", || client.store().migrate()).await?;
-            println!("schema {} is up to date", client.store().schema().name());
+            outln!("schema {} is up to date", client.store().schema().name());
             Ok(())
         }
         "worker" => worker(raw).await,
@@ -341,11 +342,15 @@ async fn worker(raw: &[String]) -> Outcome {
     let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
         .map_err(|e| Failure::Usage(e.to_string()))?
         .schema(schema(&args)?);
-    println!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id());
+    outln!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id());
     let stats = worker.run().await.map_err(failed)?;
-    println!(
+    outln!(
         "worker stopped: claimed {}, completed {}, failed {}, retried {}, lost {}",
-        stats.claimed, stats.completed, stats.failed, stats.retried, stats.lost
+        stats.claimed,
+        stats.completed,
+        stats.failed,
+        stats.retried,
+        stats.lost
     );
     Ok(())
 }
@@ -486,7 +491,7 @@ async fn enqueue(raw: &[String]) -> Outcome {
         ids.extend(client.store().enqueue_many(batch).await.map_err(|e| failed(format!("enqueue failed: {e}")))?);
     }
     for id in ids {
-        println!("{id}");
+        outln!("{id}");
     }
     Ok(())
 }
@@ -506,20 +511,27 @@ async fn status(raw: &[String]) -> Outcome {
             .iter()
             .map(|w| serde_json::json!({"id": w.info.worker, "queues": w.info.queues, "concurrency": w.info.concurrency, "last_seen_ms": w.last_seen.0, "stopped": w.stopped}))
             .collect();
-        println!("{}", serde_json::json!({"counts": counts, "workers": workers, "paused": paused}));
+        outln!("{}", serde_json::json!({"counts": counts, "workers": workers, "paused": paused}));
         return Ok(());
     }
     let mut by_queue: BTreeMap<&str, BTreeMap<TaskState, u64>> = BTreeMap::new();
     for ((queue, state), n) in &counts {
         by_queue.entry(queue).or_default().insert(*state, *n);
     }
-    println!(
+    outln!(
         "{:<20} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9}",
-        "QUEUE", "PENDING", "CLAIMED", "RUNNING", "COMPLETED", "FAILED", "CANCELLED", "EXPIRED"
+        "QUEUE",
+        "PENDING",
+        "CLAIMED",
+        "RUNNING",
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "EXPIRED"
     );
     for (queue, states) in &by_queue {
         let n = |s| states.get(&s).copied().unwrap_or(0);
-        println!(
+        outln!(
             "{:<20} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9}",
             queue,
             n(TaskState::Pending),
@@ -532,24 +544,29 @@ async fn status(raw: &[String]) -> Outcome {
         );
     }
     if by_queue.is_empty() {
-        println!("(no tasks)");
+        outln!("(no tasks)");
     }
     if !paused.is_empty() {
         let names: Vec<&str> = paused.iter().map(|p| p.queue.as_str()).collect();
-        println!("\npaused queues: {}", names.join(", "));
+        outln!("\npaused queues: {}", names.join(", "));
     }
     let live: Vec<_> = workers.iter().filter(|w| !w.stopped).collect();
-    println!("\n{} live workers", live.len());
+    outln!("\n{} live workers", live.len());
     for w in live {
-        println!("  {}  queues {}  concurrency {}", w.info.worker, w.info.queues.join(","), w.info.concurrency);
+        outln!("  {}  queues {}  concurrency {}", w.info.worker, w.info.queues.join(","), w.info.concurrency);
     }
     Ok(())
 }
 
 fn print_record(record: &TaskRecord) {
-    println!(
+    outln!(
         "{:<8} {:<10} {:<12} {:<12} attempts {} retries {}",
-        record.id, record.state, record.queue, record.name, record.attempts, record.retries
+        record.id,
+        record.state,
+        record.queue,
+        record.name,
+        record.attempts,
+        record.retries
     );
 }
 
@@ -565,7 +582,7 @@ async fn list(raw: &[String]) -> Outcome {
     let client = client(&args, Default::default())?;
     let records = with_retry("list tasks", || client.list(&filter)).await?;
     if args.switch("json") {
-        println!("{}", serde_json::to_string(&records).map_err(failed)?);
+        outln!("{}", serde_json::to_string(&records).map_err(failed)?);
     } else {
         for record in &records {
             print_record(record);
@@ -592,12 +609,12 @@ async fn show(raw: &[String]) -> Outcome {
         with_retry("read the task", || client.get(id)).await?.ok_or_else(|| failed(format!("no task {id}")))?;
     let attempts = with_retry("read attempts", || client.attempts(id)).await?;
     if args.switch("json") {
-        println!("{}", serde_json::json!({"task": record, "attempts": attempts}));
+        outln!("{}", serde_json::json!({"task": record, "attempts": attempts}));
         return Ok(());
     }
-    println!("{}", serde_json::to_string_pretty(&record).map_err(failed)?);
+    outln!("{}", serde_json::to_string_pretty(&record).map_err(failed)?);
     for attempt in attempts {
-        println!("attempt {} by {:?}: {}", attempt.attempt, attempt.worker.map(|w| w.0), attempt.outcome);
+        outln!("attempt {} by {:?}: {}", attempt.attempt, attempt.worker.map(|w| w.0), attempt.outcome);
     }
     Ok(())
 }
@@ -614,7 +631,7 @@ async fn result(raw: &[String]) -> Outcome {
     };
     match record.state {
         TaskState::Completed => {
-            println!("{}", record.result.unwrap_or(Value::Null));
+            outln!("{}", record.result.unwrap_or(Value::Null));
             Ok(())
         }
         state if state.is_terminal() => {
@@ -631,10 +648,10 @@ async fn admin(command: &str, raw: &[String]) -> Outcome {
     let client = client(&args, Default::default())?;
     if command == "cancel" {
         client.cancel(id).await.map_err(failed)?;
-        println!("task {id} cancelled");
+        outln!("task {id} cancelled");
     } else {
         client.retry(id).await.map_err(failed)?;
-        println!("task {id} is pending again");
+        outln!("task {id} is pending again");
     }
     Ok(())
 }
@@ -660,7 +677,7 @@ async fn reschedule(raw: &[String]) -> Outcome {
     }
     let client = client(&args, Default::default())?;
     client.reschedule(id, change).await.map_err(failed)?;
-    println!("task {id} rescheduled");
+    outln!("task {id} rescheduled");
     Ok(())
 }
 
@@ -677,10 +694,10 @@ async fn finish_by_hand(command: &str, raw: &[String]) -> Outcome {
             None => Value::Null,
         };
         client.complete(id, result).await.map_err(failed)?;
-        println!("task {id} completed");
+        outln!("task {id} completed");
     } else {
         client.fail(id, args.value("message").unwrap_or(FAILED_BY_OPERATOR_MESSAGE)).await.map_err(failed)?;
-        println!("task {id} failed");
+        outln!("task {id} failed");
     }
     Ok(())
 }
@@ -694,9 +711,9 @@ async fn force_unlock(raw: &[String]) -> Outcome {
     let client = client(&args, Default::default())?;
     let n = client.force_unlock(&workers).await.map_err(failed)?;
     if args.switch("json") {
-        println!("{}", serde_json::json!({"workers": workers, "tasks": n}));
+        outln!("{}", serde_json::json!({"workers": workers, "tasks": n}));
     } else {
-        println!("{n} tasks back to pending");
+        outln!("{n} tasks back to pending");
     }
     Ok(())
 }
@@ -709,13 +726,13 @@ async fn remove_key(raw: &[String]) -> Outcome {
     let client = client(&args, Default::default())?;
     let removal = client.remove_key(key).await.map_err(failed)?;
     if args.switch("json") {
-        println!("{}", serde_json::json!({"key": key, "removal": removal}));
+        outln!("{}", serde_json::json!({"key": key, "removal": removal}));
         return Ok(());
     }
     match removal {
-        KeyRemoval::Cancelled(id) => println!("key {key:?} freed; its pending task {id} cancelled"),
-        KeyRemoval::Detached(id) => println!("key {key:?} freed; task {id} runs on without it"),
-        KeyRemoval::Freed(id) => println!("key {key:?} freed from finished task {id}"),
+        KeyRemoval::Cancelled(id) => outln!("key {key:?} freed; its pending task {id} cancelled"),
+        KeyRemoval::Detached(id) => outln!("key {key:?} freed; task {id} runs on without it"),
+        KeyRemoval::Freed(id) => outln!("key {key:?} freed from finished task {id}"),
     }
     Ok(())
 }
@@ -736,9 +753,9 @@ async fn purge(raw: &[String]) -> Outcome {
     let retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
     let n = client.store().purge_finished(retention_ms, batch).await.map_err(failed)?;
     if args.switch("json") {
-        println!("{}", serde_json::json!({"purged": n}));
+        outln!("{}", serde_json::json!({"purged": n}));
     } else {
-        println!("{n} finished tasks purged");
+        outln!("{n} finished tasks purged");
     }
     Ok(())
 }
@@ -753,10 +770,10 @@ async fn pause(command: &str, raw: &[String]) -> Outcome {
     let changed = if pausing { client.pause_queue(queue).await } else { client.resume_queue(queue).await };
     let changed = changed.map_err(failed)?;
     if args.switch("json") {
-        println!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
+        outln!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
     } else {
         let state = if pausing { "paused" } else { "running" };
-        println!("queue {queue} {}{state}", if changed { "" } else { "was already " });
+        outln!("queue {queue} {}{state}", if changed { "" } else { "was already " });
     }
     Ok(())
 }
@@ -798,12 +815,12 @@ async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
         print_report(&scheduler, &report);
         return if report.refused.is_empty() { Ok(()) } else { Err(failed("some schedules' tasks were refused")) };
     }
-    println!(
+    outln!(
         "scheduler of {} schedules starting; stop it with Ctrl-C or SIGTERM",
         scheduler.scheduler().schedules().len()
     );
     let stats = scheduler.run().await.map_err(failed)?;
-    println!("scheduler stopped: {} checks, {} tasks enqueued, {} races lost", stats.checks, stats.tasks, stats.lost);
+    outln!("scheduler stopped: {} checks, {} tasks enqueued, {} races lost", stats.checks, stats.tasks, stats.lost);
     Ok(())
 }
 
@@ -820,23 +837,23 @@ fn tick_or(schedule: Option<&ParsedSchedule>, t: Option<DbTime>, none: &str) -> 
 }
 
 fn print_plan(scheduler: &Scheduler, plan: &Plan) {
-    println!("dry run at {}: nothing is written", tick_time(None, plan.now));
+    outln!("dry run at {}: nothing is written", tick_time(None, plan.now));
     for write in &plan.writes {
         let schedule = scheduler.scheduler().get(&write.name);
         for (i, tick) in write.ticks.iter().enumerate() {
             let task = write.tasks.get(i).map_or("", |t| t.name.as_str());
             let kind = if i < write.backfilled { " (backfilled)" } else { "" };
-            println!("would enqueue {task} for schedule {} at tick {}{kind}", write.name, tick_time(schedule, *tick));
+            outln!("would enqueue {task} for schedule {} at tick {}{kind}", write.name, tick_time(schedule, *tick));
         }
         if write.read.is_none() {
-            println!(
+            outln!(
                 "would record new schedule {}: first tick {}",
                 write.name,
                 tick_or(schedule, write.next_tick, "never")
             );
         }
         if write.skipped {
-            println!(
+            outln!(
                 "would skip missed ticks of schedule {} up to {}",
                 write.name,
                 tick_time(schedule, write.advance_to)
@@ -844,7 +861,7 @@ fn print_plan(scheduler: &Scheduler, plan: &Plan) {
         }
     }
     if plan.writes.iter().all(|w| w.ticks.is_empty()) {
-        println!("nothing due; next tick {}", tick_or(None, plan.next_check, "never"));
+        outln!("nothing due; next tick {}", tick_or(None, plan.next_check, "never"));
     }
 }
 
@@ -854,19 +871,19 @@ fn print_report(scheduler: &Scheduler, report: &CheckReport) {
         let schedule = scheduler.scheduler().get(&write.name);
         for (i, (tick, id)) in write.ticks.iter().zip(&applied.task_ids).enumerate() {
             let kind = if i < write.backfilled { " (backfilled)" } else { "" };
-            println!("schedule {}: enqueued task {id} for tick {}{kind}", write.name, tick_time(schedule, *tick));
+            outln!("schedule {}: enqueued task {id} for tick {}{kind}", write.name, tick_time(schedule, *tick));
         }
         if write.read.is_none() {
-            println!("schedule {}: recorded; first tick {}", write.name, tick_or(schedule, write.next_tick, "never"));
+            outln!("schedule {}: recorded; first tick {}", write.name, tick_or(schedule, write.next_tick, "never"));
         }
         if write.skipped {
-            println!("schedule {}: missed ticks up to {} skipped", write.name, tick_time(schedule, write.advance_to));
+            outln!("schedule {}: missed ticks up to {} skipped", write.name, tick_time(schedule, write.advance_to));
         }
     }
     for refused in &report.refused {
         eprintln!("schedule {}: tasks refused: {}", refused.name, refused.error);
     }
-    println!("{} tasks enqueued; next tick {}", report.tasks(), tick_or(None, report.next_check, "never"));
+    outln!("{} tasks enqueued; next tick {}", report.tasks(), tick_or(None, report.next_check, "never"));
 }
 
 /// One line of `canter schedules`.
@@ -924,21 +941,27 @@ async fn list_schedules(scheduler: &Scheduler, json: bool) -> Outcome {
                 })
             })
             .collect();
-        println!("{}", Value::from(rows));
+        outln!("{}", Value::from(rows));
         return Ok(());
     }
     if rows.is_empty() {
-        println!("(no schedules configured or recorded)");
+        outln!("(no schedules configured or recorded)");
         return Ok(());
     }
-    println!(
+    outln!(
         "{:<24} {:<34} {:<16} {:<25} {:<25} {:>6} {:>9}",
-        "NAME", "SCHEDULE", "ZONE", "LAST TICK", "NEXT TICK", "RUNS", "LAST TASK"
+        "NAME",
+        "SCHEDULE",
+        "ZONE",
+        "LAST TICK",
+        "NEXT TICK",
+        "RUNS",
+        "LAST TASK"
     );
     for row in &rows {
         let schedule = scheduler.scheduler().get(&row.name);
         let record = row.record.as_ref();
-        println!(
+        outln!(
             "{:<24} {:<34} {:<16} {:<25} {:<25} {:>6} {:>9}",
             row.name,
             row.kind,
