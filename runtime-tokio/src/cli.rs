@@ -140,13 +140,23 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
 /// (`canter list | head`), the program ends quietly with status 141 (128 + SIGPIPE), as Unix
 /// tools do, where `println!` would panic.
 pub fn print_line(line: std::fmt::Arguments<'_>) {
-    let written = writeln!(std::io::stdout().lock(), "{line}");
-    match written {
+    match write_line(line) {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
         // Another failure (a full disk) is not the reader leaving: say so, as `println!` would.
         Err(e) => panic!("failed printing to stdout: {e}"),
         Ok(()) => {}
     }
+}
+
+/// Writes one line to stdout, or says why it could not (for output that must clean up first).
+pub fn write_line(line: std::fmt::Arguments<'_>) -> std::io::Result<()> {
+    writeln!(std::io::stdout().lock(), "{line}")
+}
+
+/// Writes one line to stdout and ignores a failure: for the start and stop lines of a
+/// long-running service, which must not end because nobody reads its output.
+pub fn note_line(line: std::fmt::Arguments<'_>) {
+    let _ = write_line(line);
 }
 
 /// `println!` for the program's output (see [`print_line`]).

@@ -29,6 +29,18 @@ pub enum DemoError {
     /// Something failed while running.
     #[error("{0}")]
     Failed(String),
+    /// The output's reader went away (`canter demo | head`); the demo stopped and cleaned up.
+    #[error("the output was closed")]
+    OutputClosed,
+}
+
+impl DemoError {
+    fn output(error: std::io::Error) -> Self {
+        match error.kind() {
+            std::io::ErrorKind::BrokenPipe => DemoError::OutputClosed,
+            _ => DemoError::Failed(format!("cannot write the output: {error}")),
+        }
+    }
 }
 
 struct Options {
@@ -187,7 +199,7 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
                 let t = timeline.clone();
                 let observer: driver::Observer = Box::new(move |event| record(&t, event));
                 let handlers = registry.clone().bind(runtime.clone());
-                workers.push(tokio::spawn(driver::run(
+                let run = driver::run(
                     worker,
                     runtime.clone(),
                     backend.clone(),
@@ -195,7 +207,8 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
                     inputs,
                     DriverOptions::default(),
                     Some(observer),
-                )));
+                );
+                workers.push(tokio::spawn(async move { Ok(run.await) }));
             }
             let now = runtime.now();
             let ids = backend
@@ -231,7 +244,7 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
                 let t = timeline.clone();
                 service.hooks.push(Arc::new(move |event: &Event| record(&t, event)));
                 let serve = service.serve(runtime.clone(), pool.clone(), stop.clone());
-                workers.push(tokio::spawn(async move { serve.await.unwrap_or_default() }));
+                workers.push(tokio::spawn(async move { serve.await.map_err(|e| e.to_string()) }));
             }
             for chunk in tasks.chunks(1_000) {
                 let now = runtime.now();
@@ -244,10 +257,43 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
         }
     };
 
-    let epoch = runtime.now();
     let total = options.tasks as u64;
+    let watched = watch(&backend, &workers, &runtime, total).await;
+    let _ = stop_tx.send(());
+    let mut stats = Vec::new();
+    let mut stopped = None;
+    for worker in workers {
+        match worker.await {
+            Ok(Ok(worker_stats)) => stats.push(worker_stats),
+            Ok(Err(error)) => stopped = stopped.or(Some(error)),
+            Err(error) => stopped = stopped.or(Some(error.to_string())),
+        }
+    }
+    // The schema goes whatever happened since it was made.
+    if let Backend::Postgres { client, schema } = &backend {
+        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted());
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(client.store().pool()).await;
+    }
+    let (counts, elapsed) = match (watched, stopped) {
+        (Ok(watched), None) => watched,
+        (Err(DemoError::Failed(what)), Some(why)) => return Err(DemoError::Failed(format!("{what}: {why}"))),
+        (Err(error), _) => return Err(error),
+        (Ok(_), Some(why)) => return Err(DemoError::Failed(format!("a worker failed: {why}"))),
+    };
+    summary(&timeline, &counts, elapsed, total, &stats);
+    Ok(())
+}
+
+/// Shows progress until every task is done: the final counts and the time it took.
+async fn watch<W>(
+    backend: &Backend,
+    workers: &[tokio::task::JoinHandle<W>],
+    runtime: &TokioRuntime,
+    total: u64,
+) -> Result<(BTreeMap<TaskState, u64>, Duration), DemoError> {
+    let epoch = runtime.now();
     let tty = std::io::stdout().is_terminal();
-    let counts = loop {
+    loop {
         tokio::time::sleep(Duration::from_millis(250)).await;
         let counts = backend.counts().await?;
         let count = |s| counts.get(&s).copied().unwrap_or(0);
@@ -263,33 +309,21 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
             (runtime.now() - epoch).as_secs_f64()
         );
         if tty {
-            print!("\r{line}");
-            let _ = std::io::stdout().flush();
+            let mut out = std::io::stdout().lock();
+            write!(out, "\r{line}").and_then(|()| out.flush()).map_err(DemoError::output)?;
         } else {
-            outln!("{line}");
+            crate::cli::write_line(format_args!("{line}")).map_err(DemoError::output)?;
         }
         if done >= total {
-            break counts;
+            if tty {
+                crate::cli::write_line(format_args!("")).map_err(DemoError::output)?;
+            }
+            return Ok((counts, runtime.now() - epoch));
         }
         if workers.iter().all(|worker| worker.is_finished()) {
             return Err(DemoError::Failed(format!("every worker stopped with {done} of {total} tasks done")));
         }
-    };
-    let elapsed = runtime.now() - epoch;
-    if tty {
-        outln!();
     }
-    let _ = stop_tx.send(());
-    let mut stats = Vec::new();
-    for worker in workers {
-        stats.push(worker.await.map_err(|e| DemoError::Failed(e.to_string()))?);
-    }
-    if let Backend::Postgres { client, schema } = &backend {
-        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted());
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(client.store().pool()).await;
-    }
-    summary(&timeline, &counts, elapsed, total, &stats);
-    Ok(())
 }
 
 fn bar(done: u64, total: u64) -> String {

@@ -144,7 +144,8 @@ fn a_reader_that_goes_away_ends_the_program_quietly() {
     drop(child.stdout.take());
     let output = child.wait_with_output().expect("wait for canter");
     assert_eq!(output.status.code(), Some(141), "{}", text(&output));
-    assert!(!text(&output).contains("panicked"), "{}", text(&output));
+    // `println!`'s panic says this (a handler of the demo's `panic` tasks may panic on purpose).
+    assert!(!text(&output).contains("failed printing"), "{}", text(&output));
 }
 
 #[test]

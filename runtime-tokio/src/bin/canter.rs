@@ -268,6 +268,8 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
             canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
             canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
+            // As `outln!` does: the reader went away, after the demo cleaned up.
+            canter_tokio::demo::DemoError::OutputClosed => std::process::exit(141),
         }),
         "bench" => canter_tokio::bench::run(raw).await.map_err(|e| e.split().map_or_else(failed, Failure::Usage)),
         _ => Err(Failure::Usage(format!("unknown command {command:?}"))),
@@ -342,16 +344,12 @@ async fn worker(raw: &[String]) -> Outcome {
     let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
         .map_err(|e| Failure::Usage(e.to_string()))?
         .schema(schema(&args)?);
-    outln!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id());
+    cli::note_line(format_args!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id()));
     let stats = worker.run().await.map_err(failed)?;
-    outln!(
+    cli::note_line(format_args!(
         "worker stopped: claimed {}, completed {}, failed {}, retried {}, lost {}",
-        stats.claimed,
-        stats.completed,
-        stats.failed,
-        stats.retried,
-        stats.lost
-    );
+        stats.claimed, stats.completed, stats.failed, stats.retried, stats.lost
+    ));
     Ok(())
 }
 
@@ -815,12 +813,15 @@ async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
         print_report(&scheduler, &report);
         return if report.refused.is_empty() { Ok(()) } else { Err(failed("some schedules' tasks were refused")) };
     }
-    outln!(
+    cli::note_line(format_args!(
         "scheduler of {} schedules starting; stop it with Ctrl-C or SIGTERM",
         scheduler.scheduler().schedules().len()
-    );
+    ));
     let stats = scheduler.run().await.map_err(failed)?;
-    outln!("scheduler stopped: {} checks, {} tasks enqueued, {} races lost", stats.checks, stats.tasks, stats.lost);
+    cli::note_line(format_args!(
+        "scheduler stopped: {} checks, {} tasks enqueued, {} races lost",
+        stats.checks, stats.tasks, stats.lost
+    ));
     Ok(())
 }
 
