@@ -105,16 +105,21 @@ fn the_demo_runs_on_the_embedded_store() {
     assert!(text.contains("in-memory store") && text.contains("summary") && text.contains("tasks/s"), "{text}");
 }
 
+/// `canter demo` of `tasks` tasks and one worker on the embedded store, logging as `log` says.
+fn embedded_demo(tasks: &str, log: &str) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_canter"));
+    command
+        .args(["demo", "--tasks", tasks, "--workers", "1"])
+        .env_remove("DATABASE_URL")
+        .env("CANTER_LOG", log)
+        .stdin(Stdio::null());
+    command
+}
+
 #[test]
 fn canter_log_takes_a_level_or_per_target_directives() {
     let demo = |log: &str| {
-        let output = Command::new(env!("CARGO_BIN_EXE_canter"))
-            .args(["demo", "--tasks", "50", "--workers", "1"])
-            .env_remove("DATABASE_URL")
-            .env("CANTER_LOG", log)
-            .stdin(Stdio::null())
-            .output()
-            .expect("run canter");
+        let output = embedded_demo("50", log).output().expect("run canter");
         assert_eq!(output.status.code(), Some(0), "{}", text(&output));
         String::from_utf8_lossy(&output.stderr).into_owned()
     };
@@ -132,15 +137,8 @@ fn canter_log_takes_a_level_or_per_target_directives() {
 fn a_reader_that_goes_away_ends_the_program_quietly() {
     // `canter demo | head -1`: the output's reader leaves; the program ends with 128 + SIGPIPE
     // as Unix tools do, not with a panic.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["demo", "--tasks", "200", "--workers", "1"])
-        .env_remove("DATABASE_URL")
-        .env("CANTER_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run canter");
+    let mut child =
+        embedded_demo("200", "warn").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("run canter");
     drop(child.stdout.take());
     let output = child.wait_with_output().expect("wait for canter");
     assert_eq!(output.status.code(), Some(141), "{}", text(&output));
@@ -152,15 +150,8 @@ fn a_reader_that_goes_away_ends_the_program_quietly() {
 fn a_closed_stderr_does_not_stop_the_workers() {
     // Regression: the log subscriber reported a failed write with `eprintln!`, which panicked
     // inside the worker's loop at its first traced request, and the demo waited forever.
-    let mut child = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["demo", "--tasks", "50", "--workers", "1"])
-        .env_remove("DATABASE_URL")
-        .env("CANTER_LOG", "trace")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("run canter");
+    let mut child =
+        embedded_demo("50", "trace").stdout(Stdio::null()).stderr(Stdio::piped()).spawn().expect("run canter");
     drop(child.stderr.take());
     // About 60 s in steps of 50 ms.
     let mut steps = 1_200;
