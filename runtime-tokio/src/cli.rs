@@ -159,6 +159,21 @@ pub fn note_line(line: std::fmt::Arguments<'_>) {
     let _ = write_line(line);
 }
 
+/// Writes one line to stderr and ignores a failure: a message nobody can read must not turn
+/// into a panic (and its exit status 101) where the program would say what went wrong.
+pub fn say_line(line: std::fmt::Arguments<'_>) {
+    let _ = writeln!(std::io::stderr().lock(), "{line}");
+}
+
+/// `eprintln!` for the program's messages (see [`say_line`]).
+#[macro_export]
+#[doc(hidden)]
+macro_rules! errln {
+    ($($arg:tt)*) => {
+        $crate::cli::say_line(format_args!($($arg)*))
+    };
+}
+
 /// `println!` for the program's output (see [`print_line`]).
 #[macro_export]
 #[doc(hidden)]

@@ -147,6 +147,21 @@ fn a_reader_that_goes_away_ends_the_program_quietly() {
 }
 
 #[test]
+fn a_closed_stderr_keeps_the_exit_status() {
+    // Regression: `eprintln!` panicked when nobody read stderr, and the usage error's status 2
+    // became a panic's 101.
+    let mut child = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .arg("no-such-command")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run canter");
+    drop(child.stderr.take());
+    assert_eq!(child.wait().expect("wait for canter").code(), Some(2));
+}
+
+#[test]
 fn a_closed_stderr_does_not_stop_the_workers() {
     // Regression: the log subscriber reported a failed write with `eprintln!`, which panicked
     // inside the worker's loop at its first traced request, and the demo waited forever.

@@ -18,7 +18,7 @@ use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
 use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
-use crate::TokioRuntime;
+use crate::{TokioRuntime, errln};
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
     let schema = scratch.schema()?;
@@ -190,7 +190,7 @@ impl WorkerProcess {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        eprintln!("canter bench: the worker did not stop within 30 s; killing it");
+        errln!("canter bench: the worker did not stop within 30 s; killing it");
     }
 }
 
@@ -248,7 +248,7 @@ async fn drain(options: &Options, store: &PgStore, history: usize) -> Result<Sam
                 worker.check_alive()?;
                 let live = live_tasks(pool, &schema).await?;
                 if live == 0 {
-                    eprintln!("canter bench: finished-task notifications fell short; the end time is approximate");
+                    errln!("canter bench: finished-task notifications fell short; the end time is approximate");
                     break Instant::now();
                 }
                 if start.elapsed() > limit {

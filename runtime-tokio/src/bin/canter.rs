@@ -14,8 +14,8 @@ use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Resch
 use canter_tokio::canter::postgres::CheckReport;
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration};
-use canter_tokio::outln;
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
+use canter_tokio::{errln, outln};
 use serde_json::Value;
 use sqlx::PgPool;
 use tracing_subscriber::filter::{LevelFilter, Targets};
@@ -74,7 +74,7 @@ fn failed(message: impl std::fmt::Display) -> Failure {
 fn main() -> ExitCode {
     let raw: Vec<String> = std::env::args().skip(1).collect();
     let Some(command) = raw.first().cloned() else {
-        eprintln!("{HELP}");
+        errln!("{HELP}");
         return ExitCode::from(2);
     };
     if matches!(command.as_str(), "help" | "--help" | "-h") {
@@ -84,7 +84,7 @@ fn main() -> ExitCode {
     let rest = &raw[1..];
     let help = command_help(&command);
     if help.is_none() {
-        eprintln!("unknown command {command:?}\n\n{HELP}");
+        errln!("unknown command {command:?}\n\n{HELP}");
         return ExitCode::from(2);
     }
     if rest.iter().any(|a| a == "--help" || a == "-h") {
@@ -96,18 +96,18 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
-            eprintln!("cannot start the runtime: {error}");
+            errln!("cannot start the runtime: {error}");
             return ExitCode::from(1);
         }
     };
     match runtime.block_on(run(&command, rest)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(message)) => {
-            eprintln!("canter {command}: {message}\n\n{}", help.unwrap_or_default());
+            errln!("canter {command}: {message}\n\n{}", help.unwrap_or_default());
             ExitCode::from(2)
         }
         Err(Failure::Failed(message)) => {
-            eprintln!("canter {command}: {message}");
+            errln!("canter {command}: {message}");
             ExitCode::from(1)
         }
     }
@@ -118,7 +118,7 @@ fn main() -> ExitCode {
 fn init_logging(default: LevelFilter) {
     let value = std::env::var("CANTER_LOG").unwrap_or_default();
     let (filter, max) = log_filter(&value, default).unwrap_or_else(|| {
-        eprintln!("canter: CANTER_LOG={value:?} is neither a level nor target=level directives; logging at {default}");
+        errln!("canter: CANTER_LOG={value:?} is neither a level nor target=level directives; logging at {default}");
         (Targets::new().with_default(default), default)
     });
     let subscriber = tracing_subscriber::fmt()
@@ -318,7 +318,7 @@ async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
                 if !unreachable || attempt == attempts {
                     return Err(failed(format!("{what} failed: {text}")));
                 }
-                eprintln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/{})", attempts - 1);
+                errln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/{})", attempts - 1);
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(8));
             }
@@ -882,7 +882,7 @@ fn print_report(scheduler: &Scheduler, report: &CheckReport) {
         }
     }
     for refused in &report.refused {
-        eprintln!("schedule {}: tasks refused: {}", refused.name, refused.error);
+        errln!("schedule {}: tasks refused: {}", refused.name, refused.error);
     }
     outln!("{} tasks enqueued; next tick {}", report.tasks(), tick_or(None, report.next_check, "never"));
 }
