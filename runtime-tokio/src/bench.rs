@@ -36,7 +36,6 @@ mod raw_mode;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -529,8 +528,8 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
             };
             for mut sample in results {
                 sample.run = run;
+                // Stdout is line-buffered: each result shows as soon as it is measured.
                 outln!("{}", sample.json(options.concurrency));
-                let _ = std::io::stdout().flush();
                 samples.push(sample);
             }
         }

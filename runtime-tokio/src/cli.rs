@@ -136,12 +136,18 @@ pub fn parse_duration(text: &str) -> Result<std::time::Duration, UsageError> {
     Ok(std::time::Duration::from_secs_f64(seconds))
 }
 
+/// Ends the program because its output's reader went away, with status 141 (128 + SIGPIPE),
+/// as Unix tools do.
+pub fn exit_output_closed() -> ! {
+    std::process::exit(141)
+}
+
 /// Writes one line of the program's output to stdout. When the reader has gone away
-/// (`canter list | head`), the program ends quietly with status 141 (128 + SIGPIPE), as Unix
-/// tools do, where `println!` would panic.
+/// (`canter list | head`), the program ends quietly ([`exit_output_closed`]), where
+/// `println!` would panic.
 pub fn print_line(line: std::fmt::Arguments<'_>) {
     match write_line(line) {
-        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(141),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => exit_output_closed(),
         // Another failure (a full disk) is not the reader leaving: say so, as `println!` would.
         Err(e) => panic!("failed printing to stdout: {e}"),
         Ok(()) => {}

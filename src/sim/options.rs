@@ -105,7 +105,7 @@ impl SimOptions {
     /// Draws every knob from `rng` (see the module docs).
     pub fn swarm(rng: &mut Rng) -> SimOptions {
         let app = swarm_app(rng);
-        let queue_names: Vec<String> = app.queues().into_iter().map(|q| q.name).collect();
+        let queue_names: Vec<String> = app.queue_names().map(str::to_owned).collect();
         let worker_count = rng.range(1, 6) as usize;
         let mut workers: Vec<WorkerConfig> = (0..worker_count).map(|_| swarm_worker(rng, &app, &queue_names)).collect();
         // Every queue must be served by some worker, or its tasks could never run.

@@ -268,8 +268,8 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
             canter_tokio::demo::DemoError::Usage(m) => Failure::Usage(m),
             canter_tokio::demo::DemoError::Failed(m) => Failure::Failed(m),
-            // As `outln!` does: the reader went away, after the demo cleaned up.
-            canter_tokio::demo::DemoError::OutputClosed => std::process::exit(141),
+            // As `outln!` does, once the demo has cleaned up.
+            canter_tokio::demo::DemoError::OutputClosed => cli::exit_output_closed(),
         }),
         "bench" => canter_tokio::bench::run(raw).await.map_err(|e| e.split().map_or_else(failed, Failure::Usage)),
         _ => Err(Failure::Usage(format!("unknown command {command:?}"))),
