@@ -70,6 +70,11 @@ const POLL_INTERVAL_MS: RangeInclusive<u64> = 1_000..=300_000;
 const HANDLER_TIMEOUT_MS: RangeInclusive<u64> = 1..=86_400_000;
 const SHUTDOWN_GRACE_MS: RangeInclusive<u64> = 0..=3_600_000;
 const COMPLETION_BATCH_MAX: RangeInclusive<u32> = 1..=10_000;
+const MAX_RESULT_BYTES: RangeInclusive<u64> = 1_024..=MAX_STORED_VALUE_BYTES;
+
+/// The largest JSON value PostgreSQL's `jsonb` holds (just under 256 MiB): a bound for
+/// `WorkerConfig::max_result_bytes`.
+pub const MAX_STORED_VALUE_BYTES: u64 = 268_435_455;
 
 /// Whether `flag` is a valid task flag: 1 to 64 bytes of `a-z`, `0-9`, `_`, `-`, `.`, `:`.
 pub fn is_valid_flag(flag: &str) -> bool {
@@ -272,7 +277,37 @@ impl Default for RetryPolicy {
     }
 }
 
+/// A retry policy as stored with a task: the fields of [`RetryPolicy`], each optional, and
+/// any others (a newer writer's) ignored.
+#[derive(Deserialize)]
+#[serde(default)]
+struct StoredRetryPolicy {
+    max_retries: u32,
+    intervals_secs: Vec<u32>,
+    backoff: BackoffStrategy,
+    jitter: bool,
+    auto_retry_for: Vec<ErrorCode>,
+}
+
+impl Default for StoredRetryPolicy {
+    fn default() -> Self {
+        let RetryPolicy { max_retries, intervals_secs, backoff, jitter, auto_retry_for } = RetryPolicy::none();
+        StoredRetryPolicy { max_retries, intervals_secs, backoff, jitter, auto_retry_for }
+    }
+}
+
 impl RetryPolicy {
+    /// A policy as a task's row stores it, read leniently: fields this version does not know
+    /// (written by a newer client, or another writer) are ignored, missing ones take their
+    /// defaults. A value that is not a policy, or breaks a rule, is an error saying why.
+    pub fn from_stored(value: serde_json::Value) -> Result<RetryPolicy, String> {
+        let StoredRetryPolicy { max_retries, intervals_secs, backoff, jitter, auto_retry_for } =
+            serde_json::from_value(value).map_err(|e| e.to_string())?;
+        let policy = RetryPolicy { max_retries, intervals_secs, backoff, jitter, auto_retry_for };
+        policy.validate().map_err(|e| e.to_string())?;
+        Ok(policy)
+    }
+
     /// The codes retried unless a policy says otherwise: every failure of the task itself.
     pub fn default_codes() -> Vec<ErrorCode> {
         vec![ErrorCode::TaskError, ErrorCode::UnhandledError, ErrorCode::TaskTimeout, ErrorCode::WorkerCrashed]
@@ -733,6 +768,11 @@ pub struct WorkerConfig {
     pub shutdown_grace_ms: u64,
     /// The most completions written in one statement: 1 to 10 000, default 500.
     pub completion_batch_max: u32,
+    /// The largest result (or error data) a handler may return, as JSON bytes: 1 024 to
+    /// 268 435 455 (PostgreSQL's limit), default 8 MiB. A larger one, or one PostgreSQL cannot
+    /// hold (text with U+0000, nesting over [`MAX_JSON_DEPTH`](crate::db::MAX_JSON_DEPTH)), fails
+    /// its own task with `WORKER_SERIALIZATION_ERROR` instead of being written.
+    pub max_result_bytes: u64,
     /// The seed of the worker's PRNG (jitter); `None` lets the adapter pick one. In TOML it
     /// must fit an `i64`.
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -763,6 +803,7 @@ impl Default for WorkerConfig {
             handler_timeout_ms: Some(30_000),
             shutdown_grace_ms: 30_000,
             completion_batch_max: 500,
+            max_result_bytes: 8 * 1024 * 1024,
             seed: None,
             forbidden_flags: Vec::new(),
             run_scheduler: false,
@@ -868,6 +909,7 @@ impl WorkerConfig {
         }
         c.range("shutdown_grace_ms", self.shutdown_grace_ms, SHUTDOWN_GRACE_MS);
         c.range("completion_batch_max", self.completion_batch_max, COMPLETION_BATCH_MAX);
+        c.range("max_result_bytes", self.max_result_bytes, MAX_RESULT_BYTES);
         for (i, flag) in self.forbidden_flags.iter().enumerate() {
             if !is_valid_flag(flag) {
                 c.problem(
@@ -1221,6 +1263,7 @@ mod tests {
                 handler_timeout_ms: Some(120_000),
                 shutdown_grace_ms: 10_000,
                 completion_batch_max: 200,
+                max_result_bytes: 65_536,
                 seed: Some(42),
                 forbidden_flags: vec!["gpu".into()],
                 run_scheduler: true,

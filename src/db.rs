@@ -296,6 +296,9 @@ pub enum EnqueueError {
     /// A flag has characters or a length flags cannot have.
     #[error("invalid flag {0:?}: expected 1 to 64 bytes of a-z, 0-9, _, -, . and :")]
     InvalidFlag(String),
+    /// The arguments could not be stored, or not read back once stored.
+    #[error("invalid args: {0}")]
+    InvalidArgs(UnstorableValue),
     /// The key names a task with other arguments (`PAYLOAD_MISMATCH`).
     #[error("idempotency key {key:?} already names task {existing} with different arguments")]
     PayloadMismatch {
@@ -338,6 +341,7 @@ pub fn check_new_task<'a>(app: &'a AppConfig, task: &'a NewTask, now: DbTime) ->
     if let Some(flag) = task.flags.iter().find(|f| !is_valid_flag(f)) {
         return Err(EnqueueError::InvalidFlag(flag.clone()));
     }
+    check_storable(&task.args, crate::config::MAX_STORED_VALUE_BYTES).map_err(EnqueueError::InvalidArgs)?;
     if let Some(policy) = &task.retry {
         policy.validate().map_err(|e| EnqueueError::InvalidRetryPolicy(e.to_string()))?;
     }
@@ -392,6 +396,15 @@ pub struct ClaimedTask {
     /// Whether it has a good-until: then only a [`DbRequest::Start`], which checks it on the
     /// store's clock, may start it.
     pub expires: bool,
+    /// Why the store could not read the stored arguments (nested too deep, a number out of
+    /// range: anything its decoder refuses), if it could not; `args` is then `null`. The
+    /// worker fails such a task with `WORKER_SERIALIZATION_ERROR` without running it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_error: Option<String>,
+    /// Why the store could not read the task's own stored retry policy, if it could not;
+    /// `retry` is then the app's. The worker reports it and runs the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub retry_error: Option<String>,
 }
 
 /// A finished run and what it produced.
@@ -499,9 +512,10 @@ pub enum DbRequest {
     },
     /// Renew what `worker` holds: Claimed tasks get their lease extended to `now + lease_ms`
     /// (unless claimed more than `max_renew_age_ms` ago, or lapsed already: claimers count a
-    /// lapsed claim out), Running tasks a fresh heartbeat; the
-    /// worker's registry row is marked alive. Replies [`DbReply::Heartbeat`] with the tasks
-    /// no longer held.
+    /// lapsed claim out), Running tasks a fresh heartbeat; the worker's registry row is
+    /// marked alive. Rows another transaction has locked are skipped, not waited for
+    /// (`busy`): one locked row never holds up the beat of the others. Replies
+    /// [`DbReply::Heartbeat`] with the tasks no longer held.
     Heartbeat {
         /// Who beats.
         worker: WorkerId,
@@ -513,6 +527,12 @@ pub enum DbRequest {
         lease_ms: u64,
         /// Claims older than this are not renewed and expire naturally.
         max_renew_age_ms: u64,
+        /// Tokens of claims this worker abandoned ([`DbRequest::AbandonClaim`]) lately: rows a
+        /// late commit of such a claim left claimed by the worker are handed back, as the
+        /// abandon hands them back, so a claim that commits after its client gave up never
+        /// keeps tasks nobody runs.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        abandoned: Vec<u64>,
     },
     /// Hand tasks back: Claimed or Running held under that lease becomes Pending without
     /// spending a retry, claimable at once. Replies [`DbReply::Released`].
@@ -523,8 +543,9 @@ pub enum DbRequest {
         tasks: Vec<TaskLease>,
     },
     /// Undo a claim whose reply never came: every row still Claimed or Running by `worker`
-    /// under claim `token` goes back to Pending as by [`DbRequest::Release`]. Replies
-    /// [`DbReply::Released`].
+    /// under claim `token` goes back to Pending as by [`DbRequest::Release`], and a row the
+    /// claim started gives back the attempt it counted (its handler never ran: the worker never
+    /// saw the claim). Replies [`DbReply::Released`].
     AbandonClaim {
         /// Who claimed.
         worker: WorkerId,
@@ -633,10 +654,17 @@ pub enum DbReply {
         /// Not held under that lease any more: nothing written.
         lost: Vec<TaskId>,
     },
-    /// The tasks of a [`DbRequest::Heartbeat`] no longer held.
+    /// What a [`DbRequest::Heartbeat`] found.
     Heartbeat {
         /// Not held under that lease any more.
         lost: Vec<TaskId>,
+        /// Locked by another transaction: not renewed this time; still held, for all the store
+        /// knows.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        busy: Vec<TaskId>,
+        /// Rows of abandoned claims that committed late, handed back to Pending.
+        #[serde(default, skip_serializing_if = "Vec::is_empty")]
+        handed_back: Vec<TaskId>,
     },
     /// What became of a [`DbRequest::Release`] or [`DbRequest::AbandonClaim`].
     Released {
@@ -667,6 +695,16 @@ pub struct ReapReport {
     pub failed: Vec<TaskId>,
     /// Pending tasks expired.
     pub expired: Vec<TaskId>,
+    /// Whether the pass did nothing because another reaper held the reaper's lock.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub skipped: bool,
+}
+
+impl ReapReport {
+    /// Whether the pass changed any task.
+    pub fn changed_anything(&self) -> bool {
+        !(self.requeued.is_empty() && self.retried.is_empty() && self.failed.is_empty() && self.expired.is_empty())
+    }
 }
 
 /// Why a request has no reply. Faults are inputs to the worker machine, not errors of it.
@@ -681,6 +719,17 @@ pub enum DbFailure {
     /// The database refused the request (a bug or a schema mismatch); nothing was applied.
     #[error("database rejected the request: {0}")]
     Rejected(String),
+    /// The database (or the client, encoding it) refused a value the request carries: text
+    /// with U+0000, a value over a size limit, a number out of range (SQLSTATE classes 22 and
+    /// 54). Nothing was applied. The request is not at fault as a whole: a batch is split until
+    /// the item that carries the value is alone.
+    #[error("database refused a value of the request: {0}")]
+    Invalid(String),
+    /// Another transaction held a row (or a lock) the request needed for longer than the
+    /// session's `lock_timeout`; nothing was applied. A batch is split, so that one row held
+    /// for long does not hold up the others.
+    #[error("a lock the request waited for was held too long: {0}")]
+    LockTimeout(String),
 }
 
 /// A task as inspection shows it: its row in the live table or the finished table.
@@ -739,4 +788,201 @@ pub struct AttemptRecord {
     pub error: Option<TaskError>,
     /// When the run ended.
     pub finished_at: DbTime,
+}
+
+/// The deepest nesting of arrays and objects a stored JSON value may have. Readers decode
+/// stored values with serde_json, which stops at 128 levels: a deeper value could be written
+/// and never read back (and every claim that met it would fail).
+pub const MAX_JSON_DEPTH: usize = 100;
+
+/// Why a JSON value cannot be stored, or could not be read back once stored.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum UnstorableValue {
+    /// Text (a string or an object key) holds U+0000, which PostgreSQL's `jsonb` refuses.
+    #[error("{path} contains U+0000, which PostgreSQL cannot store: expected text without NUL characters")]
+    Nul {
+        /// Where, as `$` followed by keys and indexes (`$.a[2]`).
+        path: String,
+    },
+    /// Nested deeper than [`MAX_JSON_DEPTH`].
+    #[error("{path} is nested more than {MAX_JSON_DEPTH} levels deep: expected at most {MAX_JSON_DEPTH}")]
+    TooDeep {
+        /// Where the limit was passed.
+        path: String,
+    },
+    /// Larger than the limit.
+    #[error("it takes more than {max} bytes as JSON: expected at most {max}")]
+    TooLarge {
+        /// The limit, in bytes.
+        max: u64,
+    },
+}
+
+/// Checks that `value` can be stored as `jsonb` and read back: no U+0000 in any string or
+/// key, at most [`MAX_JSON_DEPTH`] levels, at most `max_bytes` bytes as JSON (an estimate
+/// that never undercounts by more than escapes). Walks the value without recursion.
+pub fn check_storable(value: &serde_json::Value, max_bytes: u64) -> Result<(), UnstorableValue> {
+    use serde_json::Value;
+    enum Step<'a> {
+        Key(&'a str),
+        Index(usize),
+    }
+    fn path_of(steps: &[Step<'_>]) -> String {
+        let mut path = String::from("$");
+        for step in steps {
+            match step {
+                Step::Key(key) => {
+                    path.push('.');
+                    // Escaped: the key itself may be what is wrong.
+                    path.push_str(&printable(key, 64));
+                }
+                Step::Index(index) => path.push_str(&format!("[{index}]")),
+            }
+        }
+        path
+    }
+    // Each entry: a value, its depth (1 for the root) and the step that led to it.
+    let mut stack: Vec<(&Value, usize, Option<Step<'_>>)> = vec![(value, 1, None)];
+    let mut steps: Vec<Step<'_>> = Vec::new();
+    let mut bytes: u64 = 0;
+    while let Some((value, depth, step)) = stack.pop() {
+        steps.truncate(depth.saturating_sub(2));
+        if let Some(step) = step {
+            steps.push(step);
+        }
+        let nul = |text: &str| text.contains('\0');
+        bytes = bytes.saturating_add(match value {
+            Value::Null | Value::Bool(_) => 5,
+            Value::Number(_) => 24,
+            Value::String(text) => {
+                if nul(text) {
+                    return Err(UnstorableValue::Nul { path: path_of(&steps) });
+                }
+                text.len() as u64 + 3
+            }
+            Value::Array(items) => {
+                if depth > MAX_JSON_DEPTH {
+                    return Err(UnstorableValue::TooDeep { path: path_of(&steps) });
+                }
+                stack.extend(items.iter().enumerate().rev().map(|(i, item)| (item, depth + 1, Some(Step::Index(i)))));
+                2
+            }
+            Value::Object(fields) => {
+                if depth > MAX_JSON_DEPTH {
+                    return Err(UnstorableValue::TooDeep { path: path_of(&steps) });
+                }
+                let mut size = 2u64;
+                for (key, _) in fields {
+                    if nul(key) {
+                        steps.push(Step::Key(key));
+                        return Err(UnstorableValue::Nul { path: path_of(&steps) });
+                    }
+                    size = size.saturating_add(key.len() as u64 + 3);
+                }
+                let children: Vec<_> =
+                    fields.iter().map(|(k, v)| (v, depth + 1, Some(Step::Key(k.as_str())))).collect();
+                stack.extend(children.into_iter().rev());
+                size
+            }
+        });
+        if bytes > max_bytes {
+            return Err(UnstorableValue::TooLarge { max: max_bytes });
+        }
+    }
+    Ok(())
+}
+
+/// Checks a handler's error as [`check_storable`] checks values: its code and message are
+/// text inside the stored JSON, so U+0000 there is refused too; its data counts against
+/// `max_bytes`.
+pub fn check_storable_error(error: &TaskError, max_bytes: u64) -> Result<(), UnstorableValue> {
+    if error.message.contains('\0') {
+        return Err(UnstorableValue::Nul { path: "$.message".into() });
+    }
+    if error.code.as_str().contains('\0') {
+        return Err(UnstorableValue::Nul { path: "$.code".into() });
+    }
+    let text = (error.message.len() + error.code.as_str().len()) as u64;
+    match &error.data {
+        Some(data) => check_storable(data, max_bytes.saturating_sub(text)).map_err(|problem| match problem {
+            UnstorableValue::Nul { path } => UnstorableValue::Nul { path: path.replacen('$', "$.data", 1) },
+            UnstorableValue::TooDeep { path } => UnstorableValue::TooDeep { path: path.replacen('$', "$.data", 1) },
+            UnstorableValue::TooLarge { .. } => UnstorableValue::TooLarge { max: max_bytes },
+        }),
+        None if text > max_bytes => Err(UnstorableValue::TooLarge { max: max_bytes }),
+        None => Ok(()),
+    }
+}
+
+/// `text` with control characters (U+0000 among them) escaped and cut to about `max` bytes,
+/// for messages that quote what a handler or the database said.
+pub fn printable(text: &str, max: usize) -> String {
+    let mut out = String::with_capacity(text.len().min(max) + 3);
+    for c in text.chars() {
+        if out.len() >= max {
+            out.push('…');
+            break;
+        }
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+
+    fn nested(depth: usize) -> serde_json::Value {
+        (1..depth).fold(json!([]), |inner, _| json!([inner]))
+    }
+
+    #[test]
+    fn storable_values_have_no_nul_no_deep_nesting_and_a_bounded_size() {
+        assert_eq!(check_storable(&json!({"a": [1, "ok", {"b": null}]}), 1_000), Ok(()));
+        let nul = |v: serde_json::Value| check_storable(&v, 1_000).unwrap_err().to_string();
+        assert!(
+            nul(json!({"a": [1, "no\u{0}"]})).starts_with("$.a[1] contains U+0000"),
+            "{}",
+            nul(json!({"a": [1, "no\u{0}"]}))
+        );
+        assert!(nul(json!({"k\u{0}": 1})).starts_with("$.k\\u{0} contains U+0000"));
+        assert!(nul(json!([{"x": 1}, {"y": ["\u{0}"]}])).starts_with("$[1].y[0] contains"));
+        assert_eq!(check_storable(&nested(MAX_JSON_DEPTH), u64::MAX), Ok(()));
+        assert!(matches!(check_storable(&nested(MAX_JSON_DEPTH + 1), u64::MAX), Err(UnstorableValue::TooDeep { .. })));
+        assert_eq!(check_storable(&json!("x".repeat(100)), 50), Err(UnstorableValue::TooLarge { max: 50 }));
+        assert_eq!(check_storable(&json!("x".repeat(10)), 50), Ok(()));
+    }
+
+    #[test]
+    fn a_stored_error_is_checked_in_its_message_code_and_data() {
+        let error = TaskError::new(ErrorCode::TaskError, "fine");
+        assert_eq!(check_storable_error(&error, 100), Ok(()));
+        let nul = TaskError::new(ErrorCode::TaskError, "from C: \u{0}");
+        assert_eq!(check_storable_error(&nul, 100), Err(UnstorableValue::Nul { path: "$.message".into() }));
+        let data = error.clone().with_data(json!({"d": "\u{0}"}));
+        assert_eq!(check_storable_error(&data, 100), Err(UnstorableValue::Nul { path: "$.data.d".into() }));
+        let big = error.with_data(json!("y".repeat(200)));
+        assert_eq!(check_storable_error(&big, 100), Err(UnstorableValue::TooLarge { max: 100 }));
+    }
+
+    #[test]
+    fn printable_text_escapes_control_characters_and_is_cut() {
+        assert_eq!(printable("a\u{0}b\nc", 100), "a\\u{0}b\\nc");
+        assert_eq!(printable(&"z".repeat(20), 5), "zzzzz…");
+    }
+
+    #[test]
+    fn enqueue_refuses_args_that_could_not_be_read_back() {
+        let app = AppConfig::default();
+        let deep = NewTask::new("t", nested(MAX_JSON_DEPTH + 1));
+        assert!(matches!(check_new_task(&app, &deep, DbTime(0)), Err(EnqueueError::InvalidArgs(_))));
+        let nul = NewTask::new("t", json!("\u{0}"));
+        assert!(matches!(check_new_task(&app, &nul, DbTime(0)), Err(EnqueueError::InvalidArgs(_))));
+    }
 }

@@ -31,8 +31,8 @@ use crate::backoff;
 use crate::budget::{self, ClaimCounts, ClaimPolicy, InFlight};
 use crate::config::{AppConfig, RetryPolicy, is_valid_queue_name};
 use crate::db::{
-    self, AttemptRecord, ClaimedTask, Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode,
-    NewTask, ReapReport, RunAt, TaskRecord, WorkerInfo,
+    self, AttemptRecord, ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome,
+    KeyMode, NewTask, ReapReport, RunAt, TaskRecord, WorkerInfo,
 };
 use crate::rng::mix;
 use crate::schedule::{ScheduleRecord, ScheduleWrite};
@@ -301,7 +301,18 @@ pub struct MemoryStore {
     /// Schedule records by name (the `schedules` table).
     schedules: BTreeMap<String, ScheduleRecord>,
     notifications: Vec<Notification>,
+    /// Rows another transaction holds locked (an application's, an operator's): see
+    /// [`MemoryStore::lock_row`].
+    locked: BTreeSet<TaskId>,
 }
+
+/// The error PostgreSQL gives a statement that waited on a row lock past `lock_timeout`.
+pub const LOCK_TIMEOUT_MESSAGE: &str = "canceling statement due to lock timeout";
+
+/// How deep a stored JSON value may be nested for serde_json to read it back (its recursion
+/// limit): a claim reply of a row nested deeper says so in [`ClaimedTask::args_error`], as
+/// PostgreSQL's store does when it fails to decode one.
+pub const READABLE_JSON_DEPTH: usize = 127;
 
 impl MemoryStore {
     /// An empty store for this application; task ids start at 1.
@@ -317,7 +328,31 @@ impl MemoryStore {
             paused: BTreeMap::new(),
             schedules: BTreeMap::new(),
             notifications: Vec::new(),
+            locked: BTreeSet::new(),
         }
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Row locks of other transactions
+    // -----------------------------------------------------------------------------------------
+
+    /// Marks row `id` as locked by another transaction until [`unlock_row`](Self::unlock_row),
+    /// as an application transaction or an operator's statement can hold it in PostgreSQL.
+    /// Statements that skip locked rows (claims, heartbeats, the reaper) pass it by; the
+    /// others wait, which [`execute`](Self::execute) answers as PostgreSQL's `lock_timeout`
+    /// does.
+    pub fn lock_row(&mut self, id: TaskId) {
+        self.locked.insert(id);
+    }
+
+    /// Ends the lock [`lock_row`](Self::lock_row) took.
+    pub fn unlock_row(&mut self, id: TaskId) {
+        self.locked.remove(&id);
+    }
+
+    /// The rows locked by other transactions.
+    pub fn locked_rows(&self) -> &BTreeSet<TaskId> {
+        &self.locked
     }
 
     // -----------------------------------------------------------------------------------------
@@ -510,8 +545,52 @@ impl MemoryStore {
     // The protocol
     // -----------------------------------------------------------------------------------------
 
+    /// Runs one request as PostgreSQL would answer it: a value PostgreSQL refuses (text with
+    /// U+0000, a value over its size limit) fails the whole request with
+    /// [`DbFailure::Invalid`], and a request that would wait on a row another transaction
+    /// locked ([`lock_row`](Self::lock_row)) fails with [`DbFailure::LockTimeout`] as
+    /// `lock_timeout` makes it; nothing is applied then. Otherwise as [`apply`](Self::apply).
+    pub fn execute(&mut self, request: &DbRequest, now: DbTime) -> Result<DbReply, DbFailure> {
+        if let DbRequest::Finish { completions, .. } = request {
+            for completion in completions {
+                refused_values(completion).map_err(|e| DbFailure::Invalid(e.to_string()))?;
+            }
+        }
+        if self.waits_on_a_lock(request) {
+            return Err(DbFailure::LockTimeout(LOCK_TIMEOUT_MESSAGE.into()));
+        }
+        Ok(self.apply(request, now))
+    }
+
+    /// Whether `request` would wait on a row another transaction locked: those that lock the
+    /// rows they name without `SKIP LOCKED`.
+    fn waits_on_a_lock(&self, request: &DbRequest) -> bool {
+        if self.locked.is_empty() {
+            return false;
+        }
+        match request {
+            DbRequest::Start { tasks, .. }
+            | DbRequest::RecordStarts { tasks, .. }
+            | DbRequest::Release { tasks, .. } => tasks.iter().any(|t| self.locked.contains(&t.task)),
+            DbRequest::Finish { completions, .. } => completions.iter().any(|c| self.locked.contains(&c.task.task)),
+            DbRequest::AbandonClaim { worker, token } => self.live.values().any(|row| {
+                self.locked.contains(&row.id)
+                    && row.claimed_by.as_ref() == Some(worker)
+                    && row.claim_token == Some(*token)
+            }),
+            DbRequest::Claim { .. }
+            | DbRequest::Heartbeat { .. }
+            | DbRequest::Reap { .. }
+            | DbRequest::Purge { .. }
+            | DbRequest::RegisterWorker(_)
+            | DbRequest::DeregisterWorker(_) => false,
+        }
+    }
+
     /// Applies one request of the worker machine atomically at database time `now`, with the
-    /// semantics [`DbRequest`] documents, and returns its reply.
+    /// semantics [`DbRequest`] documents, and returns its reply. Values are taken as they
+    /// come and row locks of other transactions only skip rows: see
+    /// [`execute`](Self::execute) for PostgreSQL's refusals.
     pub fn apply(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
         let before = self.notifications.len();
         let reply = self.apply_request(request, now);
@@ -553,11 +632,14 @@ impl MemoryStore {
             DbRequest::Start { worker, tasks, policy } => self.start(worker, tasks, policy, now),
             DbRequest::RecordStarts { worker, tasks } => self.record_starts(worker, tasks, now),
             DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
-            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {
-                self.heartbeat(worker, claimed, running, *lease_ms, *max_renew_age_ms, now)
+            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms, abandoned } => {
+                self.heartbeat(worker, claimed, running, *lease_ms, *max_renew_age_ms, abandoned, now)
             }
             DbRequest::Release { worker, tasks } => self.release(worker, tasks),
-            DbRequest::AbandonClaim { worker, token } => self.abandon_claim(worker, *token),
+            DbRequest::AbandonClaim { worker, token } => {
+                let released = self.abandon_claims(worker, &[*token]);
+                DbReply::Released { released, lost: Vec::new() }
+            }
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 DbReply::Reaped(self.reap(*claimed_stale_ms, *running_stale_ms, *entropy, now))
             }
@@ -632,6 +714,7 @@ impl MemoryStore {
                         && row.is_claimable(now)
                         && policy.admits(&row.flags)
                         && !taken.contains(&row.id)
+                        && !self.locked.contains(&row.id)
                 })
                 .collect();
             candidates.sort_by_key(|row| (row.priority, row.run_at, row.id));
@@ -660,18 +743,23 @@ impl MemoryStore {
                 row.claim_expires_at = Some(now.plus_ms(lease_ms));
                 row.attempts.saturating_add(1)
             };
+            // What PostgreSQL's store could not decode, it hands over as `null` and says why.
+            let args_error =
+                (json_depth(&row.args) > READABLE_JSON_DEPTH).then(|| "recursion limit exceeded".to_owned());
             claimed.push(ClaimedTask {
                 id,
                 lease: row.lease,
                 name: row.name.clone(),
                 queue: row.queue.clone(),
-                args: row.args.clone(),
+                args: if args_error.is_some() { Value::Null } else { row.args.clone() },
                 priority: row.priority,
                 started: start,
                 attempt: Attempt(attempt),
                 retries: row.retries,
                 retry: row.retry.clone(),
                 expires: row.good_until.is_some(),
+                args_error,
+                retry_error: None,
             });
         }
         claimed
@@ -790,6 +878,7 @@ impl MemoryStore {
         DbReply::Finished { applied, lost }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn heartbeat(
         &mut self,
         worker: &WorkerId,
@@ -797,11 +886,17 @@ impl MemoryStore {
         running: &[TaskLease],
         lease_ms: u64,
         max_renew_age_ms: u64,
+        abandoned: &[u64],
         now: DbTime,
     ) -> DbReply {
         let mut lost = Vec::new();
+        let mut busy = Vec::new();
         let oldest_renewable = minus_ms(now, max_renew_age_ms);
         for &TaskLease { task: id, lease } in claimed {
+            if self.locked.contains(&id) {
+                busy_or_lost(self.live.get(&id), worker, lease, id, &mut busy, &mut lost);
+                continue;
+            }
             match self.live.get_mut(&id) {
                 Some(row) if row.state == TaskState::Claimed && row.held_by(worker, lease) => {
                     // A lapsed claim is not renewed: claimers already count it out (a serial
@@ -821,6 +916,10 @@ impl MemoryStore {
             }
         }
         for &TaskLease { task: id, lease } in running {
+            if self.locked.contains(&id) {
+                busy_or_lost(self.live.get(&id), worker, lease, id, &mut busy, &mut lost);
+                continue;
+            }
             match self.live.get_mut(&id) {
                 Some(row) if row.state == TaskState::Running && row.held_by(worker, lease) => {
                     row.heartbeat_at = Some(now);
@@ -828,6 +927,7 @@ impl MemoryStore {
                 _ => lost.push(id),
             }
         }
+        let handed_back = if abandoned.is_empty() { Vec::new() } else { self.abandon_claims(worker, abandoned) };
         self.workers.entry(worker.clone()).and_modify(|record| record.last_seen = now).or_insert_with(|| {
             WorkerRecord {
                 info: WorkerInfo { worker: worker.clone(), queues: Vec::new(), concurrency: 0 },
@@ -835,7 +935,7 @@ impl MemoryStore {
                 stopped: false,
             }
         });
-        DbReply::Heartbeat { lost }
+        DbReply::Heartbeat { lost, busy, handed_back }
     }
 
     fn release(&mut self, worker: &WorkerId, tasks: &[TaskLease]) -> DbReply {
@@ -857,20 +957,35 @@ impl MemoryStore {
         DbReply::Released { released, lost }
     }
 
-    fn abandon_claim(&mut self, worker: &WorkerId, token: u64) -> DbReply {
+    /// Undoes the claims `tokens` of `worker`: every row still held under one of them goes back
+    /// to Pending, and a Running one gives back the attempt the claim counted (its worker never
+    /// saw the claim, so nothing ran). Rows other transactions hold locked are left for the
+    /// next try. Returns the rows handed back, by id.
+    fn abandon_claims(&mut self, worker: &WorkerId, tokens: &[u64]) -> Vec<TaskId> {
         let ids: Vec<TaskId> = self
             .live
             .values()
             .filter(|row| {
                 matches!(row.state, TaskState::Claimed | TaskState::Running)
                     && row.claimed_by.as_ref() == Some(worker)
-                    && row.claim_token == Some(token)
+                    && row.claim_token.is_some_and(|token| tokens.contains(&token))
+                    && !self.locked.contains(&row.id)
             })
             .map(|row| row.id)
             .collect();
-        let queues: BTreeSet<String> = ids.iter().map(|&id| self.release_row(id)).collect();
+        let mut queues = BTreeSet::new();
+        for &id in &ids {
+            let row = self.live_row(id);
+            if row.state == TaskState::Running {
+                row.attempts = row.attempts.saturating_sub(1);
+                if row.attempts == 0 {
+                    row.started_at = None;
+                }
+            }
+            queues.insert(self.release_row(id));
+        }
         self.notify_ready(queues);
-        DbReply::Released { released: ids, lost: Vec::new() }
+        ids
     }
 
     fn reap(
@@ -890,7 +1005,9 @@ impl MemoryStore {
                 .live
                 .values()
                 .filter(|row| {
-                    row.state == TaskState::Claimed && row.heartbeat_at.or(row.claimed_at).is_some_and(|at| at < cutoff)
+                    row.state == TaskState::Claimed
+                        && row.heartbeat_at.or(row.claimed_at).is_some_and(|at| at < cutoff)
+                        && !self.locked.contains(&row.id)
                 })
                 .map(|row| row.id)
                 .collect();
@@ -903,7 +1020,9 @@ impl MemoryStore {
                 .live
                 .values()
                 .filter(|row| {
-                    row.state == TaskState::Running && row.heartbeat_at.or(row.started_at).is_some_and(|at| at < cutoff)
+                    row.state == TaskState::Running
+                        && row.heartbeat_at.or(row.started_at).is_some_and(|at| at < cutoff)
+                        && !self.locked.contains(&row.id)
                 })
                 .map(|row| row.id)
                 .collect();
@@ -929,7 +1048,11 @@ impl MemoryStore {
         let expired: Vec<TaskId> = self
             .live
             .values()
-            .filter(|row| row.state == TaskState::Pending && row.good_until.is_some_and(|at| at <= now))
+            .filter(|row| {
+                row.state == TaskState::Pending
+                    && row.good_until.is_some_and(|at| at <= now)
+                    && !self.locked.contains(&row.id)
+            })
             .map(|row| row.id)
             .collect();
         for &id in &expired {
@@ -1316,6 +1439,56 @@ fn add_in_flight(in_flight: &mut InFlight, running: bool) {
     }
 }
 
+/// A row named by a beat that another transaction holds locked: still held (busy) when its
+/// holder and lease match, else lost.
+fn busy_or_lost(
+    row: Option<&StoredTask>,
+    worker: &WorkerId,
+    lease: Lease,
+    id: TaskId,
+    busy: &mut Vec<TaskId>,
+    lost: &mut Vec<TaskId>,
+) {
+    let held = row
+        .is_some_and(|row| matches!(row.state, TaskState::Claimed | TaskState::Running) && row.held_by(worker, lease));
+    if held { busy.push(id) } else { lost.push(id) }
+}
+
+/// What PostgreSQL refuses in a completion's values: text with U+0000 (`jsonb` cannot hold
+/// it) and values over its size limit. Depth it stores (it is reading them back that fails).
+fn refused_values(completion: &Completion) -> Result<(), db::UnstorableValue> {
+    let limit = crate::config::MAX_STORED_VALUE_BYTES;
+    let refused = |value: &Value| match db::check_storable(value, limit) {
+        Err(db::UnstorableValue::TooDeep { .. }) => Ok(()),
+        other => other,
+    };
+    match &completion.outcome {
+        FinishOutcome::Completed(result) => refused(result)?,
+        FinishOutcome::Failed(error) | FinishOutcome::Retry { error, .. } => {
+            match db::check_storable_error(error, limit) {
+                Err(db::UnstorableValue::TooDeep { .. }) | Ok(()) => {}
+                Err(other) => return Err(other),
+            }
+        }
+    }
+    completion.args.as_ref().map_or(Ok(()), refused)
+}
+
+/// How deeply `value` nests arrays and objects (a scalar is 0).
+pub fn json_depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(value, 0usize)];
+    while let Some((value, depth)) = stack.pop() {
+        deepest = deepest.max(depth);
+        match value {
+            Value::Array(items) => stack.extend(items.iter().map(|item| (item, depth + 1))),
+            Value::Object(fields) => stack.extend(fields.values().map(|item| (item, depth + 1))),
+            _ => {}
+        }
+    }
+    deepest
+}
+
 /// `now` minus `ms` milliseconds (saturating).
 fn minus_ms(now: DbTime, ms: u64) -> DbTime {
     DbTime(now.0.saturating_sub(i64::try_from(ms).unwrap_or(i64::MAX)))
@@ -1613,7 +1786,7 @@ mod tests {
         let lost = |reply: DbReply| match reply {
             DbReply::Started { lost, .. }
             | DbReply::Finished { lost, .. }
-            | DbReply::Heartbeat { lost }
+            | DbReply::Heartbeat { lost, .. }
             | DbReply::Released { lost, .. } => lost,
             other => panic!("unexpected reply {other:?}"),
         };
@@ -1623,6 +1796,7 @@ mod tests {
             running,
             lease_ms: LEASE_MS,
             max_renew_age_ms: 180_000,
+            abandoned: vec![],
         };
         assert_eq!(lost(start(&mut store, "a", vec![old], &p, lapsed)), vec![id]);
         assert_eq!(lost(store.apply(&heartbeat(vec![old], vec![]), lapsed)), vec![id]);
@@ -1720,8 +1894,12 @@ mod tests {
             running: vec![],
             lease_ms: LEASE_MS,
             max_renew_age_ms: 180_000,
+            abandoned: vec![],
         };
-        assert_eq!(store.apply(&beat, at(10_000)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(
+            store.apply(&beat, at(10_000)),
+            DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] }
+        );
         assert_eq!(store.task(TaskId(2)).unwrap().claim_expires_at, Some(at(10_000).plus_ms(LEASE_MS)));
         store.take_notifications();
         assert_eq!(reap(&mut store, Some(30_000), None, at(30_000)).requeued, vec![]);
@@ -1751,6 +1929,7 @@ mod tests {
             running: vec![alive],
             lease_ms: LEASE_MS,
             max_renew_age_ms: 180_000,
+            abandoned: vec![],
         };
         store.apply(&beat, at(20_000));
         store.take_notifications();
@@ -2180,6 +2359,7 @@ mod tests {
             running: vec![],
             lease_ms: LEASE_MS,
             max_renew_age_ms: 10 * LEASE_MS,
+            abandoned: vec![],
         };
         store.apply(&beat, later.plus_ms(1));
         assert_eq!(store.task(first[0].id).unwrap().claim_expires_at, Some(at(LEASE_MS as i64)), "not renewed");
@@ -2243,7 +2423,10 @@ mod tests {
         use TaskState::{Claimed, Pending};
         assert_eq!(states, vec![Pending, Pending, Claimed, Claimed, Pending]);
         let one = store.task(TaskId(1)).unwrap();
-        assert_eq!((one.attempts, one.retries, one.lease), (1, 0, Lease(1)), "attempts never decrease");
+        // The claim started it, and nothing ran: the attempt goes back, the lease stays (it
+        // fences whatever the claim's holder might still write).
+        assert_eq!((one.attempts, one.retries, one.lease), (0, 0, Lease(1)));
+        assert_eq!(one.started_at, None);
         assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
         let again = store.apply(&DbRequest::AbandonClaim { worker: w("a"), token: 1 }, at(2));
         assert_eq!(again, DbReply::Released { released: vec![], lost: vec![] });
@@ -2323,11 +2506,18 @@ mod tests {
             running: vec![],
             lease_ms: LEASE_MS,
             max_renew_age_ms: 50_000,
+            abandoned: vec![],
         };
-        assert_eq!(store.apply(&beat, at(50_000)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(
+            store.apply(&beat, at(50_000)),
+            DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] }
+        );
         assert_eq!(store.task(held.task).unwrap().claim_expires_at, Some(at(110_000)));
         // Too old to renew: left to lapse, yet still held.
-        assert_eq!(store.apply(&beat, at(50_001)), DbReply::Heartbeat { lost: vec![] });
+        assert_eq!(
+            store.apply(&beat, at(50_001)),
+            DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] }
+        );
         let row = store.task(held.task).unwrap();
         assert_eq!((row.claim_expires_at, row.heartbeat_at), (Some(at(110_000)), Some(at(50_000))));
         assert_eq!(

@@ -55,7 +55,7 @@ use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
 use crate::db::{
     ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,
-    WorkerInfo,
+    WorkerInfo, check_storable, check_storable_error, printable,
 };
 use crate::rng::Rng;
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
@@ -66,6 +66,23 @@ const SHUTDOWN_DB_FAILURES: u32 = 3;
 
 /// How often a worker purges finished tasks past `recovery.finished_retention_ms`: an hour.
 pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
+
+/// How long a worker remembers the token of a claim it abandoned, handing back with every
+/// heartbeat whatever a late commit of that claim left claimed by it: longer than any
+/// statement can wait to reach the server or run there (sessions carry `statement_timeout`).
+pub const ABANDONED_CLAIM_MEMORY: Duration = Duration::from_secs(15 * 60);
+
+/// Claim passes woken by a notification that came back empty may run this many times in a
+/// burst, and then [`NOTIFIED_PASSES_PER_SECOND`] a second: a flood of notifications (anyone
+/// who can connect can send them) costs a bounded number of claims.
+pub const NOTIFIED_PASS_BURST: u32 = 20;
+
+/// The rate empty notified passes may keep up once their burst is spent.
+pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
+
+/// The first wait before beating again for rows another transaction's lock kept a heartbeat
+/// from renewing (`busy`); it doubles while rows stay busy, up to the heartbeat interval.
+pub const BUSY_RETRY_MIN: Duration = Duration::from_secs(1);
 
 /// Something that happened, reported to [`Worker::handle_input`].
 #[derive(Debug, Clone, PartialEq)]
@@ -231,6 +248,37 @@ pub enum Event {
     },
     /// `db_retry_max_attempts` failures in a row: the worker is shutting down.
     GaveUp,
+    /// A claimed task's row held a value the store could not read: the task fails with
+    /// `WORKER_SERIALIZATION_ERROR` without running (unreadable arguments), or runs under the
+    /// app's retry policy (an unreadable policy of its own).
+    UnreadableRow {
+        /// The task.
+        task: TaskId,
+        /// What could not be read, and why.
+        problem: String,
+    },
+    /// What a handler returned could not be stored (text with U+0000, over
+    /// `max_result_bytes`, nested too deep), or the database refused it: the task fails
+    /// with `WORKER_SERIALIZATION_ERROR` instead.
+    OutcomeRefused {
+        /// The task.
+        task: TaskId,
+        /// Why.
+        problem: String,
+    },
+    /// The store handed a task out under an older lease than the one this worker held (a
+    /// restore from a backup, a failover to a lagging replica): the old run is dropped and
+    /// the task taken as the store has it now.
+    LeaseWentBack {
+        /// The task.
+        task: TaskId,
+        /// The lease this worker held.
+        held: Lease,
+        /// The lease the store handed out.
+        claimed: Lease,
+    },
+    /// A reaper pass did nothing: another reaper held the reaper's lock.
+    ReapSkipped,
     /// Shutdown finished: nothing is held and nothing is in flight (or the database was down
     /// after the grace period and `abandoned` tasks were left to the reaper).
     Drained {
@@ -260,6 +308,8 @@ pub enum Timer {
     HandlerTimeout(TaskId),
     /// Tell the store about handlers started without a start request that still run.
     RecordStarts,
+    /// Notifications held back by the rate of empty notified passes may claim again.
+    NotifiedPass,
 }
 
 /// Counters an operator can read.
@@ -287,6 +337,12 @@ pub struct Stats {
     pub claim_passes: u64,
     /// Database failures.
     pub db_failures: u64,
+    /// Reaper passes skipped because another reaper held the lock.
+    pub reaps_skipped: u64,
+    /// Claim passes held back by the rate of empty notified passes.
+    pub notified_passes_limited: u64,
+    /// Outcomes that could not be stored, failed with `WORKER_SERIALIZATION_ERROR` instead.
+    pub outcomes_refused: u64,
 }
 
 /// What the worker knows of one task it holds.
@@ -413,13 +469,13 @@ const RUNNING: Stage = Stage::Running { deadline: None };
 enum Op {
     Claim {
         token: u64,
+        /// Woken by a notification only: if it comes back empty it spends a pass of the
+        /// budget.
+        notified: bool,
     },
     Start(Vec<TaskLease>),
     RecordStarts(Vec<TaskLease>),
-    Finish {
-        completions: Vec<Completion>,
-        resent: bool,
-    },
+    Finish(Vec<Queued>),
     /// The leases the beat named: a loss it reports concerns those leases only.
     Heartbeat(Vec<TaskLease>),
     Release(Vec<TaskLease>),
@@ -428,6 +484,51 @@ enum Op {
     Purge,
     Register,
     Deregister,
+}
+
+/// A completion waiting to be written.
+#[derive(Debug, Clone)]
+struct Queued {
+    completion: Completion,
+    /// A re-send after an unknown reply: a loss it meets was most likely its own first send.
+    resent: bool,
+    /// Already rewritten after the database refused its values: refused again, it is not the
+    /// values.
+    sanitized: bool,
+}
+
+impl Queued {
+    fn new(completion: Completion) -> Queued {
+        Queued { completion, resent: false, sanitized: false }
+    }
+}
+
+/// A token bucket of empty notified claim passes (see [`NOTIFIED_PASS_BURST`]).
+#[derive(Debug, Clone, Copy)]
+struct PassBudget {
+    tokens: u32,
+    /// When the last token was added (or the bucket was full).
+    refilled_at: Instant,
+}
+
+impl PassBudget {
+    fn refill(&mut self, now: Instant) {
+        let per_token = Duration::from_secs(1) / NOTIFIED_PASSES_PER_SECOND;
+        while self.tokens < NOTIFIED_PASS_BURST {
+            let Some(next) = self.refilled_at.checked_add(per_token) else { break };
+            if next > now {
+                return;
+            }
+            self.tokens += 1;
+            self.refilled_at = next;
+        }
+        self.refilled_at = now;
+    }
+
+    /// When the next token comes, if the bucket is empty.
+    fn next_token_at(&self) -> Option<Instant> {
+        (self.tokens == 0).then(|| self.refilled_at + Duration::from_secs(1) / NOTIFIED_PASSES_PER_SECOND)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -473,9 +574,20 @@ pub struct Worker {
     reap_in_flight: bool,
     purge_in_flight: bool,
     listening: bool,
-    /// Completions not yet sent, and whether each is a re-send after an unknown reply.
-    completions: VecDeque<(Completion, bool)>,
+    /// Completions not yet sent.
+    completions: VecDeque<Queued>,
+    /// Heartbeats in a row that met busy rows: the backoff of beating again for them.
+    busy_streak: u32,
+    /// The most completions the next finish may carry: halved when the database refuses a
+    /// batch, to isolate the item it refuses; doubled back after every batch that lands.
+    finish_limit: usize,
     finish_in_flight: bool,
+    /// Claims abandoned lately, and until when each is remembered.
+    abandoned: BTreeMap<u64, Instant>,
+    /// The pass in flight (or due) was woken by a notification only.
+    notified_pass: bool,
+    /// Empty notified passes allowed now.
+    pass_budget: PassBudget,
     releases: Vec<TaskLease>,
     abandons: Vec<u64>,
     registered: bool,
@@ -495,6 +607,7 @@ impl Worker {
         let policy = Arc::new(ClaimPolicy::from_config(&app, &config));
         let served = policy.queues.iter().map(|q| q.name.clone()).collect();
         let seed = config.seed_for(&id);
+        let finish_limit = config.completion_batch_max.max(1) as usize;
         let mut worker = Worker {
             id,
             app,
@@ -523,7 +636,12 @@ impl Worker {
             purge_in_flight: false,
             listening: false,
             completions: VecDeque::new(),
+            busy_streak: 0,
+            finish_limit,
             finish_in_flight: false,
+            abandoned: BTreeMap::new(),
+            notified_pass: false,
+            pass_budget: PassBudget { tokens: NOTIFIED_PASS_BURST, refilled_at: now },
             releases: Vec::new(),
             abandons: Vec::new(),
             registered: false,
@@ -621,7 +739,7 @@ impl Worker {
             Input::Listener { connected } => {
                 if connected && !self.listening {
                     // Notifications sent while the listener was down are gone: catch up.
-                    self.more_work = true;
+                    self.want_pass();
                     self.cap_blocked = false;
                 }
                 self.listening = connected;
@@ -648,7 +766,7 @@ impl Worker {
             self.timers.remove(&timer);
             match timer {
                 Timer::Poll => {
-                    self.more_work = true;
+                    self.want_pass();
                     self.cap_blocked = false;
                     self.start_blocked = false;
                     if self.polls() {
@@ -656,7 +774,7 @@ impl Worker {
                     }
                 }
                 Timer::Wake => {
-                    self.more_work = true;
+                    self.want_pass();
                     self.cap_blocked = false;
                     self.start_blocked = false;
                 }
@@ -678,6 +796,10 @@ impl Worker {
                 Timer::ShutdownGrace => self.end_grace(),
                 Timer::HandlerTimeout(task) => self.time_out(task),
                 Timer::RecordStarts => self.record_due = true,
+                Timer::NotifiedPass => {
+                    self.more_work = true;
+                    self.notified_pass = true;
+                }
             }
         }
         self.pump(now);
@@ -726,6 +848,12 @@ impl Worker {
             DeploymentMode::PollingOnly | DeploymentMode::Hybrid => true,
             DeploymentMode::EventDrivenOnly => !self.listening,
         }
+    }
+
+    /// A claim pass is wanted for a reason other than a notification.
+    fn want_pass(&mut self) {
+        self.more_work = true;
+        self.notified_pass = false;
     }
 
     fn send(&mut self, request: DbRequest, op: Op) {
@@ -777,15 +905,11 @@ impl Worker {
         if self.finish_in_flight || self.completions.is_empty() {
             return;
         }
-        let n = self.completions.len().min(self.config.completion_batch_max as usize);
-        let batch: Vec<(Completion, bool)> = self.completions.drain(..n).collect();
-        let resent = batch.iter().any(|(_, resent)| *resent);
-        let completions: Vec<Completion> = batch.into_iter().map(|(c, _)| c).collect();
+        let n = self.completions.len().min(self.config.completion_batch_max as usize).min(self.finish_limit.max(1));
+        let batch: Vec<Queued> = self.completions.drain(..n).collect();
+        let completions: Vec<Completion> = batch.iter().map(|q| q.completion.clone()).collect();
         self.finish_in_flight = true;
-        self.send(
-            DbRequest::Finish { worker: self.id.clone(), completions: completions.clone() },
-            Op::Finish { completions, resent },
-        );
+        self.send(DbRequest::Finish { worker: self.id.clone(), completions }, Op::Finish(batch));
     }
 
     /// Starts buffered tasks while permits are free: without asking where the store would
@@ -879,6 +1003,7 @@ impl Worker {
         self.claim_in_flight = true;
         self.stats.claim_passes += 1;
         let token = self.next_op;
+        let notified = std::mem::take(&mut self.notified_pass);
         let request = DbRequest::Claim {
             worker: self.id.clone(),
             token,
@@ -888,7 +1013,7 @@ impl Worker {
             start_now,
             lease_ms: self.app.effective_claim_lease_ms(),
         };
-        self.send(request, Op::Claim { token });
+        self.send(request, Op::Claim { token, notified });
         if self.polls() {
             self.arm(Timer::Poll, now + self.poll_interval());
         }
@@ -914,12 +1039,15 @@ impl Worker {
             }
         }
         self.heartbeat_in_flight = true;
+        let now = self.now;
+        self.abandoned.retain(|_, until| *until > now);
         let request = DbRequest::Heartbeat {
             worker: self.id.clone(),
             claimed,
             running,
             lease_ms: self.app.effective_claim_lease_ms(),
             max_renew_age_ms: self.app.max_claim_renew_age_ms,
+            abandoned: self.abandoned.keys().copied().collect(),
         };
         self.send(request, Op::Heartbeat(sent));
     }
@@ -957,9 +1085,23 @@ impl Worker {
         if self.more_work && !self.cap_blocked {
             self.stats.notifications_coalesced += 1;
         }
-        self.more_work = true;
         self.cap_blocked = false;
         self.start_blocked = false;
+        if self.more_work {
+            return;
+        }
+        self.pass_budget.refill(self.now);
+        if let Some(at) = self.pass_budget.next_token_at() {
+            // Empty notified passes spent their budget: this one waits for the next token, with
+            // every notification until then.
+            if !self.timers.contains_key(&Timer::NotifiedPass) {
+                self.stats.notified_passes_limited += 1;
+                self.arm(Timer::NotifiedPass, at);
+            }
+            return;
+        }
+        self.more_work = true;
+        self.notified_pass = true;
     }
 
     fn on_db(&mut self, op: OpId, reply: Result<DbReply, DbFailure>, now: Instant) {
@@ -980,12 +1122,17 @@ impl Worker {
 
     fn on_reply(&mut self, op: Op, reply: DbReply) {
         match (op, reply) {
-            (Op::Claim { .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
-                if let Some(ms) = next_run_in_ms.filter(|_| self.phase == Phase::Running) {
-                    let at = self.now + Duration::from_millis(ms);
+            (Op::Claim { notified, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+                // A wake-up hint past the end of this clock's range is no hint at all.
+                let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
+                if let Some(at) = hint.filter(|_| self.phase == Phase::Running) {
                     if self.timers.get(&Timer::Wake).is_none_or(|&armed| armed > at) {
                         self.arm(Timer::Wake, at);
                     }
+                }
+                if notified && tasks.is_empty() && !more {
+                    self.pass_budget.refill(self.now);
+                    self.pass_budget.tokens = self.pass_budget.tokens.saturating_sub(1);
                 }
                 self.on_claimed(tasks, more)
             }
@@ -1048,9 +1195,14 @@ impl Worker {
                     self.arm(Timer::RecordStarts, at);
                 }
             }
-            (Op::Finish { completions, resent }, DbReply::Finished { applied, lost }) => {
+            (Op::Finish(batch), DbReply::Finished { applied, lost }) => {
                 self.finish_in_flight = false;
-                let sent = SentLeases::new(completions.iter().map(|c| c.task));
+                // It landed: the next batch may be as large again (back to the configured size
+                // after a refused batch was split).
+                self.finish_limit = self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
+                let sent = SentLeases::new(batch.iter().map(|q| q.completion.task));
+                let resent: BTreeSet<TaskLease> =
+                    batch.iter().filter(|q| q.resent).map(|q| q.completion.task).collect();
                 for (task, state) in applied {
                     if self.held.get(&task).is_some_and(|held| sent.contains(TaskLease { task, lease: held.lease })) {
                         self.held.remove(&task);
@@ -1062,29 +1214,55 @@ impl Worker {
                     }
                     self.events.push_back(Event::Finished { task, state });
                 }
-                let reason = if resent { LostReason::Unconfirmed } else { LostReason::LeaseLost };
                 for task in lost {
                     // A batch may name a task twice (a stale re-send, then the fresh run): only a
                     // loss of the lease this worker holds now counts.
                     if let Some(held) = self.held.get(&task) {
-                        let lease = held.lease;
-                        if sent.contains(TaskLease { task, lease }) {
-                            self.lose(TaskLease { task, lease }, reason);
+                        let lease = TaskLease { task, lease: held.lease };
+                        if sent.contains(lease) {
+                            let reason =
+                                if resent.contains(&lease) { LostReason::Unconfirmed } else { LostReason::LeaseLost };
+                            self.lose(lease, reason);
                         }
                     }
                 }
                 if self.cap_blocked {
                     // Our own tasks left their queues: room may have opened.
                     self.cap_blocked = false;
-                    self.more_work = true;
+                    self.want_pass();
                 }
                 self.start_blocked = false;
             }
-            (Op::Heartbeat(sent), DbReply::Heartbeat { lost }) => {
+            (Op::Heartbeat(sent), DbReply::Heartbeat { lost, busy, handed_back: _ }) => {
                 self.heartbeat_in_flight = false;
                 let sent = SentLeases::new(sent);
                 for task in lost {
-                    self.lose(TaskLease { task, lease: sent.lease_of(task) }, LostReason::LeaseLost);
+                    let lease = sent.lease_of(task);
+                    // A write of ours that takes the task out of the live rows is under way
+                    // (its finish, its release, or a start that may expire it): it says what
+                    // became of the task, and a loss the beat saw may be that write landing first.
+                    let writing = self.held.get(&task).is_some_and(|h| {
+                        h.lease == lease
+                            && match h.stage {
+                                Stage::Finishing | Stage::Releasing => true,
+                                Stage::Starting => h.expires,
+                                Stage::Buffered | Stage::Running { .. } => false,
+                            }
+                    });
+                    if !writing {
+                        self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
+                    }
+                }
+                if busy.is_empty() {
+                    self.busy_streak = 0;
+                } else {
+                    // Rows another transaction locks were not renewed: beat again soon for them,
+                    // less soon while they stay locked.
+                    let at = self.now + self.busy_delay();
+                    self.busy_streak = self.busy_streak.saturating_add(1);
+                    if self.timers.get(&Timer::Heartbeat).is_none_or(|&armed| armed > at) {
+                        self.arm(Timer::Heartbeat, at);
+                    }
                 }
             }
             (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => {
@@ -1096,7 +1274,10 @@ impl Worker {
             }
             (Op::Reap, DbReply::Reaped(report)) => {
                 self.reap_in_flight = false;
-                if report != ReapReport::default() {
+                if report.skipped {
+                    self.stats.reaps_skipped += 1;
+                    self.events.push_back(Event::ReapSkipped);
+                } else if report.changed_anything() {
                     self.events.push_back(Event::Reaped(report));
                 }
             }
@@ -1128,6 +1309,13 @@ impl Worker {
             self.events.push_back(Event::Claimed { task: task.id, queue: task.queue.clone() });
             let started = task.started;
             let (id, attempt, task_lease) = (task.id, task.attempt, task.lease);
+            if let Some(problem) = &task.retry_error {
+                self.events.push_back(Event::UnreadableRow {
+                    task: id,
+                    problem: format!("its retry policy could not be read ({problem}): the app's policy applies"),
+                });
+            }
+            let unreadable = task.args_error.clone();
             let stage = if started { Stage::Starting } else { Stage::Buffered };
             let previous = self.held.insert(
                 id,
@@ -1149,16 +1337,38 @@ impl Worker {
                 // reply was lost did land (a retry or a release), or the reaper took the task
                 // while we still ran it. What we held under the old lease is stale: drop its
                 // handler and its unwritten outcome (a write under it would be fenced anyway).
-                assert!(previous.lease < task_lease, "task {id} claimed again under an older lease");
+                // An older lease than ours means the database went back in time (a restore, a
+                // lagging replica): the database is the truth, so the same, and say so.
+                if previous.lease >= task_lease {
+                    self.events.push_back(Event::LeaseWentBack { task: id, held: previous.lease, claimed: task_lease });
+                }
                 if matches!(previous.stage, Stage::Running { .. }) {
                     self.commands.push_back(Command::Abort { task: id, lease: previous.lease });
                 }
                 self.timers.remove(&Timer::HandlerTimeout(id));
                 self.buffer.retain(|t| *t != id);
-                self.completions.retain(|(c, _)| c.task.task != id);
+                self.forget_writes(id);
                 self.releases.retain(|t| t.task != id);
                 self.stats.lost += 1;
                 self.events.push_back(Event::Lost { task: id, reason: LostReason::Unconfirmed });
+            }
+            if let Some(problem) = unreadable {
+                // Nothing can run it: fail it as a handler that could not decode its arguments
+                // would, without a retry (the row will not read better next time).
+                self.events.push_back(Event::UnreadableRow {
+                    task: id,
+                    problem: format!("its arguments could not be read ({problem})"),
+                });
+                if !started {
+                    // Claimed in the store until its finish lands: heartbeats renew the claim.
+                    if let Some(held) = self.held.get_mut(&id) {
+                        held.unrecorded = true;
+                    }
+                }
+                let message = format!("the task's stored arguments could not be read: {}", printable(&problem, 500));
+                let error = TaskError::new(ErrorCode::WorkerSerializationError, message);
+                self.finish(id, FinishOutcome::Failed(error), None);
+                continue;
             }
             if self.phase != Phase::Running {
                 // Claimed while shutting down: hand it straight back.
@@ -1171,7 +1381,7 @@ impl Worker {
         }
         if more {
             if took > 0 {
-                self.more_work = true;
+                self.want_pass();
             } else {
                 self.cap_blocked = true;
                 self.poll_while_blocked();
@@ -1240,12 +1450,30 @@ impl Worker {
         if held.lease != lease || !matches!(held.stage, Stage::Running { .. }) {
             return; // aborted or superseded: its answer no longer counts
         }
-        let (outcome, args) = match outcome {
-            TaskOutcome::Success(value) => (FinishOutcome::Completed(value), None),
-            TaskOutcome::Failure(error) => (self.failure_outcome(task, error), None),
-            TaskOutcome::PartialFailure { error, remaining } => (self.failure_outcome(task, error), Some(remaining)),
+        let max = self.config.max_result_bytes;
+        let checked = match &outcome {
+            TaskOutcome::Success(value) => check_storable(value, max).map_err(|e| format!("its result: {e}")),
+            TaskOutcome::Failure(error) => check_storable_error(error, max).map_err(|e| format!("its error: {e}")),
+            TaskOutcome::PartialFailure { error, remaining } => check_storable_error(error, max)
+                .map_err(|e| format!("its error: {e}"))
+                .and_then(|()| check_storable(remaining, max).map_err(|e| format!("its remaining items: {e}"))),
         };
-        self.finish(task, outcome, args, false);
+        let (outcome, args) = match (checked, outcome) {
+            (Err(problem), _) => {
+                // Queued as it is, it would be refused with every completion of its batch.
+                let message = format!("the handler's outcome could not be stored: {problem}");
+                self.stats.outcomes_refused += 1;
+                self.events.push_back(Event::OutcomeRefused { task, problem: message.clone() });
+                let error = TaskError::new(ErrorCode::WorkerSerializationError, message);
+                (self.failure_outcome(task, error), None)
+            }
+            (Ok(()), TaskOutcome::Success(value)) => (FinishOutcome::Completed(value), None),
+            (Ok(()), TaskOutcome::Failure(error)) => (self.failure_outcome(task, error), None),
+            (Ok(()), TaskOutcome::PartialFailure { error, remaining }) => {
+                (self.failure_outcome(task, error), Some(remaining))
+            }
+        };
+        self.finish(task, outcome, args);
     }
 
     fn failure_outcome(&mut self, task: TaskId, error: TaskError) -> FinishOutcome {
@@ -1258,11 +1486,23 @@ impl Worker {
         }
     }
 
-    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>, resent: bool) {
+    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>) {
         let held = self.held.set_stage(&task, Stage::Finishing).expect("finish is called for held tasks");
         let lease = held.lease;
         self.timers.remove(&Timer::HandlerTimeout(task));
-        self.completions.push_back((Completion { task: TaskLease { task, lease }, outcome, args }, resent));
+        self.completions.push_back(Queued::new(Completion { task: TaskLease { task, lease }, outcome, args }));
+    }
+
+    /// Drops every unwritten completion of `task`.
+    fn forget_writes(&mut self, task: TaskId) {
+        self.completions.retain(|q| q.completion.task.task != task);
+    }
+
+    /// How long to wait before beating again for busy rows: doubling from [`BUSY_RETRY_MIN`]
+    /// with each beat in a row that met some, at most a heartbeat interval.
+    fn busy_delay(&self) -> Duration {
+        let doubled = BUSY_RETRY_MIN.saturating_mul(1u32 << self.busy_streak.min(16));
+        doubled.min(self.heartbeat_interval()).max(BUSY_RETRY_MIN)
     }
 
     fn time_out(&mut self, task: TaskId) {
@@ -1277,7 +1517,7 @@ impl Worker {
         self.events.push_back(Event::TimedOut { task });
         let error = TaskError::new(ErrorCode::TaskTimeout, format!("handler ran past its timeout of {timeout} ms"));
         let outcome = self.failure_outcome(task, error);
-        self.finish(task, outcome, None, false);
+        self.finish(task, outcome, None);
     }
 
     /// Drops a task that is no longer ours under `lease`, aborting its handler if it runs. A
@@ -1292,7 +1532,7 @@ impl Worker {
         }
         self.timers.remove(&Timer::HandlerTimeout(task));
         self.buffer.retain(|t| *t != task);
-        self.completions.retain(|(c, _)| c.task.task != task);
+        self.forget_writes(task);
         self.stats.lost += 1;
         self.events.push_back(Event::Lost { task, reason });
     }
@@ -1313,12 +1553,16 @@ impl Worker {
         self.stats.db_failures += 1;
         let unknown = matches!(failure, DbFailure::Unknown(_));
         match op {
-            Op::Claim { token } => {
+            Op::Claim { token, .. } => {
                 self.claim_in_flight = false;
-                self.more_work = true;
+                self.want_pass();
                 if unknown {
-                    // The claim may have committed: undo it by its token.
+                    // The claim may have committed, or commit later still: undo it by its token
+                    // now, and with every heartbeat for a while.
                     self.abandons.push(token);
+                    if let Some(until) = now.checked_add(ABANDONED_CLAIM_MEMORY) {
+                        self.abandoned.insert(token, until);
+                    }
                 }
             }
             Op::Start(tasks) => {
@@ -1331,13 +1575,46 @@ impl Worker {
                     }
                 }
             }
-            Op::Finish { completions, resent } => {
+            Op::Finish(batch) => {
                 self.finish_in_flight = false;
                 // Re-send only what is still ours under the same lease.
-                let held = |c: &Completion| self.held.get(&c.task.task).is_some_and(|h| h.lease == c.task.lease);
-                let completions: Vec<Completion> = completions.into_iter().filter(held).collect();
-                for completion in completions.into_iter().rev() {
-                    self.completions.push_front((completion, resent || unknown));
+                let held = |q: &Queued| {
+                    self.held.get(&q.completion.task.task).is_some_and(|h| h.lease == q.completion.task.lease)
+                };
+                let mut batch: Vec<Queued> = batch.into_iter().filter(held).collect();
+                let refused_values = matches!(failure, DbFailure::Invalid(_));
+                // Refused again after its values were rewritten: it is not the values.
+                let refused_anyway = batch.len() == 1 && batch.iter().all(|q| q.sanitized);
+                if refused_values || matches!(failure, DbFailure::Rejected(_) | DbFailure::LockTimeout(_)) {
+                    // Never the same refused batch again: halve it until the item the database
+                    // refuses (or the row another transaction holds) is alone.
+                    self.finish_limit = (batch.len() / 2).max(1);
+                }
+                if let ([queued], true) = (batch.as_mut_slice(), refused_values) {
+                    if !queued.sanitized {
+                        // Alone and refused for its values: its task fails instead, with values of
+                        // our own (no new arguments, which may be what was refused).
+                        let problem = format!(
+                            "the database refused the task's outcome: {}",
+                            printable(&failure.to_string(), 500)
+                        );
+                        let task = queued.completion.task.task;
+                        self.stats.outcomes_refused += 1;
+                        self.events.push_back(Event::OutcomeRefused { task, problem: problem.clone() });
+                        let error = TaskError::new(ErrorCode::WorkerSerializationError, problem);
+                        queued.completion.outcome = self.failure_outcome(task, error);
+                        queued.completion.args = None;
+                        queued.sanitized = true;
+                    }
+                }
+                let retry_at_once = refused_values && !refused_anyway;
+                for mut queued in batch.into_iter().rev() {
+                    queued.resent |= unknown;
+                    self.completions.push_front(queued);
+                }
+                if retry_at_once {
+                    // Not an outage: the split (or the rewrite) is progress, sent at once.
+                    return;
                 }
             }
             Op::Heartbeat(_) => {

@@ -94,9 +94,18 @@ async fn hand_finishes_wake_waiters_and_fence_the_worker() {
     // The worker still running them finds out when it writes: nothing it sends applies.
     let late = finish(&store, "w", &held, FinishOutcome::Completed(json!("late"))).await;
     assert_eq!(late, DbReply::Finished { applied: vec![], lost: ids.clone() });
-    let beat =
-        DbRequest::Heartbeat { worker: w("w"), claimed: vec![], running: held, lease_ms: 1_000, max_renew_age_ms: 0 };
-    assert_eq!(store.execute(&beat).await.unwrap(), DbReply::Heartbeat { lost: ids.clone() });
+    let beat = DbRequest::Heartbeat {
+        worker: w("w"),
+        claimed: vec![],
+        running: held,
+        lease_ms: 1_000,
+        max_renew_age_ms: 0,
+        abandoned: vec![],
+    };
+    assert_eq!(
+        store.execute(&beat).await.unwrap(),
+        DbReply::Heartbeat { lost: ids.clone(), busy: vec![], handed_back: vec![] }
+    );
     // The run that was cut off is the finished row's last run.
     let runs = store.attempts(ids[0]).await.unwrap();
     assert_eq!(runs.len(), 1);

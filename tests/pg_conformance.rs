@@ -318,7 +318,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(applied.iter().any(|(_, s)| *s == TaskState::Pending), "retried");
             see(!lost.is_empty(), "finish lost");
         }
-        DbReply::Heartbeat { lost } => see(!lost.is_empty(), "heartbeat lost"),
+        DbReply::Heartbeat { lost, .. } => see(!lost.is_empty(), "heartbeat lost"),
         DbReply::Released { released, lost } => {
             see(!released.is_empty(), "released");
             see(!lost.is_empty(), "release lost");
@@ -458,7 +458,14 @@ async fn leases_lapse_and_stale_writes_are_fenced() {
     let p = policy(&app, 2);
     let mut pair = Pair::new(app, "leases").await;
     let beat = |worker: &str, claimed: Vec<TaskLease>, running: Vec<TaskLease>| {
-        Op::Db(DbRequest::Heartbeat { worker: w(worker), claimed, running, lease_ms: 1_000, max_renew_age_ms: 1_500 })
+        Op::Db(DbRequest::Heartbeat {
+            worker: w(worker),
+            claimed,
+            running,
+            lease_ms: 1_000,
+            max_renew_age_ms: 1_500,
+            abandoned: vec![],
+        })
     };
     let script = vec![
         Op::Enqueue(vec![NewTask::new("t", json!(1)), NewTask::new("t", json!(2)), NewTask::new("t", json!(3))]),
@@ -792,6 +799,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             running: pick(rng, held(TaskState::Running)),
             lease_ms: [500, 2_000][rng.range(0, 2) as usize],
             max_renew_age_ms: [0, 1_000, 100_000][rng.range(0, 3) as usize],
+            abandoned: Vec::new(),
         }),
         73..=77 => {
             let mut tasks = held(TaskState::Claimed);

@@ -118,7 +118,7 @@ async fn bad_input_is_refused_with_clear_errors_and_writes_nothing() {
         (NewTask::new("t", json!(1)).queue("nope"), "unknown queue \"nope\": expected one of a"),
         (NewTask::new("t", json!(1)).queue("Bad-Name"), "invalid queue name \"Bad-Name\""),
         (NewTask::new("t", json!(1)).queue("x".repeat(53)), "invalid queue name"),
-        (NewTask::new("t", json!({"s": "nul\u{0}"})), "invalid args of task 1 of the batch"),
+        (NewTask::new("t", json!({"s": "nul\u{0}"})), "invalid args: $.s contains U+0000"),
         (
             NewTask::new("t", json!(1)).good_until(now.plus_ms(1_000)).run_at(RunAt::DelayMs(5_000)),
             "is not before good_until",

@@ -80,6 +80,8 @@ fn task(id: i64, started: bool) -> ClaimedTask {
         retries: 0,
         retry: RetryPolicy::none(),
         expires: false,
+        args_error: None,
+        retry_error: None,
     }
 }
 
@@ -442,7 +444,7 @@ fn heartbeats_cover_everything_held_and_lost_tasks_are_aborted() {
         DbRequest::Heartbeat { running, .. } => assert_eq!(running.len(), 2, "finishing tasks too"),
         other => panic!("{other:?}"),
     }
-    let after = h.reply(op, DbReply::Heartbeat { lost: vec![TaskId(1)] });
+    let after = h.reply(op, DbReply::Heartbeat { lost: vec![TaskId(1)], busy: vec![], handed_back: vec![] });
     assert!(after.contains(&Command::Abort { task: TaskId(1), lease: Lease(1) }));
     assert_eq!(h.worker.running(), 0);
 }
@@ -507,7 +509,7 @@ fn the_next_deadline_moves_forward_after_every_timeout() {
         for (op, request) in db_ops(&commands) {
             let reply = match request {
                 DbRequest::Claim { .. } => DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None },
-                DbRequest::Heartbeat { .. } => DbReply::Heartbeat { lost: vec![] },
+                DbRequest::Heartbeat { .. } => DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] },
                 DbRequest::Reap { .. } => DbReply::Reaped(Default::default()),
                 _ => DbReply::Done,
             };
@@ -564,7 +566,7 @@ fn a_driver_that_breaks_the_contract_does_not_panic_the_machine() {
     let earlier = h.now - Duration::from_secs(1);
     h.worker.handle_input(Input::Notified { queue: "default".into() }, earlier);
     // A reply of the wrong kind counts as a refused request.
-    h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![] });
+    h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] });
     assert!(matches!(h.events.last(), Some(Event::DbUnavailable { error: DbFailure::Rejected(_), .. })));
 }
 

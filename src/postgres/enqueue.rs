@@ -23,7 +23,6 @@
 //! [`KeyMode`]: crate::db::KeyMode
 //! [`KeyMode::Idempotent`]: crate::db::KeyMode::Idempotent
 
-use serde_json::Value;
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
 
@@ -39,14 +38,6 @@ pub enum PgEnqueueError {
     /// The task breaks a rule every store checks (see [`EnqueueError`]).
     #[error(transparent)]
     Invalid(#[from] EnqueueError),
-    /// The arguments hold something PostgreSQL cannot store as `jsonb`.
-    #[error("invalid args of task {index} of the batch: {reason}")]
-    InvalidArgs {
-        /// The task's position in the batch (0 for a single enqueue).
-        index: usize,
-        /// What is wrong.
-        reason: String,
-    },
     /// The database failed; the enqueue may be retried.
     #[error("enqueue failed: {0}")]
     Database(#[from] sqlx::Error),
@@ -58,7 +49,6 @@ impl PgEnqueueError {
     pub fn code(&self) -> ErrorCode {
         match self {
             PgEnqueueError::Invalid(e) => e.code(),
-            PgEnqueueError::InvalidArgs { .. } => ErrorCode::User("VALIDATION_FAILED".into()),
             PgEnqueueError::Database(_) => ErrorCode::BrokerError,
         }
     }
@@ -114,11 +104,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
         // here; the database compares the rest with its own clock.
         let checked = check_new_task(app, task, DbTime(i64::MIN))
             .and_then(|queue| batch_keys.check(index, task).map(|()| queue))
-            .map_err(PgEnqueueError::from)
-            .and_then(|queue| match nul_in(&task.args) {
-                Some(reason) => Err(PgEnqueueError::InvalidArgs { index, reason }),
-                None => Ok(queue),
-            });
+            .map_err(PgEnqueueError::from);
         match checked {
             Ok(queue) => queues.push(queue),
             Err(e) => {
@@ -302,34 +288,4 @@ fn ids_in_task_order(rows: &[PgRow], n: usize) -> Result<Vec<TaskId>, PgEnqueueE
     }
     ids.sort_unstable();
     Ok(ids)
-}
-
-/// Where a NUL character hides in `value` (PostgreSQL's `jsonb` cannot store one), if anywhere.
-fn nul_in(value: &Value) -> Option<String> {
-    match value {
-        Value::String(s) if s.contains('\0') => Some("a string holds a NUL character (\\u0000)".to_owned()),
-        Value::Array(items) => items.iter().find_map(nul_in),
-        Value::Object(map) => map.iter().find_map(|(key, value)| {
-            if key.contains('\0') {
-                Some("an object key holds a NUL character (\\u0000)".to_owned())
-            } else {
-                nul_in(value)
-            }
-        }),
-        _ => None,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use serde_json::json;
-
-    use super::*;
-
-    #[test]
-    fn nul_characters_are_found_anywhere() {
-        assert_eq!(nul_in(&json!({"a": [1, "ok"]})), None);
-        assert!(nul_in(&json!({"a": [1, "no\u{0}"]})).is_some());
-        assert!(nul_in(&json!({"k\u{0}": 1})).is_some());
-    }
 }

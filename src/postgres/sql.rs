@@ -6,6 +6,14 @@
 //! statements of one worker cannot deadlock) before deciding: a concurrent writer (another
 //! worker, the reaper) either went first and the row no longer matches, or waits.
 //!
+//! Heartbeats lock with `SKIP LOCKED` and report the rows they skipped as `busy` (still held,
+//! not renewed this time): a row another transaction keeps locked (an application's, an
+//! operator's) never holds up the beat of the others. The other statements wait for locks,
+//! bounded by the session's `lock_timeout` (a finish that gives up is split by the worker
+//! until the row it waits for is alone). A claim's `SKIP LOCKED` scan can hold a row it
+//! looked at and passed over until it commits, so statements meet short waits routinely:
+//! skipping instead of waiting is for statements that can do without the row.
+//!
 //! Held rows are found by `t.id = ANY ($ids)` on the primary key with `t.state <> 'PENDING'`
 //! (the same rows as `IN ('CLAIMED', 'RUNNING')` under the state check), a condition the
 //! in-flight index cannot serve: otherwise a generic plan (sqlx reuses prepared statements, and
@@ -41,6 +49,11 @@ GROUP BY r.chunk";
 /// Clears the holder of a row going back to Pending.
 const UNCLAIM: &str =
     "state = 'PENDING', claimed_by = NULL, claim_token = NULL, claim_expires_at = NULL, heartbeat_at = NULL";
+
+/// Gives back the attempt a claim counted when it started a row (`t`, as it was) whose
+/// worker never saw the claim: an undone claim ran nothing.
+const UNSTART: &str = "attempts = t.attempts - CASE WHEN t.state = 'RUNNING' THEN 1 ELSE 0 END, \
+     started_at = CASE WHEN t.state = 'RUNNING' AND t.attempts <= 1 THEN NULL ELSE t.started_at END";
 
 const CLAIM: &str = "\
 SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms
@@ -153,7 +166,8 @@ running_in AS (
 -- Both lists' rows, locked in one pass in id order as every other statement locks them (two
 -- passes could deadlock with a finish). A listed claim may have started under the same lease
 -- since the beat was sent (a start that raced it): still held, and alive. A lapsed claim is
--- not renewed: claimers already count it out, and may take it.
+-- not renewed: claimers already count it out, and may take it. Rows another transaction
+-- holds locked are skipped, and reported busy below when they are still the worker's.
 held AS (
     SELECT t.id, t.lease, t.state,
            t.claimed_at >= {s}.db_now() - $7 * interval '1 millisecond'
@@ -161,7 +175,31 @@ held AS (
     FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
-    FOR UPDATE
+    FOR UPDATE SKIP LOCKED
+),
+busy AS (
+    SELECT t.id, t.lease FROM {s}.tasks t
+    WHERE t.id IN (SELECT u.id FROM unnest($2::bigint[] || $4::bigint[]) AS u(id)
+                   WHERE NOT EXISTS (SELECT FROM held h WHERE h.id = u.id))
+      AND t.state <> 'PENDING' AND t.claimed_by = $1
+),
+-- Rows a claim this worker abandoned left claimed by it when it committed late: handed back
+-- as the abandon does (`$8`, usually empty, when nothing is scanned).
+late AS (
+    SELECT t.id FROM {s}.tasks t
+    WHERE cardinality($8::bigint[]) > 0 AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
+      AND t.claim_token = ANY ($8::bigint[]) AND t.id <> ALL ($2::bigint[] || $4::bigint[])
+    ORDER BY t.id
+    FOR UPDATE SKIP LOCKED
+),
+handed_back AS (
+    UPDATE {s}.tasks t SET {unclaim}, {unstart}
+    FROM late l
+    WHERE t.id = l.id
+    RETURNING t.id, t.queue
+),
+late_notified AS (
+    SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT h.queue FROM handed_back h) q
 ),
 held_claimed AS (
     SELECT h.id, h.lease, h.state, h.renewable FROM held h WHERE h.id = ANY ($2::bigint[])
@@ -189,14 +227,21 @@ seen AS (
     VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now())
     ON CONFLICT (id) DO UPDATE SET last_seen = EXCLUDED.last_seen
 )
-SELECT l.id FROM (
-    SELECT 0 AS list, c.ord, c.id FROM claimed_in c
+SELECT l.id, l.what FROM (
+    SELECT 0 AS list, c.ord, c.id,
+           CASE WHEN EXISTS (SELECT 1 FROM busy b WHERE b.id = c.id AND b.lease = c.lease) THEN 'busy' ELSE 'lost' END
+               AS what
+    FROM claimed_in c
     WHERE NOT EXISTS (SELECT 1 FROM held_claimed h WHERE h.id = c.id AND h.lease = c.lease)
     UNION ALL
-    SELECT 1, r.ord, r.id FROM running_in r
+    SELECT 1, r.ord, r.id,
+           CASE WHEN EXISTS (SELECT 1 FROM busy b WHERE b.id = r.id AND b.lease = r.lease) THEN 'busy' ELSE 'lost' END
+    FROM running_in r
     WHERE NOT EXISTS (SELECT 1 FROM held_running h WHERE h.id = r.id AND h.lease = r.lease)
+    UNION ALL
+    SELECT 2, 0, h.id, 'handed_back' FROM handed_back h CROSS JOIN late_notified
 ) l
-ORDER BY l.list, l.ord";
+ORDER BY l.list, l.ord, l.id";
 
 const RELEASE: &str = "\
 WITH input AS (
@@ -228,7 +273,7 @@ ORDER BY i.ord";
 
 const ABANDON: &str = "\
 WITH released AS (
-    UPDATE {s}.tasks t SET {unclaim}
+    UPDATE {s}.tasks t SET {unclaim}, {unstart}
     WHERE t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1 AND t.claim_token = $2
     RETURNING t.id, t.queue
 ),
@@ -754,6 +799,7 @@ impl Statements {
                 .replace("{kept_keyless}", &KEPT.replace("m.key", "NULL"))
                 .replace("{kept}", KEPT)
                 .replace("{unclaim}", UNCLAIM)
+                .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
                 .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
                 .replace("{s}", quoted);

@@ -226,21 +226,34 @@ impl PgStore {
                         next_run_in_ms = row.try_get::<Option<i64>, _>("next_run_in_ms")?.map(|ms| ms.max(0) as u64);
                         continue;
                     };
+                    // A stored value one row cannot decode fails that task alone (the worker fails
+                    // it without running it, or runs it under the app's policy), never the reply.
+                    let (args, args_error) = match leniently::<Value>(&row, "args")? {
+                        Ok(args) => (args, None),
+                        Err(problem) => (Value::Null, Some(problem)),
+                    };
+                    let (retry, retry_error) = match leniently::<Option<Value>>(&row, "retry")? {
+                        Ok(None) => (self.app.retry.clone(), None),
+                        Ok(Some(stored)) => match RetryPolicy::from_stored(stored) {
+                            Ok(policy) => (policy, None),
+                            Err(problem) => (self.app.retry.clone(), Some(problem)),
+                        },
+                        Err(problem) => (self.app.retry.clone(), Some(problem)),
+                    };
                     tasks.push(ClaimedTask {
                         id: TaskId(id),
                         lease: Lease(row.try_get("lease")?),
                         name: row.try_get("name")?,
                         queue: row.try_get("queue")?,
-                        args: row.try_get("args")?,
+                        args,
                         priority: row.try_get("priority")?,
                         started: row.try_get("started")?,
                         attempt: Attempt(count(row.try_get("attempt")?)),
                         retries: count(row.try_get("retries")?),
-                        retry: match row.try_get::<Option<Value>, _>("retry")? {
-                            Some(policy) => json(policy)?,
-                            None => self.app.retry.clone(),
-                        },
+                        retry,
                         expires: row.try_get("expires")?,
+                        args_error,
+                        retry_error,
                     });
                 }
                 Ok(DbReply::Claimed { tasks, more, next_run_in_ms })
@@ -301,10 +314,11 @@ impl PgStore {
                 Ok(DbReply::Started { started, expired: Vec::new(), deferred: Vec::new(), lost })
             }
             DbRequest::Finish { worker, completions } => self.finish(conn, worker, completions).await,
-            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms } => {
+            DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms, abandoned } => {
                 let (claimed_ids, claimed_leases) = split(claimed);
                 let (running_ids, running_leases) = split(running);
-                let lost: Vec<i64> = sqlx::query_scalar(sql.heartbeat.clone())
+                let abandoned: Vec<i64> = abandoned.iter().map(|&token| token as i64).collect();
+                let rows: Vec<(i64, String)> = sqlx::query_as(sql.heartbeat.clone())
                     .bind(&worker.0)
                     .bind(claimed_ids)
                     .bind(claimed_leases)
@@ -312,9 +326,19 @@ impl PgStore {
                     .bind(running_leases)
                     .bind(duration(*lease_ms))
                     .bind(duration(*max_renew_age_ms))
+                    .bind(abandoned)
+                    .bind(self.schema.queue_channel_prefix())
                     .fetch_all(&mut *conn)
                     .await?;
-                Ok(DbReply::Heartbeat { lost: lost.into_iter().map(TaskId).collect() })
+                let (mut lost, mut busy, mut handed_back) = (Vec::new(), Vec::new(), Vec::new());
+                for (id, what) in rows {
+                    match what.as_str() {
+                        "busy" => busy.push(TaskId(id)),
+                        "handed_back" => handed_back.push(TaskId(id)),
+                        _ => lost.push(TaskId(id)),
+                    }
+                }
+                Ok(DbReply::Heartbeat { lost, busy, handed_back })
             }
             DbRequest::Release { worker, tasks } => {
                 let (ids, leases) = split(tasks);
@@ -451,6 +475,7 @@ impl PgStore {
             sqlx::query_scalar(sql.reap_lock.clone()).bind(self.schema.reaper_lock_key()).fetch_one(&mut *tx).await?;
         if !ours {
             tx.rollback().await?;
+            report.skipped = true;
             return Ok(report);
         }
         if let Some(threshold) = claimed_stale_ms {
@@ -524,23 +549,52 @@ pub fn claim_lock_keys(schema: &PgSchema, policy: &ClaimPolicy) -> Vec<i64> {
 }
 
 /// How a sqlx error of a request that had its connection maps onto the protocol.
+///
+/// A statement the server cancelled was rolled back: after `statement_timeout` (57014) it is
+/// `Unavailable`, tried again after a backoff; after `lock_timeout` (55P03) `LockTimeout`,
+/// which splits a batch as well. A value it refused (classes 22,
+/// data exceptions such as U+0000 in `jsonb`, and 54, limits) or one the client could not
+/// encode: `Invalid`, which splits a batch down to the item that carries it.
 pub(crate) fn failure(error: sqlx::Error) -> DbFailure {
     let message = error.to_string();
     match &error {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();
-            let transient =
-                code.starts_with("08") || code.starts_with("40") || code.starts_with("53") || code.starts_with("57P");
-            if transient { DbFailure::Unavailable(message) } else { DbFailure::Rejected(message) }
+            let transient = code.starts_with("08")
+                || code.starts_with("40")
+                || code.starts_with("53")
+                || code.starts_with("57P")
+                || code == "57014";
+            if code == "55P03" {
+                DbFailure::LockTimeout(message)
+            } else if transient {
+                DbFailure::Unavailable(message)
+            } else if code.starts_with("22") || code.starts_with("54") {
+                DbFailure::Invalid(message)
+            } else {
+                DbFailure::Rejected(message)
+            }
         }
         sqlx::Error::PoolTimedOut
         | sqlx::Error::PoolClosed
         | sqlx::Error::Configuration(_)
         | sqlx::Error::BeginFailed => DbFailure::Unavailable(message),
-        sqlx::Error::Encode(_) | sqlx::Error::InvalidArgument(_) | sqlx::Error::TypeNotFound { .. } => {
-            DbFailure::Rejected(message)
-        }
+        sqlx::Error::Encode(_) => DbFailure::Invalid(message),
+        sqlx::Error::InvalidArgument(_) | sqlx::Error::TypeNotFound { .. } => DbFailure::Rejected(message),
         _ => DbFailure::Unknown(message),
+    }
+}
+
+/// Column `column` of `row` decoded, or why it could not be (a value its decoder refuses);
+/// a column missing or of another type is an error of the whole reply.
+fn leniently<T>(row: &sqlx::postgres::PgRow, column: &str) -> Result<Result<T, String>, sqlx::Error>
+where
+    T: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
+{
+    match row.try_get::<T, _>(column) {
+        Ok(value) => Ok(Ok(value)),
+        Err(sqlx::Error::ColumnDecode { source, .. }) => Ok(Err(source.to_string())),
+        Err(other) => Err(other),
     }
 }
 

@@ -107,6 +107,10 @@ pub(crate) struct Before {
     stale_claimed: BTreeSet<TaskId>,
     stale_running: BTreeSet<TaskId>,
     expiring: BTreeSet<TaskId>,
+    /// Abandon (or a heartbeat's sweep of abandoned claims): the rows it must hand back.
+    abandoned: BTreeSet<TaskId>,
+    /// Rows other transactions held locked.
+    locked: BTreeSet<TaskId>,
 }
 
 /// A terminal row's frozen content.
@@ -271,7 +275,7 @@ impl Checker {
 
     /// Captures what the checks of `request` need, before the store applies it at `now`.
     pub(crate) fn before(&self, store: &MemoryStore, request: &DbRequest, now: DbTime) -> Before {
-        let mut before = Before::default();
+        let mut before = Before { locked: store.locked_rows().clone(), ..Before::default() };
         let named = |before: &mut Before, ids: &mut dyn Iterator<Item = TaskId>| {
             for id in ids {
                 if let Some(row) = store.task(id) {
@@ -294,17 +298,17 @@ impl Checker {
                 named(&mut before, &mut tasks.iter().map(|t| t.task));
             }
             DbRequest::Finish { completions, .. } => named(&mut before, &mut completions.iter().map(|c| c.task.task)),
-            DbRequest::Heartbeat { claimed, running, .. } => {
+            DbRequest::Heartbeat { worker, claimed, running, abandoned, .. } => {
                 named(&mut before, &mut claimed.iter().chain(running).map(|t| t.task));
+                before.abandoned = abandoned_rows(store, worker, abandoned);
+                for &id in &before.abandoned {
+                    before.rows.insert(id, Facts::of(store.task(id).expect("abandoned rows are live")));
+                }
             }
             DbRequest::AbandonClaim { worker, token } => {
-                for row in live_rows(store) {
-                    let held = matches!(row.state, TaskState::Claimed | TaskState::Running)
-                        && row.claimed_by.as_ref() == Some(worker)
-                        && row.claim_token == Some(*token);
-                    if held {
-                        before.rows.insert(row.id, Facts::of(row));
-                    }
+                before.abandoned = abandoned_rows(store, worker, &[*token]);
+                for &id in &before.abandoned {
+                    before.rows.insert(id, Facts::of(store.task(id).expect("abandoned rows are live")));
                 }
             }
             DbRequest::Reap { claimed_stale_ms, running_stale_ms, .. } => {
@@ -312,6 +316,9 @@ impl Checker {
                     let stale = |threshold: Option<u64>, at: Option<DbTime>| {
                         threshold.is_some_and(|ms| at.is_some_and(|at| at.plus_ms(ms) < now))
                     };
+                    if before.locked.contains(&row.id) {
+                        continue; // the reaper skips what it cannot lock
+                    }
                     let mut pending = row.state == TaskState::Pending;
                     if row.state == TaskState::Claimed && stale(*claimed_stale_ms, row.heartbeat_at.or(row.claimed_at))
                     {
@@ -406,7 +413,7 @@ impl Checker {
                 let key = |f: &Facts, id: TaskId| (f.priority, f.run_at, id);
                 let mut best_left: BTreeMap<&str, (i16, DbTime, TaskId)> = BTreeMap::new();
                 for (&id, facts) in &before.rows {
-                    if !taken.contains(&id) {
+                    if !taken.contains(&id) && !before.locked.contains(&id) {
                         let k = key(facts, id);
                         let entry = best_left.entry(facts.queue.as_str()).or_insert(k);
                         *entry = (*entry).min(k);
@@ -598,10 +605,27 @@ impl Checker {
                     self.finishes_applied += 1;
                 }
             }
-            (DbRequest::Heartbeat { claimed, running, .. }, DbReply::Heartbeat { lost }) => {
+            (DbRequest::Heartbeat { claimed, running, .. }, DbReply::Heartbeat { lost, busy, handed_back }) => {
                 let lost: BTreeSet<TaskId> = lost.iter().copied().collect();
+                let busy: BTreeSet<TaskId> = busy.iter().copied().collect();
                 for (list, state) in [(claimed, TaskState::Claimed), (running, TaskState::Running)] {
                     for t in list {
+                        if before.locked.contains(&t.task) {
+                            let held = pre(t.task).is_some_and(|f| {
+                                matches!(f.state, TaskState::Claimed | TaskState::Running) && f.held_by(worker, t.lease)
+                            });
+                            ensure!(
+                                held == busy.contains(&t.task) && held != lost.contains(&t.task),
+                                "heartbeat by {worker}: locked task {} held {held}, reply {reply:?}",
+                                t.task
+                            );
+                            continue;
+                        }
+                        ensure!(
+                            !busy.contains(&t.task),
+                            "heartbeat by {worker} called task {} busy, which no one locks",
+                            t.task
+                        );
                         let held = pre(t.task).is_some_and(|f| f.state == state && f.held_by(worker, t.lease));
                         // Listed as claimed, started since under the same lease (a start that
                         // raced the beat): still the worker's, so either answer is accepted
@@ -619,6 +643,16 @@ impl Checker {
                     }
                 }
                 self.fenced += lost.len() as u64;
+                let got: BTreeSet<TaskId> = handed_back.iter().copied().collect();
+                ensure!(
+                    got == before.abandoned,
+                    "heartbeat by {worker} handed back {got:?} of abandoned claims, expected {:?}",
+                    before.abandoned
+                );
+                for &id in handed_back {
+                    self.check_handed_back(pre(id), post(id)?, id)?;
+                    touched.push(id);
+                }
             }
             (DbRequest::Release { tasks, .. }, DbReply::Released { released, lost }) => {
                 for t in tasks {
@@ -638,14 +672,14 @@ impl Checker {
                 }
             }
             (DbRequest::AbandonClaim { .. }, DbReply::Released { released, lost }) => {
-                let expected: BTreeSet<TaskId> = before.rows.keys().copied().collect();
                 let got: BTreeSet<TaskId> = released.iter().copied().collect();
                 ensure!(
-                    got == expected && lost.is_empty(),
-                    "abandon by {worker} released {got:?}, expected {expected:?}"
+                    got == before.abandoned && lost.is_empty(),
+                    "abandon by {worker} released {got:?}, expected {:?}",
+                    before.abandoned
                 );
                 for &id in released {
-                    self.check_released(pre(id), post(id)?, id)?;
+                    self.check_handed_back(pre(id), post(id)?, id)?;
                     touched.push(id);
                 }
             }
@@ -719,6 +753,26 @@ impl Checker {
         );
         ensure!(row.claimed_by.is_none() && row.claim_token.is_none(), "released task {id} still names a holder");
         let _ = (was.claim_token, was.claimed_at, was.started_at, was.heartbeat_at, was.run_at);
+        Ok(())
+    }
+
+    /// A row of an abandoned claim handed back: as a release, but a run the claim started
+    /// gives its attempt back (nothing ran), so its attempts may go down by one.
+    fn check_handed_back(&mut self, was: Option<&Facts>, row: &StoredTask, id: TaskId) -> Result<(), String> {
+        let was = was.ok_or_else(|| format!("handed back task {id} was not held"))?;
+        ensure!(row.state == TaskState::Pending, "handed back task {id} is {}", row.state);
+        let counted = u32::from(was.state == TaskState::Running);
+        ensure!(
+            row.attempts + counted == was.attempts && row.retries == was.retries,
+            "undoing the claim of task {id} (was {}) left attempts {} -> {} or retries {} -> {}: the attempt it counted must go back",
+            was.state,
+            was.attempts,
+            row.attempts,
+            was.retries,
+            row.retries
+        );
+        ensure!(row.claimed_by.is_none() && row.claim_token.is_none(), "handed back task {id} still names a holder");
+        self.seen(id)?.attempts = row.attempts;
         Ok(())
     }
 
@@ -841,6 +895,20 @@ impl Checker {
         }
         out
     }
+}
+
+/// The rows held by `worker` under one of the claim `tokens` that no one else locks: what
+/// undoing those claims must hand back.
+fn abandoned_rows(store: &MemoryStore, worker: &WorkerId, tokens: &[u64]) -> BTreeSet<TaskId> {
+    live_rows(store)
+        .filter(|row| {
+            matches!(row.state, TaskState::Claimed | TaskState::Running)
+                && row.claimed_by.as_ref() == Some(worker)
+                && row.claim_token.is_some_and(|t| tokens.contains(&t))
+                && !store.locked_rows().contains(&row.id)
+        })
+        .map(|row| row.id)
+        .collect()
 }
 
 /// The live table: `tasks()` lists it first, and its rows are the non-terminal ones.

@@ -1440,8 +1440,9 @@ fn describe_request(request: &DbRequest) -> String {
             };
             format!("{}@{}:{outcome}", c.task.task, c.task.lease)
         })),
-        DbRequest::Heartbeat { claimed, running, .. } => {
-            format!("claimed {} running {}", leases(claimed), leases(running))
+        DbRequest::Heartbeat { claimed, running, abandoned, .. } => {
+            let abandoned = if abandoned.is_empty() { String::new() } else { format!(" abandoned {}", ids(abandoned)) };
+            format!("claimed {} running {}{abandoned}", leases(claimed), leases(running))
         }
         DbRequest::AbandonClaim { token, .. } => format!("token {token}"),
         DbRequest::Reap { .. }
@@ -1475,7 +1476,11 @@ fn describe_reply(reply: &DbReply) -> String {
             part("applied", ids(applied.iter().map(|(t, s)| format!("{t}:{s}"))), applied.is_empty());
             part("lost", ids(lost), lost.is_empty());
         }
-        DbReply::Heartbeat { lost } => part("lost", ids(lost), lost.is_empty()),
+        DbReply::Heartbeat { lost, busy, handed_back } => {
+            part("lost", ids(lost), lost.is_empty());
+            part("busy", ids(busy), busy.is_empty());
+            part("handed back", ids(handed_back), handed_back.is_empty());
+        }
         DbReply::Released { released, lost } => {
             part("released", ids(released), released.is_empty());
             part("lost", ids(lost), lost.is_empty());

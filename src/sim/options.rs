@@ -263,6 +263,7 @@ fn swarm_worker(rng: &mut Rng, app: &AppConfig, queue_names: &[String]) -> Worke
         handler_timeout_ms: if rng.chance(0.3) { None } else { Some(rng.range(1_000, 30_001)) },
         shutdown_grace_ms: rng.range(0, 10_001),
         completion_batch_max: rng.range(1, 11) as u32,
+        max_result_bytes: WorkerConfig::default().max_result_bytes,
         seed: Some(rng.next_u64()),
         forbidden_flags: Vec::new(),
         run_scheduler: false,

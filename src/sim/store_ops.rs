@@ -381,8 +381,9 @@ impl Harness {
                     running,
                     lease_ms: LEASE_MS,
                     max_renew_age_ms: MAX_RENEW_AGE_MS,
+                    abandoned: Vec::new(),
                 };
-                let DbReply::Heartbeat { lost } = self.request(op, worker, &request) else {
+                let DbReply::Heartbeat { lost, .. } = self.request(op, worker, &request) else {
                     unreachable!("the checker accepts only a Heartbeat reply to a heartbeat")
                 };
                 for task in &lost {
