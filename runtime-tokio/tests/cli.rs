@@ -388,6 +388,19 @@ async fn job_keys_and_flags_from_the_command_line() {
     assert_eq!(shown["task"]["flags"], serde_json::json!(["gpu"]));
     let bad_flag = run(&["enqueue", "echo", "--flags", "GPU"]);
     assert_eq!(bad_flag.status.code(), Some(1), "{}", text(&bad_flag));
+
+    // An idempotency key keeps its finished task from purge, unless told how long to.
+    let paid = id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"]));
+    assert_eq!(run(&["complete", &paid]).status.code(), Some(0));
+    let purged = |extra: &[&str]| {
+        let output = run(&[&["purge", "--older-than", "0s", "--json"][..], extra].concat());
+        let purged: serde_json::Value = serde_json::from_slice(&output.stdout).expect("purge --json is JSON");
+        purged["purged"].as_u64()
+    };
+    assert_eq!(purged(&[]), Some(0));
+    assert_eq!(id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"])), paid);
+    assert_eq!(purged(&["--idempotency-retention", "0s"]), Some(1));
+    assert_ne!(id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"])), paid);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -252,14 +252,17 @@ impl PgStore {
     }
 
     /// Frees idempotency key `key` in one statement: the task holding it is Cancelled if
-    /// Pending (waiters are notified), runs on without it if Claimed or Running, and simply
-    /// loses it if finished. Refused with `KeyNotFound` when no task holds it.
+    /// Pending (waiters are notified), runs on without it if Claimed or Running (its row is not
+    /// written), and simply loses it if finished. Refused with `KeyNotFound` when no task
+    /// holds it. It waits its turn with the key's enqueuers (the key's advisory lock, then
+    /// rows, in their order), so the two never deadlock.
     pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let row: Option<(i64, String)> = sqlx::query_as(self.schema().sql().remove_key.clone())
             .bind(key)
             .bind(error)
             .bind(self.schema().done_channel())
+            .bind(self.schema().key_lock_prefix())
             .fetch_optional(self.pool())
             .await?;
         let Some((id, action)) = row else {
@@ -276,7 +279,8 @@ impl PgStore {
     /// Deletes finished tasks that finished more than `retention_ms` ago, with their attempts
     /// history and the keys they hold, `batch` tasks per statement (each its own transaction,
     /// locking only that batch, skipping rows another session holds) until a batch comes back
-    /// short. Returns how many. A `batch` of 0 is taken as 1.
+    /// short. Returns how many. A `batch` of 0 is taken as 1. Tasks that hold an idempotency
+    /// key stay for the store's `recovery.idempotency_retention_ms` (forever by default).
     pub async fn purge_finished(&self, retention_ms: u64, batch: u32) -> Result<u64, sqlx::Error> {
         let mut conn = self.pool().acquire().await?;
         self.purge_on(&mut conn, retention_ms, batch).await

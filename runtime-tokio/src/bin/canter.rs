@@ -217,9 +217,11 @@ fn command_help(command: &str) -> Option<&'static str> {
              one runs on without it, a finished one just loses it."
         }
         "purge" => {
-            "usage: canter purge --older-than D [--batch N] [--json]\n\n\
+            "usage: canter purge --older-than D [--idempotency-retention E] [--batch N] [--json]\n\n\
              deletes finished tasks (with their attempts and keys) that finished more than D ago\n\
-             (e.g. 30d, 12h), N per statement (default 1000) so no lock is held long; prints how many."
+             (e.g. 30d, 12h), N per statement (default 1000) so no lock is held long; prints how many.\n\
+             a task holding an idempotency key stays until the key is E old (default: forever), so an\n\
+             idempotent enqueue of it still gives its id instead of running it again."
         }
         "pause" => {
             "usage: canter pause QUEUE [--json]\n\n\
@@ -775,7 +777,8 @@ async fn remove_key(raw: &[String]) -> Outcome {
 }
 
 async fn purge(raw: &[String]) -> Outcome {
-    let args = Args::parse(raw, &["database-url", "schema", "older-than", "batch"], &["json"], false)?;
+    let values = ["database-url", "schema", "older-than", "idempotency-retention", "batch"];
+    let args = Args::parse(raw, &values, &["json"], false)?;
     if !args.positional.is_empty() {
         return Err(Failure::Usage("purge takes no positional arguments".into()));
     }
@@ -786,7 +789,11 @@ async fn purge(raw: &[String]) -> Outcome {
     if batch == 0 {
         return Err(Failure::Usage("--batch must be at least 1".into()));
     }
-    let client = client(&args, Default::default())?;
+    let mut app = canter_tokio::AppConfig::default();
+    if let Some(window) = args.value("idempotency-retention") {
+        app.recovery.idempotency_retention_ms = Some(millis(parse_duration(window)?));
+    }
+    let client = client(&args, app)?;
     let retention_ms = millis(retention);
     let n = client.store().purge_finished(retention_ms, batch).await.map_err(failed)?;
     if args.switch("json") {
