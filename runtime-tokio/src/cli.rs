@@ -222,9 +222,12 @@ pub fn printable(text: &str) -> Printable<'_> {
     Printable::new(text)
 }
 
-/// Whether `c` must not reach a terminal raw.
+/// Whether `c` must not reach a terminal raw: controls, the bidirectional-text marks and
+/// overrides, and the Unicode line and paragraph separators.
 fn is_unprintable(c: char) -> bool {
-    c.is_control() || matches!(c, '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+    c.is_control()
+        || matches!(c, '\u{61c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+        || matches!(c, '\u{2028}' | '\u{2029}')
 }
 
 impl std::fmt::Display for Printable<'_> {
@@ -321,6 +324,7 @@ mod tests {
         let name = "a\u{1b}[2J\nFAKE\r\t\u{7f}\u{9b}\u{202e}é";
         assert_eq!(printable(name).to_string(), "a\\u001b[2J\\nFAKE\\r\\t\\u007f\\u009b\\u202eé");
         assert_eq!(Printable::keeping_lines("a\nb\tc\u{1b}[0m").to_string(), "a\nb\tc\\u001b[0m");
+        assert_eq!(printable("\u{2028}\u{61c}").to_string(), "\\u2028\\u061c");
         // JSON stays JSON, with the same value.
         let json = serde_json::json!({"name": name}).to_string();
         let shown = Printable::keeping_lines(&json).to_string();
