@@ -54,12 +54,14 @@ pub fn may_retry(policy: &RetryPolicy, retries_spent: u32, code: &ErrorCode) -> 
 /// The wait after the `failures`-th database error in a row (1 for the first):
 /// `min(max, initial · 2^(failures − 1)) · U(0.75, 1.25)`, never under 100 ms. The jitter
 /// comes after the cap, so a wait can reach 1.25 × max (reference/seeds.md §7, row 14).
+/// Never more than [`MAX_RETRY_DELAY`], whatever the settings (unvalidated ones included), so
+/// `now + wait` stays within any clock's range.
 pub fn db_retry_delay(config: &ResilienceConfig, failures: u32, entropy: u64) -> Duration {
     let exponent = failures.max(1) - 1;
     let initial = config.db_retry_initial_ms as f64;
     let capped = (initial * 2f64.powi(exponent.min(1023) as i32)).min(config.db_retry_max_ms as f64);
     let ms = (capped * jitter_factor(entropy, 0.25)).max(MIN_DB_RETRY_DELAY.as_millis() as f64);
-    Duration::from_secs_f64(ms / 1000.0)
+    Duration::try_from_secs_f64(ms / 1000.0).map_or(MAX_RETRY_DELAY, |wait| wait.min(MAX_RETRY_DELAY))
 }
 
 /// Database-error backoff as a small sans-IO value: count failures, say when to try again,
@@ -159,6 +161,19 @@ mod tests {
         backoff.on_success();
         assert_eq!(backoff.failures(), 0);
         assert!(!backoff.exhausted(&config));
+    }
+
+    #[test]
+    fn db_waits_stay_bounded_whatever_the_settings() {
+        let huge =
+            ResilienceConfig { db_retry_initial_ms: u64::MAX, db_retry_max_ms: u64::MAX, db_retry_max_attempts: 0 };
+        for failures in [1, 2, 64, u32::MAX] {
+            for entropy in [0, u64::MAX] {
+                assert!(db_retry_delay(&huge, failures, entropy) <= MAX_RETRY_DELAY, "{failures} {entropy}");
+            }
+        }
+        let valid = ResilienceConfig { db_retry_initial_ms: 500, db_retry_max_ms: 300_000, db_retry_max_attempts: 0 };
+        assert_eq!(db_retry_delay(&valid, 1, 0), Duration::from_millis(375), "valid settings are unchanged");
     }
 
     #[test]

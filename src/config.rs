@@ -218,6 +218,12 @@ pub struct RecoveryConfig {
     /// an hour, in short batches; `None` (the default) keeps them forever.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_retention_ms: Option<u64>,
+    /// How long an idempotency key ([`KeyMode::Idempotent`](crate::db::KeyMode)) keeps its
+    /// finished task from that purge, in ms after the key was taken: 60 000 to
+    /// 3 153 600 000 000. An idempotent enqueue of the same key within it gives the task's id
+    /// instead of running it again. `None` (the default) keeps such tasks forever.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub idempotency_retention_ms: Option<u64>,
 }
 
 impl Default for RecoveryConfig {
@@ -231,6 +237,7 @@ impl Default for RecoveryConfig {
             runner_heartbeat_interval_ms: 30_000,
             claimer_heartbeat_interval_ms: 30_000,
             finished_retention_ms: None,
+            idempotency_retention_ms: None,
         }
     }
 }
@@ -693,6 +700,9 @@ impl RecoveryConfig {
         c.range("check_interval_ms", self.check_interval_ms, CHECK_INTERVAL_MS);
         if let Some(retention) = self.finished_retention_ms {
             c.range("finished_retention_ms", retention, FINISHED_RETENTION_MS);
+        }
+        if let Some(retention) = self.idempotency_retention_ms {
+            c.range("idempotency_retention_ms", retention, FINISHED_RETENTION_MS);
         }
         c.range("runner_heartbeat_interval_ms", self.runner_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
         c.range("claimer_heartbeat_interval_ms", self.claimer_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
@@ -1238,6 +1248,7 @@ mod tests {
                     runner_heartbeat_interval_ms: 20_000,
                     claimer_heartbeat_interval_ms: 10_000,
                     finished_retention_ms: Some(86_400_000),
+                    idempotency_retention_ms: Some(604_800_000),
                 },
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])
@@ -1509,7 +1520,7 @@ mod tests {
 
     #[test]
     fn recovery_ranges() {
-        let cases: [(Change<RecoveryConfig>, &str); 12] = [
+        let cases: [(Change<RecoveryConfig>, &str); 14] = [
             (|r| r.claimed_stale_threshold_ms = 999, "claimed_stale_threshold_ms"),
             (|r| r.claimed_stale_threshold_ms = 3_600_001, "claimed_stale_threshold_ms"),
             (|r| r.running_stale_threshold_ms = 999, "running_stale_threshold_ms"),
@@ -1523,6 +1534,8 @@ mod tests {
             (|r| r.claimer_heartbeat_interval_ms = 120_001, "claimer_heartbeat_interval_ms"),
             (|r| r.finished_retention_ms = Some(59_999), "finished_retention_ms"),
             (|r| r.finished_retention_ms = Some(3_153_600_000_001), "finished_retention_ms"),
+            (|r| r.idempotency_retention_ms = Some(59_999), "idempotency_retention_ms"),
+            (|r| r.idempotency_retention_ms = Some(3_153_600_000_001), "idempotency_retention_ms"),
         ];
         for (change, field) in cases {
             let mut recovery = RecoveryConfig::default();
@@ -1531,7 +1544,11 @@ mod tests {
             assert_eq!(fields, [field]);
             assert_eq!(app_fields(|a| a.recovery = recovery), [format!("recovery.{field}")]);
         }
-        let kept = RecoveryConfig { finished_retention_ms: Some(60_000), ..RecoveryConfig::default() };
+        let kept = RecoveryConfig {
+            finished_retention_ms: Some(60_000),
+            idempotency_retention_ms: Some(3_153_600_000_000),
+            ..RecoveryConfig::default()
+        };
         assert!(kept.validate().is_ok());
     }
 

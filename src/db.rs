@@ -570,7 +570,8 @@ pub enum DbRequest {
     },
     /// Delete finished tasks that finished more than `older_than_ms` ago, with their attempts
     /// history and the keys they still hold, at most `batch` per statement (PostgreSQL repeats
-    /// until a batch comes back short, each statement its own transaction). Replies
+    /// until a batch comes back short, each statement its own transaction). Tasks an
+    /// idempotency key names stay for the store's `recovery.idempotency_retention_ms`. Replies
     /// [`DbReply::Purged`].
     Purge {
         /// The retention.

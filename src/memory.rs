@@ -286,6 +286,16 @@ pub struct WorkerRecord {
     pub stopped: bool,
 }
 
+/// Which task a key names (the `task_keys` table).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct KeyHold {
+    task: TaskId,
+    /// When an idempotent enqueue took the key or first relied on it ([`KeyMode::Idempotent`]);
+    /// `None` for a key taken in another mode. Purge keeps the finished task of such a key for
+    /// `recovery.idempotency_retention_ms`.
+    idempotent_since: Option<DbTime>,
+}
+
 /// The in-memory store. See the module docs.
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
@@ -293,7 +303,7 @@ pub struct MemoryStore {
     next_id: i64,
     live: BTreeMap<TaskId, StoredTask>,
     finished: BTreeMap<TaskId, StoredTask>,
-    keys: BTreeMap<String, TaskId>,
+    keys: BTreeMap<String, KeyHold>,
     history: BTreeMap<TaskId, Vec<AttemptRecord>>,
     workers: BTreeMap<WorkerId, WorkerRecord>,
     /// Paused queues and since when.
@@ -435,7 +445,7 @@ impl MemoryStore {
             queues.push(db::check_new_task(&self.app, task, now)?.to_owned());
             batch_keys.check(index, task)?;
             if let (Some(key), KeyMode::Idempotent) = (&task.key, task.key_mode) {
-                if let Some(holder) = self.keys.get(key).and_then(|id| self.row(*id)) {
+                if let Some(holder) = self.keys.get(key).and_then(|hold| self.row(hold.task)) {
                     if holder.name != task.name || holder.args != task.args {
                         return Err(EnqueueError::PayloadMismatch { key: key.clone(), existing: holder.id });
                     }
@@ -446,7 +456,13 @@ impl MemoryStore {
         let mut ids = Vec::with_capacity(tasks.len());
         let mut ready = BTreeSet::new();
         for (task, queue) in tasks.into_iter().zip(queues) {
-            let holder = task.key.as_ref().and_then(|key| self.keys.get(key).copied());
+            let holder = task.key.as_ref().and_then(|key| self.keys.get_mut(key)).map(|hold| {
+                // An idempotent enqueue relies on the key from now on, whatever mode took it.
+                if task.key_mode == KeyMode::Idempotent {
+                    hold.idempotent_since.get_or_insert(now);
+                }
+                hold.task
+            });
             let live_holder = holder.and_then(|id| self.live.get(&id).map(|row| (id, row.state)));
             let id = match (task.key_mode, holder, live_holder) {
                 _ if task.key.is_none() => self.insert_new(task, queue.clone(), now),
@@ -481,7 +497,8 @@ impl MemoryStore {
         let id = TaskId(self.next_id);
         self.next_id = self.next_id.saturating_add(1);
         if let Some(key) = &task.key {
-            self.keys.insert(key.clone(), id);
+            let idempotent_since = (task.key_mode == KeyMode::Idempotent).then_some(now);
+            self.keys.insert(key.clone(), KeyHold { task: id, idempotent_since });
         }
         self.live.insert(
             id,
@@ -1187,7 +1204,7 @@ impl MemoryStore {
     /// [`cancel`](Self::cancel)), runs on without it if Claimed or Running, and simply loses
     /// it if finished. The task no longer shows the key, and a new task may take it.
     pub fn remove_key(&mut self, key: &str, now: DbTime) -> Result<KeyRemoval, AdminError> {
-        let id = self.keys.remove(key).ok_or_else(|| AdminError::KeyNotFound(key.to_owned()))?;
+        let id = self.keys.remove(key).ok_or_else(|| AdminError::KeyNotFound(key.to_owned()))?.task;
         if let Some(row) = self.live.get_mut(&id) {
             row.key = None;
             if row.state != TaskState::Pending {
@@ -1205,18 +1222,34 @@ impl MemoryStore {
 
     /// Deletes finished tasks that finished more than `retention_ms` before `now`, with their
     /// attempts history and the keys they hold. Returns how many.
+    ///
+    /// A task that holds an idempotency key stays (its row is what an idempotent enqueue
+    /// compares name and arguments with) for `recovery.idempotency_retention_ms` of the app
+    /// after the key was taken (or its task enqueued, if later): forever when that is `None`.
     pub fn purge_finished(&mut self, retention_ms: u64, now: DbTime) -> u64 {
         let cutoff = minus_ms(now, retention_ms);
+        let window = self.app.recovery.idempotency_retention_ms;
+        let keys = &self.keys;
+        let kept = |row: &StoredTask| {
+            let Some(hold) = row.key.as_ref().and_then(|key| keys.get(key)).filter(|hold| hold.task == row.id) else {
+                return false;
+            };
+            match (hold.idempotent_since, window) {
+                (None, _) => false,
+                (Some(_), None) => true,
+                (Some(since), Some(window)) => since.max(row.enqueued_at) > minus_ms(now, window),
+            }
+        };
         let old: Vec<TaskId> = self
             .finished
             .values()
-            .filter(|row| row.finished_at.is_some_and(|at| at < cutoff))
+            .filter(|row| row.finished_at.is_some_and(|at| at < cutoff) && !kept(row))
             .map(|row| row.id)
             .collect();
         for id in &old {
             if let Some(row) = self.finished.remove(id) {
                 // A key another task has taken since is not this task's to drop.
-                if let Some(key) = row.key.filter(|key| self.keys.get(key) == Some(id)) {
+                if let Some(key) = row.key.filter(|key| self.keys.get(key).is_some_and(|hold| hold.task == *id)) {
                     self.keys.remove(&key);
                 }
             }
@@ -1501,7 +1534,7 @@ mod tests {
     use serde_json::json;
 
     use super::*;
-    use crate::config::{CustomQueue, QueueMode, WorkerConfig};
+    use crate::config::{CustomQueue, QueueMode, RecoveryConfig, WorkerConfig};
     use crate::db::RunAt;
 
     const T0: DbTime = DbTime(1_000_000);
@@ -2134,15 +2167,46 @@ mod tests {
     #[test]
     fn purge_forgets_old_finished_tasks_with_their_runs_and_keys() {
         let mut store = MemoryStore::new(AppConfig::default());
-        let old = running_task(&mut store, NewTask::new("t", json!(1)).idempotency_key("old"), "a", T0);
+        let old = running_task(&mut store, NewTask::new("t", json!(1)).key("old"), "a", T0);
         finish(&mut store, "a", old, FinishOutcome::Completed(json!(1)), at(10));
-        let young = add(&mut store, NewTask::new("t", json!(2)).idempotency_key("young"));
+        let young = add(&mut store, NewTask::new("t", json!(2)).key_with_mode("young", KeyMode::UnsafeDedupe));
         store.cancel(young, at(1_000)).unwrap();
         assert_eq!(store.purge_finished(500, at(1_000)), 1);
         assert!(store.get(old.task).is_none() && store.attempts(old.task).is_empty());
-        assert_eq!(store.enqueue(NewTask::new("t", json!("new")).idempotency_key("old"), at(1_001)), Ok(TaskId(3)));
-        assert_eq!(store.enqueue(NewTask::new("t", json!(2)).idempotency_key("young"), at(1_001)), Ok(young));
+        assert_eq!(store.remove_key("old", at(1_001)), Err(AdminError::KeyNotFound("old".into())), "gone with it");
+        assert_eq!(store.remove_key("young", at(1_001)), Ok(KeyRemoval::Freed(young)));
         assert_eq!(store.purge_finished(500, at(1_000)), 0);
+    }
+
+    #[test]
+    fn idempotency_keys_keep_their_tasks_from_purge_for_their_window() {
+        // By default, forever: an idempotent enqueue of a payment that ran gives its id, years on.
+        let mut store = MemoryStore::new(AppConfig::default());
+        let paid = add(&mut store, NewTask::new("pay", json!({"cents": 100})).idempotency_key("p1"));
+        store.complete(paid, json!("ok"), at(10)).unwrap();
+        let years = 100 * 365 * 86_400_000;
+        assert_eq!(store.purge_finished(0, at(years)), 0);
+        let again = NewTask::new("pay", json!({"cents": 100})).idempotency_key("p1");
+        assert_eq!(store.enqueue(again.clone(), at(years)), Ok(paid));
+        assert_eq!(store.tasks().count(), 1, "the payment did not run again");
+
+        // With a window of a minute: kept while the key is younger, then purged with its key.
+        let recovery = RecoveryConfig { idempotency_retention_ms: Some(60_000), ..RecoveryConfig::default() };
+        let mut store = MemoryStore::new(AppConfig { recovery, ..AppConfig::default() });
+        let paid = add(&mut store, again.clone());
+        let plain = add(&mut store, NewTask::new("t", json!(1)).key("plain"));
+        // A key taken in another mode counts from the first idempotent enqueue that relies on it.
+        let relied = add(&mut store, NewTask::new("t", json!(2)).key("relied"));
+        assert_eq!(store.enqueue(NewTask::new("t", json!(2)).idempotency_key("relied"), at(30_000)), Ok(relied));
+        for id in [paid, plain, relied] {
+            store.complete(id, json!(null), at(10)).unwrap();
+        }
+        assert_eq!(store.purge_finished(0, at(59_999)), 1, "the plain key's task goes at once");
+        assert_eq!(store.purge_finished(0, at(60_000)), 1, "a minute after its enqueue, the payment");
+        assert_eq!(store.purge_finished(0, at(89_999)), 0);
+        assert_eq!(store.purge_finished(0, at(90_000)), 1);
+        assert!(store.tasks().next().is_none());
+        assert_eq!(store.enqueue(again, at(90_001)), Ok(TaskId(4)), "past its window the key is free again");
     }
 
     #[test]

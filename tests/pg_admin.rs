@@ -62,6 +62,27 @@ async fn scalar(store: &PgStore, sql: &str) -> i64 {
     sqlx::query_scalar(AssertSqlSafe(sql)).fetch_one(store.pool()).await.unwrap()
 }
 
+/// Every (node type, relation) of an `EXPLAIN (FORMAT JSON)` plan.
+fn scans(plan: &Value) -> Vec<(String, String)> {
+    let mut found = Vec::new();
+    let mut stack = vec![plan];
+    while let Some(node) = stack.pop() {
+        match node {
+            Value::Array(items) => stack.extend(items),
+            Value::Object(fields) => {
+                if let (Some(Value::String(kind)), Some(Value::String(relation))) =
+                    (fields.get("Node Type"), fields.get("Relation Name"))
+                {
+                    found.push((kind.clone(), relation.clone()));
+                }
+                stack.extend(fields.values());
+            }
+            _ => {}
+        }
+    }
+    found
+}
+
 fn refused(error: PgAdminError) -> AdminError {
     match error {
         PgAdminError::Refused(refusal) => refusal,
@@ -302,16 +323,66 @@ async fn the_purge_finds_old_rows_by_the_brin_index() {
     // a retention that leaves all but the oldest 1 %.
     let explain = format!(
         "EXPLAIN (FORMAT JSON) SELECT f.id FROM {s}.finished_tasks f
-         WHERE f.finished_at < {s}.db_now() - $1 * interval '1 millisecond' LIMIT $2 FOR UPDATE SKIP LOCKED"
+         WHERE f.finished_at < {s}.db_now() - $1 * interval '1 millisecond'
+           AND NOT EXISTS (
+               SELECT FROM {s}.task_keys k
+               WHERE k.key = f.key AND k.task_id = f.id AND k.idempotent_since IS NOT NULL
+                 AND ($3::bigint IS NULL
+                      OR greatest(k.idempotent_since, f.enqueued_at) > {s}.db_now() - $3 * interval '1 millisecond'))
+         LIMIT $2 FOR UPDATE SKIP LOCKED"
     );
     let plan: Value = sqlx::query_scalar(AssertSqlSafe(explain))
         .bind(49_500_000_i64)
         .bind(1_000_i64)
+        .bind(None::<i64>)
         .fetch_one(store.pool())
         .await
         .unwrap();
     let text = plan.to_string();
-    assert!(text.contains("finished_tasks_finished_at_idx") && !text.contains("Seq Scan"), "{plan:#}");
+    assert!(text.contains("finished_tasks_finished_at_idx"), "{plan:#}");
+    assert!(!scans(&plan).contains(&("Seq Scan".to_owned(), "finished_tasks".to_owned())), "{plan:#}");
     let purged = store.purge_finished(49_500_000, 1_000).await.unwrap();
     assert!((499..=501).contains(&purged), "{purged}");
+}
+
+/// Keys written before migration 0003 (which does not know their mode) count as idempotency
+/// keys: a purge keeps their finished tasks forever by default, and with a window ages them
+/// from their task's enqueue. Keys written since carry their mode.
+#[tokio::test]
+async fn keys_from_before_their_mode_was_stored_are_kept_as_idempotency_keys() {
+    let db = TestDb::new().await;
+    let pool = db.pool(2).await;
+    let old = canter::postgres::PgSchema::new(&format!("{}_v2", db.schema.name())).unwrap();
+    {
+        let mut conn = pool.acquire().await.unwrap().detach();
+        let setup = format!("CREATE SCHEMA {s}; SET search_path TO {s}", s = old.quoted());
+        sqlx::raw_sql(AssertSqlSafe(setup)).execute(&mut conn).await.unwrap();
+        canter::postgres::MIGRATOR.run_to(2, &mut conn).await.unwrap();
+    }
+    let store = PgStore::new(pool.clone(), old.clone(), AppConfig::default());
+    let legacy = store.enqueue(NewTask::new("pay", json!(1)).idempotency_key("legacy")).await.unwrap();
+    let replaced = store.enqueue(NewTask::new("t", json!(2)).key("replace")).await.unwrap();
+    for id in [legacy, replaced] {
+        store.complete(id, json!(null)).await.unwrap();
+    }
+    store.migrate().await.unwrap();
+    assert_eq!(store.purge_finished(0, 10).await.unwrap(), 0, "both kept: their mode is unknown");
+    assert_eq!(store.enqueue(NewTask::new("pay", json!(1)).idempotency_key("legacy")).await.unwrap(), legacy);
+    let new = store.enqueue(NewTask::new("t", json!(3)).key("new")).await.unwrap();
+    store.complete(new, json!(null)).await.unwrap();
+    assert_eq!(store.purge_finished(0, 10).await.unwrap(), 1, "a key written since carries its mode");
+
+    // With a window, their age is their task's: an hour old, past a minute's window.
+    let sql = format!(
+        "UPDATE {}.finished_tasks SET enqueued_at = enqueued_at - interval '1 hour' WHERE id = $1",
+        old.quoted()
+    );
+    sqlx::query(AssertSqlSafe(sql)).bind(legacy.0).execute(&pool).await.unwrap();
+    let mut app = AppConfig::default();
+    app.recovery.idempotency_retention_ms = Some(60_000);
+    let windowed = PgStore::new(pool.clone(), old.clone(), app);
+    assert_eq!(windowed.purge_finished(0, 10).await.unwrap(), 1);
+    assert!(windowed.get(legacy).await.unwrap().is_none());
+    assert_eq!(windowed.get(replaced).await.unwrap().unwrap().key.as_deref(), Some("replace"));
+    sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", old.quoted()))).execute(&pool).await.unwrap();
 }

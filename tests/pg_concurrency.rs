@@ -1,5 +1,7 @@
 //! Concurrent claimers on real PostgreSQL: no task is claimed twice, and in hard-cap mode no
-//! cap is ever exceeded (a sampler reads the in-flight counts while the claimers run).
+//! cap is ever exceeded (a sampler reads the in-flight counts while the claimers run). Keyed
+//! enqueues: concurrent enqueuers of a key, an enqueue in an open transaction beside the
+//! worker running the key's holder, and enqueues racing removals of the key.
 
 #[path = "common/pg.rs"]
 mod pg;
@@ -11,8 +13,9 @@ use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use canter::db::{ClaimedTask, Completion, DbReply, DbRequest, FinishOutcome, NewTask};
-use canter::postgres::PgStore;
+use canter::db::{ClaimedTask, Completion, DbReply, DbRequest, FinishOutcome, KeyMode, NewTask};
+use canter::memory::{AdminError, KeyRemoval};
+use canter::postgres::{PgAdminError, PgEnqueueError, PgStore, enqueue_in};
 use canter::task::{TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;
@@ -250,4 +253,153 @@ async fn concurrent_enqueuers_of_one_key_lose_and_double_nothing() {
     let keyed: Vec<_> =
         store.list(&Default::default()).await.unwrap().into_iter().filter(|r| r.key.is_some()).collect();
     assert!(keyed.len() <= 4, "one task per key at most: {}", keyed.len());
+}
+
+/// Claims and starts the first pending task of the default queue for `worker`.
+async fn run_one(store: &PgStore, worker: &WorkerId) -> TaskLease {
+    let policy =
+        Arc::new(ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 1, ..Default::default() }));
+    let request = DbRequest::Claim {
+        worker: worker.clone(),
+        token: 1,
+        policy,
+        my_running: 0,
+        my_claimed: 0,
+        start_now: 1,
+        lease_ms: 60_000,
+    };
+    let DbReply::Claimed { tasks, .. } = store.execute(&request).await.expect("claim") else { panic!() };
+    assert!(tasks.len() == 1 && tasks[0].started, "{tasks:?}");
+    TaskLease { task: tasks[0].id, lease: tasks[0].lease }
+}
+
+/// An application's transaction enqueues a task whose key a Running task holds, and stays
+/// open: the running task's heartbeat and finish do not wait for it (the enqueue used to lock
+/// the holder's row, and in the replace modes to write it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_enqueue_in_an_open_transaction_leaves_the_running_holder_alone() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    let worker = WorkerId("w".into());
+    let bounded = Duration::from_secs(5);
+    for mode in [KeyMode::Replace, KeyMode::PreserveRunAt, KeyMode::UnsafeDedupe, KeyMode::Idempotent] {
+        let key = format!("k-{}", mode.as_str());
+        let task = || NewTask::new("t", json!(1)).key_with_mode(key.clone(), mode);
+        let holder = store.enqueue(task()).await.unwrap();
+        let running = run_one(&store, &worker).await;
+        assert_eq!(running.task, holder);
+
+        let mut tx = store.pool().begin().await.unwrap();
+        let enqueued = enqueue_in(&mut *tx, store.schema(), store.app(), task()).await.unwrap();
+        let moved = matches!(mode, KeyMode::Replace | KeyMode::PreserveRunAt);
+        assert_eq!(enqueued != holder, moved, "{mode:?}");
+        if mode == KeyMode::Idempotent {
+            // A mismatch is refused without waiting either.
+            let other = NewTask::new("t", json!(2)).key_with_mode(key.clone(), mode);
+            let refused = enqueue_in(&mut *tx, store.schema(), store.app(), other).await;
+            assert!(matches!(refused, Err(PgEnqueueError::Invalid(_))), "{refused:?}");
+        }
+        let beat = DbRequest::Heartbeat {
+            worker: worker.clone(),
+            claimed: Vec::new(),
+            running: vec![running],
+            lease_ms: 60_000,
+            max_renew_age_ms: 60_000,
+        };
+        let reply = tokio::time::timeout(bounded, store.execute(&beat)).await;
+        let reply = reply.unwrap_or_else(|_| panic!("{mode:?}: the heartbeat waited on the enqueuer"));
+        assert_eq!(reply.unwrap(), DbReply::Heartbeat { lost: Vec::new() });
+        let finish = DbRequest::Finish {
+            worker: worker.clone(),
+            completions: vec![Completion { task: running, outcome: FinishOutcome::Completed(json!(1)), args: None }],
+        };
+        let reply = tokio::time::timeout(bounded, store.execute(&finish)).await;
+        let reply = reply.unwrap_or_else(|_| panic!("{mode:?}: the finish waited on the enqueuer"));
+        let DbReply::Finished { applied, lost } = reply.unwrap() else { panic!() };
+        assert!(lost.is_empty() && applied == [(holder, TaskState::Completed)], "{mode:?}");
+        tx.commit().await.unwrap();
+
+        // The key is the new task's (moved) or still the finished holder's.
+        let shows = |id| {
+            let store = store.clone();
+            async move { store.get(id).await.unwrap().unwrap().key }
+        };
+        assert_eq!(shows(enqueued).await.as_deref(), Some(key.as_str()), "{mode:?}");
+        if moved {
+            assert_eq!(shows(holder).await, None, "{mode:?}: the finished holder gave the key up");
+            assert_eq!(store.remove_key(&key).await.unwrap(), KeyRemoval::Cancelled(enqueued));
+            assert_eq!(store.purge_finished(0, 10).await.unwrap(), 2, "{mode:?}");
+        }
+    }
+}
+
+/// Removals of a key race enqueues of it, over and over, while its holder is Running,
+/// finished or Pending: both take the key's lock before any row, so neither ever deadlocks
+/// (PostgreSQL would abort one with SQLSTATE 40P01).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn removing_a_key_while_it_is_enqueued_never_deadlocks() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 8).await;
+    let worker = WorkerId("w".into());
+    let mut outcomes: BTreeMap<&str, usize> = BTreeMap::new();
+    for round in 0..90 {
+        let key = format!("k{round}");
+        // First in claim order: the tasks earlier rounds left pending have priority 0.
+        let holder = store.enqueue(NewTask::new("t", json!(round)).key(key.clone()).priority(-1)).await.unwrap();
+        match round % 3 {
+            0 => assert_eq!(run_one(&store, &worker).await.task, holder),
+            1 => store.complete(holder, json!(null)).await.unwrap(),
+            _ => {}
+        }
+        let barrier = Arc::new(tokio::sync::Barrier::new(2));
+        let remove = tokio::spawn({
+            let (store, key, barrier) = (store.clone(), key.clone(), Arc::clone(&barrier));
+            async move {
+                barrier.wait().await;
+                store.remove_key(&key).await
+            }
+        });
+        let enqueue = tokio::spawn({
+            let (store, key, barrier) = (store.clone(), key.clone(), Arc::clone(&barrier));
+            async move {
+                let mut tx = store.pool().begin().await.unwrap();
+                barrier.wait().await;
+                let id =
+                    enqueue_in(&mut *tx, store.schema(), store.app(), NewTask::new("t", json!("new")).key(key)).await?;
+                // Holding the key's rows a little longer, as an application's transaction would.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                tx.commit().await?;
+                Ok::<_, PgEnqueueError>(id)
+            }
+        });
+        let removed = remove.await.unwrap();
+        let enqueued = enqueue.await.unwrap();
+        let deadlock = |text: String| text.contains("40P01") || text.contains("deadlock");
+        if let Err(PgAdminError::Database(error)) = &removed {
+            assert!(!deadlock(format!("{error:?}")), "round {round}: remove-key deadlocked: {error}");
+        }
+        if let Err(error) = &enqueued {
+            assert!(!deadlock(format!("{error:?}")), "round {round}: enqueue deadlocked: {error}");
+        }
+        let enqueued = enqueued.unwrap();
+        let outcome = match removed {
+            Ok(KeyRemoval::Cancelled(id)) if id == enqueued || id == holder => "cancelled",
+            Ok(KeyRemoval::Detached(id)) if id == holder => "detached",
+            Ok(KeyRemoval::Freed(id)) if id == holder => "freed",
+            Err(PgAdminError::Refused(AdminError::KeyNotFound(_))) => "not found",
+            other => panic!("round {round}: {other:?} (holder {holder}, enqueued {enqueued})"),
+        };
+        *outcomes.entry(outcome).or_default() += 1;
+        // Whatever the order, the key names one task at most, and that task shows it.
+        let holders: Vec<TaskId> = store
+            .list(&Default::default())
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.key == Some(key.clone()))
+            .map(|r| r.id)
+            .collect();
+        assert!(holders.len() <= 1, "round {round}: {holders:?}");
+    }
+    assert!(outcomes.len() >= 2, "the two went first in turn: {outcomes:?}");
 }

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use canter::budget::{ClaimPolicy, QueuePolicy};
-use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy};
+use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy};
 use canter::db::{
     Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt, WorkerInfo,
 };
@@ -653,6 +653,81 @@ async fn operator_actions() {
         Op::Purge(0),
     ];
     pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn keys_of_held_tasks_and_idempotency_windows() {
+    // Keys move from a held task without writing its row; remove-key, finishing and purge then
+    // say the same in both stores.
+    let app = AppConfig::default();
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "held keys").await;
+    pair.every_history = true;
+    let script = vec![
+        Op::Enqueue(vec![NewTask::new("t", json!(1)).key("k"), NewTask::new("t", json!(2)).key("gone")]),
+        claim("a", 1, &p, 2, 60_000),
+        // Both holders run: each key goes to a new task, the runners keep running.
+        Op::Enqueue(vec![NewTask::new("t", json!(3)).key("k")]),
+        Op::Enqueue(vec![NewTask::new("t", json!(4)).key_with_mode("gone", KeyMode::PreserveRunAt)]),
+        Op::RemoveKey("gone".into()),
+        finish("a", lease(1, 1), FinishOutcome::Completed(json!("one"))),
+        finish("a", lease(2, 1), FinishOutcome::Failed(error(ErrorCode::TaskError))),
+        Op::Requeue(TaskId(2)),
+        Op::Enqueue(vec![NewTask::new("t", json!(5)).key("k")]),
+        Op::RemoveKey("k".into()),
+        Op::Purge(0),
+        Op::Enqueue(vec![NewTask::new("t", json!(6)).key("k"), NewTask::new("t", json!(7)).key("gone")]),
+    ];
+    pair.run(&script).await;
+
+    // Idempotency keys keep their finished tasks from purge: forever by default...
+    let mut pair = Pair::new(AppConfig::default(), "idempotency forever").await;
+    let pay = || NewTask::new("pay", json!({"cents": 100})).idempotency_key("p1");
+    let script = vec![
+        Op::Enqueue(vec![pay(), NewTask::new("t", json!(1)).key("plain")]),
+        Op::Complete(TaskId(1), json!("paid")),
+        Op::Complete(TaskId(2), json!(null)),
+        Op::Advance(3_153_600_000_000),
+        Op::Purge(0),
+        Op::Db(DbRequest::Purge { older_than_ms: 0, batch: 1 }),
+        Op::Enqueue(vec![pay()]),
+    ];
+    pair.run(&script).await;
+    assert_eq!(ids(&pair), [1], "the payment stayed and did not run again");
+
+    // ...or for a window after the key was taken (or first relied on by an idempotent enqueue).
+    let recovery = RecoveryConfig { idempotency_retention_ms: Some(60_000), ..RecoveryConfig::default() };
+    let app = AppConfig { recovery, ..AppConfig::default() };
+    let p = policy(&app, 2);
+    let mut pair = Pair::new(app, "idempotency window").await;
+    let script = vec![
+        Op::Enqueue(vec![pay(), NewTask::new("t", json!(1)).key("plain"), NewTask::new("t", json!(2)).key("relied")]),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), FinishOutcome::Completed(json!("paid"))),
+        Op::Advance(30_000),
+        Op::Enqueue(vec![NewTask::new("t", json!(2)).idempotency_key("relied")]),
+        Op::Complete(TaskId(2), json!(null)),
+        Op::Complete(TaskId(3), json!(null)),
+        Op::Advance(29_999),
+        Op::Purge(0),
+    ];
+    pair.run(&script).await;
+    assert_eq!(ids(&pair), [1, 3], "the plain key's task went at once");
+    let script = vec![Op::Advance(1), Op::Db(DbRequest::Purge { older_than_ms: 0, batch: 2 })];
+    pair.run(&script).await;
+    assert_eq!(ids(&pair), [3], "the payment went a minute after it was enqueued");
+    let script = vec![Op::Enqueue(vec![pay()]), Op::Advance(29_999), Op::Purge(0)];
+    pair.run(&script).await;
+    assert_eq!(ids(&pair), [3, 4]);
+    let script =
+        vec![Op::Advance(1), Op::Purge(0), Op::Enqueue(vec![NewTask::new("t", json!(2)).idempotency_key("relied")])];
+    pair.run(&script).await;
+    assert_eq!(ids(&pair), [4, 5], "a minute after an idempotent enqueue relied on it, the other");
+}
+
+/// The ids of the tasks the pair holds (both stores agree, or the step failed).
+fn ids(pair: &Pair) -> Vec<i64> {
+    pair.memory.list(&TaskFilter::default()).iter().map(|r| r.id.0).collect()
 }
 
 // ---------------------------------------------------------------------------------------------

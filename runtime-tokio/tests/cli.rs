@@ -90,6 +90,25 @@ fn enqueue_refuses_unknown_tasks_and_malformed_json() {
 }
 
 #[test]
+fn huge_durations_are_refused_not_panicked_on() {
+    // Regression: `Duration::from_secs_f64` panicked on them (exit status 101).
+    let url = ["--database-url", "postgres://postgres@127.0.0.1:1/x"];
+    let huge = "999999999999999999999d";
+    let commands: [&[&str]; 4] = [
+        &["enqueue", "echo", "--delay", huge],
+        &["purge", "--older-than", huge],
+        &["result", "1", "--wait", huge],
+        &["reschedule", "1", "--run-at", huge],
+    ];
+    for command in commands {
+        let output = canter(&[command, &url].concat());
+        assert_eq!(output.status.code(), Some(2), "{command:?}: {}", text(&output));
+        let expected = format!("invalid duration \"{huge}\": expected at most 100000000000s");
+        assert!(text(&output).contains(&expected), "{command:?}: {}", text(&output));
+    }
+}
+
+#[test]
 fn an_unreachable_server_is_retried_with_backoff_and_reported() {
     let output = canter(&["status", "--database-url", "postgres://postgres@127.0.0.1:1/x"]);
     assert_eq!(output.status.code(), Some(1));
@@ -369,6 +388,19 @@ async fn job_keys_and_flags_from_the_command_line() {
     assert_eq!(shown["task"]["flags"], serde_json::json!(["gpu"]));
     let bad_flag = run(&["enqueue", "echo", "--flags", "GPU"]);
     assert_eq!(bad_flag.status.code(), Some(1), "{}", text(&bad_flag));
+
+    // An idempotency key keeps its finished task from purge, unless told how long to.
+    let paid = id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"]));
+    assert_eq!(run(&["complete", &paid]).status.code(), Some(0));
+    let purged = |extra: &[&str]| {
+        let output = run(&[&["purge", "--older-than", "0s", "--json"][..], extra].concat());
+        let purged: serde_json::Value = serde_json::from_slice(&output.stdout).expect("purge --json is JSON");
+        purged["purged"].as_u64()
+    };
+    assert_eq!(purged(&[]), Some(0));
+    assert_eq!(id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"])), paid);
+    assert_eq!(purged(&["--idempotency-retention", "0s"]), Some(1));
+    assert_ne!(id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"])), paid);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -460,4 +492,83 @@ timezone = "Europe/Paris"
     assert!(scheduler.wait().unwrap().success(), "the scheduler exits 0 on SIGTERM");
     assert!(fired, "the scheduler enqueued the next ticks");
     let _ = std::fs::remove_file(&config);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_count_commits_all_or_nothing() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    let pool = db.pool(1).await;
+    let count = || async {
+        let sql = format!("SELECT count(*) FROM {}.tasks", db.schema.quoted());
+        sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql)).fetch_one(&pool).await.unwrap()
+    };
+    // The 1,500th row fails: the second statement of 1,000.
+    let trigger = format!(
+        "CREATE FUNCTION {s}.boom() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+           IF NEW.id >= 1500 THEN RAISE EXCEPTION 'no room for task %', NEW.id; END IF; RETURN NEW; END $$; \
+         CREATE TRIGGER boom BEFORE INSERT ON {s}.tasks FOR EACH ROW EXECUTE FUNCTION {s}.boom()",
+        s = db.schema.quoted()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(trigger)).execute(&pool).await.unwrap();
+    let failed = run(&["enqueue", "echo", "--count", "2500"]);
+    assert_eq!(failed.status.code(), Some(1), "{}", text(&failed));
+    assert_eq!(count().await, 0, "the first 1,000 were rolled back with the rest");
+    assert!(text(&failed).contains("no room for task 1500") && text(&failed).contains("nothing was enqueued"));
+    assert!(failed.stdout.is_empty(), "no ids printed: {}", text(&failed));
+
+    let drop = format!("DROP TRIGGER boom ON {}.tasks", db.schema.quoted());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(&pool).await.unwrap();
+    let enqueued = run(&["enqueue", "echo", "--count", "2500", "--delay", "1h"]);
+    assert_eq!(enqueued.status.code(), Some(0), "{}", text(&enqueued));
+    let ids: Vec<i64> = String::from_utf8_lossy(&enqueued.stdout).lines().map(|l| l.parse().unwrap()).collect();
+    assert_eq!((ids.len(), count().await), (2500, 2500));
+    assert!(ids.windows(2).all(|w| w[0] < w[1]));
+
+    // A run-at too far to store is refused before anything is written.
+    let far = run(&["enqueue", "echo", "--run-at", "999999999999999999999d"]);
+    assert_eq!(far.status.code(), Some(2), "{}", text(&far));
+    assert!(text(&far).contains("expected at most"), "{}", text(&far));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_characters_in_names_never_reach_the_terminal() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    let pool = db.pool(1).await;
+    let evil = "evil\u{1b}[2J\nFAKE row\u{7}\u{202e}";
+    let id = first_line(&run(&["enqueue", evil, "--force", "--key", evil, "--args", "1", "--delay", "1h"]));
+    assert!(id.parse::<i64>().is_ok(), "{id}");
+    // Rows no enqueue would write: a queue and a worker id with control characters.
+    let s = db.schema.quoted();
+    let rows = format!(
+        "INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at) \
+         VALUES ('t', $1, 0, '1', 'PENDING', now() + interval '1 hour', now()); \
+         INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen) VALUES ($1, ARRAY[$1], 1, now(), now())"
+    );
+    for statement in rows.split("; ") {
+        sqlx::query(sqlx::AssertSqlSafe(statement.to_owned())).bind(evil).execute(&pool).await.unwrap();
+    }
+    let failed = first_line(&run(&["enqueue", "echo", "--args", "2", "--delay", "1h"]));
+    assert_eq!(run(&["fail", &failed, "--message", evil]).status.code(), Some(0));
+
+    let outputs = [
+        run(&["list"]),
+        run(&["status"]),
+        run(&["show", &id]),
+        run(&["result", &failed]),
+        run(&["remove-key", evil]),
+        run(&["cancel", "999999"]),
+    ];
+    for output in &outputs {
+        let all = text(output);
+        assert!(!all.contains(['\u{1b}', '\u{7}', '\u{202e}']), "raw control characters: {all:?}");
+        assert!(!all.lines().any(|line| line.starts_with("FAKE")), "a faked line: {all:?}");
+    }
+    let listed = text(&outputs[0]);
+    assert!(listed.contains("evil\\u001b[2J\\nFAKE row\\u0007\\u202e"), "escaped, not dropped: {listed}");
+    assert!(text(&outputs[3]).contains("FAILED_BY_OPERATOR"), "{}", text(&outputs[3]));
+    // JSON output was escaped by serde already: the name reads back exactly.
+    let shown: serde_json::Value = serde_json::from_slice(&run(&["show", &id, "--json"]).stdout).unwrap();
+    assert_eq!(shown["task"]["name"], evil);
 }

@@ -32,3 +32,4 @@ scenario!(batch_tasks_retry_only_failed_items);
 scenario!(forbidden_flags_leave_tasks_to_other_workers);
 scenario!(schedules_fire_inside_a_worker);
 scenario!(racing_scheduler_loops);
+scenario!(waits_leave_nothing_behind);

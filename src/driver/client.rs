@@ -5,9 +5,9 @@
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use futures::future::{AbortHandle, Abortable, FutureExt};
+use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
@@ -273,14 +273,21 @@ impl<R: Runtime> Client<R> {
     /// Waits until task `id` is terminal, or `timeout` passes.
     pub async fn wait(&self, id: TaskId, timeout: Duration) -> Result<TaskRecord, ResultError> {
         self.ensure_listening();
-        let runtime = &self.inner.runtime;
-        let deadline = runtime.sleep_until(runtime.now() + timeout);
+        let runtime = &*self.inner.runtime;
+        let deadline = sleep_after(runtime, runtime.now(), timeout);
         match self.inner.store.wait_result_with(&self.inner.router, id, deadline).await {
             Ok(record) => Ok(record),
             Err(WaitError::Timeout(_)) => Err(ResultError::Timeout(timeout)),
             Err(WaitError::NotFound(id)) => Err(ResultError::NotFound(id)),
             Err(WaitError::Database(error)) => Err(ResultError::Database(error)),
         }
+    }
+
+    /// How many tasks have waiters on this client's listening connection (for tests: waits
+    /// that ended must leave none).
+    #[doc(hidden)]
+    pub fn waited_tasks(&self) -> usize {
+        self.inner.router.waiting()
     }
 
     /// Starts the one listening connection of this client, kept up with backoff.
@@ -301,11 +308,20 @@ impl<R: Runtime> Client<R> {
                 // Waiters re-read on every wake: wake them so none sleeps through the outage.
                 router.wake_all();
                 let delay = backoff.on_failure(&resilience, &mut rng);
-                runtime.sleep_until(runtime.now() + delay).await;
+                sleep_after(&*runtime, runtime.now(), delay).await;
             }
         };
         self.inner.runtime.spawn(Box::pin(Abortable::new(keep_listening, registration).map(|_| ())));
         *listening = Some(handle);
+    }
+}
+
+/// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge
+/// timeout) never resolves, where `Instant + Duration` would panic.
+pub(crate) fn sleep_after<R: Runtime + ?Sized>(runtime: &R, from: Instant, wait: Duration) -> BoxFuture<'static, ()> {
+    match from.checked_add(wait) {
+        Some(at) => runtime.sleep_until(at),
+        None => Box::pin(futures::future::pending()),
     }
 }
 

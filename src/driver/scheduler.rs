@@ -11,10 +11,11 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use futures::future::FutureExt;
+use futures::future::{BoxFuture, FutureExt};
 use sqlx::PgPool;
 
 use super::Runtime;
+use super::client::sleep_after;
 use super::zones::load_scheduler;
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ResilienceConfig};
@@ -97,7 +98,7 @@ pub async fn run_scheduler<R: Runtime>(
         let started = runtime.now();
         let result = {
             let check = store.check_schedules(&scheduler).fuse();
-            let timeout = runtime.sleep_until(started + options.request_timeout).fuse();
+            let timeout = sleep_after(&*runtime, started, options.request_timeout).fuse();
             futures::pin_mut!(check, timeout);
             // A check in flight finishes (or times out) before a shutdown is looked at, so its
             // transaction is never cut between commit and report.
@@ -130,8 +131,13 @@ pub async fn run_scheduler<R: Runtime>(
             }
         };
         // From the check's start (the clock was read then), and never less than the floor.
-        let wake = (started + delay).max(runtime.now() + Duration::from_millis(MIN_CHECK_DELAY_MS));
-        let sleep = runtime.sleep_until(wake).fuse();
+        let floor = runtime.now() + Duration::from_millis(MIN_CHECK_DELAY_MS);
+        let sleep: BoxFuture<'static, ()> = match started.checked_add(delay) {
+            Some(wake) => runtime.sleep_until(wake.max(floor)),
+            // Past the clock's range (a huge `max_check_delay`): only a shutdown ends it.
+            None => Box::pin(futures::future::pending()),
+        };
+        let sleep = sleep.fuse();
         futures::pin_mut!(sleep);
         futures::select_biased! {
             () = shutdown => break,
@@ -271,7 +277,7 @@ impl<R: Runtime> PgScheduler<R> {
             if options.give_up && backoff.exhausted(&resilience) {
                 return Err(SchedulerRunError::GaveUp { failures: backoff.failures(), error });
             }
-            let sleep = runtime.sleep_until(runtime.now() + delay).fuse();
+            let sleep = sleep_after(&*runtime, runtime.now(), delay).fuse();
             futures::pin_mut!(sleep);
             futures::select_biased! {
                 () = shutdown => return Ok(SchedulerStats::default()),

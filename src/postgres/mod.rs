@@ -16,11 +16,14 @@
 //!   autovacuum;
 //! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
 //!   that finishes them, so claims cost the same however much history piles up;
-//! - `attempts`: one row per finished run; `task_keys`: idempotency keys of live and finished
-//!   tasks; `workers`: the worker registry with liveness; `queue_states`: paused queues, which
-//!   the claim leaves out; `schedules`: each schedule's last tick (see [`PgStore::check_schedules`]);
-//! - functions `enqueue`, `claim` and `start_tasks` (each one round trip), and `db_now()`, the
-//!   one clock every statement reads (`now()`, unless a test pins `canter.now`).
+//! - `attempts`: one row per finished run; `task_keys`: the task each key names (a row's own
+//!   `key` column counts only while `task_keys` names that row) and whether it is an
+//!   idempotency key; `workers`: the worker registry with liveness; `queue_states`: paused
+//!   queues, which the claim leaves out; `schedules`: each schedule's last tick (see
+//!   [`PgStore::check_schedules`]);
+//! - functions `enqueue`, `claim`, `start_tasks` and `remove_key` (each one round trip), and
+//!   `db_now()`, the one clock every statement reads (`now()`, unless a test pins
+//!   `canter.now`).
 //!
 //! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue,
 //! reschedule, force-unlock, resume) and once per batch of finished tasks (see [`PgSchema`] for

@@ -19,7 +19,7 @@
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 
 use futures::channel::oneshot;
 use futures::future::{Either, select};
@@ -252,14 +252,17 @@ impl PgStore {
     }
 
     /// Frees idempotency key `key` in one statement: the task holding it is Cancelled if
-    /// Pending (waiters are notified), runs on without it if Claimed or Running, and simply
-    /// loses it if finished. Refused with `KeyNotFound` when no task holds it.
+    /// Pending (waiters are notified), runs on without it if Claimed or Running (its row is not
+    /// written), and simply loses it if finished. Refused with `KeyNotFound` when no task
+    /// holds it. It waits its turn with the key's enqueuers (the key's advisory lock, then
+    /// rows, in their order), so the two never deadlock.
     pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let row: Option<(i64, String)> = sqlx::query_as(self.schema().sql().remove_key.clone())
             .bind(key)
             .bind(error)
             .bind(self.schema().done_channel())
+            .bind(self.schema().key_lock_prefix())
             .fetch_optional(self.pool())
             .await?;
         let Some((id, action)) = row else {
@@ -276,7 +279,8 @@ impl PgStore {
     /// Deletes finished tasks that finished more than `retention_ms` ago, with their attempts
     /// history and the keys they hold, `batch` tasks per statement (each its own transaction,
     /// locking only that batch, skipping rows another session holds) until a batch comes back
-    /// short. Returns how many. A `batch` of 0 is taken as 1.
+    /// short. Returns how many. A `batch` of 0 is taken as 1. Tasks that hold an idempotency
+    /// key stay for the store's `recovery.idempotency_retention_ms` (forever by default).
     pub async fn purge_finished(&self, retention_ms: u64, batch: u32) -> Result<u64, sqlx::Error> {
         let mut conn = self.pool().acquire().await?;
         self.purge_on(&mut conn, retention_ms, batch).await
@@ -403,16 +407,29 @@ fn names(payload: &str, id: TaskId) -> bool {
 /// Cheap to clone (one shared table of waiters). Drive [`run`](DoneRouter::run) on a task of
 /// your runtime; waiters [`subscribe`](DoneRouter::subscribe) to an id and are woken when a
 /// notification names it, and all of them are woken whenever the listening connection was
-/// re-established (notifications may have been lost meanwhile).
+/// re-established (notifications may have been lost meanwhile). A [`DoneSignal`] leaves the
+/// table when it is dropped, woken or not, so waits that end by a result, a timeout or a
+/// dropped future leave nothing behind.
 #[derive(Debug, Clone, Default)]
 pub struct DoneRouter {
-    waiters: Arc<Mutex<BTreeMap<TaskId, Vec<oneshot::Sender<()>>>>>,
+    waiters: Arc<Mutex<Waiters>>,
+}
+
+/// The waiters of each task, by subscription number.
+#[derive(Debug, Default)]
+struct Waiters {
+    next: u64,
+    by_task: BTreeMap<TaskId, BTreeMap<u64, oneshot::Sender<()>>>,
 }
 
 /// Resolves when a notification names the subscribed task, or when every waiter is woken.
+/// Dropping it unsubscribes.
 #[derive(Debug)]
 pub struct DoneSignal {
     receiver: oneshot::Receiver<()>,
+    router: Weak<Mutex<Waiters>>,
+    task: TaskId,
+    number: u64,
 }
 
 impl Future for DoneSignal {
@@ -421,6 +438,19 @@ impl Future for DoneSignal {
     fn poll(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
         // A dropped sender (the router gone) wakes the waiter too: it re-reads.
         std::pin::Pin::new(&mut self.receiver).poll(cx).map(|_| ())
+    }
+}
+
+impl Drop for DoneSignal {
+    fn drop(&mut self) {
+        let Some(waiters) = self.router.upgrade() else { return };
+        let mut waiters = waiters.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(list) = waiters.by_task.get_mut(&self.task) {
+            list.remove(&self.number);
+            if list.is_empty() {
+                waiters.by_task.remove(&self.task);
+            }
+        }
     }
 }
 
@@ -434,10 +464,10 @@ impl DoneRouter {
     pub fn subscribe(&self, id: TaskId) -> DoneSignal {
         let (sender, receiver) = oneshot::channel();
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
-        let list = waiters.entry(id).or_default();
-        list.retain(|s| !s.is_canceled());
-        list.push(sender);
-        DoneSignal { receiver }
+        let number = waiters.next;
+        waiters.next = waiters.next.wrapping_add(1);
+        waiters.by_task.entry(id).or_default().insert(number, sender);
+        DoneSignal { receiver, router: Arc::downgrade(&self.waiters), task: id, number }
     }
 
     /// Wakes the waiters of every id a done-channel payload names.
@@ -445,7 +475,7 @@ impl DoneRouter {
         let mut waiters = self.waiters.lock().unwrap_or_else(PoisonError::into_inner);
         for part in payload.split(',') {
             if let Ok(id) = part.trim().parse::<i64>() {
-                for sender in waiters.remove(&TaskId(id)).unwrap_or_default() {
+                for sender in waiters.by_task.remove(&TaskId(id)).unwrap_or_default().into_values() {
                     let _ = sender.send(());
                 }
             }
@@ -454,15 +484,15 @@ impl DoneRouter {
 
     /// Wakes every waiter (after a reconnect, when notifications may have been lost).
     pub fn wake_all(&self) {
-        let waiters = std::mem::take(&mut *self.waiters.lock().unwrap_or_else(PoisonError::into_inner));
-        for sender in waiters.into_values().flatten() {
+        let by_task = std::mem::take(&mut self.waiters.lock().unwrap_or_else(PoisonError::into_inner).by_task);
+        for sender in by_task.into_values().flat_map(BTreeMap::into_values) {
             let _ = sender.send(());
         }
     }
 
     /// How many tasks have waiters.
     pub fn waiting(&self) -> usize {
-        self.waiters.lock().unwrap_or_else(PoisonError::into_inner).len()
+        self.waiters.lock().unwrap_or_else(PoisonError::into_inner).by_task.len()
     }
 
     /// Listens on `store`'s done channel and routes notifications until the listener fails
@@ -529,5 +559,26 @@ mod tests {
         router.wake_all();
         assert_eq!(two.receiver.try_recv(), Ok(Some(())));
         assert_eq!(router.waiting(), 0);
+    }
+
+    #[test]
+    fn dropped_signals_leave_the_router() {
+        let router = DoneRouter::new();
+        // Never woken (a wait that timed out or was dropped).
+        for _ in 0..1_000 {
+            drop(router.subscribe(TaskId(7)));
+        }
+        let kept = router.subscribe(TaskId(7));
+        let other = router.subscribe(TaskId(8));
+        assert_eq!(router.waiting(), 2);
+        drop(kept);
+        assert_eq!(router.waiting(), 1, "a task whose last waiter left has no entry");
+        // Woken, then dropped after the router let go of it.
+        router.deliver("8");
+        drop(other);
+        assert_eq!(router.waiting(), 0);
+        // A signal outliving its router is just dropped.
+        let orphan = DoneRouter::new().subscribe(TaskId(1));
+        drop(orphan);
     }
 }

@@ -476,16 +476,21 @@ WITH inserted AS (
 )
 SELECT ins.id FROM inserted ins CROSS JOIN LATERAL (SELECT pg_notify($9 || ins.queue, '')) n";
 
-/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first.
+/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first. A row shows its
+/// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
+/// to a new task keeps it in its own column (that enqueue does not write, or lock, its row).
 const RECORD: &str = "\
 SELECT t.id, t.name, t.queue, t.state, t.priority, t.args, t.attempts, t.retries, {s}.ms(t.enqueued_at) AS enqueued_at,
        {s}.ms(t.run_at) AS run_at, {s}.ms(t.good_until) AS good_until, NULL::bigint AS finished_at, t.claimed_by,
-       NULL::jsonb AS result, t.error, t.key, t.flags
+       NULL::jsonb AS result, t.error,
+       CASE WHEN EXISTS (SELECT FROM {s}.task_keys k WHERE k.key = t.key AND k.task_id = t.id) THEN t.key END AS key,
+       t.flags
 FROM {s}.tasks t
 WHERE {live}
 UNION ALL
 SELECT f.id, f.name, f.queue, f.state, f.priority, f.args, f.attempts, f.retries, {s}.ms(f.enqueued_at),
-       {s}.ms(f.run_at), {s}.ms(f.good_until), {s}.ms(f.finished_at), f.claimed_by, f.result, f.error, f.key,
+       {s}.ms(f.run_at), {s}.ms(f.good_until), {s}.ms(f.finished_at), f.claimed_by, f.result, f.error,
+       CASE WHEN EXISTS (SELECT FROM {s}.task_keys k WHERE k.key = f.key AND k.task_id = f.id) THEN f.key END,
        f.flags
 FROM {s}.finished_tasks f
 WHERE {finished}";
@@ -609,46 +614,28 @@ notified AS (
 )
 SELECT count(*) FROM released r CROSS JOIN notified";
 
-/// Frees key `$1`: its task is cancelled (error `$2`) if Pending, else keeps running or stays
-/// finished; either way it no longer shows the key. Returns the task and what was done; no
-/// row for an unknown key.
-const REMOVE_KEY: &str = "\
-WITH k AS (
-    DELETE FROM {s}.task_keys k WHERE k.key = $1 RETURNING k.task_id
-),
-live AS (
-    SELECT t.id, t.state FROM {s}.tasks t WHERE t.id = (SELECT k.task_id FROM k) FOR UPDATE
-),
-cancelled AS (
-    DELETE FROM {s}.tasks t USING live l WHERE t.id = l.id AND l.state = 'PENDING' RETURNING t.*
-),
-moved AS (
-    INSERT INTO {s}.finished_tasks ({finished_columns})
-    SELECT m.id, m.name, m.queue, m.priority, m.args, 'CANCELLED', {kept_keyless}, $2, NULL, {s}.db_now()
-    FROM cancelled m
-),
-detached AS (
-    UPDATE {s}.tasks t SET key = NULL FROM live l WHERE t.id = l.id AND l.state <> 'PENDING' RETURNING t.id
-),
-freed AS (
-    UPDATE {s}.finished_tasks f SET key = NULL FROM k WHERE f.id = k.task_id
-),
-notified AS (
-    SELECT count(pg_notify($3, c.id::text)) AS n FROM cancelled c
-)
-SELECT k.task_id,
-       CASE WHEN EXISTS (SELECT FROM cancelled) THEN 'cancelled'
-            WHEN EXISTS (SELECT FROM detached) THEN 'detached'
-            ELSE 'freed' END AS action
-FROM k CROSS JOIN notified";
+/// Frees key `$1`: its task is cancelled (error `$2`, waiters notified on `$3`) if Pending,
+/// else keeps running or stays finished; either way it no longer shows the key. Returns the
+/// task and what was done; no row for an unknown key. The `remove_key()` function (0003) takes
+/// the key's advisory lock before any row, as enqueuers of the key do.
+const REMOVE_KEY: &str = "SELECT task_id, action FROM {s}.remove_key($1, $2, $3, $4)";
 
 /// Deletes at most `$2` finished tasks that finished more than `$1` ms ago (by the BRIN index
 /// on finished_at), with their attempts and the key rows that still name them. Returns how
 /// many; the caller repeats until a batch comes back short.
+///
+/// A task an idempotency key names stays while the key is younger than `$3` ms (NULL:
+/// forever): an idempotent enqueue of the key compares name and arguments with its row. Every
+/// statement reads such kept rows again (the BRIN index has no order to resume from).
 const PURGE_FINISHED: &str = "\
 WITH doomed AS (
     SELECT f.id FROM {s}.finished_tasks f
     WHERE f.finished_at < {s}.db_now() - $1 * interval '1 millisecond'
+      AND NOT EXISTS (
+          SELECT FROM {s}.task_keys k
+          WHERE k.key = f.key AND k.task_id = f.id AND k.idempotent_since IS NOT NULL
+            AND ($3::bigint IS NULL
+                 OR greatest(k.idempotent_since, f.enqueued_at) > {s}.db_now() - $3 * interval '1 millisecond'))
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 ),
@@ -796,7 +783,6 @@ impl Statements {
         let fill = |template: &str| -> SqlStr {
             let text = template
                 .replace("{finished_columns}", FINISHED_COLUMNS)
-                .replace("{kept_keyless}", &KEPT.replace("m.key", "NULL"))
                 .replace("{kept}", KEPT)
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{unstart}", UNSTART)

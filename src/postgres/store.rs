@@ -450,6 +450,7 @@ impl PgStore {
             let n: i64 = sqlx::query_scalar(self.schema.sql().purge_finished.clone())
                 .bind(duration(retention_ms))
                 .bind(batch)
+                .bind(self.app.recovery.idempotency_retention_ms.map(duration))
                 .fetch_one(&mut *conn)
                 .await?;
             total = total.saturating_add(u64::try_from(n).unwrap_or(0));

@@ -142,6 +142,7 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         runner_heartbeat_interval_ms: runner_hb,
         claimer_heartbeat_interval_ms: claimer_hb,
         finished_retention_ms: None,
+        idempotency_retention_ms: None,
     };
     // Soft-cap mode needs an explicit lease; hard-cap mode sometimes keeps the 60 s default.
     let claim_lease_ms =

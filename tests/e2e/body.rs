@@ -615,3 +615,70 @@ pub async fn racing_scheduler_loops<R: Runtime>(runtime: Arc<R>, pool: PgPool, s
     assert_eq!(tasks, ticks, "each tick once");
     assert_eq!((record.run_count, enqueued_by_loops), (ticks as u64, ticks as u64));
 }
+
+/// Waits that end by a result (read at once, or after a notification), by a timeout or by
+/// being dropped leave no entry behind in the client's router (100,000 waits used to grow
+/// memory by 20 MB); a wait, and a scheduler loop, with durations past the clock's range run
+/// instead of panicking.
+pub async fn waits_leave_nothing_behind<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    use futures::future::{Either, join_all, select};
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let tasks = (0..100).map(|i| canter::db::NewTask::new("t", serde_json::json!(i))).collect();
+    let ids = client.store().enqueue_many(tasks).await.unwrap();
+    // Finished before the wait: read at once.
+    for id in &ids[..25] {
+        client.complete(*id, serde_json::json!(1)).await.unwrap();
+        client.wait(*id, Duration::from_secs(10)).await.unwrap();
+    }
+    // Timed out.
+    let timeouts = join_all(ids[25..50].iter().map(|id| client.wait(*id, Duration::from_millis(50)))).await;
+    assert!(timeouts.iter().all(|r| matches!(r, Err(ResultError::Timeout(_)))), "{timeouts:?}");
+    // Dropped while waiting.
+    for id in &ids[50..75] {
+        let wait = std::pin::pin!(client.wait(*id, Duration::from_secs(60)));
+        let later = std::pin::pin!(sleep(&*runtime, Duration::from_millis(20)));
+        assert!(matches!(select(wait, later).await, Either::Right(_)), "the task is not finished");
+    }
+    // Finished while waited for: woken by the notification.
+    let waits: Vec<_> = ids[75..]
+        .iter()
+        .map(|id| {
+            let client = client.clone();
+            let id = *id;
+            runtime.spawn_with_output(async move { client.wait(id, Duration::from_secs(20)).await })
+        })
+        .collect();
+    sleep(&*runtime, Duration::from_millis(200)).await;
+    for id in &ids[75..] {
+        client.complete(*id, serde_json::json!(2)).await.unwrap();
+    }
+    for wait in waits {
+        assert_eq!(wait.await.unwrap().unwrap().state, TaskState::Completed);
+    }
+    assert_eq!(client.waited_tasks(), 0, "every ended wait left the router");
+
+    // No deadline at all: a finished task's result, and a pending one that keeps waiting.
+    assert_eq!(client.wait(ids[0], Duration::MAX).await.unwrap().state, TaskState::Completed);
+    {
+        let wait = std::pin::pin!(client.wait(ids[30], Duration::MAX));
+        let later = std::pin::pin!(sleep(&*runtime, Duration::from_millis(100)));
+        assert!(matches!(select(wait, later).await, Either::Right(_)));
+    }
+    let options = canter::driver::SchedulerOptions {
+        max_check_delay: Duration::MAX,
+        request_timeout: Duration::MAX,
+        give_up: true,
+    };
+    let store = PgStore::new(pool.clone(), schema.clone(), AppConfig::default());
+    let scheduler = Arc::new(canter::driver::load_scheduler(&AppConfig::default()).unwrap());
+    let (stop, stopped) = oneshot::channel::<()>();
+    let run = canter::driver::run_scheduler(runtime.clone(), store, scheduler, options, 1, async move {
+        let _ = stopped.await;
+    });
+    let done = runtime.spawn_with_output(run);
+    sleep(&*runtime, Duration::from_millis(300)).await;
+    let _ = stop.send(());
+    let stats = done.await.expect("the scheduler loop ran to its end").unwrap();
+    assert!(stats.checks >= 1, "{stats:?}");
+    assert_eq!(client.waited_tasks(), 0);
+}

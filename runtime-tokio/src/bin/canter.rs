@@ -11,9 +11,9 @@ use std::time::Duration;
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
 use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
-use canter_tokio::canter::postgres::CheckReport;
+use canter_tokio::canter::postgres::{CheckReport, PgStore, enqueue_many_in};
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
-use canter_tokio::cli::{self, Args, UsageError, parse_duration};
+use canter_tokio::cli::{self, Args, UsageError, parse_duration, printable};
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use canter_tokio::{errln, outln};
 use serde_json::Value;
@@ -67,8 +67,10 @@ impl From<UsageError> for Failure {
 
 type Outcome = Result<(), Failure>;
 
+/// A failure whose message may carry names and errors from the data: one line, with its
+/// control characters escaped.
 fn failed(message: impl std::fmt::Display) -> Failure {
-    Failure::Failed(message.to_string())
+    Failure::Failed(printable(&message.to_string()).to_string())
 }
 
 fn main() -> ExitCode {
@@ -176,8 +178,9 @@ fn command_help(command: &str) -> Option<&'static str> {
              \x20                     [--count N] [--force]\n\n\
              D is a duration (500ms, 10s, 2m); T is a duration from now or an RFC 3339 UTC time\n\
              (2026-11-22T10:00:00Z). M is replace (default: a waiting task with the key is updated),\n\
-             preserve_run_at, unsafe_dedupe or idempotent. --force enqueues a task name the built-in\n\
-             worker does not serve."
+             preserve_run_at, unsafe_dedupe or idempotent. --count N enqueues N copies in one\n\
+             transaction: all of them or none. --force enqueues a task name the built-in worker does\n\
+             not serve."
         }
         "status" => "usage: canter status [--json]\n\ncounts by queue and state, paused queues, live workers.",
         "list" => "usage: canter list [--status S] [--queue Q] [--limit N] [--json]",
@@ -214,9 +217,11 @@ fn command_help(command: &str) -> Option<&'static str> {
              one runs on without it, a finished one just loses it."
         }
         "purge" => {
-            "usage: canter purge --older-than D [--batch N] [--json]\n\n\
+            "usage: canter purge --older-than D [--idempotency-retention E] [--batch N] [--json]\n\n\
              deletes finished tasks (with their attempts and keys) that finished more than D ago\n\
-             (e.g. 30d, 12h), N per statement (default 1000) so no lock is held long; prints how many."
+             (e.g. 30d, 12h), N per statement (default 1000) so no lock is held long; prints how many.\n\
+             a task holding an idempotency key stays until the key is E old (default: forever), so an\n\
+             idempotent enqueue of it still gives its id instead of running it again."
         }
         "pause" => {
             "usage: canter pause QUEUE [--json]\n\n\
@@ -318,7 +323,11 @@ async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
                 if !unreachable || attempt == attempts {
                     return Err(failed(format!("{what} failed: {text}")));
                 }
-                errln!("database unreachable ({text}); retrying in {delay:?} ({attempt}/{})", attempts - 1);
+                errln!(
+                    "database unreachable ({}); retrying in {delay:?} ({attempt}/{})",
+                    printable(&text),
+                    attempts - 1
+                );
                 tokio::time::sleep(delay).await;
                 delay = (delay * 2).min(Duration::from_secs(8));
             }
@@ -344,7 +353,10 @@ async fn worker(raw: &[String]) -> Outcome {
     let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
         .map_err(|e| Failure::Usage(e.to_string()))?
         .schema(schema(&args)?);
-    cli::note_line(format_args!("worker {} starting; stop it with Ctrl-C or SIGTERM", worker.worker_id()));
+    cli::note_line(format_args!(
+        "worker {} starting; stop it with Ctrl-C or SIGTERM",
+        printable(&worker.worker_id().0)
+    ));
     let stats = worker.run().await.map_err(failed)?;
     cli::note_line(format_args!(
         "worker stopped: claimed {}, completed {}, failed {}, retried {}, lost {}",
@@ -355,11 +367,17 @@ async fn worker(raw: &[String]) -> Outcome {
 
 /// An absolute database time from a duration from now or an RFC 3339 UTC timestamp.
 fn db_time(text: &str, now: DbTime) -> Result<DbTime, UsageError> {
-    if let Ok(duration) = parse_duration(text) {
-        return Ok(now.plus_ms(duration.as_millis() as u64));
+    if cli::is_duration(text) {
+        // A duration too long to store is refused as such.
+        return Ok(now.plus_ms(millis(parse_duration(text)?)));
     }
     parse_rfc3339(text)
         .ok_or_else(|| UsageError(format!("invalid time {text:?}: expected a duration (10m) or 2026-11-22T10:00:00Z")))
+}
+
+/// A duration in whole milliseconds (saturating; `parse_duration` keeps them far below).
+fn millis(duration: Duration) -> u64 {
+    u64::try_from(duration.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Milliseconds since the epoch of `YYYY-MM-DDTHH:MM:SS[.fff]Z`.
@@ -448,7 +466,7 @@ async fn enqueue(raw: &[String]) -> Outcome {
         template = template.priority(priority);
     }
     if let Some(delay) = args.value("delay") {
-        template = template.run_at(RunAt::DelayMs(parse_duration(delay)?.as_millis() as u64));
+        template = template.run_at(RunAt::DelayMs(millis(parse_duration(delay)?)));
     }
     if let Some(at) = args.value("run-at") {
         template = template.run_at(RunAt::At(db_time(at, now)?));
@@ -483,15 +501,32 @@ async fn enqueue(raw: &[String]) -> Outcome {
     // Retried: the read-only probe. Not retried: the write, whose commit a lost connection
     // could hide (a retry would enqueue twice).
     with_retry("reach the database", || client.store().now()).await?;
-    let mut ids = Vec::with_capacity(count);
-    for chunk in (0..count).collect::<Vec<_>>().chunks(1_000) {
-        let batch = vec![template.clone(); chunk.len()];
-        ids.extend(client.store().enqueue_many(batch).await.map_err(|e| failed(format!("enqueue failed: {e}")))?);
-    }
+    let ids = enqueue_all(client.store(), &template, count).await?;
     for id in ids {
         outln!("{id}");
     }
     Ok(())
+}
+
+/// Enqueues `count` copies of `template` all or nothing: one transaction of statements of
+/// 1,000 tasks (the memory of a million tasks at once is not needed). A failure says what was
+/// committed: nothing, or, when the commit itself got no answer, all or nothing.
+async fn enqueue_all(store: &PgStore, template: &NewTask, count: usize) -> Result<Vec<TaskId>, Failure> {
+    const CHUNK: usize = 1_000;
+    let nothing = |e: &dyn std::fmt::Display| failed(format!("enqueue failed: {e}; nothing was enqueued"));
+    let mut tx = store.pool().begin().await.map_err(|e| nothing(&e))?;
+    let mut ids = Vec::with_capacity(count);
+    while ids.len() < count {
+        let batch = vec![template.clone(); (count - ids.len()).min(CHUNK)];
+        // On an error the transaction is dropped, which rolls back what it wrote.
+        ids.extend(enqueue_many_in(&mut *tx, store.schema(), store.app(), batch).await.map_err(|e| nothing(&e))?);
+    }
+    tx.commit().await.map_err(|e| {
+        failed(format!(
+            "enqueue failed at commit: {e}; either all {count} tasks were enqueued or none (see canter list)"
+        ))
+    })?;
+    Ok(ids)
 }
 
 async fn status(raw: &[String]) -> Outcome {
@@ -531,7 +566,7 @@ async fn status(raw: &[String]) -> Outcome {
         let n = |s| states.get(&s).copied().unwrap_or(0);
         outln!(
             "{:<20} {:>9} {:>9} {:>9} {:>10} {:>9} {:>10} {:>9}",
-            queue,
+            printable(queue),
             n(TaskState::Pending),
             n(TaskState::Claimed),
             n(TaskState::Running),
@@ -545,13 +580,18 @@ async fn status(raw: &[String]) -> Outcome {
         outln!("(no tasks)");
     }
     if !paused.is_empty() {
-        let names: Vec<&str> = paused.iter().map(|p| p.queue.as_str()).collect();
+        let names: Vec<String> = paused.iter().map(|p| printable(&p.queue).to_string()).collect();
         outln!("\npaused queues: {}", names.join(", "));
     }
     let live: Vec<_> = workers.iter().filter(|w| !w.stopped).collect();
     outln!("\n{} live workers", live.len());
     for w in live {
-        outln!("  {}  queues {}  concurrency {}", w.info.worker, w.info.queues.join(","), w.info.concurrency);
+        outln!(
+            "  {}  queues {}  concurrency {}",
+            printable(&w.info.worker.0),
+            printable(&w.info.queues.join(",")),
+            w.info.concurrency
+        );
     }
     Ok(())
 }
@@ -561,8 +601,8 @@ fn print_record(record: &TaskRecord) {
         "{:<8} {:<10} {:<12} {:<12} attempts {} retries {}",
         record.id,
         record.state,
-        record.queue,
-        record.name,
+        printable(&record.queue),
+        printable(&record.name),
         record.attempts,
         record.retries
     );
@@ -612,7 +652,8 @@ async fn show(raw: &[String]) -> Outcome {
     }
     outln!("{}", serde_json::to_string_pretty(&record).map_err(failed)?);
     for attempt in attempts {
-        outln!("attempt {} by {:?}: {}", attempt.attempt, attempt.worker.map(|w| w.0), attempt.outcome);
+        let worker = attempt.worker.map_or_else(|| "-".to_owned(), |w| printable(&w.0).to_string());
+        outln!("attempt {} by {worker}: {}", attempt.attempt, attempt.outcome);
     }
     Ok(())
 }
@@ -661,9 +702,9 @@ async fn reschedule(raw: &[String]) -> Outcome {
         (true, Some(_)) => return Err(Failure::Usage("give --now or --run-at, not both".into())),
         (true, None) => Some(RunAt::Now),
         // A duration is from the database's now; a time is absolute.
-        (false, Some(at)) => Some(match parse_duration(at) {
-            Ok(delay) => RunAt::DelayMs(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)),
-            Err(_) => RunAt::At(parse_rfc3339(at).ok_or_else(|| {
+        (false, Some(at)) => Some(match cli::is_duration(at) {
+            true => RunAt::DelayMs(millis(parse_duration(at)?)),
+            false => RunAt::At(parse_rfc3339(at).ok_or_else(|| {
                 Failure::Usage(format!("invalid time {at:?}: expected a duration (10m) or 2026-11-22T10:00:00Z"))
             })?),
         }),
@@ -728,15 +769,16 @@ async fn remove_key(raw: &[String]) -> Outcome {
         return Ok(());
     }
     match removal {
-        KeyRemoval::Cancelled(id) => outln!("key {key:?} freed; its pending task {id} cancelled"),
-        KeyRemoval::Detached(id) => outln!("key {key:?} freed; task {id} runs on without it"),
-        KeyRemoval::Freed(id) => outln!("key {key:?} freed from finished task {id}"),
+        KeyRemoval::Cancelled(id) => outln!("key \"{}\" freed; its pending task {id} cancelled", printable(key)),
+        KeyRemoval::Detached(id) => outln!("key \"{}\" freed; task {id} runs on without it", printable(key)),
+        KeyRemoval::Freed(id) => outln!("key \"{}\" freed from finished task {id}", printable(key)),
     }
     Ok(())
 }
 
 async fn purge(raw: &[String]) -> Outcome {
-    let args = Args::parse(raw, &["database-url", "schema", "older-than", "batch"], &["json"], false)?;
+    let values = ["database-url", "schema", "older-than", "idempotency-retention", "batch"];
+    let args = Args::parse(raw, &values, &["json"], false)?;
     if !args.positional.is_empty() {
         return Err(Failure::Usage("purge takes no positional arguments".into()));
     }
@@ -747,8 +789,12 @@ async fn purge(raw: &[String]) -> Outcome {
     if batch == 0 {
         return Err(Failure::Usage("--batch must be at least 1".into()));
     }
-    let client = client(&args, Default::default())?;
-    let retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
+    let mut app = canter_tokio::AppConfig::default();
+    if let Some(window) = args.value("idempotency-retention") {
+        app.recovery.idempotency_retention_ms = Some(millis(parse_duration(window)?));
+    }
+    let client = client(&args, app)?;
+    let retention_ms = millis(retention);
     let n = client.store().purge_finished(retention_ms, batch).await.map_err(failed)?;
     if args.switch("json") {
         outln!("{}", serde_json::json!({"purged": n}));
@@ -771,7 +817,7 @@ async fn pause(command: &str, raw: &[String]) -> Outcome {
         outln!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
     } else {
         let state = if pausing { "paused" } else { "running" };
-        outln!("queue {queue} {}{state}", if changed { "" } else { "was already " });
+        outln!("queue {} {}{state}", printable(queue), if changed { "" } else { "was already " });
     }
     Ok(())
 }
@@ -844,19 +890,24 @@ fn print_plan(scheduler: &Scheduler, plan: &Plan) {
         for (i, tick) in write.ticks.iter().enumerate() {
             let task = write.tasks.get(i).map_or("", |t| t.name.as_str());
             let kind = if i < write.backfilled { " (backfilled)" } else { "" };
-            outln!("would enqueue {task} for schedule {} at tick {}{kind}", write.name, tick_time(schedule, *tick));
+            outln!(
+                "would enqueue {} for schedule {} at tick {}{kind}",
+                printable(task),
+                printable(&write.name),
+                tick_time(schedule, *tick)
+            );
         }
         if write.read.is_none() {
             outln!(
                 "would record new schedule {}: first tick {}",
-                write.name,
+                printable(&write.name),
                 tick_or(schedule, write.next_tick, "never")
             );
         }
         if write.skipped {
             outln!(
                 "would skip missed ticks of schedule {} up to {}",
-                write.name,
+                printable(&write.name),
                 tick_time(schedule, write.advance_to)
             );
         }
@@ -872,17 +923,29 @@ fn print_report(scheduler: &Scheduler, report: &CheckReport) {
         let schedule = scheduler.scheduler().get(&write.name);
         for (i, (tick, id)) in write.ticks.iter().zip(&applied.task_ids).enumerate() {
             let kind = if i < write.backfilled { " (backfilled)" } else { "" };
-            outln!("schedule {}: enqueued task {id} for tick {}{kind}", write.name, tick_time(schedule, *tick));
+            outln!(
+                "schedule {}: enqueued task {id} for tick {}{kind}",
+                printable(&write.name),
+                tick_time(schedule, *tick)
+            );
         }
         if write.read.is_none() {
-            outln!("schedule {}: recorded; first tick {}", write.name, tick_or(schedule, write.next_tick, "never"));
+            outln!(
+                "schedule {}: recorded; first tick {}",
+                printable(&write.name),
+                tick_or(schedule, write.next_tick, "never")
+            );
         }
         if write.skipped {
-            outln!("schedule {}: missed ticks up to {} skipped", write.name, tick_time(schedule, write.advance_to));
+            outln!(
+                "schedule {}: missed ticks up to {} skipped",
+                printable(&write.name),
+                tick_time(schedule, write.advance_to)
+            );
         }
     }
     for refused in &report.refused {
-        errln!("schedule {}: tasks refused: {}", refused.name, refused.error);
+        errln!("schedule {}: tasks refused: {}", printable(&refused.name), printable(&refused.error.to_string()));
     }
     outln!("{} tasks enqueued; next tick {}", report.tasks(), tick_or(None, report.next_check, "never"));
 }
@@ -964,9 +1027,9 @@ async fn list_schedules(scheduler: &Scheduler, json: bool) -> Outcome {
         let record = row.record.as_ref();
         outln!(
             "{:<24} {:<34} {:<16} {:<25} {:<25} {:>6} {:>9}",
-            row.name,
-            row.kind,
-            row.zone,
+            printable(&row.name),
+            printable(&row.kind),
+            printable(&row.zone),
             tick_or(schedule, record.map(|r| r.last_tick), "never"),
             tick_or(schedule, row.next, "never"),
             record.map_or(0, |r| r.run_count),
