@@ -641,7 +641,7 @@ impl MemoryStore {
                         .filter(|row| row.state == TaskState::Pending && row.run_at > now)
                         .filter(|row| row.run_at > row.enqueued_at)
                         .filter(|row| policy.queues.iter().any(|q| q.name == row.queue))
-                        .map(|row| (row.run_at.0 - now.0) as u64)
+                        .map(|row| row.run_at.0.abs_diff(now.0))
                         .min()
                 };
                 DbReply::Claimed { tasks, more, next_run_in_ms }

@@ -305,10 +305,11 @@ async fn a_keyed_enqueue_in_an_open_transaction_leaves_the_running_holder_alone(
             running: vec![running],
             lease_ms: 60_000,
             max_renew_age_ms: 60_000,
+            abandoned: vec![],
         };
         let reply = tokio::time::timeout(bounded, store.execute(&beat)).await;
         let reply = reply.unwrap_or_else(|_| panic!("{mode:?}: the heartbeat waited on the enqueuer"));
-        assert_eq!(reply.unwrap(), DbReply::Heartbeat { lost: Vec::new() });
+        assert_eq!(reply.unwrap(), DbReply::Heartbeat { lost: Vec::new(), busy: vec![], handed_back: vec![] });
         let finish = DbRequest::Finish {
             worker: worker.clone(),
             completions: vec![Completion { task: running, outcome: FinishOutcome::Completed(json!(1)), args: None }],

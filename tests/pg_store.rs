@@ -68,8 +68,9 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         .await
         .unwrap();
     assert_eq!(
-        tables, 8,
-        "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, _sqlx_migrations"
+        tables, 10,
+        "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, claim_locks, reaper_lock, \
+         _sqlx_migrations"
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", other.quoted()))).execute(&pool).await.unwrap();
 }

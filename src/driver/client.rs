@@ -5,14 +5,14 @@
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
+use futures::future::{AbortHandle, Abortable, FutureExt};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
-use super::{Runtime, TaskHandle};
+use super::{Runtime, TaskHandle, sleep_after};
 use crate::backoff::DbBackoff;
 use crate::config::AppConfig;
 use crate::db::{AttemptRecord, DEFAULT_PURGE_BATCH, NewTask, TaskRecord};
@@ -313,15 +313,6 @@ impl<R: Runtime> Client<R> {
         };
         self.inner.runtime.spawn(Box::pin(Abortable::new(keep_listening, registration).map(|_| ())));
         *listening = Some(handle);
-    }
-}
-
-/// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge
-/// timeout) never resolves, where `Instant + Duration` would panic.
-pub(crate) fn sleep_after<R: Runtime + ?Sized>(runtime: &R, from: Instant, wait: Duration) -> BoxFuture<'static, ()> {
-    match from.checked_add(wait) {
-        Some(at) => runtime.sleep_until(at),
-        None => Box::pin(futures::future::pending()),
     }
 }
 

@@ -150,7 +150,7 @@ where
                     let (kind, items) = (request.kind(), request.items());
                     let reply = store.execute(request);
                     let sent = runtime.now();
-                    let timeout = runtime.sleep_until(sent + options.request_timeout);
+                    let timeout = sleep_after(&*runtime, sent, options.request_timeout);
                     let limit = options.request_timeout;
                     let clock = runtime.clone();
                     requests.push(Box::pin(async move {
@@ -267,6 +267,15 @@ where
             }
             None => worker.handle_timeout(now),
         }
+    }
+}
+
+/// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge
+/// timeout) never resolves, where `Instant + Duration` would panic.
+pub(crate) fn sleep_after<R: Runtime + ?Sized>(runtime: &R, from: Instant, wait: Duration) -> BoxFuture<'static, ()> {
+    match from.checked_add(wait) {
+        Some(at) => runtime.sleep_until(at),
+        None => Box::pin(futures::future::pending()),
     }
 }
 

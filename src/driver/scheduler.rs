@@ -15,7 +15,7 @@ use futures::future::{BoxFuture, FutureExt};
 use sqlx::PgPool;
 
 use super::Runtime;
-use super::client::sleep_after;
+use super::sleep_after;
 use super::zones::load_scheduler;
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ResilienceConfig};

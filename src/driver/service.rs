@@ -315,9 +315,10 @@ async fn listen<R: Runtime>(
 /// first use, so a worker can start while the database is down and wait it out. Connections
 /// are not pinged before use (sqlx's default): the ping is a round trip of its own before
 /// every statement, and a dead connection fails its statement anyway, which the worker and
-/// the client retry.
+/// the client retry. Every session carries [`SESSION_SETTINGS`](crate::postgres::SESSION_SETTINGS)
+/// (statement, lock and idle-transaction timeouts).
 pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
-    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    let options = crate::postgres::with_session_settings(url.parse()?);
     Ok(sqlx::postgres::PgPoolOptions::new()
         .max_connections(max_connections.max(2))
         .acquire_timeout(std::time::Duration::from_secs(5))

@@ -58,4 +58,4 @@ pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, Re
 pub use schema::{
     DEFAULT_SCHEMA, InvalidSchemaName, MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, migrate,
 };
-pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, claim_lock_keys};
+pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, claim_lock_keys, with_session_settings};

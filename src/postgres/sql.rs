@@ -282,7 +282,9 @@ notified AS (
 )
 SELECT r.id FROM released r CROSS JOIN notified ORDER BY r.id";
 
-const REAP_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
+/// The reaper's lock: a row only roles that may update the table can lock (a row back when
+/// this transaction holds it, none when another reaper does).
+const REAP_LOCK: &str = "SELECT true FROM {s}.reaper_lock FOR UPDATE SKIP LOCKED";
 
 const REAP_CLAIMED: &str = "\
 WITH stale AS (

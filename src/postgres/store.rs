@@ -45,6 +45,27 @@ pub const MAX_DURATION_MS: u64 = 100_000_000_000_000;
 pub const MAX_DB_TIME_MS: i64 = 8_000_000_000_000_000;
 const MIN_DB_TIME_MS: i64 = -200_000_000_000_000;
 
+/// The settings every session of Canter's carries, as `(name, value)`, so that no wait is
+/// unbounded and the server gives up on a statement before its client does (the driver gives
+/// up after 30 s, [`DriverOptions::request_timeout`](crate::driver::DriverOptions)):
+///
+/// - `statement_timeout` 25 s: a statement that runs (or waits to run) longer is cancelled and
+///   rolled back, so it cannot commit after its worker stopped waiting for it;
+/// - `lock_timeout` 5 s: a row or lock another transaction holds cannot stall a statement (and
+///   every retry of it) for longer;
+/// - `idle_in_transaction_session_timeout` 60 s: a transaction whose client stalled in the
+///   middle of it releases its locks.
+///
+/// [`with_session_settings`] puts them on a pool's connect options (the adapters' `connect`
+/// does); a pool built otherwise should carry them too.
+pub const SESSION_SETTINGS: [(&str, &str); 3] =
+    [("statement_timeout", "25s"), ("lock_timeout", "5s"), ("idle_in_transaction_session_timeout", "60s")];
+
+/// `options` with [`SESSION_SETTINGS`] as startup parameters: no round trip per connection.
+pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
+    options.options(SESSION_SETTINGS)
+}
+
 /// A store of tasks in PostgreSQL: executes the worker machine's requests, and offers enqueue
 /// ([`enqueue`](PgStore::enqueue)), inspection and result waiting
 /// ([`get`](PgStore::get), [`wait_result`](PgStore::wait_result)).
@@ -460,8 +481,8 @@ impl PgStore {
         }
     }
 
-    /// One reaper pass in one transaction, if this process wins the reaper's advisory lock;
-    /// otherwise another reaper is acting and the report is empty.
+    /// One reaper pass in one transaction, if this process wins the reaper's lock; otherwise
+    /// another reaper is acting and the report says it skipped.
     async fn reap(
         &self,
         conn: &mut PgConnection,
@@ -472,9 +493,8 @@ impl PgStore {
         let sql = self.schema.sql();
         let mut report = ReapReport::default();
         let mut tx = conn.begin().await?;
-        let ours: bool =
-            sqlx::query_scalar(sql.reap_lock.clone()).bind(self.schema.reaper_lock_key()).fetch_one(&mut *tx).await?;
-        if !ours {
+        let ours: Option<bool> = sqlx::query_scalar(sql.reap_lock.clone()).fetch_optional(&mut *tx).await?;
+        if ours.is_none() {
             tx.rollback().await?;
             report.skipped = true;
             return Ok(report);

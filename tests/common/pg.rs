@@ -116,6 +116,7 @@ impl TestDb {
             .await
             .expect("drop a leftover schema");
         migrate(&pool, &db.schema).await.expect("migrate");
+        pin_clocks_by_setting(&pool, &db.schema).await;
         pool.close().await;
         db
     }
@@ -162,6 +163,17 @@ impl Drop for TestDb {
         })
         .join();
     }
+}
+
+/// Makes the schema's clocks read `canter.now` when a test sets it (see [`pin_clock`]): the
+/// production functions read only the server's clock.
+pub async fn pin_clocks_by_setting(pool: &PgPool, schema: &PgSchema) {
+    let sql = format!(
+        "CREATE OR REPLACE FUNCTION {s}.db_clock() RETURNS timestamptz LANGUAGE sql VOLATILE PARALLEL SAFE \
+         AS $$ SELECT coalesce(nullif(current_setting('canter.now', true), '')::timestamptz, clock_timestamp()) $$",
+        s = schema.quoted()
+    );
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("the test clock");
 }
 
 /// Pins the database clock of every statement `pool` runs at `now` (the pool must have one
