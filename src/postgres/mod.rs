@@ -20,7 +20,9 @@
 //!   tasks; `workers`: the worker registry with liveness; `queue_states`: paused queues, which
 //!   the claim leaves out; `schedules`: each schedule's last tick (see [`PgStore::check_schedules`]);
 //! - functions `enqueue`, `claim` and `start_tasks` (each one round trip), and `db_now()`, the
-//!   one clock every statement reads (`now()`, unless a test pins `canter.now`).
+//!   one clock every statement reads (`now()`; tests replace it in their own schemas);
+//! - `schema_versions`: each migration's version and the oldest code it accepts (see
+//!   [`schema_status`]).
 //!
 //! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue,
 //! reschedule, force-unlock, resume) and once per batch of finished tasks (see [`PgSchema`] for
@@ -53,6 +55,7 @@ pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
 pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{
-    DEFAULT_SCHEMA, InvalidSchemaName, MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, migrate,
+    DEFAULT_SCHEMA, InvalidSchemaName, LockHolder, MIGRATE_LOCK_KEY, MIGRATE_LOCK_WAIT, MIGRATOR, MigrateSchemaError,
+    PgSchema, SchemaStatus, code_schema_version, migrate, migrate_within, require_current, schema_status,
 };
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, claim_lock_keys};
