@@ -12,7 +12,10 @@
 --
 -- Online-safe: the column is added without a rewrite (a constant default is stored once in the
 -- catalog), and no lock is waited for longer than the timeout below.
-SET LOCAL lock_timeout = '5s';
+SET lock_timeout = '5s';
+
+INSERT INTO schema_versions (version, min_code_version, description) VALUES
+    (3, 1, 'keys: which are idempotency keys; enqueue() and remove_key() leave the rows of running holders alone');
 
 -- When an idempotent enqueue took the key, or first relied on it when another mode took it;
 -- NULL for a key of another mode. Rows written before this migration read '-infinity': their

@@ -14,7 +14,10 @@
 --
 -- Online-safe: two new tables and functions replaced in place; no lock is waited for longer
 -- than the timeout below.
-SET LOCAL lock_timeout = '5s';
+SET lock_timeout = '5s';
+
+INSERT INTO schema_versions (version, min_code_version, description) VALUES
+    (4, 1, 'claim and reaper locks on rows of claim_locks and reaper_lock; db_clock() read after locks');
 
 -- The time now (`clock_timestamp()`), for times taken after a statement waited.
 CREATE FUNCTION db_clock() RETURNS timestamptz

@@ -32,6 +32,8 @@ mod client;
 mod scheduler;
 #[cfg(feature = "postgres")]
 mod service;
+#[cfg(feature = "postgres")]
+mod startup;
 
 #[cfg(feature = "postgres")]
 pub use client::{Client, ClientError, ResultError, ResultHandle};
@@ -41,6 +43,8 @@ pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHand
 pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
 #[cfg(feature = "postgres")]
 pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
+#[cfg(feature = "postgres")]
+pub use startup::STARTUP_LOCK_WAIT;
 pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};
 
 use crate::db::{DbFailure, DbReply, DbRequest, OpId};

@@ -16,10 +16,11 @@ use sqlx::PgPool;
 
 use super::Runtime;
 use super::sleep_after;
+use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ResilienceConfig};
-use crate::postgres::{CheckReport, PgSchema, PgStore};
+use crate::postgres::{CheckReport, MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::{Rng, mix};
 use crate::schedule::{
     DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, Scheduler, SchedulerError, check_delay_ms,
@@ -67,6 +68,10 @@ pub enum SchedulerRunError {
     /// The schedules could not be prepared.
     #[error(transparent)]
     Setup(#[from] SchedulerError),
+    /// The schema cannot be used: a privilege is missing, migrations are missing and the
+    /// scheduler may not apply them, or the schema is newer than this binary accepts.
+    #[error("the scheduler cannot start: {0}")]
+    Schema(MigrateSchemaError),
     /// The database failed `db_retry_max_attempts` times in a row.
     #[error("the scheduler gave up after {failures} database failures in a row: {error}")]
     GaveUp {
@@ -216,7 +221,9 @@ impl<R: Runtime> PgScheduler<R> {
         self
     }
 
-    /// Whether to apply migrations at startup (default) or only check the database is there.
+    /// Whether to apply missing migrations at startup (default; a current schema is only
+    /// read), or only check the schema's version and refuse to start when migrations are
+    /// missing (`canter scheduler --no-migrate`).
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.migrate = migrate;
         self
@@ -254,8 +261,10 @@ impl<R: Runtime> PgScheduler<R> {
         self.run_until(signal).await
     }
 
-    /// Runs until `shutdown` resolves: first reaches the database (migrating, unless told not
-    /// to), waiting out outages with backoff, then checks the schedules in a loop.
+    /// Runs until `shutdown` resolves: first reaches the database and makes sure the schema is
+    /// usable (migrating it, unless told not to), waiting out outages with backoff, then checks
+    /// the schedules in a loop. A missing privilege or an unusable schema ends it with
+    /// [`SchedulerRunError::Schema`].
     pub async fn run_until(
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
@@ -263,25 +272,21 @@ impl<R: Runtime> PgScheduler<R> {
         let PgScheduler { store, scheduler, options, migrate, seed, runtime } = self;
         let mut shutdown = shutdown.boxed().fuse();
         let resilience: ResilienceConfig = store.app().resilience.clone();
-        let mut backoff = DbBackoff::new();
-        let mut rng = Rng::new(seed);
-        loop {
-            let ready = if migrate {
-                store.migrate().await.map_err(|e| e.to_string())
-            } else {
-                store.now().await.map(|_| ()).map_err(|e| e.to_string())
-            };
-            let Err(error) = ready else { break };
-            let delay = backoff.on_failure(&resilience, &mut rng);
-            tracing::warn!(failures = backoff.failures(), retry_in = ?delay, %error, "scheduler: database not ready at startup");
-            if options.give_up && backoff.exhausted(&resilience) {
-                return Err(SchedulerRunError::GaveUp { failures: backoff.failures(), error });
-            }
-            let sleep = sleep_after(&*runtime, runtime.now(), delay).fuse();
-            futures::pin_mut!(sleep);
+        // The shutdown signal ends startup at once, whatever it waits on.
+        let ready = {
+            let startup =
+                prepare_schema(&*runtime, &store, migrate, &resilience, seed, "scheduler", options.give_up).fuse();
+            futures::pin_mut!(startup);
             futures::select_biased! {
                 () = shutdown => return Ok(SchedulerStats::default()),
-                () = sleep => {}
+                ready = startup => ready,
+            }
+        };
+        match ready {
+            Ok(_) => {}
+            Err(StartupFailure::Schema(error)) => return Err(SchedulerRunError::Schema(error)),
+            Err(StartupFailure::GaveUp { failures, error }) => {
+                return Err(SchedulerRunError::GaveUp { failures, error });
             }
         }
         run_scheduler(runtime, store, scheduler, options, seed, shutdown).await

@@ -14,11 +14,12 @@ use tracing::Instrument;
 
 use super::observe::{Counters, Hook, HookSink};
 use super::scheduler::{SchedulerOptions, run_scheduler};
+use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ConfigError, ResilienceConfig, WorkerConfig};
-use crate::postgres::{PgSchema, PgStore};
+use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::{Rng, mix};
 use crate::schedule::SchedulerError;
 use crate::task::WorkerId;
@@ -38,7 +39,8 @@ pub struct WorkerService {
     pub id: WorkerId,
     /// Observers of lifecycle events.
     pub hooks: Vec<Hook>,
-    /// Apply migrations at startup (otherwise they must already be applied).
+    /// Apply missing migrations at startup (a current schema is only read). Off, the worker
+    /// only checks the schema's version and refuses to start when migrations are missing.
     pub migrate: bool,
     /// Settings of the driver loop.
     pub driver: DriverOptions,
@@ -55,6 +57,10 @@ pub enum ServeError {
     /// The app's schedules could not be prepared (with `run_scheduler`).
     #[error(transparent)]
     Schedules(#[from] SchedulerError),
+    /// The schema cannot be used: a privilege is missing, migrations are missing and the
+    /// worker may not apply them, or the schema is newer than this binary accepts.
+    #[error("the worker cannot start: {0}")]
+    Schema(MigrateSchemaError),
     /// The database could not be reached (or migrated) within `db_retry_max_attempts` tries.
     #[error("the database could not be reached at startup after {failures} tries: {error}")]
     DatabaseUnavailable {
@@ -94,7 +100,8 @@ impl WorkerService {
 
     /// Runs the worker on `runtime` over `pool` until `shutdown` resolves (or the worker gives
     /// up on the database), then drains it. Database outages, at startup too, are waited out
-    /// with backoff; they never end the worker unless `db_retry_max_attempts` says so.
+    /// with backoff; they never end the worker unless `db_retry_max_attempts` says so. A
+    /// missing privilege or an unusable schema at startup ends it with [`ServeError::Schema`].
     pub async fn serve<R: Runtime>(
         self,
         runtime: Arc<R>,
@@ -127,32 +134,26 @@ impl WorkerService {
             }));
         }
 
-        // Startup: reach the database (and migrate) before claiming, retrying with backoff.
-        let mut backoff = DbBackoff::new();
-        let mut rng = Rng::new(seed);
-        loop {
-            let ready = if migrate {
-                store.migrate().await.map_err(|e| e.to_string())
-            } else {
-                store.now().await.map(|_| ()).map_err(|e| e.to_string())
-            };
-            match ready {
-                Ok(()) => break,
-                Err(error) => {
-                    let delay = backoff.on_failure(&app.resilience, &mut rng);
-                    tracing::warn!(worker = %id, failures = backoff.failures(), retry_in = ?delay, %error, "database not ready at startup");
-                    if backoff.exhausted(&app.resilience) {
-                        tracing::error!(worker = %id, "giving up on the database at startup");
-                        return Err(ServeError::DatabaseUnavailable { failures: backoff.failures(), error });
-                    }
-                    let mut sleep = runtime.sleep_until(runtime.now() + delay).fuse();
-                    let mut control = control_rx.next();
-                    futures::select! {
-                        () = sleep => {}
-                        input = control => if matches!(input, Some(Input::Shutdown) | None) {
-                            return Ok(Stats::default());
-                        },
-                    }
+        // Startup: reach the database and make sure the schema is usable (migrating it unless
+        // told not to) before claiming. The shutdown signal ends it at once, whatever it waits
+        // on: the migrate lock, a slow statement, the backoff sleep.
+        {
+            let who = format!("worker {id}");
+            let startup = prepare_schema(&*runtime, &store, migrate, &app.resilience, seed, &who, true).fuse();
+            futures::pin_mut!(startup);
+            loop {
+                futures::select! {
+                    ready = startup => match ready {
+                        Ok(_) => break,
+                        Err(StartupFailure::Schema(error)) => return Err(ServeError::Schema(error)),
+                        Err(StartupFailure::GaveUp { failures, error }) => {
+                            return Err(ServeError::DatabaseUnavailable { failures, error });
+                        }
+                    },
+                    input = control_rx.next() => if matches!(input, Some(Input::Shutdown) | None) {
+                        tracing::info!(worker = %id, "shut down during startup");
+                        return Ok(Stats::default());
+                    },
                 }
             }
         }
@@ -379,7 +380,9 @@ impl<R: Runtime> PgWorker<R> {
         self
     }
 
-    /// Whether to apply migrations at startup (default) or only check the database is there.
+    /// Whether to apply missing migrations at startup (default; a current schema is only
+    /// read), or only check the schema's version and refuse to start when migrations are
+    /// missing (for a role without CREATE rights; `canter worker --no-migrate`).
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.service.migrate = migrate;
         self

@@ -20,10 +20,13 @@
 //!   `key` column counts only while `task_keys` names that row) and whether it is an
 //!   idempotency key; `workers`: the worker registry with liveness; `queue_states`: paused
 //!   queues, which the claim leaves out; `schedules`: each schedule's last tick (see
-//!   [`PgStore::check_schedules`]);
-//! - functions `enqueue`, `claim`, `start_tasks` and `remove_key` (each one round trip), and
-//!   `db_now()`, the one clock every statement reads (`now()`, unless a test pins
-//!   `canter.now`).
+//!   [`PgStore::check_schedules`]); `claim_locks` and `reaper_lock`: rows whose locks serialize
+//!   capped claims and reapers;
+//! - functions `enqueue`, `claim`, `start_tasks` and `remove_key` (each one round trip),
+//!   `db_now()`, the clock statements read (`now()`; tests replace it in their own schemas), and
+//!   `db_clock()`, read where a statement may have waited for locks (`clock_timestamp()`);
+//! - `schema_versions`: each migration's version and the oldest code it accepts (see
+//!   [`schema_status`]).
 //!
 //! No trigger notifies per row: statements notify once per queue (enqueue, release, requeue,
 //! reschedule, force-unlock, resume) and once per batch of finished tasks (see [`PgSchema`] for
@@ -56,6 +59,7 @@ pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
 pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{
-    DEFAULT_SCHEMA, InvalidSchemaName, MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, migrate,
+    DEFAULT_SCHEMA, InvalidSchemaName, LockHolder, MIGRATE_LOCK_KEY, MIGRATE_LOCK_WAIT, MIGRATOR, MigrateSchemaError,
+    PgSchema, SchemaStatus, code_schema_version, migrate, migrate_within, require_current, schema_status,
 };
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, claim_lock_keys, with_session_settings};

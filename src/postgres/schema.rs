@@ -1,5 +1,5 @@
 //! The schema a store lives in: its name, its notification channels, its advisory lock keys,
-//! and the migrations that create it.
+//! the migrations that create it and the check of its version.
 //!
 //! # Migrations in a configurable schema
 //!
@@ -10,21 +10,40 @@
 //! sent from Rust qualify every name with the quoted schema instead, so no connection of the
 //! application needs a particular `search_path`.
 //!
+//! # Versions
+//!
+//! A schema's version is the number of the newest migration applied to it; a binary's is the
+//! newest migration it embeds ([`code_schema_version`]). [`schema_status`] compares the two
+//! with reads alone (no lock, no DDL, so a role with only DML rights can start): every embedded
+//! migration applied with its checksum is [`SchemaStatus::Current`]. A schema ahead of the
+//! binary (migrations it does not know) is usable when every such migration declares, in the
+//! `schema_versions` table each migration from 2 on writes to, a `min_code_version` the binary
+//! reaches ([`SchemaStatus::Ahead`]); otherwise it is refused naming both versions
+//! ([`MigrateSchemaError::Incompatible`]). Applied migrations are never edited (a test pins
+//! every checksum): new SQL goes into a new file, online-safe (`SET lock_timeout` at its top,
+//! indexes built `CONCURRENTLY`).
+//!
 //! # Notification channels
 //!
-//! A queue's channel is `{tag}_q_{queue}` and the channel of finished tasks is `{tag}_done`,
-//! where `tag` is the schema name when it has at most 8 bytes and `c` plus 7 hex digits of a
-//! hash of it otherwise. The tag keeps queue channels within PostgreSQL's 63-byte limit (at
-//! most 11 bytes of prefix before a queue name of at most 52) and keeps two schemas of one
-//! database from waking each other. With the default schema `canter` the channels are
-//! `canter_q_<queue>` and `canter_done`. A finished-tasks payload is a comma-separated list of
-//! task ids; a queue payload is empty.
+//! Channels are `{tag}:q:{queue}` for a queue and `{tag}:done` for finished tasks, where `tag`
+//! is the schema name when it has at most 8 bytes and `#` plus 7 hex digits of a hash of it
+//! otherwise. Neither schema nor queue names can contain `:` or `#`, so a channel names one
+//! schema and one queue (`a_q_b` with queue `c` and `a` with queue `b_q_c` no longer meet), and
+//! a hashed tag never equals a literal one; two long names whose hashes agree share channels,
+//! which costs spurious wake-ups only (claims and result reads decide, never the channel). A
+//! queue channel has at most 11 bytes before a queue name of at most 52, within PostgreSQL's
+//! 63. The default schema `canter` keeps the names it had before (`canter_q_<queue>`,
+//! `canter_done`), so processes of an older release and a newer one still wake each other
+//! during a rolling upgrade; those names contain no `:`, so no other schema's channel equals
+//! them. A finished-tasks payload is a comma-separated list of task ids; a queue payload is
+//! empty.
 
 use std::fmt;
 use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::migrate::{MigrateError, Migrator};
-use sqlx::{Connection, PgPool};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::postgres::sql::Statements;
 
@@ -39,21 +58,241 @@ pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");
 /// database (`fnv1a64("canter:migrate")`).
 pub const MIGRATE_LOCK_KEY: i64 = fnv1a64(b"canter:migrate");
 
+/// How long [`migrate`] waits for [`MIGRATE_LOCK_KEY`] before it gives up with
+/// [`MigrateSchemaError::LockBusy`]: any role can take an advisory lock, so the wait is bounded.
+pub const MIGRATE_LOCK_WAIT: Duration = Duration::from_secs(60);
+
+/// The SQLSTATE of "insufficient privilege".
+const INSUFFICIENT_PRIVILEGE: &str = "42501";
+
+/// The SQLSTATE of "lock not available" (a `lock_timeout` ran out).
+const LOCK_NOT_AVAILABLE: &str = "55P03";
+
+/// The schema version of this binary: the newest migration it embeds.
+pub fn code_schema_version() -> i64 {
+    embedded().map(|m| m.version).max().unwrap_or(0)
+}
+
+/// The embedded migrations that apply (down migrations are not run).
+fn embedded() -> impl Iterator<Item = &'static sqlx::migrate::Migration> {
+    MIGRATOR.migrations.iter().filter(|m| !m.migration_type.is_down_migration())
+}
+
 /// A schema name that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid schema name {0:?}: expected 1 to 63 bytes of a-z, 0-9 and _, not starting with a digit or pg_")]
 pub struct InvalidSchemaName(pub String);
 
-/// Why [`migrate`] failed.
+/// Where a schema stands against this binary's migrations (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SchemaStatus {
+    /// Every embedded migration is applied, with its checksum, and no other.
+    Current {
+        /// The schema's version (this binary's).
+        version: i64,
+    },
+    /// Migrations this binary does not know are applied too, and every one of them declares
+    /// code of this binary's version compatible.
+    Ahead {
+        /// The schema's version.
+        version: i64,
+        /// This binary's version.
+        code_version: i64,
+    },
+    /// Some embedded migrations are not applied yet: [`migrate`] applies them.
+    Behind {
+        /// The schema's version (`None`: no migration applied, or no schema at all).
+        version: Option<i64>,
+        /// The embedded migrations not applied, in order.
+        missing: Vec<i64>,
+        /// Whether the schema exists (creating it needs CREATE on the database).
+        schema_exists: bool,
+    },
+}
+
+impl SchemaStatus {
+    /// Whether a worker or client of this binary can use the schema as it is.
+    pub fn is_usable(&self) -> bool {
+        !matches!(self, SchemaStatus::Behind { .. })
+    }
+
+    /// The schema's version, if any migration is applied.
+    pub fn version(&self) -> Option<i64> {
+        match self {
+            SchemaStatus::Current { version } | SchemaStatus::Ahead { version, .. } => Some(*version),
+            SchemaStatus::Behind { version, .. } => *version,
+        }
+    }
+}
+
+/// A session holding [`MIGRATE_LOCK_KEY`], as `pg_stat_activity` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LockHolder {
+    /// The holder's backend process id (`pg_terminate_backend` takes it).
+    pub pid: i32,
+    /// Its role.
+    pub role: String,
+    /// Its `application_name`.
+    pub application: String,
+}
+
+impl fmt::Display for LockHolder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {} (role {:?}, application {:?})", self.pid, self.role, self.application)
+    }
+}
+
+/// Why [`migrate`], [`schema_status`] or [`require_current`] failed.
 #[derive(Debug, thiserror::Error)]
 pub enum MigrateSchemaError {
-    /// The database failed around the migrations (connecting, locking, creating the schema).
+    /// The database failed around the migrations (connecting, reading, creating the schema).
     #[error("migration setup failed: {0}")]
     Database(#[from] sqlx::Error),
     /// A migration failed, or the applied history does not match the embedded migrations.
     #[error("migration failed: {0}")]
     Migrate(#[from] MigrateError),
+    /// The role lacks a privilege (SQLSTATE 42501): retrying cannot help.
+    #[error("permission denied {doing} schema {schema}: {message}; {needs}")]
+    PermissionDenied {
+        /// The schema.
+        schema: String,
+        /// What was being done.
+        doing: &'static str,
+        /// What the role needs (see the README's Privileges).
+        needs: &'static str,
+        /// PostgreSQL's message (it names the object).
+        message: String,
+    },
+    /// The schema is newer than this binary and does not declare it compatible.
+    #[error(
+        "schema {schema} is at version {version}, which needs code of schema version {needs} or newer; \
+         this binary knows schema versions up to {code_version}: upgrade it"
+    )]
+    Incompatible {
+        /// The schema.
+        schema: String,
+        /// The schema's version.
+        version: i64,
+        /// The oldest code version the schema's newer migrations accept.
+        needs: i64,
+        /// This binary's version.
+        code_version: i64,
+    },
+    /// An applied migration's checksum differs from the embedded one.
+    #[error(
+        "migration {version} applied to schema {schema} differs from this binary's copy (their checksums \
+         differ): applied migrations must never be edited"
+    )]
+    Modified {
+        /// The schema.
+        schema: String,
+        /// The migration.
+        version: i64,
+    },
+    /// A migration is recorded as failed part-way.
+    #[error("migration {version} of schema {schema} is recorded as failed part-way: repair the schema by hand")]
+    Failed {
+        /// The schema.
+        schema: String,
+        /// The migration.
+        version: i64,
+    },
+    /// The schema has a migration this binary does not know but lacks one it has.
+    #[error(
+        "schema {schema} has migration {unknown}, which this binary does not know, but lacks migration \
+         {missing}, which it has: its history diverged from this binary's"
+    )]
+    Diverged {
+        /// The schema.
+        schema: String,
+        /// A migration applied that the binary does not embed.
+        unknown: i64,
+        /// An embedded migration not applied.
+        missing: i64,
+    },
+    /// Migrations are missing and this process may not apply them (`--no-migrate`).
+    #[error(
+        "schema {schema} is at version {}, but this binary needs version {code_version}: run `canter migrate` \
+         (as a role that may create objects in the schema) first",
+        version.map_or_else(|| "none (not migrated)".to_owned(), |v| v.to_string())
+    )]
+    NotMigrated {
+        /// The schema.
+        schema: String,
+        /// The schema's version.
+        version: Option<i64>,
+        /// This binary's version.
+        code_version: i64,
+    },
+    /// Another session held [`MIGRATE_LOCK_KEY`] for the whole wait.
+    #[error(
+        "the migrate lock (advisory lock {MIGRATE_LOCK_KEY}) is still held after {} ms, by {}: another process \
+         is migrating, or a session took the lock and keeps it",
+        waited.as_millis(),
+        holder.as_ref().map_or_else(|| "a session that is gone".to_owned(), ToString::to_string)
+    )]
+    LockBusy {
+        /// How long this attempt waited.
+        waited: Duration,
+        /// Who holds it (`None`: released meanwhile).
+        holder: Option<LockHolder>,
+    },
 }
+
+impl MigrateSchemaError {
+    /// Whether retrying cannot help: a missing privilege, or a schema this binary cannot use
+    /// as it is. Outages and a busy migrate lock are worth waiting out.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            MigrateSchemaError::Database(_) | MigrateSchemaError::LockBusy { .. } => false,
+            // Statements that failed may succeed later (a lock timeout, a lost connection); a
+            // history that does not match will not.
+            MigrateSchemaError::Migrate(error) => {
+                !matches!(error, MigrateError::Execute(_) | MigrateError::ExecuteMigration(..))
+            }
+            _ => true,
+        }
+    }
+}
+
+/// Maps a database error met while `doing` something to the schema: a missing privilege to
+/// [`MigrateSchemaError::PermissionDenied`], the rest to [`MigrateSchemaError::Database`].
+fn denied<'a>(
+    schema: &'a PgSchema,
+    doing: &'static str,
+    needs: &'static str,
+) -> impl Fn(sqlx::Error) -> MigrateSchemaError + 'a {
+    move |error| match sqlstate(&error).as_deref() {
+        Some(INSUFFICIENT_PRIVILEGE) => MigrateSchemaError::PermissionDenied {
+            schema: schema.name().to_owned(),
+            doing,
+            needs,
+            message: database_message(&error),
+        },
+        _ => MigrateSchemaError::Database(error),
+    }
+}
+
+fn sqlstate(error: &sqlx::Error) -> Option<String> {
+    match error {
+        sqlx::Error::Database(e) => e.code().map(|code| code.into_owned()),
+        _ => None,
+    }
+}
+
+fn database_message(error: &sqlx::Error) -> String {
+    match error {
+        sqlx::Error::Database(e) => e.message().to_owned(),
+        other => other.to_string(),
+    }
+}
+
+const READ_NEEDS: &str = "reading the schema's version needs USAGE on the schema and SELECT on its _sqlx_migrations \
+                          and schema_versions tables (README: Privileges)";
+const CREATE_SCHEMA_NEEDS: &str = "creating the schema needs CREATE on the database: create it as a role that may \
+                                   (or run `canter migrate` as one), then start workers with --no-migrate";
+const MIGRATE_NEEDS: &str = "migrating needs CREATE on the schema and ownership of its objects: run `canter \
+                             migrate` as the schema's owner, then start workers with --no-migrate";
 
 /// A validated schema name with everything derived from it: its quoted form, its notification
 /// channels, its advisory lock keys and the SQL text of the store's statements. Cheap to clone.
@@ -65,7 +304,8 @@ pub struct PgSchema {
 struct SchemaInner {
     name: String,
     quoted: String,
-    tag: String,
+    queue_channel_prefix: String,
+    done_channel: String,
     statements: Statements,
 }
 
@@ -101,13 +341,17 @@ impl PgSchema {
             return Err(InvalidSchemaName(name.to_owned()));
         }
         let quoted = format!("\"{name}\"");
-        let tag = if name.len() <= 8 {
-            name.to_owned()
-        } else {
-            format!("c{:07x}", fnv1a64(name.as_bytes()) as u64 & 0x0fff_ffff)
-        };
+        let (queue_channel_prefix, done_channel) = channel_names(name);
         let statements = Statements::new(&quoted);
-        Ok(PgSchema { inner: Arc::new(SchemaInner { name: name.to_owned(), quoted, tag, statements }) })
+        Ok(PgSchema {
+            inner: Arc::new(SchemaInner {
+                name: name.to_owned(),
+                quoted,
+                queue_channel_prefix,
+                done_channel,
+                statements,
+            }),
+        })
     }
 
     /// The schema's name.
@@ -123,25 +367,25 @@ impl PgSchema {
     /// The notification channel of a queue: announced once per statement that makes tasks of
     /// the queue claimable (enqueue, release, requeue).
     pub fn queue_channel(&self, queue: &str) -> String {
-        format!("{}{queue}", self.queue_channel_prefix())
+        format!("{}{queue}", self.inner.queue_channel_prefix)
     }
 
-    /// What every queue channel starts with.
+    /// What every queue channel starts with (the queue name follows).
     pub fn queue_channel_prefix(&self) -> String {
-        format!("{}_q_", self.inner.tag)
+        self.inner.queue_channel_prefix.clone()
     }
 
     /// The notification channel of finished tasks: its payloads are comma-separated task ids.
     pub fn done_channel(&self) -> String {
-        format!("{}_done", self.inner.tag)
+        self.inner.done_channel.clone()
     }
 
-    /// The advisory lock key that serializes capped claims of `queue`.
+    /// The key of the `claim_locks` row that serializes capped claims of `queue`.
     pub fn queue_lock_key(&self, queue: &str) -> i64 {
         fnv1a64(format!("canter:claim:{}:{queue}", self.inner.name).as_bytes())
     }
 
-    /// The advisory lock key that serializes claims under a cluster-wide cap.
+    /// The key of the `claim_locks` row that serializes claims under a cluster-wide cap.
     pub fn cluster_lock_key(&self) -> i64 {
         fnv1a64(format!("canter:claim:{}", self.inner.name).as_bytes())
     }
@@ -152,40 +396,182 @@ impl PgSchema {
         format!("canter:key:{}:", self.inner.name)
     }
 
-    /// The advisory lock key only one reaper at a time holds.
-    pub fn reaper_lock_key(&self) -> i64 {
-        fnv1a64(format!("canter:reap:{}", self.inner.name).as_bytes())
-    }
-
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.statements
     }
 }
 
-/// Applies the embedded migrations to `schema`, creating it if needed.
-///
-/// Safe when many processes start at once: it runs on one connection under the session
-/// advisory lock [`MIGRATE_LOCK_KEY`], so the others wait and then find nothing to do. The
-/// connection's `search_path` is set to the schema for the duration (see the module docs) and
-/// the connection is closed afterwards rather than returned to the pool.
-pub async fn migrate(pool: &PgPool, schema: &PgSchema) -> Result<(), MigrateSchemaError> {
-    let mut conn = pool.acquire().await?.detach();
-    let result = migrate_on(&mut conn, schema).await;
-    // The session lock and the search_path go with the connection.
-    let closed = conn.close().await;
-    result?;
-    closed?;
-    Ok(())
+/// The queue channel prefix and the done channel of schema `name` (see the module docs).
+fn channel_names(name: &str) -> (String, String) {
+    if name == DEFAULT_SCHEMA {
+        // The names of earlier releases, kept for rolling upgrades: no `:`, unlike every other.
+        return (format!("{name}_q_"), format!("{name}_done"));
+    }
+    let tag = if name.len() <= 8 {
+        name.to_owned()
+    } else {
+        format!("#{:07x}", fnv1a64(name.as_bytes()) as u64 & 0x0fff_ffff)
+    };
+    (format!("{tag}:q:"), format!("{tag}:done"))
 }
 
-async fn migrate_on(conn: &mut sqlx::PgConnection, schema: &PgSchema) -> Result<(), MigrateSchemaError> {
-    sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await?;
-    let create = format!("CREATE SCHEMA IF NOT EXISTS {}", schema.quoted());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&mut *conn).await?;
+/// Reads where `schema` stands against this binary's migrations (see the module docs): reads
+/// only, takes no lock, needs no CREATE. Fails with [`MigrateSchemaError::Incompatible`],
+/// [`Modified`](MigrateSchemaError::Modified), [`Failed`](MigrateSchemaError::Failed) or
+/// [`Diverged`](MigrateSchemaError::Diverged) for a schema this binary must not use or
+/// migrate.
+pub async fn schema_status(pool: &PgPool, schema: &PgSchema) -> Result<SchemaStatus, MigrateSchemaError> {
+    let mut conn = pool.acquire().await?;
+    read_status(&mut conn, schema).await
+}
+
+/// [`schema_status`], refusing a schema that lacks migrations with
+/// [`MigrateSchemaError::NotMigrated`]: the check of a process that does not migrate.
+pub async fn require_current(pool: &PgPool, schema: &PgSchema) -> Result<SchemaStatus, MigrateSchemaError> {
+    match schema_status(pool, schema).await? {
+        SchemaStatus::Behind { version, .. } => Err(MigrateSchemaError::NotMigrated {
+            schema: schema.name().to_owned(),
+            version,
+            code_version: code_schema_version(),
+        }),
+        usable => Ok(usable),
+    }
+}
+
+async fn read_status(conn: &mut PgConnection, schema: &PgSchema) -> Result<SchemaStatus, MigrateSchemaError> {
+    let read = denied(schema, "reading the version of", READ_NEEDS);
+    // The catalogs need no privilege: a missing schema or table is not an error.
+    let (schema_exists, has_history, has_versions): (bool, bool, bool) = sqlx::query_as(
+        "SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1),
+                EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                        WHERE n.nspname = $1 AND c.relname = '_sqlx_migrations'),
+                EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+                        WHERE n.nspname = $1 AND c.relname = 'schema_versions')",
+    )
+    .bind(schema.name())
+    .fetch_one(&mut *conn)
+    .await
+    .map_err(&read)?;
+    let applied: Vec<(i64, Vec<u8>, bool)> = if has_history {
+        let sql =
+            format!("SELECT version, checksum, success FROM {}._sqlx_migrations ORDER BY version", schema.quoted());
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await.map_err(&read)?
+    } else {
+        Vec::new()
+    };
+    let name = || schema.name().to_owned();
+    if let Some((version, _, _)) = applied.iter().find(|(_, _, success)| !success) {
+        return Err(MigrateSchemaError::Failed { schema: name(), version: *version });
+    }
+    let mut missing = Vec::new();
+    for migration in embedded() {
+        match applied.iter().find(|(version, _, _)| *version == migration.version) {
+            Some((_, checksum, _)) if checksum.as_slice() != &*migration.checksum => {
+                return Err(MigrateSchemaError::Modified { schema: name(), version: migration.version });
+            }
+            Some(_) => {}
+            None => missing.push(migration.version),
+        }
+    }
+    let code_version = code_schema_version();
+    let unknown: Vec<i64> =
+        applied.iter().map(|(v, _, _)| *v).filter(|v| !embedded().any(|m| m.version == *v)).collect();
+    let version = applied.last().map(|(v, _, _)| *v);
+    match (unknown.first(), missing.first()) {
+        (None, None) => Ok(SchemaStatus::Current { version: version.unwrap_or(code_version) }),
+        (None, Some(_)) => Ok(SchemaStatus::Behind { version, missing, schema_exists }),
+        (Some(&unknown), Some(&missing)) => Err(MigrateSchemaError::Diverged { schema: name(), unknown, missing }),
+        (Some(_), None) => {
+            // A newer migration without a row declares nothing: it needs code of its own version.
+            let needs: i64 = if has_versions {
+                let sql = format!(
+                    "SELECT max(coalesce(v.min_code_version, u.version)) FROM unnest($1::bigint[]) AS u(version)
+                     LEFT JOIN {}.schema_versions v ON v.version = u.version",
+                    schema.quoted()
+                );
+                sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(sql))
+                    .bind(&unknown)
+                    .fetch_one(&mut *conn)
+                    .await
+                    .map_err(&read)?
+                    .unwrap_or(i64::MAX)
+            } else {
+                unknown.iter().copied().max().unwrap_or(i64::MAX)
+            };
+            let version = version.unwrap_or(code_version);
+            if needs <= code_version {
+                Ok(SchemaStatus::Ahead { version, code_version })
+            } else {
+                Err(MigrateSchemaError::Incompatible { schema: name(), version, needs, code_version })
+            }
+        }
+    }
+}
+
+/// Applies the embedded migrations to `schema`, creating it if needed, and returns where it
+/// stands afterwards; waits at most [`MIGRATE_LOCK_WAIT`] for the migrate lock.
+///
+/// See [`migrate_within`].
+pub async fn migrate(pool: &PgPool, schema: &PgSchema) -> Result<(), MigrateSchemaError> {
+    migrate_within(pool, schema, MIGRATE_LOCK_WAIT).await.map(|_| ())
+}
+
+/// Applies the embedded migrations to `schema`, creating it if needed, waiting at most
+/// `lock_wait` for the migrate lock; returns where the schema stands afterwards.
+///
+/// A schema that is current, or ahead and compatible, is only read ([`schema_status`]): no
+/// lock, no DDL, so a role with only DML rights passes. Otherwise it runs on one connection
+/// under the session advisory lock [`MIGRATE_LOCK_KEY`] (so processes that start at once take
+/// turns, and the later ones find nothing to do), waiting for it under `lock_timeout`: after
+/// `lock_wait` it fails with [`MigrateSchemaError::LockBusy`] naming the holder. The
+/// connection's `search_path` is set to the schema for the duration (see the module docs) and
+/// the connection is closed afterwards rather than returned to the pool. Dropping the future
+/// part-way is safe: the connection closes, PostgreSQL rolls back a migration in flight and
+/// releases the lock.
+pub async fn migrate_within(
+    pool: &PgPool,
+    schema: &PgSchema,
+    lock_wait: Duration,
+) -> Result<SchemaStatus, MigrateSchemaError> {
+    match schema_status(pool, schema).await? {
+        SchemaStatus::Behind { .. } => {}
+        usable => return Ok(usable),
+    }
+    let mut conn = pool.acquire().await?.detach();
+    let result = migrate_on(&mut conn, schema, lock_wait).await;
+    // The session lock and the search_path go with the connection.
+    let closed = conn.close().await;
+    let status = result?;
+    closed?;
+    Ok(status)
+}
+
+async fn migrate_on(
+    conn: &mut PgConnection,
+    schema: &PgSchema,
+    lock_wait: Duration,
+) -> Result<SchemaStatus, MigrateSchemaError> {
+    lock(conn, lock_wait).await?;
+    // A migration may take longer than the statement timeout of Canter's sessions (an index
+    // built on a large table); its files bound their own lock waits.
+    sqlx::query("SELECT set_config('statement_timeout', '0', false)").execute(&mut *conn).await?;
+    // Another process may have migrated while this one waited.
+    let schema_exists = match read_status(conn, schema).await? {
+        SchemaStatus::Behind { schema_exists, .. } => schema_exists,
+        usable => return Ok(usable),
+    };
+    if !schema_exists {
+        let create = format!("CREATE SCHEMA IF NOT EXISTS {}", schema.quoted());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&mut *conn).await.map_err(denied(
+            schema,
+            "creating",
+            CREATE_SCHEMA_NEEDS,
+        ))?;
+    }
     let path = format!("SET search_path TO {}", schema.quoted());
     sqlx::raw_sql(sqlx::AssertSqlSafe(path)).execute(&mut *conn).await?;
     // Our lock already serializes migrators; sqlx's own lock is per database and would only
-    // add a second wait.
+    // add a second, unbounded wait.
     let migrator = Migrator {
         migrations: MIGRATOR.migrations.clone(),
         ignore_missing: MIGRATOR.ignore_missing,
@@ -196,9 +582,56 @@ async fn migrate_on(conn: &mut sqlx::PgConnection, schema: &PgSchema) -> Result<
     };
     // `run_direct` rather than `run`: `run` is generic over `Acquire`, which makes this future
     // not `Send` for every lifetime (sqlx's own workaround).
-    migrator.run_direct(None, &mut *conn, false).await?;
+    migrator.run_direct(None, &mut *conn, false).await.map_err(|error| match error {
+        MigrateError::Execute(e) | MigrateError::ExecuteMigration(e, _)
+            if sqlstate(&e).as_deref() == Some(INSUFFICIENT_PRIVILEGE) =>
+        {
+            denied(schema, "migrating", MIGRATE_NEEDS)(e)
+        }
+        other => other.into(),
+    })?;
+    let status = read_status(conn, schema).await?;
     sqlx::query("SELECT pg_advisory_unlock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await?;
-    Ok(())
+    Ok(status)
+}
+
+/// Takes [`MIGRATE_LOCK_KEY`] for the session, waiting at most `wait` (a `lock_timeout`, so
+/// the server gives up by itself even if this side is gone).
+async fn lock(conn: &mut PgConnection, wait: Duration) -> Result<(), MigrateSchemaError> {
+    let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).clamp(1, i32::MAX as u64);
+    sqlx::query("SELECT set_config('lock_timeout', $1, false)").bind(format!("{ms}ms")).execute(&mut *conn).await?;
+    let locked = sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await;
+    match locked {
+        Ok(_) => Ok(()),
+        Err(error) if sqlstate(&error).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
+            let holder = lock_holder(conn).await?;
+            Err(MigrateSchemaError::LockBusy { waited: Duration::from_millis(ms), holder })
+        }
+        Err(error) => Err(error.into()),
+    }
+}
+
+/// The session holding [`MIGRATE_LOCK_KEY`] in this database, if any.
+async fn lock_holder(conn: &mut PgConnection) -> Result<Option<LockHolder>, sqlx::Error> {
+    // A bigint key is stored as its high and low 32 bits, with objsubid 1.
+    let key = MIGRATE_LOCK_KEY as u64;
+    let row: Option<(i32, Option<String>, Option<String>)> = sqlx::query_as(
+        "SELECT l.pid, a.usename::text, a.application_name FROM pg_locks l
+         LEFT JOIN pg_stat_activity a ON a.pid = l.pid
+         WHERE l.locktype = 'advisory' AND l.granted AND l.objsubid = 1
+           AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+           AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
+         LIMIT 1",
+    )
+    .bind((key >> 32) as i64)
+    .bind((key & 0xffff_ffff) as i64)
+    .fetch_optional(&mut *conn)
+    .await?;
+    Ok(row.map(|(pid, role, application)| LockHolder {
+        pid,
+        role: role.unwrap_or_default(),
+        application: application.unwrap_or_default(),
+    }))
 }
 
 /// FNV-1a, 64 bits, as a signed advisory lock key: stable across builds and platforms.
@@ -228,14 +661,68 @@ mod tests {
 
     #[test]
     fn channels_fit_postgres_limits() {
-        let schema = PgSchema::default();
-        assert_eq!(schema.queue_channel("emails"), "canter_q_emails");
-        assert_eq!(schema.done_channel(), "canter_done");
         let long = PgSchema::new(&"s".repeat(63)).unwrap();
         let queue = "q".repeat(crate::config::MAX_QUEUE_NAME_LEN);
         assert!(long.queue_channel(&queue).len() <= 63);
         assert!(long.queue_channel_prefix().len() <= 11);
+        assert!(PgSchema::new("abcdefgh").unwrap().queue_channel(&queue).len() <= 63);
+        assert!(PgSchema::default().queue_channel(&queue).len() <= 63);
         assert_ne!(long.done_channel(), PgSchema::new(&"t".repeat(63)).unwrap().done_channel());
+    }
+
+    #[test]
+    fn the_default_schema_keeps_its_channel_names() {
+        // Processes of earlier releases listen and notify on these.
+        let schema = PgSchema::default();
+        assert_eq!(schema.queue_channel("emails"), "canter_q_emails");
+        assert_eq!(schema.queue_channel_prefix(), "canter_q_");
+        assert_eq!(schema.done_channel(), "canter_done");
+        let other = PgSchema::new("shop").unwrap();
+        assert_eq!(other.queue_channel("emails"), "shop:q:emails");
+        assert_eq!(other.done_channel(), "shop:done");
+    }
+
+    /// Every channel of `schema` for these queues.
+    fn channels(schema: &PgSchema, queues: &[&str]) -> Vec<String> {
+        let mut all: Vec<String> = queues.iter().map(|q| schema.queue_channel(q)).collect();
+        all.push(schema.done_channel());
+        all
+    }
+
+    #[test]
+    fn channels_of_different_schemas_never_meet() {
+        // Schema and queue names may contain `_`: with `{tag}_q_{queue}` the first two pairs
+        // shared a channel, and a literal name spelt like a hashed tag shared the long one's.
+        let long = "a_schema_name_longer_than_eight_bytes";
+        let hashed = format!("c{:07x}", fnv1a64(long.as_bytes()) as u64 & 0x0fff_ffff);
+        let pairs = [
+            (("a_q_b", "c"), ("a", "b_q_c")),
+            (("a_q", "b"), ("a", "q_b")),
+            ((long, "jobs"), (hashed.as_str(), "jobs")),
+            (("x_done", "q"), ("x", "done")),
+            (("canter_q", "x"), ("canter", "q_x")),
+            (("canter_done", "q"), ("canter", "done")),
+        ];
+        for ((schema_a, queue_a), (schema_b, queue_b)) in pairs {
+            let (a, b) = (PgSchema::new(schema_a).unwrap(), PgSchema::new(schema_b).unwrap());
+            let (of_a, of_b) = (channels(&a, &[queue_a, queue_b]), channels(&b, &[queue_a, queue_b]));
+            for channel in &of_a {
+                assert!(!of_b.contains(channel), "{schema_a} and {schema_b} share {channel}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_queue_is_read_back_from_its_channel_alone() {
+        // The listener maps a notification to its queue by stripping the prefix.
+        for name in ["canter", "a", "a_q_b", "abcdefgh", "abcdefghi", &"z".repeat(63)] {
+            let schema = PgSchema::new(name).unwrap();
+            for queue in ["default", "b_q_c", "q", "done"] {
+                let channel = schema.queue_channel(queue);
+                assert_eq!(channel.strip_prefix(&schema.queue_channel_prefix()), Some(queue));
+                assert_ne!(channel, schema.done_channel());
+            }
+        }
     }
 
     #[test]
@@ -244,6 +731,56 @@ mod tests {
         let b = PgSchema::new("b").unwrap();
         assert_ne!(a.queue_lock_key("q"), b.queue_lock_key("q"));
         assert_ne!(a.queue_lock_key("q"), a.queue_lock_key("r"));
-        assert_ne!(a.cluster_lock_key(), a.reaper_lock_key());
+        assert_ne!(a.cluster_lock_key(), a.queue_lock_key("q"));
+    }
+
+    /// The SHA-384 of every migration as it was released. Applied migrations must never
+    /// change (a schema that ran the old text would be refused as modified): new SQL goes into
+    /// a new file, whose checksum is added here.
+    const RELEASED: &[(i64, &str)] = &[
+        (1, "91921525a4c15206b4711b54cf0512fa0eac129ef53a0aaacb82a198e38010d8a6ebc783ab53227795159f937c35a596"),
+        (2, "8eb4a1ae59fc3a84ce37a27a34653bb03d676bfc8dff19011fca65d480cb40777efdf1412056ee0ff74d71f33f2210a7"),
+        (3, "44c919368851da503e9723014c9fa1d06cb56316c918dbdf676e489492700406a7d9768d0ef8c52c3fd971c4d03fdc5f"),
+        (4, "85e259ac1b1c117bca0c6de1ae17e549933455106dcc706e153597b448febbd5ab18c15dd09ad743f505e62a7260ee68"),
+    ];
+
+    fn hex(bytes: &[u8]) -> String {
+        bytes.iter().map(|b| format!("{b:02x}")).collect()
+    }
+
+    #[test]
+    fn released_migrations_are_frozen() {
+        let embedded: Vec<(i64, String)> = embedded().map(|m| (m.version, hex(&m.checksum))).collect();
+        let pinned: Vec<(i64, String)> = RELEASED.iter().map(|(v, c)| (*v, (*c).to_owned())).collect();
+        assert_eq!(embedded, pinned, "a migration changed, or a new one lacks its pinned checksum");
+        assert_eq!(code_schema_version(), RELEASED.last().unwrap().0);
+    }
+
+    #[test]
+    fn new_migrations_are_online_safe() {
+        // From 0002 on: a bounded lock wait first, and no index built inside a transaction.
+        for migration in embedded().filter(|m| m.version >= 2) {
+            let sql: &str = migration.sql.as_str();
+            let first = sql.lines().map(str::trim).find(|l| !l.is_empty() && !l.starts_with("--"));
+            assert!(
+                first.is_some_and(|l| l.starts_with("SET lock_timeout")),
+                "migration {} must start with SET lock_timeout",
+                migration.version
+            );
+            let upper = sql.to_uppercase();
+            let indexes = upper.matches("CREATE INDEX").count() + upper.matches("CREATE UNIQUE INDEX").count();
+            let concurrent = upper.matches("INDEX CONCURRENTLY").count();
+            assert_eq!(indexes, concurrent, "migration {} builds an index without CONCURRENTLY", migration.version);
+            assert!(
+                concurrent == 0 || migration.no_tx,
+                "migration {}: CONCURRENTLY needs -- no-transaction",
+                migration.version
+            );
+            assert!(
+                sql.contains("INSERT INTO schema_versions"),
+                "migration {} must declare its row of schema_versions",
+                migration.version
+            );
+        }
     }
 }

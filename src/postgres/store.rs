@@ -1,8 +1,9 @@
 //! [`PgStore`]: the worker machine's database requests, executed on PostgreSQL.
 //!
 //! Each [`DbRequest`] is one round trip (the reaper, which runs rarely, is one short
-//! transaction): claims call the `claim` function of the schema, which takes advisory locks only
-//! when a cap needs a consistent count and otherwise is `FOR UPDATE SKIP LOCKED` alone; starts
+//! transaction): claims call the `claim` function of the schema, which locks rows of
+//! `claim_locks` only when a cap needs a consistent count and otherwise is `FOR UPDATE SKIP
+//! LOCKED` alone; starts
 //! call `start_tasks`; finishes, heartbeats, releases and abandoned claims are single statements
 //! over `unnest`ed arrays (see [`sql`](crate::postgres::sql)). Semantics are the memory store's,
 //! reply for reply; the conformance suite (`tests/pg_conformance.rs`) compares them.
@@ -553,7 +554,7 @@ impl PgStore {
     }
 }
 
-/// The advisory lock keys a claim under `policy` takes, sorted: none without caps, the cluster
+/// The `claim_locks` rows a claim under `policy` locks, sorted: none without caps, the cluster
 /// key with a cluster-wide cap (it covers every queue), else one key per capped queue.
 pub fn claim_lock_keys(schema: &PgSchema, policy: &ClaimPolicy) -> Vec<i64> {
     if !policy.needs_cluster_count() {

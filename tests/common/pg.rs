@@ -8,7 +8,9 @@
 //! are not on `PATH`).
 //!
 //! Every test gets its own schema (`t<pid>_<n>`), migrated with the crate's migrations and
-//! dropped when the [`TestDb`] is dropped, so tests run in parallel on one database.
+//! dropped when the [`TestDb`] is dropped, so tests run in parallel on one database. Its clock
+//! functions are then replaced by ones a test can pin per session ([`PINNABLE_CLOCKS`],
+//! [`pin_clock`]); the migrations' own read the database's clock alone.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -103,9 +105,46 @@ fn postgres_bin_dir() -> Option<PathBuf> {
     dirs.pop()
 }
 
+/// The schema's clock functions a test may pin with `SET canter.now` ([`pin_clock`]): each
+/// function's name, what it reads when the setting is unset or empty, and its volatility.
+/// Production's read the clock alone; [`TestDb::new`] replaces these in the test's schema.
+pub const PINNABLE_CLOCKS: &[(&str, &str, &str)] =
+    &[("db_now", "now()", "STABLE"), ("db_clock", "clock_timestamp()", "VOLATILE")];
+
+/// Replaces the [`PINNABLE_CLOCKS`] of `schema` by functions that read `canter.now` first.
+pub async fn install_clock_override(pool: &PgPool, schema: &PgSchema) {
+    for (name, clock, volatility) in PINNABLE_CLOCKS {
+        let sql = format!(
+            "CREATE OR REPLACE FUNCTION {}.{name}() RETURNS timestamptz LANGUAGE sql {volatility} PARALLEL SAFE \
+             AS $$ SELECT coalesce(nullif(current_setting('canter.now', true), '')::timestamptz, {clock}) $$",
+            schema.quoted()
+        );
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("install the test clock");
+    }
+}
+
 impl TestDb {
-    /// A fresh schema, migrated.
+    /// A fresh schema, migrated, with clocks a test can pin ([`pin_clock`]).
     pub async fn new() -> TestDb {
+        let db = TestDb::unmigrated().await;
+        let pool = db.pool(2).await;
+        migrate(&pool, &db.schema).await.expect("migrate");
+        install_clock_override(&pool, &db.schema).await;
+        pool.close().await;
+        db
+    }
+
+    /// A fresh schema, migrated as in production: its clocks cannot be pinned.
+    pub async fn production() -> TestDb {
+        let db = TestDb::unmigrated().await;
+        let pool = db.pool(2).await;
+        migrate(&pool, &db.schema).await.expect("migrate");
+        pool.close().await;
+        db
+    }
+
+    /// A schema name of its own (dropped with the value), not created yet.
+    pub async fn unmigrated() -> TestDb {
         let url = server_url().await;
         let name = format!("t{}_{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed));
         let schema = PgSchema::new(&name).expect("test schema name");
@@ -115,8 +154,6 @@ impl TestDb {
             .execute(&pool)
             .await
             .expect("drop a leftover schema");
-        migrate(&pool, &db.schema).await.expect("migrate");
-        pin_clocks_by_setting(&pool, &db.schema).await;
         pool.close().await;
         db
     }
@@ -165,19 +202,8 @@ impl Drop for TestDb {
     }
 }
 
-/// Makes the schema's clocks read `canter.now` when a test sets it (see [`pin_clock`]): the
-/// production functions read only the server's clock.
-pub async fn pin_clocks_by_setting(pool: &PgPool, schema: &PgSchema) {
-    let sql = format!(
-        "CREATE OR REPLACE FUNCTION {s}.db_clock() RETURNS timestamptz LANGUAGE sql VOLATILE PARALLEL SAFE \
-         AS $$ SELECT coalesce(nullif(current_setting('canter.now', true), '')::timestamptz, clock_timestamp()) $$",
-        s = schema.quoted()
-    );
-    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(pool).await.expect("the test clock");
-}
-
 /// Pins the database clock of every statement `pool` runs at `now` (the pool must have one
-/// connection: the setting is per session).
+/// connection: the setting is per session). Only schemas made by [`TestDb::new`] read it.
 pub async fn pin_clock(pool: &PgPool, schema: &PgSchema, now: DbTime) {
     let sql = format!("SELECT set_config('canter.now', {}.at_ms($1)::text, false)", schema.quoted());
     sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(pool).await.expect("pin the clock");

@@ -11,7 +11,7 @@ use std::time::Duration;
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
 use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
-use canter_tokio::canter::postgres::{CheckReport, PgStore, enqueue_many_in};
+use canter_tokio::canter::postgres::{CheckReport, MIGRATE_LOCK_WAIT, PgStore, SchemaStatus, enqueue_many_in};
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration, printable};
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
@@ -163,10 +163,17 @@ fn log_filter(directives: &str, default: LevelFilter) -> Option<(Targets, LevelF
 
 fn command_help(command: &str) -> Option<&'static str> {
     Some(match command {
-        "migrate" => "usage: canter migrate [--database-url URL] [--schema NAME]",
+        "migrate" => {
+            "usage: canter migrate [--database-url URL] [--schema NAME]\n\n\
+             applies the migrations the schema lacks (creating it if needed) and prints its version.\n\
+             needs CREATE on the schema (and on the database to create the schema); workers then\n\
+             start with only read and write rights (canter worker --no-migrate)."
+        }
         "worker" => {
-            "usage: canter worker [--config FILE] [--database-url URL] [--schema NAME] [--<setting> VALUE]...\n\n\
+            "usage: canter worker [--config FILE] [--database-url URL] [--schema NAME] [--no-migrate] [--<setting> VALUE]...\n\n\
              serves the built-in tasks (noop, sleep, fail, panic, echo, cpu) until SIGINT or SIGTERM.\n\
+             at startup it applies the migrations the schema lacks (a current schema is only read);\n\
+             --no-migrate only checks the schema's version and refuses to start if it lacks any.\n\
              every AppConfig and WorkerConfig setting can be given as a flag named after it, e.g.\n\
              --concurrency 16 --queues default,emails --prefetch-buffer 4 --claim-lease-ms 30000\n\
              --deployment-mode PollingOnly --check-interval-ms 5000 --custom-queues '[{\"name\":\"a\"}]'\n\
@@ -229,9 +236,11 @@ fn command_help(command: &str) -> Option<&'static str> {
         }
         "resume" => "usage: canter resume QUEUE [--json]\n\nlets workers claim a paused queue's tasks again.",
         "scheduler" => {
-            "usage: canter scheduler --config FILE [--database-url URL] [--schema NAME] [--once | --dry-run | --list [--json]]\n\n\
+            "usage: canter scheduler --config FILE [--database-url URL] [--schema NAME] [--no-migrate]\n\
+             \x20                       [--once | --dry-run | --list [--json]]\n\n\
              enqueues the ticks of the file's [[app.schedules]] until SIGINT or SIGTERM: each tick once,\n\
-             however many schedulers and workers with worker.run_scheduler run (migrates at startup).\n\
+             however many schedulers and workers with worker.run_scheduler run (at startup it applies\n\
+             the migrations the schema lacks; --no-migrate only checks the schema's version).\n\
              --once checks once and prints what it enqueued; --dry-run prints what a check would\n\
              enqueue and writes nothing; --list prints each schedule's last and next tick."
         }
@@ -251,8 +260,18 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "migrate" => {
             let args = Args::parse(raw, COMMON, &[], false)?;
             let client = client(&args, Default::default())?;
-            with_retry("migrate", || client.store().migrate()).await?;
-            outln!("schema {} is up to date", client.store().schema().name());
+            let store = client.store();
+            let status = with_retry("migrate", || {
+                canter_tokio::canter::postgres::migrate_within(store.pool(), store.schema(), MIGRATE_LOCK_WAIT)
+            })
+            .await?;
+            let name = store.schema().name();
+            match status {
+                SchemaStatus::Ahead { version, code_version } => outln!(
+                    "schema {name} is at version {version}, newer than this binary's {code_version}, which it accepts"
+                ),
+                status => outln!("schema {name} is up to date (version {})", status.version().unwrap_or(0)),
+            }
             Ok(())
         }
         "worker" => worker(raw).await,
@@ -346,13 +365,14 @@ fn worker_config(args: &Args) -> Result<Config, Failure> {
 }
 
 async fn worker(raw: &[String]) -> Outcome {
-    let args = Args::parse(raw, &["config", "database-url", "schema"], &[], true)?;
+    let args = Args::parse(raw, &["config", "database-url", "schema"], &["no-migrate"], true)?;
     let config = worker_config(&args)?;
     let size = (config.worker.concurrency / 4).clamp(4, 32);
     let registry = Arc::new(builtins::registry());
     let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
         .map_err(|e| Failure::Usage(e.to_string()))?
-        .schema(schema(&args)?);
+        .schema(schema(&args)?)
+        .migrate(!args.switch("no-migrate"));
     cli::note_line(format_args!(
         "worker {} starting; stop it with Ctrl-C or SIGTERM",
         printable(&worker.worker_id().0)
@@ -823,7 +843,7 @@ async fn pause(command: &str, raw: &[String]) -> Outcome {
 }
 
 async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
-    let switches: &[&str] = if list_only { &["json"] } else { &["once", "dry-run", "list", "json"] };
+    let switches: &[&str] = if list_only { &["json"] } else { &["once", "dry-run", "list", "json", "no-migrate"] };
     let args = Args::parse(raw, &["config", "database-url", "schema"], switches, false)?;
     if !args.positional.is_empty() {
         return Err(Failure::Usage("takes no positional arguments".into()));
@@ -843,8 +863,10 @@ async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
     if app.schedules.is_empty() && !list {
         return Err(Failure::Usage("no schedules: give --config FILE with [[app.schedules]] tables".into()));
     }
-    let scheduler =
-        Scheduler::new(pool(&args, 4)?, app).map_err(|e| Failure::Usage(e.to_string()))?.schema(schema(&args)?);
+    let scheduler = Scheduler::new(pool(&args, 4)?, app)
+        .map_err(|e| Failure::Usage(e.to_string()))?
+        .schema(schema(&args)?)
+        .migrate(!args.switch("no-migrate"));
     if list {
         return list_schedules(&scheduler, args.switch("json")).await;
     }
@@ -854,7 +876,15 @@ async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
         return Ok(());
     }
     if args.switch("once") {
-        with_retry("migrate", || scheduler.store().migrate()).await?;
+        let store = scheduler.store();
+        if args.switch("no-migrate") {
+            with_retry("check the schema", || {
+                canter_tokio::canter::postgres::require_current(store.pool(), store.schema())
+            })
+            .await?;
+        } else {
+            with_retry("migrate", || store.migrate()).await?;
+        }
         let report = scheduler.check().await.map_err(|e| failed(format!("check failed: {e}")))?;
         print_report(&scheduler, &report);
         return if report.refused.is_empty() { Ok(()) } else { Err(failed("some schedules' tasks were refused")) };
