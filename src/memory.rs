@@ -492,6 +492,17 @@ impl MemoryStore {
         Ok(ids)
     }
 
+    /// Writes `task` as another producer writing its row by hand would: none of
+    /// [`db::check_new_task`]'s checks, so its arguments may be anything a database holds
+    /// (nested deeper than a reader decodes, say). For tests and the simulation of rows no
+    /// worker can read; its queue, if any, is taken as it is.
+    pub fn enqueue_unchecked(&mut self, task: NewTask, now: DbTime) -> TaskId {
+        let queue = task.queue.clone().unwrap_or_else(|| db::default_queue(&self.app).to_owned());
+        let id = self.insert_new(task, queue.clone(), now);
+        self.notify_ready([queue]);
+        id
+    }
+
     /// Writes `task` as a new Pending row (taking its key, if it has one) and returns its id.
     fn insert_new(&mut self, task: NewTask, queue: String, now: DbTime) -> TaskId {
         let id = TaskId(self.next_id);

@@ -80,8 +80,10 @@ pub const NOTIFIED_PASS_BURST: u32 = 20;
 /// The rate empty notified passes may keep up once their burst is spent.
 pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
 
-/// The first wait before beating again for rows another transaction's lock kept a heartbeat
-/// from renewing (`busy`); it doubles while rows stay busy, up to the heartbeat interval.
+/// The first wait before trying again what another transaction's lock held up: a heartbeat's
+/// `busy` rows, or a request that gave up after `lock_timeout`. It doubles while locks keep
+/// holding things up, up to the heartbeat interval. A lock is not an outage: heartbeats and
+/// everything else go on meanwhile.
 pub const BUSY_RETRY_MIN: Duration = Duration::from_secs(1);
 
 /// Something that happened, reported to [`Worker::handle_input`].
@@ -310,6 +312,8 @@ pub enum Timer {
     RecordStarts,
     /// Notifications held back by the rate of empty notified passes may claim again.
     NotifiedPass,
+    /// Try again what a lock held up.
+    LockRetry,
 }
 
 /// Counters an operator can read.
@@ -576,8 +580,13 @@ pub struct Worker {
     listening: bool,
     /// Completions not yet sent.
     completions: VecDeque<Queued>,
-    /// Heartbeats in a row that met busy rows: the backoff of beating again for them.
+    /// Hold-ups by other transactions' locks in a row: the backoff of trying again.
     busy_streak: u32,
+    /// A request gave up on a lock: starts, records, releases, abandons and claims wait for
+    /// [`Timer::LockRetry`].
+    lock_blocked: bool,
+    /// Completions whose finish, alone, gave up on a lock: sent again at [`Timer::LockRetry`].
+    lock_held: Vec<Queued>,
     /// The most completions the next finish may carry: halved when the database refuses a
     /// batch, to isolate the item it refuses; doubled back after every batch that lands.
     finish_limit: usize,
@@ -637,6 +646,8 @@ impl Worker {
             listening: false,
             completions: VecDeque::new(),
             busy_streak: 0,
+            lock_blocked: false,
+            lock_held: Vec::new(),
             finish_limit,
             finish_in_flight: false,
             abandoned: BTreeMap::new(),
@@ -796,6 +807,12 @@ impl Worker {
                 Timer::ShutdownGrace => self.end_grace(),
                 Timer::HandlerTimeout(task) => self.time_out(task),
                 Timer::RecordStarts => self.record_due = true,
+                Timer::LockRetry => {
+                    self.lock_blocked = false;
+                    for queued in std::mem::take(&mut self.lock_held) {
+                        self.completions.push_back(queued);
+                    }
+                }
                 Timer::NotifiedPass => {
                     self.more_work = true;
                     self.notified_pass = true;
@@ -882,6 +899,15 @@ impl Worker {
             };
             self.send(DbRequest::RegisterWorker(info), Op::Register);
         }
+        if self.heartbeat_due {
+            self.send_heartbeat();
+        }
+        self.flush_completions();
+        if self.lock_blocked {
+            // Until the lock retry: heartbeats and finishes only.
+            self.check_drained();
+            return;
+        }
         for token in std::mem::take(&mut self.abandons) {
             self.send(DbRequest::AbandonClaim { worker: self.id.clone(), token }, Op::Abandon(token));
         }
@@ -889,13 +915,9 @@ impl Worker {
             let tasks = std::mem::take(&mut self.releases);
             self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
         }
-        if self.heartbeat_due {
-            self.send_heartbeat();
-        }
         if self.record_due {
             self.send_record_starts();
         }
-        self.flush_completions();
         self.start_buffered(now);
         self.claim(now);
         self.check_drained();
@@ -1200,6 +1222,9 @@ impl Worker {
                 // It landed: the next batch may be as large again (back to the configured size
                 // after a refused batch was split).
                 self.finish_limit = self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
+                if !self.lock_blocked && self.lock_held.is_empty() {
+                    self.busy_streak = 0;
+                }
                 let sent = SentLeases::new(batch.iter().map(|q| q.completion.task));
                 let resent: BTreeSet<TaskLease> =
                     batch.iter().filter(|q| q.resent).map(|q| q.completion.task).collect();
@@ -1254,7 +1279,9 @@ impl Worker {
                     }
                 }
                 if busy.is_empty() {
-                    self.busy_streak = 0;
+                    if !self.lock_blocked && self.lock_held.is_empty() {
+                        self.busy_streak = 0;
+                    }
                 } else {
                     // Rows another transaction locks were not renewed: beat again soon for them,
                     // less soon while they stay locked.
@@ -1496,10 +1523,20 @@ impl Worker {
     /// Drops every unwritten completion of `task`.
     fn forget_writes(&mut self, task: TaskId) {
         self.completions.retain(|q| q.completion.task.task != task);
+        self.lock_held.retain(|q| q.completion.task.task != task);
     }
 
-    /// How long to wait before beating again for busy rows: doubling from [`BUSY_RETRY_MIN`]
-    /// with each beat in a row that met some, at most a heartbeat interval.
+    /// Arms the lock retry (once), backing off while locks keep holding things up.
+    fn hold_up(&mut self, now: Instant) {
+        if !self.timers.contains_key(&Timer::LockRetry) {
+            let at = now + self.busy_delay();
+            self.arm(Timer::LockRetry, at);
+        }
+        self.busy_streak = self.busy_streak.saturating_add(1);
+    }
+
+    /// How long to wait before trying again what locks held up: doubling from
+    /// [`BUSY_RETRY_MIN`] with each hold-up in a row, at most a heartbeat interval.
     fn busy_delay(&self) -> Duration {
         let doubled = BUSY_RETRY_MIN.saturating_mul(1u32 << self.busy_streak.min(16));
         doubled.min(self.heartbeat_interval()).max(BUSY_RETRY_MIN)
@@ -1552,6 +1589,8 @@ impl Worker {
     fn on_failure(&mut self, op: Op, failure: DbFailure, now: Instant) {
         self.stats.db_failures += 1;
         let unknown = matches!(failure, DbFailure::Unknown(_));
+        // A lock another transaction held too long: not an outage, so no backoff of everything.
+        let lock = matches!(failure, DbFailure::LockTimeout(_));
         match op {
             Op::Claim { token, .. } => {
                 self.claim_in_flight = false;
@@ -1607,7 +1646,13 @@ impl Worker {
                         queued.sanitized = true;
                     }
                 }
-                let retry_at_once = refused_values && !refused_anyway;
+                if lock && batch.len() == 1 {
+                    // The row it waits for is alone: it waits for the lock retry, the rest go on.
+                    self.lock_held.extend(batch);
+                    self.hold_up(now);
+                    return;
+                }
+                let retry_at_once = (refused_values && !refused_anyway) || lock;
                 for mut queued in batch.into_iter().rev() {
                     queued.resent |= unknown;
                     self.completions.push_front(queued);
@@ -1635,6 +1680,11 @@ impl Worker {
                 self.stop(0);
                 return;
             }
+        }
+        if lock {
+            self.lock_blocked = true;
+            self.hold_up(now);
+            return;
         }
         if self.db_down {
             // Other requests in flight when the database went away fail too: one outage,

@@ -6,7 +6,10 @@
 //! and delayed; listeners disconnect; workers crash (their in-flight requests may still land)
 //! and restart under a new id, or shut down gracefully and restart; handlers are slow, hang,
 //! fail and panic (see [`LoadOptions`](super::LoadOptions)); a handler's answer may arrive
-//! after its abort.
+//! after its abort. And the faults of bad data and slow locks: handlers answer values the
+//! database refuses (U+0000, values over a server-side limit), other producers write rows no
+//! reader can decode, requests commit after their reply timed out (and after the worker tried
+//! to undo them), and other transactions hold rows locked for seconds.
 
 use crate::rng::Rng;
 
@@ -23,6 +26,9 @@ pub enum Fate {
     LostReply,
     /// Refused by the database (`DbFailure::Rejected`): nothing applied.
     Rejected,
+    /// No answer came (`DbFailure::Unknown`), and the request commits later still: after the
+    /// worker was told it is unknown, and after whatever it sent to undo it.
+    LateCommit,
 }
 
 /// Fault rates and windows. Chances are per request, per notification or per handler answer.
@@ -74,6 +80,21 @@ pub struct FaultOptions {
     pub dead_apply_chance: f64,
     /// Chance an aborted handler's answer still arrives (and must be ignored).
     pub late_finish_chance: f64,
+    /// Chance a handler's answer holds a value the database refuses: U+0000 in its result or
+    /// in its error's message, or (with `db_value_limit_bytes`) a result over that limit.
+    pub poison_outcome_chance: f64,
+    /// A limit on stored values the database enforces below the worker's
+    /// `max_result_bytes` (a trigger, a managed server's cap): a finish carrying a larger
+    /// result is refused as a whole (`DbFailure::Invalid`), though the worker let it through.
+    pub db_value_limit_bytes: Option<u64>,
+    /// Chance an enqueue statement is followed by a row another producer wrote by hand, with
+    /// arguments nested deeper than a reader can decode.
+    pub poison_row_chance: f64,
+    /// Chance a request commits after its reply timed out ([`Fate::LateCommit`]).
+    pub late_commit_chance: f64,
+    /// Rows locked by other transactions, as `(at_ms, for_ms)`: a live row, in flight if
+    /// there is one, is locked for that long (an application's transaction, an operator's).
+    pub row_locks: Vec<(u64, u64)>,
 }
 
 impl FaultOptions {
@@ -101,6 +122,11 @@ impl FaultOptions {
             restart_after_max_ms: 1_000,
             dead_apply_chance: 0.0,
             late_finish_chance: 0.0,
+            poison_outcome_chance: 0.0,
+            db_value_limit_bytes: None,
+            poison_row_chance: 0.0,
+            late_commit_chance: 0.0,
+            row_locks: Vec::new(),
         }
     }
 
@@ -161,6 +187,16 @@ impl FaultOptions {
                 .map(|(at, slot)| (at, slot, rng.range(1_000, 40_001).min(safety_ms - at)))
                 .collect();
         }
+        // The faults of bad data and slow locks, drawn after all the others for the same reason.
+        faults.poison_outcome_chance = on(rng, 0.05);
+        if rng.chance(0.3) {
+            faults.db_value_limit_bytes = Some(rng.range(2_048, 16_385));
+        }
+        faults.poison_row_chance = on(rng, 0.05);
+        faults.late_commit_chance = on(rng, 0.05);
+        if rng.chance(0.4) {
+            faults.row_locks = events(rng, 8).into_iter().map(|(at, _)| (at, rng.range(100, 60_001))).collect();
+        }
         faults
     }
 
@@ -197,6 +233,10 @@ impl FaultOptions {
         if roll < edge {
             return Fate::Rejected;
         }
+        edge += self.late_commit_chance;
+        if roll < edge {
+            return Fate::LateCommit;
+        }
         Fate::Delivered
     }
 
@@ -212,6 +252,9 @@ impl FaultOptions {
             self.notify_loss_chance,
             self.notify_duplicate_chance,
             self.late_finish_chance,
+            self.poison_outcome_chance,
+            self.poison_row_chance,
+            self.late_commit_chance,
         ];
         chances.iter().any(|&c| c > 0.0)
             || !self.outages.is_empty()
@@ -219,5 +262,6 @@ impl FaultOptions {
             || !self.shutdowns.is_empty()
             || !self.stalls.is_empty()
             || !self.listener_drops.is_empty()
+            || !self.row_locks.is_empty()
     }
 }

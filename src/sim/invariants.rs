@@ -28,7 +28,7 @@ use serde_json::Value;
 use crate::budget::ClaimPolicy;
 use crate::config::AppConfig;
 use crate::db::{DbReply, DbRequest, DbTime, FinishOutcome};
-use crate::memory::{MemoryStore, StoredTask};
+use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use crate::worker::Worker;
 
@@ -183,6 +183,8 @@ pub(crate) struct Checker {
     pub(crate) finishes_applied: u64,
     /// Stale writes (a lease or state that no longer matched) the store refused.
     pub(crate) fenced: u64,
+    /// The run each task's latest applied finish ended: by whom, under which lease.
+    finished_by: BTreeMap<TaskId, (WorkerId, Lease)>,
 }
 
 /// Runs `check` and turns a `false` into an error naming what broke.
@@ -209,6 +211,7 @@ impl Checker {
             unfinished: 0,
             finishes_applied: 0,
             fenced: 0,
+            finished_by: BTreeMap::new(),
         }
     }
 
@@ -266,6 +269,12 @@ impl Checker {
             ensure!(n <= *cap as usize, "CAP: {n} tasks of queue {queue} run (store and handlers), cap {cap}");
         }
         Ok(())
+    }
+
+    /// Whether `worker`'s own finish ended `task`'s run under `lease` (the latest finish of it
+    /// that applied).
+    pub(crate) fn finished_by(&self, task: TaskId, worker: &WorkerId, lease: Lease) -> bool {
+        self.finished_by.get(&task).is_some_and(|(by, under)| by == worker && *under == lease)
     }
 
     /// Whether tasks of `queue` can never run (its cap is 0).
@@ -382,6 +391,13 @@ impl Checker {
                         row.lease
                     );
                     ensure!(row.claimed_by.as_ref() == Some(worker), "claimed task {id} is not held by {worker}");
+                    let unreadable = json_depth(&row.args) > READABLE_JSON_DEPTH;
+                    ensure!(
+                        task.args_error.is_some() == unreadable && (!unreadable || task.args.is_null()),
+                        "claim of task {id}: args_error {:?} for arguments {} levels deep",
+                        task.args_error,
+                        json_depth(&row.args)
+                    );
                     ensure!(
                         task.started == (index < *start_now as usize),
                         "claim of task {id}: started {} at index {index}, start_now {start_now}",
@@ -570,6 +586,7 @@ impl Checker {
                     let was = pre(id).expect("applied rows have facts");
                     let row = post(id)?;
                     ensure!(row.state == state, "finished task {id} is {}, reply says {state}", row.state);
+                    self.finished_by.insert(id, (worker.clone(), completion.task.lease));
                     run_counted_once(id, "finish", was, row)?;
                     match (&completion.outcome, state) {
                         (FinishOutcome::Completed(_), TaskState::Completed) => {}

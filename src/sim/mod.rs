@@ -74,11 +74,11 @@ use serde_json::json;
 
 use crate::budget::ClaimPolicy;
 use crate::config::{DeploymentMode, WorkerConfig};
-use crate::db::{DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
-use crate::memory::{MemoryStore, Notification};
+use crate::db::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
+use crate::memory::{MemoryStore, Notification, READABLE_JSON_DEPTH, json_depth};
 use crate::rng::{Rng, mix};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
-use crate::worker::{Command, Event, Input, TaskOutcome, TaskRun, Worker};
+use crate::worker::{ABANDONED_CLAIM_MEMORY, Command, Event, Input, LostReason, TaskOutcome, TaskRun, Worker};
 
 pub use faults::{Fate, FaultOptions};
 pub use options::{LoadOptions, SimOptions, USER_ERROR_CODE};
@@ -222,17 +222,74 @@ enum Phase {
 /// incarnation is dead they are dropped (a database request may still land).
 #[derive(Debug, Clone)]
 enum SimEvent {
-    Enqueue { count: u32 },
-    Apply { slot: usize, incarnation: u32, worker: WorkerId, op: OpId, request: DbRequest, fate: Fate },
-    Reply { slot: usize, incarnation: u32, op: OpId, reply: Result<DbReply, DbFailure> },
-    Finished { slot: usize, incarnation: u32, task: TaskId, lease: Lease, outcome: TaskOutcome },
-    Notify { slot: usize, incarnation: u32, queue: String },
-    Listener { slot: usize, incarnation: u32, connected: bool },
-    ListenerDrop { slot: usize, down_ms: u64 },
-    Stall { slot: usize, for_ms: u64 },
-    Crash { slot: usize },
-    Shutdown { slot: usize },
-    Restart { slot: usize },
+    Enqueue {
+        count: u32,
+    },
+    Apply {
+        slot: usize,
+        incarnation: u32,
+        worker: WorkerId,
+        op: OpId,
+        request: DbRequest,
+        fate: Fate,
+        /// Heartbeats: the claims the worker had abandoned when it sent the beat, whose
+        /// late-committed rows the beat must hand back.
+        abandoned: Vec<u64>,
+    },
+    /// A request that timed out commits after all.
+    LateApply {
+        worker: WorkerId,
+        op: OpId,
+        request: DbRequest,
+    },
+    /// Another transaction locks a live row for `for_ms`.
+    LockRow {
+        for_ms: u64,
+    },
+    /// That transaction ends.
+    UnlockRow {
+        task: TaskId,
+    },
+    Reply {
+        slot: usize,
+        incarnation: u32,
+        op: OpId,
+        reply: Result<DbReply, DbFailure>,
+    },
+    Finished {
+        slot: usize,
+        incarnation: u32,
+        task: TaskId,
+        lease: Lease,
+        outcome: TaskOutcome,
+    },
+    Notify {
+        slot: usize,
+        incarnation: u32,
+        queue: String,
+    },
+    Listener {
+        slot: usize,
+        incarnation: u32,
+        connected: bool,
+    },
+    ListenerDrop {
+        slot: usize,
+        down_ms: u64,
+    },
+    Stall {
+        slot: usize,
+        for_ms: u64,
+    },
+    Crash {
+        slot: usize,
+    },
+    Shutdown {
+        slot: usize,
+    },
+    Restart {
+        slot: usize,
+    },
     Heal,
 }
 
@@ -269,6 +326,13 @@ struct Slot {
     requests_this_second: u32,
     /// While stalled: its timers and deliveries wait until then.
     stalled_until: Option<Instant>,
+    /// The claims the incarnation abandoned (`AbandonClaim` sent), by token, and when.
+    abandoned_claims: BTreeMap<u64, Instant>,
+    /// Its last finish refused for its values (`Invalid`): it must never be sent again as it was.
+    refused_finish: Option<Vec<Completion>>,
+    /// Until when the reaper may take its runs: a fault the run injected into its requests
+    /// (or a stall) can keep its heartbeats from landing for that long.
+    excused_until: Option<Instant>,
 }
 
 impl Slot {
@@ -303,6 +367,12 @@ pub struct Sim {
     healed_at: Duration,
     settled_at: Duration,
     stats: Stats,
+    /// Per run (task and lease), whether its handler answered a value the database refuses.
+    poisoned: BTreeMap<(TaskId, Lease), bool>,
+    /// Rows other transactions locked, and when the lock ended (for the ones that did).
+    locked_until: BTreeMap<TaskId, Option<Instant>>,
+    /// How long a fault can keep a live worker's heartbeats from landing (see `excuse`).
+    excuse_window: Duration,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -340,6 +410,9 @@ impl Sim {
                 second: 0,
                 requests_this_second: 0,
                 stalled_until: None,
+                abandoned_claims: BTreeMap::new(),
+                refused_finish: None,
+                excused_until: None,
             })
             .collect();
         Sim {
@@ -364,6 +437,9 @@ impl Sim {
             healed_at: Duration::ZERO,
             settled_at: Duration::ZERO,
             stats: Stats::default(),
+            poisoned: BTreeMap::new(),
+            locked_until: BTreeMap::new(),
+            excuse_window: excuse_window(&options),
             options,
         }
     }
@@ -549,6 +625,17 @@ impl Sim {
                 faults.stalls
             ),
         );
+        self.note(
+            "sim",
+            format_args!(
+                "bad data and locks: poison outcomes {:.3}, db value limit {:?}, poison rows {:.3}, late commits {:.3}, row locks {:?}",
+                faults.poison_outcome_chance,
+                faults.db_value_limit_bytes,
+                faults.poison_row_chance,
+                faults.late_commit_chance,
+                faults.row_locks
+            ),
+        );
         for slot in 0..self.slots.len() {
             self.start_worker(slot)?;
         }
@@ -570,6 +657,9 @@ impl Sim {
         }
         for &(at, slot, for_ms) in &faults.stalls {
             self.schedule_at(Duration::from_millis(at), SimEvent::Stall { slot, for_ms });
+        }
+        for &(at, for_ms) in &faults.row_locks {
+            self.schedule_at(Duration::from_millis(at), SimEvent::LockRow { for_ms });
         }
         self.schedule_at(Duration::from_millis(self.options.safety_ms), SimEvent::Heal);
         Ok(())
@@ -693,6 +783,12 @@ impl Sim {
 
     fn heal(&mut self) -> Result<(), String> {
         self.faults_on = false;
+        // Other transactions end with the faults.
+        let locked: Vec<TaskId> = self.store.locked_rows().iter().copied().collect();
+        for task in locked {
+            self.store.unlock_row(task);
+            self.locked_until.insert(task, Some(self.now));
+        }
         self.healed_at = self.elapsed();
         let bound = self.liveness_bound_ms();
         self.phase = Phase::Liveness { deadline: self.now + Duration::from_millis(bound) };
@@ -780,6 +876,8 @@ impl Sim {
         s.stopped_on_failure = false;
         s.deregister_op = None;
         s.handlers.clear();
+        s.abandoned_claims.clear();
+        s.refused_finish = None;
         let mut config = s.config.clone();
         config.seed = config.seed.map(|seed| mix(seed ^ u64::from(s.incarnation)));
         let id = WorkerId(s.name(slot));
@@ -876,7 +974,7 @@ impl Sim {
                 Event::Finished { task, state } => self.note(&name, format_args!("event Finished task {task} {state}")),
                 Event::Lost { task, reason } => {
                     self.note(&name, format_args!("event Lost task {task} {reason:?}"));
-                    self.check_loss(slot, &name, task)?;
+                    self.check_loss(slot, &name, task, reason)?;
                 }
                 other => self.note(&name, format_args!("event {other:?}")),
             }
@@ -907,8 +1005,15 @@ impl Sim {
     /// the lease it had: dropping a run the store still holds for it leaves the task to the
     /// reaper (a spurious `WORKER_CRASHED`, a spent retry or a failure) while the worker is
     /// healthy. (A dropped claim merely lapses and is claimed again: not judged here.)
-    fn check_loss(&self, slot: usize, name: &str, task: TaskId) -> Result<(), String> {
+    fn check_loss(&self, slot: usize, name: &str, task: TaskId, reason: LostReason) -> Result<(), String> {
         let Some(&lease) = self.slots[slot].held_before.get(&task) else { return Ok(()) };
+        // A loss it is sure of (not a re-send meeting its own first send) must not be a run its
+        // own finish ended.
+        if reason == LostReason::LeaseLost && self.checker.finished_by(task, &WorkerId(name.to_owned()), lease) {
+            return Err(format!(
+                "SPURIOUS LOSS: {name} reports task {task} lease {lease} lost, but its own finish ended that run"
+            ));
+        }
         let Some(row) = self.store.task(task) else { return Ok(()) };
         let held = row.lease == lease && row.claimed_by.as_ref().is_some_and(|w| w.0 == name);
         if held && row.state == TaskState::Running {
@@ -938,14 +1043,35 @@ impl Sim {
                     return Err(format!("BUSY LOOP: {name} sent {per_second} requests in one virtual second"));
                 }
                 self.note(&name, format_args!("-> {} {op} {}", request.kind(), describe_request(&request)));
-                if matches!(request, DbRequest::DeregisterWorker(_)) {
-                    self.slots[slot].deregister_op = Some(op);
+                let mut abandoned = Vec::new();
+                match &request {
+                    DbRequest::DeregisterWorker(_) => self.slots[slot].deregister_op = Some(op),
+                    DbRequest::AbandonClaim { token, .. } => {
+                        let now = self.now;
+                        self.slots[slot].abandoned_claims.entry(*token).or_insert(now);
+                    }
+                    DbRequest::Heartbeat { .. } => {
+                        // What the worker must still remember (a second short of its memory).
+                        let remembered = ABANDONED_CLAIM_MEMORY.saturating_sub(Duration::from_secs(1));
+                        let now = self.now;
+                        abandoned = self.slots[slot]
+                            .abandoned_claims
+                            .iter()
+                            .filter(|(_, at)| now.saturating_duration_since(**at) < remembered)
+                            .map(|(token, _)| *token)
+                            .collect();
+                    }
+                    DbRequest::Finish { completions, .. } => self.check_finish_sent(slot, &name, completions)?,
+                    _ => {}
                 }
                 let fate = if self.faults_on { self.options.faults.fate(&mut self.rng) } else { Fate::Delivered };
                 let latency = self.latency();
+                if fate != Fate::Delivered || latency > Duration::from_millis(self.options.faults.latency_max_ms) {
+                    self.excuse(slot, self.now);
+                }
                 let incarnation = self.slots[slot].incarnation;
                 let worker = WorkerId(name);
-                self.schedule(latency, SimEvent::Apply { slot, incarnation, worker, op, request, fate });
+                self.schedule(latency, SimEvent::Apply { slot, incarnation, worker, op, request, fate, abandoned });
             }
             Command::Spawn(run) => self.spawn(slot, &name, run)?,
             Command::Abort { task, lease } => {
@@ -977,6 +1103,15 @@ impl Sim {
 
     fn spawn(&mut self, slot: usize, name: &str, run: TaskRun) -> Result<(), String> {
         self.stats.spawns += 1;
+        if let Some(row) = self.store.task(run.id).filter(|row| json_depth(&row.args) > READABLE_JSON_DEPTH) {
+            return Err(format!(
+                "SPAWNED UNREADABLE: {name} runs task {} (lease {}), whose stored arguments no reader can decode \
+                 ({} levels deep)",
+                run.id,
+                run.lease,
+                json_depth(&row.args)
+            ));
+        }
         if let Some(other) = self.slots[slot].handlers.get(&run.id) {
             return Err(format!(
                 "{name} spawned task {} lease {} while its handler under lease {} runs",
@@ -1023,7 +1158,15 @@ impl Sim {
             } else {
                 rng.range(1, load.duration_max_ms + 1)
             };
-            let outcome = sample_outcome(rng, load, run.id);
+            let faults = &self.options.faults;
+            let poison =
+                self.faults_on && faults.poison_outcome_chance > 0.0 && rng.chance(faults.poison_outcome_chance);
+            let outcome = if poison {
+                poison_outcome(rng, faults.db_value_limit_bytes, run.id)
+            } else {
+                sample_outcome(rng, load, run.id)
+            };
+            self.poisoned.insert((run.id, run.lease), poison);
             self.note(
                 name,
                 format_args!(
@@ -1086,8 +1229,26 @@ impl Sim {
     fn handle_event(&mut self, key: Key, event: SimEvent) -> Result<(), String> {
         match event {
             SimEvent::Enqueue { count } => self.enqueue(count),
-            SimEvent::Apply { slot, incarnation, worker, op, request, fate } => {
-                self.apply(slot, incarnation, worker, op, request, fate)
+            SimEvent::Apply { slot, incarnation, worker, op, request, fate, abandoned } => {
+                self.apply(slot, incarnation, worker, op, request, fate, &abandoned)
+            }
+            SimEvent::LateApply { worker, op, request } => {
+                let outcome = self.apply_checked(&worker, op, &request)?;
+                let said = match &outcome {
+                    Ok(reply) => describe_reply(reply),
+                    Err(failure) => failure.to_string(),
+                };
+                self.note("db", format_args!("{} {op} {worker} commits late -> {said}", request.kind()));
+                Ok(())
+            }
+            SimEvent::LockRow { for_ms } => self.lock_row(for_ms),
+            SimEvent::UnlockRow { task } => {
+                if self.store.locked_rows().contains(&task) {
+                    self.store.unlock_row(task);
+                    self.locked_until.insert(task, Some(self.now));
+                    self.note("db", format_args!("row of task {task} unlocked"));
+                }
+                Ok(())
             }
             SimEvent::Reply { slot, incarnation, op, reply } => {
                 if !self.is_current(slot, incarnation) {
@@ -1160,7 +1321,9 @@ impl Sim {
                 {
                     return Ok(());
                 }
-                self.slots[slot].stalled_until = Some(self.now + Duration::from_millis(for_ms));
+                let until = self.now + Duration::from_millis(for_ms);
+                self.slots[slot].stalled_until = Some(until);
+                self.excuse(slot, until);
                 let name = self.slots[slot].name(slot);
                 self.note(&name, format_args!("STALL for {for_ms} ms (its handlers run on)"));
                 Ok(())
@@ -1199,6 +1362,7 @@ impl Sim {
         }
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn apply(
         &mut self,
         slot: usize,
@@ -1207,31 +1371,50 @@ impl Sim {
         op: OpId,
         request: DbRequest,
         fate: Fate,
+        abandoned: &[u64],
     ) -> Result<(), String> {
         let faults = &self.options.faults;
         if !self.is_current(slot, incarnation) {
             // The sender died with the request on the wire: it may still commit.
             if self.rng.chance(faults.dead_apply_chance) {
                 let reply = self.apply_checked(&worker, op, &request)?;
-                self.note(
-                    "db",
-                    format_args!("{} {op} {worker} (sender dead) -> {}", request.kind(), describe_reply(&reply)),
-                );
+                let said = match &reply {
+                    Ok(reply) => describe_reply(reply),
+                    Err(failure) => failure.to_string(),
+                };
+                self.note("db", format_args!("{} {op} {worker} (sender dead) -> {said}", request.kind()));
             }
             return Ok(());
         }
         let at_ms = self.elapsed().as_millis() as u64;
         let fate = if self.faults_on && faults.in_outage(at_ms) { Fate::Unavailable } else { fate };
         let unknown_after = Duration::from_millis(self.rng.range(1, faults.unknown_after_max_ms.max(1) + 1));
+        if fate != Fate::Delivered {
+            self.excuse(slot, self.now);
+        }
         let (reply, delay) = match fate {
             Fate::Unavailable => (Err(DbFailure::Unavailable("connection refused (injected)".into())), self.latency()),
             Fate::Rejected => (Err(DbFailure::Rejected("rejected (injected)".into())), self.latency()),
             Fate::LostRequest => (Err(DbFailure::Unknown("request lost (injected)".into())), unknown_after),
             Fate::LostReply => {
-                self.apply_checked(&worker, op, &request)?;
+                // Applied (or refused) all the same: the reply is what is lost.
+                let _ = self.apply_checked(&worker, op, &request)?;
                 (Err(DbFailure::Unknown("reply lost (injected)".into())), unknown_after)
             }
-            Fate::Delivered => (Ok(self.apply_checked(&worker, op, &request)?), self.latency()),
+            Fate::LateCommit => {
+                let later = unknown_after + Duration::from_millis(self.rng.range(1, 3_001));
+                self.schedule(later, SimEvent::LateApply { worker: worker.clone(), op, request: request.clone() });
+                (Err(DbFailure::Unknown("no reply in time; it commits later (injected)".into())), unknown_after)
+            }
+            Fate::Delivered => {
+                let reply = self.apply_checked(&worker, op, &request)?;
+                self.check_applied(slot, &worker, &request, &reply, abandoned)?;
+                let latency = self.latency();
+                if latency > Duration::from_millis(self.options.faults.latency_max_ms) {
+                    self.excuse(slot, self.now + latency);
+                }
+                (reply, latency)
+            }
         };
         if fate != Fate::Delivered {
             self.stats.faulted += 1;
@@ -1246,16 +1429,202 @@ impl Sim {
         Ok(())
     }
 
-    /// Applies `request` to the store with every check around it.
-    fn apply_checked(&mut self, worker: &WorkerId, op: OpId, request: &DbRequest) -> Result<DbReply, String> {
+    /// Applies `request` to the store with every check around it. The store may refuse it as
+    /// PostgreSQL would ([`MemoryStore::execute`]: a value it cannot hold, a lock it waited for
+    /// too long), and so may the run's own limit on stored values.
+    fn apply_checked(
+        &mut self,
+        worker: &WorkerId,
+        op: OpId,
+        request: &DbRequest,
+    ) -> Result<Result<DbReply, DbFailure>, String> {
         let now = self.db_now();
+        if let (Some(limit), DbRequest::Finish { completions, .. }) =
+            (self.options.faults.db_value_limit_bytes, request)
+        {
+            let over = completions.iter().any(|c| match &c.outcome {
+                FinishOutcome::Completed(result) => crate::db::check_storable(result, limit).is_err(),
+                _ => false,
+            });
+            if over {
+                let failure = DbFailure::Invalid(format!("a value over the database's limit of {limit} bytes"));
+                self.note("db", format_args!("{} {op} {worker} -> refused: {failure}", request.kind()));
+                return Ok(Err(failure));
+            }
+        }
         let before = self.checker.before(&self.store, request, now);
-        let reply = self.store.apply(request, now);
+        // The holders of the runs a reap may end, to judge below.
+        let runs: Vec<(TaskId, Option<WorkerId>, Lease)> = match request {
+            DbRequest::Reap { .. } => self
+                .store
+                .tasks()
+                .take_while(|row| !row.state.is_terminal())
+                .filter(|row| row.state == TaskState::Running)
+                .map(|row| (row.id, row.claimed_by.clone(), row.lease))
+                .collect(),
+            _ => Vec::new(),
+        };
+        let reply = match self.store.execute(request, now) {
+            Ok(reply) => reply,
+            Err(failure) => {
+                self.note("db", format_args!("{} {op} {worker} -> refused: {failure}", request.kind()));
+                if matches!(request, DbRequest::Heartbeat { .. }) {
+                    return Err(format!("a heartbeat of {worker} was refused ({failure}): beats skip locked rows"));
+                }
+                return Ok(Err(failure));
+            }
+        };
         self.note("db", format_args!("{} {op} {worker} -> {}", request.kind(), describe_reply(&reply)));
+        if let DbReply::Reaped(report) = &reply {
+            for id in report.retried.iter().chain(&report.failed) {
+                if let Some((_, Some(holder), lease)) = runs.iter().find(|(task, _, _)| task == id) {
+                    self.check_reaped_run(*id, holder, *lease)?;
+                }
+            }
+        }
         self.checker.after(&self.store, worker, request, &before, &reply, now)?;
         self.checker.check_store(&self.store, now, false)?;
         self.notify();
-        Ok(reply)
+        Ok(Ok(reply))
+    }
+
+    /// Checks what a delivered request did for its live worker in `slot`: a finish refused for
+    /// its values is remembered (it must never be sent again as it was), and a heartbeat leaves
+    /// no row of a claim the worker abandoned before sending it (`abandoned`) behind.
+    fn check_applied(
+        &mut self,
+        slot: usize,
+        worker: &WorkerId,
+        request: &DbRequest,
+        reply: &Result<DbReply, DbFailure>,
+        abandoned: &[u64],
+    ) -> Result<(), String> {
+        match (request, reply) {
+            (DbRequest::Finish { completions, .. }, Err(DbFailure::Invalid(_))) => {
+                self.slots[slot].refused_finish = Some(completions.clone());
+            }
+            (DbRequest::Heartbeat { .. }, Ok(_)) if !abandoned.is_empty() => {
+                let locked = self.store.locked_rows();
+                let orphan = self.store.tasks().take_while(|row| !row.state.is_terminal()).find(|row| {
+                    row.claimed_by.as_ref() == Some(worker)
+                        && row.claim_token.is_some_and(|token| abandoned.contains(&token))
+                        && !locked.contains(&row.id)
+                });
+                if let Some(row) = orphan {
+                    return Err(format!(
+                        "ORPHAN: task {} is still {} under claim {:?} of {worker}, which the worker abandoned before this \
+                         heartbeat: a claim that committed late keeps a task nobody runs",
+                        row.id, row.state, row.claim_token
+                    ));
+                }
+            }
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// Checks a finish `name` sends: nothing the worker could have known the database refuses
+    /// (U+0000, a value over its own `max_result_bytes`), no healthy outcome written as refused,
+    /// and not the batch the database last refused for its values, as it was.
+    fn check_finish_sent(&mut self, slot: usize, name: &str, completions: &[Completion]) -> Result<(), String> {
+        let max = self.slots[slot].config.max_result_bytes;
+        if self.slots[slot].refused_finish.as_deref() == Some(completions) {
+            return Err(format!("{name} sent again, unchanged, the finish the database refused for its values"));
+        }
+        for c in completions {
+            let values = match &c.outcome {
+                FinishOutcome::Completed(result) => crate::db::check_storable(result, max),
+                FinishOutcome::Failed(error) | FinishOutcome::Retry { error, .. } => {
+                    crate::db::check_storable_error(error, max)
+                }
+            };
+            let args = c.args.as_ref().map_or(Ok(()), |args| crate::db::check_storable(args, max));
+            if let Err(problem) = values.and(args) {
+                return Err(format!(
+                    "UNCHECKED OUTCOME: {name} sent task {}'s outcome, which cannot be stored ({problem}): it fails the \
+                     whole batch",
+                    c.task.task
+                ));
+            }
+            let refused = match &c.outcome {
+                FinishOutcome::Failed(error) | FinishOutcome::Retry { error, .. } => {
+                    error.code == ErrorCode::WorkerSerializationError
+                        && (error.message.starts_with("the handler's outcome could not be stored")
+                            || error.message.starts_with("the database refused the task's outcome"))
+                }
+                FinishOutcome::Completed(_) => false,
+            };
+            if refused && self.poisoned.get(&(c.task.task, c.task.lease)) == Some(&false) {
+                return Err(format!(
+                    "HEALTHY OUTCOME REFUSED: {name} writes task {} lease {} as refused, but its handler's answer was \
+                     sound",
+                    c.task.task, c.task.lease
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// A run the reaper ended as crashed must not belong to a healthy worker: one alive and
+    /// holding it, none of whose requests met a fault of the run (or a stall) lately, and whose
+    /// row no other transaction locked lately. Such a worker's heartbeats land, and keep the
+    /// run fresh; that the reaper took it says something kept them from renewing it (one
+    /// locked row holding up the beat of the others, a lock wait that backed off every
+    /// request as an outage would).
+    fn check_reaped_run(&self, task: TaskId, holder: &WorkerId, lease: Lease) -> Result<(), String> {
+        let Some(slot) =
+            (0..self.slots.len()).find(|&i| self.slots[i].worker.is_some() && self.slots[i].name(i) == holder.0)
+        else {
+            return Ok(()); // its worker is dead
+        };
+        let s = &self.slots[slot];
+        let holds = s.worker.as_ref().is_some_and(|w| w.held_leases().any(|t| t.task == task && t.lease == lease));
+        let excused = s.excused_until.is_some_and(|until| until > self.now);
+        let locked =
+            self.locked_until.get(&task).is_some_and(|until| until.is_none_or(|at| at + self.excuse_window > self.now));
+        if holds && !excused && !locked {
+            return Err(format!(
+                "HEALTHY TASK REAPED: the reaper ended task {task} lease {lease} as crashed, but {holder} holds it, is \
+                 alive, and none of its requests met a fault for {:?}",
+                self.excuse_window
+            ));
+        }
+        Ok(())
+    }
+
+    /// Excuses the worker in `slot` from keeping its runs fresh until `from` plus the window.
+    fn excuse(&mut self, slot: usize, from: Instant) {
+        let until = from + self.excuse_window;
+        let s = &mut self.slots[slot];
+        s.excused_until = Some(s.excused_until.map_or(until, |at| at.max(until)));
+    }
+
+    /// Locks a live row for `for_ms`, as another transaction would: one in flight if there is
+    /// one (heartbeats and finishes must get past it), else any live row.
+    fn lock_row(&mut self, for_ms: u64) -> Result<(), String> {
+        if !self.faults_on {
+            return Ok(());
+        }
+        let locked = self.store.locked_rows().clone();
+        let live: Vec<(TaskId, TaskState)> = self
+            .store
+            .tasks()
+            .take_while(|row| !row.state.is_terminal())
+            .filter(|row| !locked.contains(&row.id))
+            .map(|row| (row.id, row.state))
+            .collect();
+        let in_flight: Vec<TaskId> =
+            live.iter().filter(|(_, state)| *state != TaskState::Pending).map(|(id, _)| *id).collect();
+        let pool: Vec<TaskId> = if in_flight.is_empty() { live.iter().map(|(id, _)| *id).collect() } else { in_flight };
+        if pool.is_empty() {
+            return Ok(());
+        }
+        let task = pool[self.rng.range(0, pool.len() as u64) as usize];
+        self.store.lock_row(task);
+        self.locked_until.insert(task, None);
+        self.note("db", format_args!("ROW LOCK: another transaction locks task {task} for {for_ms} ms"));
+        self.schedule(Duration::from_millis(for_ms), SimEvent::UnlockRow { task });
+        Ok(())
     }
 
     /// Delivers the store's notifications to every listening worker, with faults.
@@ -1354,6 +1723,17 @@ impl Sim {
         if load.cancel_chance > 0.0 && self.load_rng.chance(load.cancel_chance) {
             self.cancel_one(now)?;
         }
+        let faults = &self.options.faults;
+        if self.faults_on && faults.poison_row_chance > 0.0 && self.rng.chance(faults.poison_row_chance) {
+            // Another producer writes a row by hand, nested deeper than any reader decodes.
+            let deep = (0..READABLE_JSON_DEPTH + 3).fold(json!("deep"), |inner, _| json!([inner]));
+            let mut task = NewTask::new("job", deep);
+            task.queue = Some(queues[self.rng.range(0, queues.len() as u64) as usize].name.clone());
+            let id = self.store.enqueue_unchecked(task, now);
+            self.checker.enqueued(id)?;
+            self.note("client", format_args!("a producer writes task {id} by hand, unreadable"));
+            self.checker.check_store(&self.store, now, false)?;
+        }
         self.notify();
         Ok(())
     }
@@ -1363,6 +1743,11 @@ impl Sim {
     fn cancel_one(&mut self, now: DbTime) -> Result<(), String> {
         let id = TaskId(self.load_rng.range(1, self.checker.enqueued_count() as u64 + 1) as i64);
         let state = self.store.task(id).map(|row| row.state).ok_or_else(|| format!("cancel: task {id} not found"))?;
+        if self.store.locked_rows().contains(&id) {
+            // It would wait for the lock, and give up.
+            self.note("client", format_args!("cancel task {id} ({state}) -> its row is locked"));
+            return Ok(());
+        }
         match self.store.cancel(id, now) {
             Ok(()) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> cancelled"));
@@ -1407,6 +1792,27 @@ fn sample_outcome(rng: &mut Rng, load: &LoadOptions, task: TaskId) -> TaskOutcom
         }
     } else {
         TaskOutcome::Success(json!({ "done": task.0 }))
+    }
+}
+
+/// How long after a fault a worker's heartbeats may still fail to land: a stale run's age,
+/// the longest database backoff, a heartbeat interval and the longest round trip, with a
+/// second to spare.
+fn excuse_window(options: &SimOptions) -> Duration {
+    let r = &options.app.recovery;
+    let backoff = options.app.resilience.db_retry_max_ms * 5 / 4;
+    let beat = r.runner_heartbeat_interval_ms.max(r.claimer_heartbeat_interval_ms);
+    let ms = r.running_stale_threshold_ms + backoff + beat + 2 * options.faults.latency_max_ms + 1_000;
+    Duration::from_millis(ms)
+}
+
+/// An answer holding a value the database refuses: U+0000 in a result or in an error's
+/// message, or a result over the database's own value limit when there is one.
+fn poison_outcome(rng: &mut Rng, db_limit: Option<u64>, task: TaskId) -> TaskOutcome {
+    match (rng.range(0, 3), db_limit) {
+        (0, _) => TaskOutcome::Success(json!({ "done": task.0, "from_c": "nul\u{0}byte" })),
+        (1, _) | (_, None) => TaskOutcome::Failure(TaskError::new(ErrorCode::TaskError, "a C library said: \u{0}")),
+        (_, Some(limit)) => TaskOutcome::Success(json!({ "done": task.0, "pad": "x".repeat(limit as usize + 64) })),
     }
 }
 
