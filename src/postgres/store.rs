@@ -656,3 +656,14 @@ pub(crate) fn json<T: DeserializeOwned>(value: Value) -> Result<T, sqlx::Error> 
 pub(crate) fn parse_state(state: &str) -> Result<TaskState, sqlx::Error> {
     state.parse().map_err(|e| sqlx::Error::Decode(Box::new(e)))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::SESSION_SETTINGS;
+
+    #[test]
+    fn the_memory_store_models_the_sessions_lock_timeout() {
+        let lock_timeout = SESSION_SETTINGS.iter().find(|(name, _)| *name == "lock_timeout").map(|(_, v)| *v);
+        assert_eq!(lock_timeout, Some(format!("{}s", crate::memory::LOCK_TIMEOUT_MS / 1_000).as_str()));
+    }
+}

@@ -197,6 +197,20 @@ impl FaultOptions {
         if rng.chance(0.4) {
             faults.row_locks = events(rng, 8).into_iter().map(|(at, _)| (at, rng.range(100, 60_001))).collect();
         }
+        if rng.chance(0.2) {
+            // Bad data and locks alone, on a network that never fails: what they do to healthy
+            // workers is not hidden behind other faults.
+            faults = FaultOptions {
+                latency_min_ms: faults.latency_min_ms,
+                latency_max_ms: faults.latency_max_ms,
+                notify_delay_max_ms: faults.notify_delay_max_ms,
+                poison_outcome_chance: faults.poison_outcome_chance,
+                db_value_limit_bytes: faults.db_value_limit_bytes,
+                poison_row_chance: faults.poison_row_chance,
+                row_locks: faults.row_locks,
+                ..FaultOptions::none()
+            };
+        }
         faults
     }
 

@@ -822,7 +822,8 @@ impl Sim {
         let narrowest = app
             .queues()
             .iter()
-            .filter_map(|q| q.max_concurrency.filter(|&cap| cap > 0))
+            // A serial queue runs one task at a time: its cap is 1.
+            .filter_map(|q| q.effective_cap().filter(|&cap| cap > 0))
             .chain(app.cluster_wide_cap)
             .chain([concurrency])
             .min()
@@ -1409,8 +1410,12 @@ impl Sim {
             Fate::Delivered => {
                 let reply = self.apply_checked(&worker, op, &request)?;
                 self.check_applied(slot, &worker, &request, &reply, abandoned)?;
-                let latency = self.latency();
-                if latency > Duration::from_millis(self.options.faults.latency_max_ms) {
+                let mut latency = self.latency();
+                if matches!(reply, Err(DbFailure::LockTimeout(_))) {
+                    // It waited for the lock until the server gave up.
+                    latency += Duration::from_millis(crate::memory::LOCK_TIMEOUT_MS);
+                }
+                if latency > Duration::from_millis(self.options.faults.latency_max_ms) && reply.is_ok() {
                     self.excuse(slot, self.now + latency);
                 }
                 (reply, latency)
