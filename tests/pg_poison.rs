@@ -7,7 +7,7 @@
 mod pg;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy, WorkerConfig};
@@ -19,6 +19,7 @@ use pg::TestDb;
 use serde_json::{Value, json};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use tokio::time::Instant;
 
 /// `sql` with `{s}` naming the test's schema.
 fn on(schema: &PgSchema, sql: &str) -> sqlx::AssertSqlSafe<String> {

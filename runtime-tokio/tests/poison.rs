@@ -10,7 +10,7 @@ mod body;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use body::{Work, fast_app, fast_worker, start_worker};
 use canter::driver::Client;
@@ -20,6 +20,7 @@ use canter::worker::{NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
 use canter_tokio::TokioRuntime;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+use tokio::time::Instant;
 
 /// The test's connect options: tagged with the schema (cleanup ends these sessions, and the
 /// samples of `pg_stat_activity` below find them).
