@@ -926,3 +926,44 @@ fn an_unanswered_claims_token_rides_on_heartbeats_for_fifteen_minutes() {
     assert_eq!(h.worker.stats().lost, 0);
     assert_eq!(h.worker.held(), 0);
 }
+
+#[test]
+fn a_claimed_task_whose_stored_values_could_not_be_read_fails_alone_without_running() {
+    let (mut h, first) = Harness::default(4);
+    let unreadable = ClaimedTask {
+        args: serde_json::Value::Null,
+        args_error: Some("recursion limit exceeded at line 1 column 128".into()),
+        ..task(2, true)
+    };
+    let other_policy =
+        ClaimedTask { retry_error: Some("max_retries is 999: expected 0 to 20".into()), ..task(3, true) };
+    let next = start(&mut h, &first, vec![task(1, true), unreadable, other_policy], false);
+    let ran: Vec<TaskId> = spawns(&next).iter().map(|r| r.id).collect();
+    assert_eq!(ran, vec![TaskId(1), TaskId(3)], "the others of the claim run; the unreadable one does not");
+    let (_, completions, ids) = one_finish(&next);
+    assert_eq!(ids, vec![2], "failed at once, in the attempt the claim counted");
+    assert!(serialization_failure(&completions[0]), "{completions:?}");
+    let unreadable_rows: Vec<TaskId> = h
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UnreadableRow { task, .. } => Some(*task),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(unreadable_rows, vec![TaskId(2), TaskId(3)]);
+}
+
+#[test]
+fn a_reaper_pass_skipped_for_another_reaper_is_counted() {
+    let (mut h, first) = Harness::default(2);
+    let commands = start(&mut h, &first, vec![], false);
+    answer_idle(&mut h, commands);
+    let commands = fire_until_sent(&mut h, "reap", Duration::from_secs(31)).expect("a reaper pass");
+    let reap = find(&commands, "reap");
+    let report = canter::db::ReapReport { skipped: true, ..Default::default() };
+    h.reply(reap, DbReply::Reaped(report));
+    assert!(h.events.contains(&Event::ReapSkipped), "{:?}", h.events);
+    assert_eq!(h.worker.stats().reaps_skipped, 1);
+    assert!(!h.events.iter().any(|e| matches!(e, Event::Reaped(_))));
+}
