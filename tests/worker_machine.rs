@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
-use canter::db::{ClaimedTask, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
+use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
@@ -601,4 +601,369 @@ fn a_retention_for_finished_tasks_purges_them_hourly() {
     assert!(h.events.iter().any(|e| matches!(e, Event::Purged { tasks: 3 })), "{:?}", h.events);
     let third = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("the next hour's timer");
     assert!(has(&third, "purge"));
+}
+
+// Issue 18: poison values, lock waits, notification floods, leases going back, counts.
+
+/// The finish requests among `commands`: their ops and completions.
+fn finishes(commands: &[Command]) -> Vec<(OpId, Vec<Completion>)> {
+    db_ops(commands)
+        .into_iter()
+        .filter_map(|(op, request)| match request {
+            DbRequest::Finish { completions, .. } => Some((op, completions.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Fires timers until a request of `kind` goes out or `within` passes; the commands of that
+/// firing. (Timers due at one instant fire together: the first of them is not always `kind`'s.)
+fn fire_until_sent(h: &mut Harness, kind: &str, within: Duration) -> Option<Vec<Command>> {
+    let until = h.now + within;
+    while h.worker.poll_timeout().is_some_and(|(at, _)| at <= until) {
+        let (_, commands) = h.fire();
+        if has(&commands, kind) {
+            return Some(commands);
+        }
+    }
+    None
+}
+
+/// The only finish among `commands`, with the ids it carries.
+fn one_finish(commands: &[Command]) -> (OpId, Vec<Completion>, Vec<i64>) {
+    let mut all = finishes(commands);
+    assert_eq!(all.len(), 1, "one finish expected in {commands:?}");
+    let (op, completions) = all.pop().expect("checked");
+    let ids = completions.iter().map(|c| c.task.task.0).collect();
+    (op, completions, ids)
+}
+
+fn serialization_failure(completion: &Completion) -> bool {
+    matches!(&completion.outcome, FinishOutcome::Failed(e)
+        if e.code == ErrorCode::WorkerSerializationError && !e.message.contains('\0'))
+}
+
+/// Answers the requests in `commands` as an idle store would (claims find nothing); the
+/// commands the answers led to.
+fn answer_once(h: &mut Harness, commands: &[Command]) -> Vec<Command> {
+    let mut next = Vec::new();
+    for (op, request) in db_ops(commands) {
+        let reply = match request {
+            DbRequest::Claim { .. } => DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None },
+            DbRequest::Heartbeat { .. } => DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] },
+            DbRequest::Reap { .. } => DbReply::Reaped(Default::default()),
+            DbRequest::AbandonClaim { .. } | DbRequest::Release { .. } => {
+                DbReply::Released { released: vec![], lost: vec![] }
+            }
+            _ => DbReply::Done,
+        };
+        next.extend(h.reply(op, reply));
+    }
+    next
+}
+
+/// Answers the requests in `commands` as an idle store would, and the requests those answers
+/// lead to, until none is left.
+fn answer_idle(h: &mut Harness, commands: Vec<Command>) {
+    let mut pending = commands;
+    while !pending.is_empty() {
+        pending = answer_once(h, &pending);
+    }
+}
+
+#[test]
+fn an_outcome_that_cannot_be_stored_fails_its_own_task_before_it_is_queued() {
+    let config = WorkerConfig { concurrency: 4, max_result_bytes: 1_024, seed: Some(1), ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let runs = spawns(&start(&mut h, &first, (1..=4).map(|i| task(i, true)).collect(), false));
+    let (op, _, ids) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!("fine"))));
+    assert_eq!(ids, vec![1]);
+    // A result with U+0000 (C strings), an error message with one, a result over the limit.
+    h.finished(&runs[1], TaskOutcome::Success(json!({"text": "from C\u{0}"})));
+    h.finished(&runs[2], TaskOutcome::Failure(TaskError::new(ErrorCode::User("BAD".into()), "nul \0 here")));
+    h.finished(&runs[3], TaskOutcome::Success(json!("x".repeat(2_000))));
+    let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    let (_, completions, ids) = one_finish(&after);
+    assert_eq!(ids, vec![2, 3, 4], "queued with the healthy ones' batch size, each on its own terms");
+    assert!(completions.iter().all(serialization_failure), "{completions:?}");
+    let refused: Vec<TaskId> = h
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::OutcomeRefused { task, .. } => Some(*task),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(refused, vec![TaskId(2), TaskId(3), TaskId(4)]);
+    assert_eq!(h.worker.stats().outcomes_refused, 3);
+}
+
+#[test]
+fn a_finish_refused_for_a_value_is_halved_until_the_item_is_alone_and_then_rewritten() {
+    let (mut h, first) = Harness::default(5);
+    let runs = spawns(&start(&mut h, &first, (1..=5).map(|i| task(i, true)).collect(), false));
+    let (op, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    for run in &runs[1..] {
+        assert!(finishes(&h.finished(run, TaskOutcome::Success(json!(run.id.0)))).is_empty());
+    }
+    let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    let (op, batch, ids) = one_finish(&after);
+    assert_eq!(ids, vec![2, 3, 4, 5]);
+    // Task 2's value is what the database refuses (as PostgreSQL refuses U+0000 in jsonb).
+    let refused = || DbFailure::Invalid("unsupported Unicode escape sequence (22P05)".into());
+    let mut sent = vec![batch];
+    let (op, batch, ids) = one_finish(&h.fail(op, refused()));
+    assert_eq!(ids, vec![2, 3], "halved, and sent at once: a split is progress, not an outage");
+    sent.push(batch);
+    let (op, batch, ids) = one_finish(&h.fail(op, refused()));
+    assert_eq!(ids, vec![2]);
+    sent.push(batch);
+    let (op, completions, ids) = one_finish(&h.fail(op, refused()));
+    assert_eq!(ids, vec![2], "alone: rewritten as a failure of its own");
+    assert!(serialization_failure(&completions[0]), "{completions:?}");
+    assert!(completions[0].args.is_none());
+    assert!(h.events.iter().any(|e| matches!(e, Event::OutcomeRefused { task: TaskId(2), .. })));
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "{:?}", h.events);
+    sent.push(completions.clone());
+    for pair in sent.windows(2) {
+        assert_ne!(pair[0], pair[1], "a refused batch was sent again as it was");
+    }
+    // Refused again once rewritten: not its values; backed off like an outage, then re-sent.
+    assert!(finishes(&h.fail(op, refused())).is_empty(), "no identical re-send at once");
+    assert!(matches!(h.events.last(), Some(Event::DbUnavailable { .. })), "{:?}", h.events);
+    let retried = fire_until(&mut h, Timer::DbRetry, Duration::from_secs(5)).expect("a retry after the backoff");
+    let (op, completions, ids) = one_finish(&retried);
+    assert_eq!(ids, vec![2]);
+    assert!(serialization_failure(&completions[0]));
+    // Landed: the batch size doubles back.
+    let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(2), TaskState::Failed)], lost: vec![] });
+    let (op, _, ids) = one_finish(&after);
+    assert_eq!(ids, vec![3, 4]);
+    let applied = vec![(TaskId(3), TaskState::Completed), (TaskId(4), TaskState::Completed)];
+    let (op, _, ids) = one_finish(&h.reply(op, DbReply::Finished { applied, lost: vec![] }));
+    assert_eq!(ids, vec![5]);
+    h.reply(op, DbReply::Finished { applied: vec![(TaskId(5), TaskState::Completed)], lost: vec![] });
+    let stats = h.worker.stats();
+    assert_eq!((stats.completed, stats.failed, stats.lost), (4, 1, 0), "{stats:?}");
+}
+
+#[test]
+fn a_finish_that_waited_too_long_for_a_locked_row_is_halved() {
+    let (mut h, first) = Harness::default(5);
+    let runs = spawns(&start(&mut h, &first, (1..=5).map(|i| task(i, true)).collect(), false));
+    let (op, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    for run in &runs[1..] {
+        h.finished(run, TaskOutcome::Success(json!(run.id.0)));
+    }
+    let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    let (op, _, ids) = one_finish(&after);
+    assert_eq!(ids, vec![2, 3, 4, 5]);
+    assert!(finishes(&h.fail(op, DbFailure::LockTimeout("canceling statement due to lock timeout".into()))).is_empty());
+    let retried = fire_until(&mut h, Timer::DbRetry, Duration::from_secs(5)).expect("a retry after the backoff");
+    let (op, completions, ids) = one_finish(&retried);
+    assert_eq!(ids, vec![2, 3], "the row another transaction holds is in one half only");
+    assert!(completions.iter().all(|c| matches!(c.outcome, FinishOutcome::Completed(_))), "values untouched");
+    let applied = vec![(TaskId(2), TaskState::Completed), (TaskId(3), TaskState::Completed)];
+    let (_, _, ids) = one_finish(&h.reply(op, DbReply::Finished { applied, lost: vec![] }));
+    assert_eq!(ids, vec![4, 5]);
+}
+
+#[test]
+fn rows_another_transaction_holds_are_beaten_for_again_soon_with_backoff_and_not_lost() {
+    let mut app = AppConfig::default();
+    app.recovery.runner_heartbeat_interval_ms = 10_000;
+    app.recovery.claimer_heartbeat_interval_ms = 10_000;
+    let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, seed: Some(1), ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(app, config);
+    start(&mut h, &first, vec![task(1, true), task(2, true)], false);
+    let mut gaps = Vec::new();
+    let mut last = h.now;
+    for round in 0..6 {
+        let commands = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(11)).expect("a heartbeat");
+        let op = find(&commands, "heartbeat");
+        gaps.push(h.now - last);
+        last = h.now;
+        let busy = if round < 5 { vec![TaskId(1)] } else { vec![] };
+        h.reply(op, DbReply::Heartbeat { lost: vec![], busy, handed_back: vec![] });
+    }
+    let secs: Vec<u64> = gaps.iter().map(Duration::as_secs).collect();
+    // The regular beat, then 1 s, 2 s, 4 s, 8 s while task 1 stays busy, at most the interval.
+    assert_eq!(secs, vec![10, 1, 2, 4, 8, 10]);
+    // After a beat that met no busy row, the interval again.
+    fire_until_sent(&mut h, "heartbeat", Duration::from_secs(11)).expect("a heartbeat");
+    assert_eq!((h.now - last).as_secs(), 10);
+    assert_eq!(h.worker.running(), 2, "busy is not lost");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::Lost { .. })), "{:?}", h.events);
+}
+
+#[test]
+fn a_flood_of_notifications_costs_a_bounded_number_of_claim_passes() {
+    use canter::worker::{NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
+    let (mut h, first) = Harness::default(4);
+    let commands = start(&mut h, &first, vec![], false);
+    answer_idle(&mut h, commands);
+    let (began, before) = (h.now, h.worker.stats().claim_passes);
+    // A notification every millisecond; each request is answered a millisecond after it went
+    // out (empty), so notifications also arrive while a pass is in flight, as they do. The
+    // driver handles an input, then the timers due.
+    let mut in_flight: Vec<Command> = Vec::new();
+    for _ in 0..1_000 {
+        h.now += Duration::from_millis(1);
+        let mut commands = h.input(Input::Notified { queue: "default".into() });
+        if h.worker.poll_timeout().is_some_and(|(at, _)| at <= h.now) {
+            h.worker.handle_timeout(h.now);
+            commands.extend(h.drain());
+        }
+        let answered = answer_once(&mut h, &std::mem::take(&mut in_flight));
+        in_flight = [commands, answered].concat();
+    }
+    answer_idle(&mut h, in_flight);
+    let elapsed = (h.now - began).as_secs_f64();
+    let passes = h.worker.stats().claim_passes - before;
+    let bound = f64::from(NOTIFIED_PASS_BURST) + f64::from(NOTIFIED_PASSES_PER_SECOND) * elapsed + 1.0;
+    assert!(passes as f64 <= bound, "{passes} claim passes for 1,000 notifications in {elapsed} s (bound {bound})");
+    assert!(passes >= u64::from(NOTIFIED_PASS_BURST), "notifications still wake claims: {passes}");
+    assert!(h.worker.stats().notified_passes_limited > 0);
+    // A notification for real work still claims within a token's time.
+    h.now += Duration::from_millis(60);
+    let mut commands = h.input(Input::Notified { queue: "default".into() });
+    if !has(&commands, "claim") {
+        let (timer, fired) = h.fire();
+        assert_eq!(timer, Timer::NotifiedPass);
+        commands = fired;
+    }
+    let claim = find(&commands, "claim");
+    let next = h.reply(claim, DbReply::Claimed { tasks: vec![task(9, true)], more: false, next_run_in_ms: None });
+    assert_eq!(spawns(&next).len(), 1);
+}
+
+#[test]
+fn a_claim_under_an_older_lease_than_the_one_held_is_an_event_not_a_panic() {
+    let (mut h, first) = Harness::default(2);
+    let held = ClaimedTask { lease: Lease(5), ..task(1, true) };
+    let next = start(&mut h, &first, vec![held], true);
+    let old = spawns(&next);
+    assert_eq!(old[0].lease, Lease(5));
+    // The database went back in time (a restore, a lagging replica): it hands the task out
+    // again under lease 3.
+    let older = ClaimedTask { lease: Lease(3), ..task(1, true) };
+    let claim = find(&next, "claim");
+    let after = h.reply(claim, DbReply::Claimed { tasks: vec![older], more: false, next_run_in_ms: None });
+    assert!(after.contains(&Command::Abort { task: TaskId(1), lease: Lease(5) }), "{after:?}");
+    let new = spawns(&after);
+    assert_eq!((new.len(), new[0].lease), (1, Lease(3)));
+    assert!(
+        h.events.contains(&Event::LeaseWentBack { task: TaskId(1), held: Lease(5), claimed: Lease(3) }),
+        "{:?}",
+        h.events
+    );
+    assert_eq!(h.worker.running(), 1);
+    // The old run's late answer counts for nothing; the new run's is written under lease 3.
+    assert!(finishes(&h.finished(&old[0], TaskOutcome::Success(json!(1)))).is_empty());
+    let (_, completions, _) = one_finish(&h.finished(&new[0], TaskOutcome::Success(json!(2))));
+    assert_eq!(completions[0].task.lease, Lease(3));
+}
+
+#[test]
+fn a_heartbeat_that_reports_a_task_lost_while_its_finish_is_in_flight_is_not_a_loss() {
+    let config = WorkerConfig { concurrency: 1, handler_timeout_ms: None, seed: Some(1), ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    let (finish, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    let commands = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(31)).expect("a heartbeat");
+    let beat = find(&commands, "heartbeat");
+    match db_ops(&commands).into_iter().find(|(op, _)| *op == beat).map(|(_, r)| r.clone()) {
+        Some(DbRequest::Heartbeat { running, .. }) => assert_eq!(running.len(), 1, "the finishing task is beaten for"),
+        other => panic!("{other:?}"),
+    }
+    // The finish landed first: the beat finds the row gone.
+    let after = h.reply(beat, DbReply::Heartbeat { lost: vec![TaskId(1)], busy: vec![], handed_back: vec![] });
+    assert!(!after.iter().any(|c| matches!(c, Command::Abort { .. })), "{after:?}");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::Lost { .. })), "{:?}", h.events);
+    assert_eq!(h.worker.stats().lost, 0);
+    h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    assert!(h.events.contains(&Event::Finished { task: TaskId(1), state: TaskState::Completed }));
+    let stats = h.worker.stats();
+    assert_eq!((stats.completed, stats.lost, h.worker.held()), (1, 0, 0), "{stats:?}");
+}
+
+#[test]
+fn an_unanswered_claims_token_rides_on_heartbeats_for_fifteen_minutes() {
+    let (mut h, first) = Harness::default(2);
+    h.reply(find(&first, "register_worker"), DbReply::Done);
+    let claim = find(&first, "claim");
+    let DbRequest::Claim { token, .. } = db_ops(&first).into_iter().find(|(op, _)| *op == claim).unwrap().1.clone()
+    else {
+        unreachable!()
+    };
+    let lost_at = h.now;
+    h.fail(claim, DbFailure::Unknown("no reply within 30s".into()));
+    let (_, again) = h.fire();
+    answer_idle(&mut h, again);
+    let mut carried_until = None;
+    while h.now - lost_at < Duration::from_secs(16 * 60) {
+        let (_, commands) = h.fire();
+        let beat = db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "heartbeat").map(|(op, r)| (op, r.clone()));
+        if let Some((op, DbRequest::Heartbeat { abandoned, .. })) = beat {
+            if abandoned == vec![token] {
+                carried_until = Some(h.now - lost_at);
+            } else {
+                assert!(abandoned.is_empty(), "{abandoned:?}");
+            }
+            // A late commit of the claim left a row: the store handed it back.
+            let handed_back = if carried_until.is_some() { vec![TaskId(77)] } else { vec![] };
+            let after = h.reply(op, DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back });
+            answer_idle(&mut h, after);
+        }
+        let others: Vec<Command> = commands
+            .into_iter()
+            .filter(|c| !matches!(c, Command::Db { request: DbRequest::Heartbeat { .. }, .. }))
+            .collect();
+        answer_idle(&mut h, others);
+    }
+    let carried = carried_until.expect("the token rode on heartbeats");
+    assert!(carried >= Duration::from_secs(14 * 60) && carried <= Duration::from_secs(15 * 60), "{carried:?}");
+    assert_eq!(h.worker.stats().lost, 0);
+    assert_eq!(h.worker.held(), 0);
+}
+
+#[test]
+fn a_claimed_task_whose_stored_values_could_not_be_read_fails_alone_without_running() {
+    let (mut h, first) = Harness::default(4);
+    let unreadable = ClaimedTask {
+        args: serde_json::Value::Null,
+        args_error: Some("recursion limit exceeded at line 1 column 128".into()),
+        ..task(2, true)
+    };
+    let other_policy =
+        ClaimedTask { retry_error: Some("max_retries is 999: expected 0 to 20".into()), ..task(3, true) };
+    let next = start(&mut h, &first, vec![task(1, true), unreadable, other_policy], false);
+    let ran: Vec<TaskId> = spawns(&next).iter().map(|r| r.id).collect();
+    assert_eq!(ran, vec![TaskId(1), TaskId(3)], "the others of the claim run; the unreadable one does not");
+    let (_, completions, ids) = one_finish(&next);
+    assert_eq!(ids, vec![2], "failed at once, in the attempt the claim counted");
+    assert!(serialization_failure(&completions[0]), "{completions:?}");
+    let unreadable_rows: Vec<TaskId> = h
+        .events
+        .iter()
+        .filter_map(|e| match e {
+            Event::UnreadableRow { task, .. } => Some(*task),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(unreadable_rows, vec![TaskId(2), TaskId(3)]);
+}
+
+#[test]
+fn a_reaper_pass_skipped_for_another_reaper_is_counted() {
+    let (mut h, first) = Harness::default(2);
+    let commands = start(&mut h, &first, vec![], false);
+    answer_idle(&mut h, commands);
+    let commands = fire_until_sent(&mut h, "reap", Duration::from_secs(31)).expect("a reaper pass");
+    let reap = find(&commands, "reap");
+    let report = canter::db::ReapReport { skipped: true, ..Default::default() };
+    h.reply(reap, DbReply::Reaped(report));
+    assert!(h.events.contains(&Event::ReapSkipped), "{:?}", h.events);
+    assert_eq!(h.worker.stats().reaps_skipped, 1);
+    assert!(!h.events.iter().any(|e| matches!(e, Event::Reaped(_))));
 }
