@@ -319,6 +319,12 @@ pub struct MemoryStore {
 /// The error PostgreSQL gives a statement that waited on a row lock past `lock_timeout`.
 pub const LOCK_TIMEOUT_MESSAGE: &str = "canceling statement due to lock timeout";
 
+/// How long PostgreSQL lets a statement of Canter's sessions wait for a lock before it gives
+/// up (their `lock_timeout`): what a request that meets a locked row costs before its
+/// [`DbFailure::LockTimeout`] comes back. The store answers at once; a driver that models
+/// time (the simulation) delays the answer by this much.
+pub const LOCK_TIMEOUT_MS: u64 = 5_000;
+
 /// How deep a stored JSON value may be nested for serde_json to read it back (its recursion
 /// limit): a claim reply of a row nested deeper says so in [`ClaimedTask::args_error`], as
 /// PostgreSQL's store does when it fails to decode one.
