@@ -746,8 +746,12 @@ pub struct TaskRecord {
     pub state: TaskState,
     /// Its priority.
     pub priority: i16,
-    /// Its arguments.
+    /// Its arguments (`null` when they could not be read: see `args_error`).
     pub args: serde_json::Value,
+    /// Why the stored arguments could not be read (nested deeper than a reader decodes, a
+    /// number out of range), if they could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_error: Option<String>,
     /// Runs started.
     pub attempts: u32,
     /// Retries spent.

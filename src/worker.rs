@@ -473,8 +473,8 @@ const RUNNING: Stage = Stage::Running { deadline: None };
 enum Op {
     Claim {
         token: u64,
-        /// Woken by a notification only: if it comes back empty it spends a pass of the
-        /// budget.
+        /// Woken by a notification only: it spent a pass of the budget when sent, which it
+        /// gives back if it finds work.
         notified: bool,
     },
     Start(Vec<TaskLease>),
@@ -1026,6 +1026,11 @@ impl Worker {
         self.stats.claim_passes += 1;
         let token = self.next_op;
         let notified = std::mem::take(&mut self.notified_pass);
+        if notified {
+            // Spent when sent (a pass in flight holds its token), given back if it finds work.
+            self.pass_budget.refill(now);
+            self.pass_budget.tokens = self.pass_budget.tokens.saturating_sub(1);
+        }
         let request = DbRequest::Claim {
             worker: self.id.clone(),
             token,
@@ -1122,6 +1127,8 @@ impl Worker {
             }
             return;
         }
+        // This notification takes the pass a held-back one was waiting for.
+        self.timers.remove(&Timer::NotifiedPass);
         self.more_work = true;
         self.notified_pass = true;
     }
@@ -1152,9 +1159,8 @@ impl Worker {
                         self.arm(Timer::Wake, at);
                     }
                 }
-                if notified && tasks.is_empty() && !more {
-                    self.pass_budget.refill(self.now);
-                    self.pass_budget.tokens = self.pass_budget.tokens.saturating_sub(1);
+                if notified && (!tasks.is_empty() || more) {
+                    self.pass_budget.tokens = (self.pass_budget.tokens + 1).min(NOTIFIED_PASS_BURST);
                 }
                 self.on_claimed(tasks, more)
             }

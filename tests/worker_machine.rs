@@ -758,8 +758,9 @@ fn a_finish_that_waited_too_long_for_a_locked_row_is_halved() {
     let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
     let (op, _, ids) = one_finish(&after);
     assert_eq!(ids, vec![2, 3, 4, 5]);
-    assert!(finishes(&h.fail(op, DbFailure::LockTimeout("canceling statement due to lock timeout".into()))).is_empty());
-    let retried = fire_until(&mut h, Timer::DbRetry, Duration::from_secs(5)).expect("a retry after the backoff");
+    // A lock is not an outage: the halves go at once, without the database backoff.
+    let retried = h.fail(op, DbFailure::LockTimeout("canceling statement due to lock timeout".into()));
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock wait backed everything off");
     let (op, completions, ids) = one_finish(&retried);
     assert_eq!(ids, vec![2, 3], "the row another transaction holds is in one half only");
     assert!(completions.iter().all(|c| matches!(c.outcome, FinishOutcome::Completed(_))), "values untouched");
@@ -966,4 +967,36 @@ fn a_reaper_pass_skipped_for_another_reaper_is_counted() {
     assert!(h.events.contains(&Event::ReapSkipped), "{:?}", h.events);
     assert_eq!(h.worker.stats().reaps_skipped, 1);
     assert!(!h.events.iter().any(|e| matches!(e, Event::Reaped(_))));
+}
+
+/// Item 4: the row a lock holds up, alone in its finish, waits for the lock retry (backing off
+/// while the lock holds) without the database backoff: heartbeats and the other finishes go on.
+#[test]
+fn a_finish_alone_on_a_locked_row_waits_for_the_lock_retry_while_the_rest_goes_on() {
+    let (mut h, first) = Harness::default(2);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
+    let (op, _, ids) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    assert_eq!(ids, vec![1]);
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    assert!(finishes(&h.fail(op, lock())).is_empty(), "held back, not sent again at once");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
+    // The other task's finish is not held up.
+    let (op, _, ids) = one_finish(&h.finished(&runs[1], TaskOutcome::Success(json!(2))));
+    assert_eq!(ids, vec![2]);
+    h.reply(op, DbReply::Finished { applied: vec![(TaskId(2), TaskState::Completed)], lost: vec![] });
+    let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry, a second on");
+    let (op, _, ids) = one_finish(&retried);
+    assert_eq!(ids, vec![1]);
+    // Still locked: held back again, a little longer.
+    let failed_at = h.now;
+    assert!(finishes(&h.fail(op, lock())).is_empty());
+    let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(3)).expect("the lock retry, two seconds on");
+    assert_eq!(h.now - failed_at, Duration::from_secs(2), "the lock retry backs off");
+    assert_eq!(one_finish(&retried).2, vec![1]);
+    // Heartbeats went on for it all along: it is still the worker's.
+    let beat = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(31)).expect("a heartbeat");
+    let (_, request) = db_ops(&beat).into_iter().find(|(_, r)| r.kind() == "heartbeat").unwrap();
+    let DbRequest::Heartbeat { running, .. } = request else { unreachable!() };
+    assert_eq!(running.iter().map(|t| t.task).collect::<Vec<_>>(), vec![TaskId(1)]);
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
 }

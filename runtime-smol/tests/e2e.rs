@@ -36,6 +36,8 @@ scenario!(forbidden_flags_leave_tasks_to_other_workers);
 scenario!(schedules_fire_inside_a_worker);
 scenario!(racing_scheduler_loops);
 scenario!(waits_leave_nothing_behind);
+scenario!(poison_outcomes_fail_alone);
+scenario!(undecodable_rows_fail_alone);
 
 /// async-std's executor shares async-io with smol: the smol adapter's worker runs from it.
 #[test]

@@ -32,7 +32,7 @@ use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
 use crate::memory::{
     AdminError, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
 };
-use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, parse_state};
+use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, leniently, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
 /// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
@@ -516,13 +516,19 @@ fn record(row: &PgRow) -> Result<TaskRecord, sqlx::Error> {
     let state = parse_state(row.try_get("state")?)?;
     let held = matches!(state, TaskState::Claimed | TaskState::Running);
     let claimed_by: Option<String> = row.try_get("claimed_by")?;
+    // One row whose arguments cannot be read fails neither a listing nor a wait.
+    let (args, args_error) = match leniently::<Value>(row, "args")? {
+        Ok(args) => (args, None),
+        Err(problem) => (Value::Null, Some(problem)),
+    };
     Ok(TaskRecord {
         id: TaskId(row.try_get("id")?),
         name: row.try_get("name")?,
         queue: row.try_get("queue")?,
         state,
         priority: row.try_get("priority")?,
-        args: row.try_get("args")?,
+        args,
+        args_error,
         attempts: count(row.try_get("attempts")?),
         retries: count(row.try_get("retries")?),
         enqueued_at: DbTime(row.try_get("enqueued_at")?),

@@ -254,14 +254,7 @@ impl PgStore {
                         Ok(args) => (args, None),
                         Err(problem) => (Value::Null, Some(problem)),
                     };
-                    let (retry, retry_error) = match leniently::<Option<Value>>(&row, "retry")? {
-                        Ok(None) => (self.app.retry.clone(), None),
-                        Ok(Some(stored)) => match RetryPolicy::from_stored(stored) {
-                            Ok(policy) => (policy, None),
-                            Err(problem) => (self.app.retry.clone(), Some(problem)),
-                        },
-                        Err(problem) => (self.app.retry.clone(), Some(problem)),
-                    };
+                    let (retry, retry_error) = self.stored_policy(&row)?;
                     tasks.push(ClaimedTask {
                         id: TaskId(id),
                         lease: Lease(row.try_get("lease")?),
@@ -509,19 +502,17 @@ impl PgStore {
             report.requeued = ids.into_iter().map(TaskId).collect();
         }
         if let Some(threshold) = running_stale_ms {
-            let stale: Vec<(i64, Option<Value>, i32)> =
-                sqlx::query_as(sql.reap_running_select.clone()).bind(duration(threshold)).fetch_all(&mut *tx).await?;
+            let stale =
+                sqlx::query(sql.reap_running_select.clone()).bind(duration(threshold)).fetch_all(&mut *tx).await?;
             if !stale.is_empty() {
                 let mut ids = Vec::with_capacity(stale.len());
                 let mut delays = Vec::with_capacity(stale.len());
                 let mut may_retry = Vec::with_capacity(stale.len());
-                for (id, retry, retries) in stale {
-                    // A policy that does not decode retries nothing; none of its own is the app's.
-                    let policy: RetryPolicy = match retry {
-                        Some(retry) => serde_json::from_value(retry).unwrap_or_else(|_| RetryPolicy::none()),
-                        None => self.app.retry.clone(),
-                    };
-                    let retries = count(retries);
+                for row in stale {
+                    let id: i64 = row.try_get("id")?;
+                    // The policy its worker ran it under: the one it stores, else the app's.
+                    let (policy, _) = self.stored_policy(&row)?;
+                    let retries = count(row.try_get("retries")?);
                     let delay = backoff::retry_delay(&policy, retries.saturating_add(1), mix(entropy ^ id as u64));
                     ids.push(id);
                     delays.push(duration(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)));
@@ -607,9 +598,26 @@ pub(crate) fn failure(error: sqlx::Error) -> DbFailure {
     }
 }
 
+impl PgStore {
+    /// The retry policy a task row stores in its `retry` column, read leniently
+    /// ([`RetryPolicy::from_stored`]): none of its own, or one that cannot be read, is the
+    /// app's, and then why it could not be read comes along. The claim and the reaper read
+    /// policies alike, so a run is retried by the policy it ran under.
+    fn stored_policy(&self, row: &sqlx::postgres::PgRow) -> Result<(RetryPolicy, Option<String>), sqlx::Error> {
+        Ok(match leniently::<Option<Value>>(row, "retry")? {
+            Ok(None) => (self.app.retry.clone(), None),
+            Ok(Some(stored)) => match RetryPolicy::from_stored(stored) {
+                Ok(policy) => (policy, None),
+                Err(problem) => (self.app.retry.clone(), Some(problem)),
+            },
+            Err(problem) => (self.app.retry.clone(), Some(problem)),
+        })
+    }
+}
+
 /// Column `column` of `row` decoded, or why it could not be (a value its decoder refuses);
 /// a column missing or of another type is an error of the whole reply.
-fn leniently<T>(row: &sqlx::postgres::PgRow, column: &str) -> Result<Result<T, String>, sqlx::Error>
+pub(crate) fn leniently<T>(row: &sqlx::postgres::PgRow, column: &str) -> Result<Result<T, String>, sqlx::Error>
 where
     T: for<'r> sqlx::Decode<'r, Postgres> + sqlx::Type<Postgres>,
 {
