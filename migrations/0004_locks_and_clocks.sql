@@ -89,6 +89,8 @@ DECLARE
     v_last_priority smallint;
     v_last_run_at   timestamptz;
     v_last_id       bigint;
+    -- How many Pending rows the queue's pass took.
+    v_got_pending   integer;
 BEGIN
     -- Paused queues (`queue_states`) leave the pass before anything else: one probe of a tiny
     -- table, and the queue list is rebuilt only when one of its queues is paused.
@@ -129,6 +131,7 @@ BEGIN
         END IF;
         v_got := '{}';
         v_last_id := NULL;
+        v_got_pending := 0;
         IF v_want > 0 THEN
             -- Queues are distinct, so rows of earlier queues (in `v_ids`) cannot turn up here.
             WITH pend AS (
@@ -159,8 +162,9 @@ BEGIN
             SELECT coalesce(array_agg(c.id ORDER BY c.priority, c.run_at, c.id), '{}'),
                    (array_agg(c.priority ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1],
                    (array_agg(c.run_at ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1],
-                   (array_agg(c.id ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1]
-            INTO v_got, v_last_priority, v_last_run_at, v_last_id
+                   (array_agg(c.id ORDER BY c.priority DESC, c.run_at DESC, c.id DESC) FILTER (WHERE c.pending))[1],
+                   count(*) FILTER (WHERE c.pending)
+            INTO v_got, v_last_priority, v_last_run_at, v_last_id, v_got_pending
             FROM chosen c;
             v_ids := v_ids || v_got;
             v_left := v_left - cardinality(v_got);
@@ -194,6 +198,30 @@ BEGIN
                 ) IS NOT NULL;
             END IF;
             v_more := v_more OR (
+                SELECT t.id FROM tasks t
+                WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
+                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)
+                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                ORDER BY t.claim_expires_at
+                LIMIT 1
+            ) IS NOT NULL;
+        ELSIF NOT v_more THEN
+            -- The queue ran short of rows it could lock, so every eligible row it did not take is
+            -- one another transaction holds (a claimer about to commit, or anyone's lock): left
+            -- behind all the same, or a worker that waits for notifications would never come
+            -- back for it. Its Pending rows are the ones taken and the held ones: counting to
+            -- one past those taken walks no further than that.
+            v_more := (
+                SELECT count(*) FROM (
+                    SELECT 1 FROM tasks t
+                    WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
+                      AND t.run_at <= v_now
+                      AND (t.good_until IS NULL OR t.good_until > v_now)
+                      AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                    ORDER BY t.priority, t.run_at, t.id
+                    LIMIT coalesce(v_got_pending, 0) + 1
+                ) x
+            ) > coalesce(v_got_pending, 0) OR (
                 SELECT t.id FROM tasks t
                 WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
                   AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)

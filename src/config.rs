@@ -224,6 +224,10 @@ pub struct RecoveryConfig {
     /// instead of running it again. `None` (the default) keeps such tasks forever.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub idempotency_retention_ms: Option<u64>,
+    /// How long the worker registry keeps a worker that stopped, or went silent, and holds no
+    /// task: 60 000 to 3 153 600 000 000 ms, default 604 800 000 (seven days). The reaper
+    /// deletes older ones, so a fleet that restarts often leaves no growing table behind.
+    pub worker_retention_ms: u64,
 }
 
 impl Default for RecoveryConfig {
@@ -238,6 +242,7 @@ impl Default for RecoveryConfig {
             claimer_heartbeat_interval_ms: 30_000,
             finished_retention_ms: None,
             idempotency_retention_ms: None,
+            worker_retention_ms: 604_800_000,
         }
     }
 }
@@ -701,6 +706,7 @@ impl RecoveryConfig {
         if let Some(retention) = self.finished_retention_ms {
             c.range("finished_retention_ms", retention, FINISHED_RETENTION_MS);
         }
+        c.range("worker_retention_ms", self.worker_retention_ms, FINISHED_RETENTION_MS);
         if let Some(retention) = self.idempotency_retention_ms {
             c.range("idempotency_retention_ms", retention, FINISHED_RETENTION_MS);
         }
@@ -1249,6 +1255,7 @@ mod tests {
                     claimer_heartbeat_interval_ms: 10_000,
                     finished_retention_ms: Some(86_400_000),
                     idempotency_retention_ms: Some(604_800_000),
+                    worker_retention_ms: 86_400_000,
                 },
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])

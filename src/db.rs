@@ -556,8 +556,9 @@ pub enum DbRequest {
     /// Claimed tasks with no claimer heartbeat (or claim) for `claimed_stale_ms` back to
     /// Pending; Running tasks with no runner heartbeat (or start) for `running_stale_ms`
     /// retried with `WORKER_CRASHED` if their policy allows it before good-until, else Failed;
-    /// Pending tasks past good-until Expired. `None` thresholds skip that step. Replies
-    /// [`DbReply::Reaped`].
+    /// Pending tasks past good-until Expired. `None` thresholds skip that step. Workers the
+    /// registry has not seen for the store's `recovery.worker_retention_ms` and that hold no
+    /// task are deleted. Replies [`DbReply::Reaped`].
     Reap {
         /// Who reaps.
         worker: WorkerId,
@@ -699,12 +700,17 @@ pub struct ReapReport {
     /// Whether the pass did nothing because another reaper held the reaper's lock.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub skipped: bool,
+    /// Workers deleted from the registry: silent for longer than
+    /// `recovery.worker_retention_ms`, holding no task.
+    #[serde(default)]
+    pub workers_pruned: u64,
 }
 
 impl ReapReport {
-    /// Whether the pass changed any task.
+    /// Whether the pass changed anything: a task, or the worker registry.
     pub fn changed_anything(&self) -> bool {
         !(self.requeued.is_empty() && self.retried.is_empty() && self.failed.is_empty() && self.expired.is_empty())
+            || self.workers_pruned > 0
     }
 }
 

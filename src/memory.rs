@@ -170,6 +170,31 @@ impl StoredTask {
     }
 }
 
+/// What a cancel found: a task that never ran, or one a worker had claimed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Cancelled {
+    /// It was Pending: it never ran and never will.
+    Pending,
+    /// It was Claimed by `worker`, which may already run it: in soft-cap mode a buffered
+    /// task of a queue without a cap starts without telling the store. Such a run goes on to
+    /// its end, and its outcome is not recorded (its writes are fenced); its side effects
+    /// happen all the same.
+    Claimed {
+        /// The worker that held the claim.
+        worker: WorkerId,
+    },
+}
+
+impl Cancelled {
+    /// What a cancel of a row in `state`, held by `holder`, found.
+    pub fn of(state: TaskState, holder: Option<WorkerId>) -> Cancelled {
+        match (state, holder) {
+            (TaskState::Claimed, Some(worker)) => Cancelled::Claimed { worker },
+            _ => Cancelled::Pending,
+        }
+    }
+}
+
 /// Something PostgreSQL would announce with `NOTIFY`, for drivers to deliver.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Notification {
@@ -448,9 +473,13 @@ impl MemoryStore {
     pub fn enqueue_many(&mut self, tasks: Vec<NewTask>, now: DbTime) -> Result<Vec<TaskId>, EnqueueError> {
         let mut queues = Vec::with_capacity(tasks.len());
         let mut batch_keys = db::BatchKeys::default();
+        // The first task with a problem is refused; within a task, in PostgreSQL's order: what
+        // needs no clock nor stored rows (the client's checks, with the earliest `now`), then
+        // times and stored keys (the database's), so both stores report the same problem.
         for (index, task) in tasks.iter().enumerate() {
-            queues.push(db::check_new_task(&self.app, task, now)?.to_owned());
+            queues.push(db::check_new_task(&self.app, task, DbTime(i64::MIN))?.to_owned());
             batch_keys.check(index, task)?;
+            db::check_new_task(&self.app, task, now)?;
             if let (Some(key), KeyMode::Idempotent) = (&task.key, task.key_mode) {
                 if let Some(holder) = self.keys.get(key).and_then(|hold| self.row(hold.task)) {
                     if holder.name != task.name || holder.args != task.args {
@@ -603,11 +632,19 @@ impl MemoryStore {
         if self.locked.is_empty() {
             return false;
         }
+        // PostgreSQL locks only the rows its conditions select: the worker's own in-flight rows.
+        let held_locked = |worker: &WorkerId, id: TaskId| {
+            self.locked.contains(&id)
+                && self
+                    .live
+                    .get(&id)
+                    .is_some_and(|row| row.state != TaskState::Pending && row.claimed_by.as_ref() == Some(worker))
+        };
         match request {
-            DbRequest::Start { tasks, .. }
-            | DbRequest::RecordStarts { tasks, .. }
-            | DbRequest::Release { tasks, .. } => tasks.iter().any(|t| self.locked.contains(&t.task)),
-            DbRequest::Finish { completions, .. } => completions.iter().any(|c| self.locked.contains(&c.task.task)),
+            DbRequest::Start { worker, tasks, .. }
+            | DbRequest::RecordStarts { worker, tasks }
+            | DbRequest::Release { worker, tasks } => tasks.iter().any(|t| held_locked(worker, t.task)),
+            DbRequest::Finish { worker, completions } => completions.iter().any(|c| held_locked(worker, c.task.task)),
             DbRequest::AbandonClaim { worker, token } => self.live.values().any(|row| {
                 self.locked.contains(&row.id)
                     && row.claimed_by.as_ref() == Some(worker)
@@ -645,9 +682,7 @@ impl MemoryStore {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
                 let policy = &self.without_paused(policy);
                 let counts = self.claim_counts(policy, *my_running, *my_claimed, now);
-                let tasks = self.claim(worker, *token, policy, &counts, *start_now, *lease_ms, now);
-                let eligible: u64 = counts.available.values().map(|&n| u64::from(n)).sum();
-                let more = eligible > tasks.len() as u64;
+                let (tasks, more) = self.claim(worker, *token, policy, &counts, *start_now, *lease_ms, now);
                 // Only a worker that will wait needs to know when delayed work becomes due.
                 let next_run_in_ms = if more {
                     None
@@ -672,7 +707,7 @@ impl MemoryStore {
             }
             DbRequest::Release { worker, tasks } => self.release(worker, tasks),
             DbRequest::AbandonClaim { worker, token } => {
-                let released = self.abandon_claims(worker, &[*token]);
+                let released = self.abandon_claims(worker, &[*token], &BTreeSet::new());
                 DbReply::Released { released, lost: Vec::new() }
             }
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
@@ -717,7 +752,8 @@ impl MemoryStore {
                     add_in_flight(queue, running);
                 }
             }
-            if row.is_claimable(now) && policy.admits(&row.flags) {
+            // A row another transaction locks cannot be taken (`SKIP LOCKED`).
+            if row.is_claimable(now) && policy.admits(&row.flags) && !self.locked.contains(&row.id) {
                 if let Some(available) = counts.available.get_mut(&row.queue) {
                     *available = available.saturating_add(1);
                 }
@@ -736,7 +772,7 @@ impl MemoryStore {
         start_now: u32,
         lease_ms: u64,
         now: DbTime,
-    ) -> Vec<ClaimedTask> {
+    ) -> (Vec<ClaimedTask>, bool) {
         let plan = budget::plan(policy, counts);
         let mut chosen: Vec<TaskId> = Vec::new();
         let mut taken: BTreeSet<TaskId> = BTreeSet::new();
@@ -758,6 +794,7 @@ impl MemoryStore {
                 taken.insert(row.id);
             }
         }
+        let more = self.left_behind(policy, counts, plan.budget, &taken, now);
         let mut claimed = Vec::with_capacity(chosen.len());
         for (index, id) in chosen.into_iter().enumerate() {
             let start = index < start_now as usize;
@@ -797,7 +834,55 @@ impl MemoryStore {
                 retry_error: None,
             });
         }
-        claimed
+        (claimed, more)
+    }
+
+    /// Whether a claim pass that took `taken` left an eligible row of a served queue behind,
+    /// as PostgreSQL's `claim()` judges it, per queue in claim order: a queue that took all it
+    /// wanted (its budget, cap room and batch; wanting nothing counts) is probed for a Pending
+    /// row after the last one it took in claim order and a lapsed claim it did not take (a
+    /// locked row before the last one taken reads as taken by another claimer); a queue that
+    /// ran short, for any eligible row it did not take (one another transaction locks).
+    /// Without locked rows this is "more eligible rows than taken".
+    fn left_behind(
+        &self,
+        policy: &ClaimPolicy,
+        counts: &ClaimCounts,
+        budget: u32,
+        taken: &BTreeSet<TaskId>,
+        now: DbTime,
+    ) -> bool {
+        let hard = policy.hard_cap_mode();
+        let mut left = budget;
+        for queue in &policy.queues {
+            let in_flight = counts.queues.get(&queue.name).copied().unwrap_or_default();
+            let room = queue
+                .max_concurrency
+                .map_or(u32::MAX, |cap| cap.saturating_sub(in_flight.counted(hard || queue.serial)));
+            let batch = if policy.max_claim_batch > 0 { policy.max_claim_batch } else { u32::MAX };
+            let want = left.min(room).min(batch);
+            let eligible =
+                |row: &&StoredTask| row.queue == queue.name && row.is_claimable(now) && policy.admits(&row.flags);
+            let got: Vec<&StoredTask> =
+                self.live.values().filter(eligible).filter(|row| taken.contains(&row.id)).collect();
+            left = left.saturating_sub(got.len() as u32);
+            if (got.len() as u32) < want {
+                if self.live.values().filter(eligible).any(|row| !taken.contains(&row.id)) {
+                    return true;
+                }
+                continue;
+            }
+            let key = |row: &StoredTask| (row.priority, row.run_at, row.id);
+            let last = got.iter().filter(|row| row.state == TaskState::Pending).map(|row| key(row)).max();
+            let behind = self.live.values().filter(eligible).any(|row| match row.state {
+                TaskState::Pending => last.is_none_or(|last| key(row) > last),
+                _ => !taken.contains(&row.id),
+            });
+            if behind {
+                return true;
+            }
+        }
+        false
     }
 
     fn start(&mut self, worker: &WorkerId, tasks: &[TaskLease], policy: &ClaimPolicy, now: DbTime) -> DbReply {
@@ -962,7 +1047,13 @@ impl MemoryStore {
                 _ => lost.push(id),
             }
         }
-        let handed_back = if abandoned.is_empty() { Vec::new() } else { self.abandon_claims(worker, abandoned) };
+        let handed_back = if abandoned.is_empty() {
+            Vec::new()
+        } else {
+            // Rows the beat names under their current lease are the worker's: not left behind.
+            let named: BTreeSet<TaskLease> = claimed.iter().chain(running).copied().collect();
+            self.abandon_claims(worker, abandoned, &named)
+        };
         self.workers.entry(worker.clone()).and_modify(|record| record.last_seen = now).or_insert_with(|| {
             WorkerRecord {
                 info: WorkerInfo { worker: worker.clone(), queues: Vec::new(), concurrency: 0 },
@@ -994,9 +1085,9 @@ impl MemoryStore {
 
     /// Undoes the claims `tokens` of `worker`: every row still held under one of them goes back
     /// to Pending, and a Running one gives back the attempt the claim counted (its worker never
-    /// saw the claim, so nothing ran). Rows other transactions hold locked are left for the
-    /// next try. Returns the rows handed back, by id.
-    fn abandon_claims(&mut self, worker: &WorkerId, tokens: &[u64]) -> Vec<TaskId> {
+    /// saw the claim, so nothing ran). Rows other transactions hold locked, and rows `except`
+    /// names under their current lease, are left. Returns the rows handed back, by id.
+    fn abandon_claims(&mut self, worker: &WorkerId, tokens: &[u64], except: &BTreeSet<TaskLease>) -> Vec<TaskId> {
         let ids: Vec<TaskId> = self
             .live
             .values()
@@ -1005,6 +1096,7 @@ impl MemoryStore {
                     && row.claimed_by.as_ref() == Some(worker)
                     && row.claim_token.is_some_and(|token| tokens.contains(&token))
                     && !self.locked.contains(&row.id)
+                    && !except.contains(&TaskLease { task: row.id, lease: row.lease })
             })
             .map(|row| row.id)
             .collect();
@@ -1095,6 +1187,18 @@ impl MemoryStore {
             self.finish_row(id, TaskEvent::Expire, now, Some(error), None);
         }
         report.expired = expired;
+        let oldest = minus_ms(now, self.app.recovery.worker_retention_ms);
+        let holders: BTreeSet<&WorkerId> = self.live.values().filter_map(|row| row.claimed_by.as_ref()).collect();
+        let gone: Vec<WorkerId> = self
+            .workers
+            .iter()
+            .filter(|(id, record)| record.last_seen < oldest && !holders.contains(id))
+            .map(|(id, _)| id.clone())
+            .collect();
+        report.workers_pruned = gone.len() as u64;
+        for id in gone {
+            self.workers.remove(&id);
+        }
         report
     }
 
@@ -1103,9 +1207,11 @@ impl MemoryStore {
     // -----------------------------------------------------------------------------------------
 
     /// Cancels a Pending or Claimed task: it becomes Cancelled with error `TASK_CANCELLED`
-    /// (no attempt record); a holder's later writes about it are reported lost.
-    pub fn cancel(&mut self, id: TaskId, now: DbTime) -> Result<(), AdminError> {
-        let state = self.row(id).ok_or(AdminError::NotFound(id))?.state;
+    /// (no attempt record); a holder's later writes about it are reported lost. Says whether
+    /// it was claimed, and by whom: that worker may already be running it.
+    pub fn cancel(&mut self, id: TaskId, now: DbTime) -> Result<Cancelled, AdminError> {
+        let row = self.row(id).ok_or(AdminError::NotFound(id))?;
+        let (state, holder) = (row.state, row.claimed_by.clone());
         transition(state, TaskEvent::Cancel).map_err(|_| AdminError::WrongState {
             task: id,
             state,
@@ -1113,7 +1219,7 @@ impl MemoryStore {
         })?;
         let error = TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE);
         self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
-        Ok(())
+        Ok(Cancelled::of(state, holder))
     }
 
     /// Puts a Failed task back to Pending, claimable at once (`run_at = now`), with its

@@ -12,18 +12,27 @@
 //! PRNG over three applications (the default queue; custom queues with caps in hard-cap mode;
 //! soft-cap mode with a prefetch buffer). `CANTER_CONFORMANCE_SEEDS=n` runs more seeds; a
 //! failure names its seed and step.
+//!
+//! Bad data and locks: the stores must also agree when a finish carries a value PostgreSQL
+//! refuses (U+0000: both answer `Invalid` and write nothing), when another transaction holds a
+//! row locked (a second connection in PostgreSQL, [`MemoryStore::lock_row`] in memory: the
+//! statements that skip locked rows skip it, the others give up with `LockTimeout` after the
+//! pair's short `lock_timeout`), when a row was written by hand with arguments no reader
+//! decodes (claims and inspection say so for that row alone), and when heartbeats carry the
+//! tokens of abandoned claims.
 
 #[path = "common/pg.rs"]
 mod pg;
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Duration;
 
 use canter::budget::{ClaimPolicy, QueuePolicy};
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy};
 use canter::db::{
-    Completion, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt, WorkerInfo,
+    Completion, DbFailure, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt,
+    TaskRecord, WorkerInfo,
 };
 use canter::memory::{AdminError, KeyRemoval, MemoryStore, Notification, Reschedule, TaskFilter};
 use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
@@ -31,8 +40,8 @@ use canter::rng::Rng;
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, pin_clock};
 use serde_json::json;
-use sqlx::PgPool;
-use sqlx::postgres::PgListener;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 const T0: DbTime = DbTime(1_700_000_000_000);
 
@@ -52,7 +61,16 @@ enum Op {
     Pause(String),
     Resume(String),
     Advance(u64),
+    /// Another transaction locks the row.
+    Lock(TaskId),
+    /// That transaction ends.
+    Unlock(TaskId),
+    /// A producer writes a row of this queue by hand, with arguments no reader decodes.
+    EnqueueUnreadable(String),
 }
+
+/// How deep the hand-written rows' arguments are nested: past what serde_json decodes (128).
+const UNREADABLE_DEPTH: usize = 130;
 
 /// Both stores, side by side.
 struct Pair {
@@ -70,13 +88,20 @@ struct Pair {
     seen: BTreeMap<&'static str, usize>,
     /// Compare the attempts histories after every step, not every tenth.
     every_history: bool,
-    _db: TestDb,
+    /// The connections whose open transactions lock rows.
+    locks: BTreeMap<TaskId, PgConnection>,
+    db: TestDb,
 }
 
 impl Pair {
     async fn new(app: AppConfig, label: &str) -> Pair {
         let db = TestDb::new().await;
-        let pool = db.pool(1).await;
+        // A short lock_timeout: a statement that waits for a row another transaction holds
+        // gives up quickly, as a worker's does after its session's 5 s.
+        let options: PgConnectOptions = db.url.parse().unwrap();
+        let options = options.application_name(db.schema.name()).options([("lock_timeout", "300ms")]);
+        let pool =
+            PgPoolOptions::new().max_connections(1).connect_with(options.disable_statement_logging()).await.unwrap();
         let pg = PgStore::new(pool.clone(), db.schema.clone(), app.clone());
         let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
         let marker = format!("{}_marker", db.schema.name());
@@ -97,7 +122,8 @@ impl Pair {
             last_op: String::new(),
             seen: BTreeMap::new(),
             every_history: false,
-            _db: db,
+            locks: BTreeMap::new(),
+            db,
         }
     }
 
@@ -131,12 +157,60 @@ impl Pair {
                 assert_eq!(pg, memory, "{at}: enqueue {tasks:?}");
             }
             Op::Db(request) => {
-                let memory = self.memory.apply(request, self.now);
-                for feature in features(&memory) {
-                    self.see(feature);
+                let memory = self.memory.execute(request, self.now).map(normalized).map_err(failure_kind);
+                match &memory {
+                    Ok(reply) => {
+                        for feature in features(reply) {
+                            self.see(feature);
+                        }
+                    }
+                    Err(kind) => self.see(kind),
                 }
-                let pg = self.pg.execute(request).await.unwrap_or_else(|e| panic!("{at}: {request:?} failed: {e}"));
+                let pg = self.pg.execute(request).await.map(normalized).map_err(failure_kind);
+                if let Err(kind) = &pg {
+                    assert!(
+                        matches!(*kind, "refused: invalid" | "refused: lock timeout"),
+                        "{at}: {request:?} failed: {kind}"
+                    );
+                }
                 assert_eq!(pg, memory, "{at}: {request:?}");
+            }
+            Op::Lock(id) => {
+                self.memory.lock_row(*id);
+                let mut conn = PgConnection::connect(&self.db.url).await.unwrap();
+                sqlx::raw_sql(sqlx::AssertSqlSafe("BEGIN")).execute(&mut conn).await.unwrap();
+                let lock = format!("SELECT 1 FROM {}.tasks WHERE id = $1 FOR UPDATE", self.pg.schema().quoted());
+                sqlx::query(sqlx::AssertSqlSafe(lock)).bind(id.0).execute(&mut conn).await.unwrap();
+                self.locks.insert(*id, conn);
+                self.see("row locked");
+            }
+            Op::Unlock(id) => {
+                self.memory.unlock_row(*id);
+                if let Some(mut conn) = self.locks.remove(id) {
+                    sqlx::raw_sql(sqlx::AssertSqlSafe("ROLLBACK")).execute(&mut conn).await.unwrap();
+                    conn.close().await.unwrap();
+                }
+            }
+            Op::EnqueueUnreadable(queue) => {
+                let deep = (0..UNREADABLE_DEPTH).fold(json!("deep"), |inner, _| json!([inner]));
+                self.memory.enqueue_unchecked(NewTask::new("t", deep).queue(queue.clone()), self.now);
+                let s = self.pg.schema().quoted();
+                let sql = format!(
+                    "WITH written AS (
+                         INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at)
+                         VALUES ('t', $1, 0, (repeat('[', $2) || '\"deep\"' || repeat(']', $2))::jsonb, 'PENDING',
+                                 {s}.db_now(), {s}.db_now())
+                         RETURNING queue
+                     )
+                     SELECT pg_notify($3 || w.queue, '') FROM written w"
+                );
+                sqlx::query(sqlx::AssertSqlSafe(sql))
+                    .bind(queue)
+                    .bind(UNREADABLE_DEPTH as i32)
+                    .bind(self.pg.schema().queue_channel_prefix())
+                    .execute(&self.pool)
+                    .await
+                    .unwrap();
             }
             Op::Cancel(id) => {
                 let memory = self.memory.cancel(*id, self.now);
@@ -218,8 +292,8 @@ impl Pair {
 
     async fn compare_state(&self, with_attempts: bool) {
         let at = self.at();
-        let memory = self.memory.list(&TaskFilter::default());
-        let pg = self.pg.list(&TaskFilter::default()).await.unwrap();
+        let memory = records(self.memory.list(&TaskFilter::default()));
+        let pg = records(self.pg.list(&TaskFilter::default()).await.unwrap());
         if pg != memory {
             for (m, p) in memory.iter().zip(&pg) {
                 assert_eq!(p, m, "{at}: first differing task");
@@ -242,7 +316,8 @@ impl Pair {
             TaskFilter { state: Some(TaskState::Pending), limit: Some(3), ..TaskFilter::default() },
             TaskFilter { queue: memory.first().map(|r| r.queue.clone()), ..TaskFilter::default() },
         ] {
-            assert_eq!(self.pg.list(&filter).await.unwrap(), self.memory.list(&filter), "{at}: list {filter:?}");
+            let (pg, memory) = (records(self.pg.list(&filter).await.unwrap()), records(self.memory.list(&filter)));
+            assert_eq!(pg, memory, "{at}: list {filter:?}");
         }
     }
 
@@ -305,6 +380,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(tasks.iter().any(|t| t.started), "claimed and started");
             see(tasks.iter().any(|t| t.lease.0 > 1), "re-claimed");
             see(*more, "more");
+            see(tasks.iter().any(|t| t.args_error.is_some()), "claimed unreadable");
         }
         DbReply::Started { started, expired, deferred, lost } => {
             see(!started.is_empty(), "started");
@@ -318,7 +394,11 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(applied.iter().any(|(_, s)| *s == TaskState::Pending), "retried");
             see(!lost.is_empty(), "finish lost");
         }
-        DbReply::Heartbeat { lost, .. } => see(!lost.is_empty(), "heartbeat lost"),
+        DbReply::Heartbeat { lost, busy, handed_back } => {
+            see(!lost.is_empty(), "heartbeat lost");
+            see(!busy.is_empty(), "heartbeat busy");
+            see(!handed_back.is_empty(), "late claim handed back");
+        }
         DbReply::Released { released, lost } => {
             see(!released.is_empty(), "released");
             see(!lost.is_empty(), "release lost");
@@ -333,6 +413,36 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
         DbReply::Done => {}
     }
     seen
+}
+
+/// A reply with what differs between the stores' wording taken out: why a row's arguments
+/// could not be read (each decoder says it its own way).
+fn normalized(mut reply: DbReply) -> DbReply {
+    if let DbReply::Claimed { tasks, .. } = &mut reply {
+        for task in tasks {
+            task.args_error = task.args_error.take().map(|_| "unreadable".to_owned());
+        }
+    }
+    reply
+}
+
+/// Records with why their arguments could not be read taken out, as [`normalized`].
+fn records(mut records: Vec<TaskRecord>) -> Vec<TaskRecord> {
+    for record in &mut records {
+        record.args_error = record.args_error.take().map(|_| "unreadable".to_owned());
+    }
+    records
+}
+
+/// The kind of a failure, which both stores must agree on (their messages differ).
+fn failure_kind(failure: DbFailure) -> &'static str {
+    match failure {
+        DbFailure::Invalid(_) => "refused: invalid",
+        DbFailure::LockTimeout(_) => "refused: lock timeout",
+        DbFailure::Rejected(_) => "refused: rejected",
+        DbFailure::Unavailable(_) => "refused: unavailable",
+        DbFailure::Unknown(_) => "refused: unknown",
+    }
 }
 
 fn admin(error: PgAdminError) -> AdminError {
@@ -739,8 +849,9 @@ const WORKERS: [&str; 3] = ["w1", "w2", "w3"];
 /// The next operation, chosen from what the memory store holds now; with `operator`, the
 /// operator actions (reschedule, complete and fail by hand, force-unlock, remove key, purge,
 /// pause, resume) are in the mix too (without, the scripts are those of the worker protocol).
-fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64, operator: bool) -> Op {
+fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64, operator: bool, faults: bool) -> Op {
     let app = memory.app().clone();
+    let locked: BTreeSet<TaskId> = memory.locked_rows().clone();
     let worker = WORKERS[rng.range(0, 3) as usize];
     let held = |state: TaskState| -> Vec<TaskLease> {
         memory
@@ -763,7 +874,10 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
         tasks.retain(|_| rng.chance(0.85));
         tasks
     };
-    let roll = rng.range(0, if operator { 114 } else { 100 });
+    let base = if operator { 114 } else { 100 };
+    let roll = rng.range(0, base + if faults { 12 } else { 0 });
+    // Bad data and locks come after the other kinds: their rolls are 200 and up.
+    let roll = if roll >= base { 200 + roll - base } else { roll };
     let any_id = |rng: &mut Rng| TaskId(rng.range(1, max_id as u64 + 2) as i64);
     let any_queue = |rng: &mut Rng| {
         let queues = app.queues();
@@ -790,7 +904,9 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
                     if rng.chance(0.35) {
                         task.good_until = Some(DbTime(now.0 + rng.range(0, 5_000) as i64));
                     }
-                    if rng.chance(0.3) {
+                    // A keyed enqueue waits for a locked Pending holder (the memory store does not
+                    // model an enqueuer's lock wait): no keys while rows are locked.
+                    if rng.chance(0.3) && locked.is_empty() {
                         // Each key has its mode, but now and then another (across batches a key
                         // may change modes; within one it is refused).
                         let key = rng.range(0, 4);
@@ -888,7 +1004,11 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             running_stale_ms: rng.chance(0.7).then(|| rng.range(500, 3_000)),
             entropy: rng.next_u64(),
         }),
-        85..=87 => Op::Cancel(TaskId(rng.range(1, max_id as u64 + 2) as i64)),
+        85..=87 => {
+            let id = TaskId(rng.range(1, max_id as u64 + 2) as i64);
+            // A cancel waits for a locked row (not modelled by the memory store's operator actions).
+            if locked.contains(&id) { Op::Advance(1) } else { Op::Cancel(id) }
+        }
         88..=89 => {
             let failed: Vec<TaskId> = memory.tasks().filter(|t| t.state == TaskState::Failed).map(|t| t.id).collect();
             match failed.is_empty() || rng.chance(0.2) {
@@ -954,7 +1074,62 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
         }
         108 | 109 => Op::Purge(rng.range(0, 3_000)),
         110 | 111 => Op::Pause(if rng.chance(0.05) { "Bad".to_owned() } else { any_queue(rng) }),
-        _ => Op::Resume(any_queue(rng)),
+        112 | 113 => Op::Resume(any_queue(rng)),
+        200..=202 => {
+            // Mostly rows in flight, which heartbeats and finishes must get past.
+            let live: Vec<(TaskId, TaskState)> = memory
+                .tasks()
+                .filter(|t| !t.state.is_terminal() && !locked.contains(&t.id))
+                .map(|t| (t.id, t.state))
+                .collect();
+            let in_flight: Vec<TaskId> =
+                live.iter().filter(|(_, s)| *s != TaskState::Pending).map(|(id, _)| *id).collect();
+            let pool: Vec<TaskId> = if in_flight.is_empty() || rng.chance(0.2) {
+                live.iter().map(|(id, _)| *id).collect()
+            } else {
+                in_flight
+            };
+            match pool.is_empty() {
+                true => Op::Advance(1),
+                false => Op::Lock(pool[rng.range(0, pool.len() as u64) as usize]),
+            }
+        }
+        203..=205 => match locked.iter().nth(rng.range(0, locked.len().max(1) as u64) as usize) {
+            Some(id) => Op::Unlock(*id),
+            None => Op::Advance(1),
+        },
+        206 | 207 => Op::EnqueueUnreadable(any_queue(rng)),
+        208 | 209 => {
+            // A finish whose batch carries a value PostgreSQL refuses: nothing is written.
+            let mut completions: Vec<Completion> = pick(rng, held(TaskState::Running))
+                .into_iter()
+                .map(|task| Completion { task, outcome: FinishOutcome::Completed(json!({"r": 1})), args: None })
+                .collect();
+            if let Some(first) = completions.first_mut() {
+                first.outcome = match rng.range(0, 3) {
+                    0 => FinishOutcome::Completed(json!({"from_c": "nul\u{0}"})),
+                    1 => FinishOutcome::Failed(TaskError::new(ErrorCode::TaskError, "nul\u{0}")),
+                    _ => FinishOutcome::Failed(error(ErrorCode::TaskError).with_data(json!(["\u{0}"]))),
+                };
+            }
+            Op::Db(DbRequest::Finish { worker: w(worker), completions })
+        }
+        _ => {
+            // A beat that names only some of what the worker holds: the rest is what claims it
+            // abandoned left behind (claims use tokens 0 to 3).
+            let mut claimed = pick(rng, held(TaskState::Claimed));
+            let mut running = pick(rng, held(TaskState::Running));
+            claimed.retain(|_| rng.chance(0.5));
+            running.retain(|_| rng.chance(0.5));
+            Op::Db(DbRequest::Heartbeat {
+                worker: w(worker),
+                claimed,
+                running,
+                lease_ms: [500, 2_000][rng.range(0, 2) as usize],
+                max_renew_age_ms: [0, 1_000, 100_000][rng.range(0, 3) as usize],
+                abandoned: (0..4).filter(|_| rng.chance(0.5)).collect(),
+            })
+        }
     }
 }
 
@@ -1001,19 +1176,23 @@ fn apps() -> Vec<(&'static str, AppConfig)> {
 
 /// Runs the random scripts of every app for `CANTER_CONFORMANCE_SEEDS` seeds (default 2) and
 /// returns what their replies showed.
-async fn random_scripts(operator: bool) -> BTreeMap<&'static str, usize> {
+async fn random_scripts(operator: bool, faults: bool) -> BTreeMap<&'static str, usize> {
     let seeds: u64 = std::env::var("CANTER_CONFORMANCE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
     let steps = 200;
     let mut seen: BTreeMap<&'static str, usize> = BTreeMap::new();
     for (name, app) in apps() {
         for seed in 0..seeds {
-            let label = format!("{name}{} seed {seed}", if operator { " operator" } else { "" });
+            let label = format!(
+                "{name}{}{} seed {seed}",
+                if operator { " operator" } else { "" },
+                if faults { " bad data and locks" } else { "" }
+            );
             let mut pair = Pair::new(app.clone(), &label).await;
             let mut rng = Rng::new(seed.wrapping_mul(0x9E37_79B9) ^ name.len() as u64);
             let mut tokens = 0;
             let mut kinds: BTreeMap<&'static str, usize> = BTreeMap::new();
             for _ in 0..steps {
-                let op = random_op(&mut rng, &pair.memory, pair.now, &mut tokens, operator);
+                let op = random_op(&mut rng, &pair.memory, pair.now, &mut tokens, operator, faults);
                 *kinds.entry(kind(&op)).or_default() += 1;
                 pair.apply(&op).await;
             }
@@ -1034,7 +1213,7 @@ fn assert_reached(seen: &BTreeMap<&'static str, usize>, expected: &[&str]) {
 
 #[tokio::test]
 async fn random_scripts_agree() {
-    let seen = random_scripts(false).await;
+    let seen = random_scripts(false, false).await;
     let expected = [
         "enqueued",
         "payload mismatch",
@@ -1066,7 +1245,7 @@ async fn random_scripts_agree() {
 
 #[tokio::test]
 async fn random_scripts_with_operator_actions_agree() {
-    let seen = random_scripts(true).await;
+    let seen = random_scripts(true, false).await;
     let expected = [
         "claimed",
         "completed",
@@ -1104,5 +1283,24 @@ fn kind(op: &Op) -> &'static str {
         Op::Pause(_) => "pause",
         Op::Resume(_) => "resume",
         Op::Advance(_) => "advance",
+        Op::Lock(_) => "lock",
+        Op::Unlock(_) => "unlock",
+        Op::EnqueueUnreadable(_) => "enqueue unreadable",
     }
+}
+
+#[tokio::test]
+async fn random_scripts_with_bad_data_and_locks_agree() {
+    let seen = random_scripts(false, true).await;
+    let expected = [
+        "claimed",
+        "completed",
+        "row locked",
+        "refused: invalid",
+        "refused: lock timeout",
+        "heartbeat busy",
+        "claimed unreadable",
+        "late claim handed back",
+    ];
+    assert_reached(&seen, &expected);
 }

@@ -16,7 +16,7 @@ use super::{Runtime, TaskHandle, sleep_after};
 use crate::backoff::DbBackoff;
 use crate::config::AppConfig;
 use crate::db::{AttemptRecord, DEFAULT_PURGE_BATCH, NewTask, TaskRecord};
-use crate::memory::{KeyRemoval, PausedQueue, Reschedule, TaskFilter, WorkerRecord};
+use crate::memory::{Cancelled, KeyRemoval, PausedQueue, Reschedule, TaskFilter, WorkerRecord};
 use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
 use crate::rng::Rng;
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
@@ -196,7 +196,7 @@ impl<R: Runtime> Client<R> {
     }
 
     /// Cancels a pending or claimed task.
-    pub async fn cancel(&self, id: TaskId) -> Result<(), ClientError> {
+    pub async fn cancel(&self, id: TaskId) -> Result<Cancelled, ClientError> {
         Ok(self.inner.store.cancel(id).await?)
     }
 
@@ -365,7 +365,7 @@ impl<R: Runtime, T: DeserializeOwned> ResultHandle<R, T> {
     }
 
     /// Cancels the task if it has not started.
-    pub async fn cancel(&self) -> Result<(), ClientError> {
+    pub async fn cancel(&self) -> Result<Cancelled, ClientError> {
         self.client.cancel(self.id).await
     }
 }

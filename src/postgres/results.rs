@@ -30,7 +30,7 @@ use sqlx::postgres::{PgListener, PgRow};
 use crate::config::is_valid_queue_name;
 use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
 use crate::memory::{
-    AdminError, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
+    AdminError, Cancelled, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
 };
 use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, leniently, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
@@ -138,17 +138,17 @@ impl PgStore {
 
     /// Cancels a Pending or Claimed task: it becomes Cancelled with error `TASK_CANCELLED`
     /// (no attempt record), and its holder's later writes about it are reported lost.
-    pub async fn cancel(&self, id: TaskId) -> Result<(), PgAdminError> {
+    pub async fn cancel(&self, id: TaskId) -> Result<Cancelled, PgAdminError> {
         let sql = self.schema().sql();
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
-        let done: Option<i64> = sqlx::query_scalar(sql.cancel.clone())
+        let done: Option<(i64, String, Option<String>)> = sqlx::query_as(sql.cancel.clone())
             .bind(id.0)
             .bind(error)
             .bind(self.schema().done_channel())
             .fetch_optional(self.pool())
             .await?;
-        if done.is_some() {
-            return Ok(());
+        if let Some((_, state, holder)) = done {
+            return Ok(Cancelled::of(parse_state(&state)?, holder.map(WorkerId)));
         }
         Err(self.refusal(id, "PENDING or CLAIMED").await?.into())
     }

@@ -188,7 +188,10 @@ busy AS (
 late AS (
     SELECT t.id FROM {s}.tasks t
     WHERE cardinality($8::bigint[]) > 0 AND t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by = $1
-      AND t.claim_token = ANY ($8::bigint[]) AND t.id <> ALL ($2::bigint[] || $4::bigint[])
+      AND t.claim_token = ANY ($8::bigint[])
+      -- A row the beat names under its current lease is the worker's.
+      AND NOT EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = t.id AND c.lease = t.lease)
+      AND NOT EXISTS (SELECT 1 FROM running_in r WHERE r.id = t.id AND r.lease = t.lease)
     ORDER BY t.id
     FOR UPDATE SKIP LOCKED
 ),
@@ -371,6 +374,16 @@ notified AS (
 )
 SELECT e.id FROM expired e CROSS JOIN notified ORDER BY e.id";
 
+/// Deletes the workers last seen more than `$1` ms ago that hold no task; returns how many.
+const PRUNE_WORKERS: &str = "\
+WITH gone AS (
+    DELETE FROM {s}.workers w
+    WHERE w.last_seen < {s}.db_now() - $1 * interval '1 millisecond'
+      AND NOT EXISTS (SELECT FROM {s}.tasks t WHERE t.claimed_by = w.id AND t.state IN ('CLAIMED', 'RUNNING'))
+    RETURNING w.id
+)
+SELECT count(*) FROM gone";
+
 const REGISTER_WORKER: &str = "\
 INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, stopped_at)
 VALUES ($1, $2, $3, {s}.db_now(), {s}.db_now(), NULL)
@@ -531,7 +544,7 @@ finished AS (
 notified AS (
     SELECT count(pg_notify($3, g.id::text)) AS n FROM gone g
 )
-SELECT g.id FROM gone g CROSS JOIN notified";
+SELECT g.id, g.state, g.claimed_by FROM gone g CROSS JOIN notified";
 
 const REQUEUE_FAILED: &str = "\
 WITH gone AS (
@@ -747,6 +760,7 @@ pub(crate) struct Statements {
     pub(crate) reap_running_select: SqlStr,
     pub(crate) reap_running_apply: SqlStr,
     pub(crate) reap_expire: SqlStr,
+    pub(crate) prune_workers: SqlStr,
     pub(crate) register_worker: SqlStr,
     pub(crate) deregister_worker: SqlStr,
     pub(crate) enqueue: SqlStr,
@@ -812,6 +826,7 @@ impl Statements {
             reap_running_select: fill(REAP_RUNNING_SELECT),
             reap_running_apply: fill(REAP_RUNNING_APPLY),
             reap_expire: fill(REAP_EXPIRE),
+            prune_workers: fill(PRUNE_WORKERS),
             register_worker: fill(REGISTER_WORKER),
             deregister_worker: fill(DEREGISTER_WORKER),
             enqueue: fill(ENQUEUE),

@@ -540,6 +540,11 @@ impl PgStore {
             .fetch_all(&mut *tx)
             .await?;
         report.expired = expired.into_iter().map(TaskId).collect();
+        let pruned: i64 = sqlx::query_scalar(sql.prune_workers.clone())
+            .bind(duration(self.app.recovery.worker_retention_ms))
+            .fetch_one(&mut *tx)
+            .await?;
+        report.workers_pruned = u64::try_from(pruned).unwrap_or(0);
         tx.commit().await?;
         Ok(report)
     }

@@ -75,7 +75,7 @@ use serde_json::json;
 use crate::budget::ClaimPolicy;
 use crate::config::{DeploymentMode, WorkerConfig};
 use crate::db::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
-use crate::memory::{MemoryStore, Notification, READABLE_JSON_DEPTH, json_depth};
+use crate::memory::{Cancelled, MemoryStore, Notification, READABLE_JSON_DEPTH, json_depth};
 use crate::rng::{Rng, mix};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use crate::worker::{ABANDONED_CLAIM_MEMORY, Command, Event, Input, LostReason, TaskOutcome, TaskRun, Worker};
@@ -1604,8 +1604,11 @@ impl Sim {
         s.excused_until = Some(s.excused_until.map_or(until, |at| at.max(until)));
     }
 
-    /// Locks a live row for `for_ms`, as another transaction would: one in flight if there is
-    /// one (heartbeats and finishes must get past it), else any live row.
+    /// Locks a row in flight for `for_ms`, as another transaction would (an application's
+    /// transaction that enqueued the key a running task holds, an operator's statement):
+    /// heartbeats, finishes and the reaper must get past it. (A Pending row locked by a
+    /// transaction that never notifies its queue is left to polls: workers that only listen
+    /// come back for it at the next notification, as for a lost one.)
     fn lock_row(&mut self, for_ms: u64) -> Result<(), String> {
         if !self.faults_on {
             return Ok(());
@@ -1618,9 +1621,8 @@ impl Sim {
             .filter(|row| !locked.contains(&row.id))
             .map(|row| (row.id, row.state))
             .collect();
-        let in_flight: Vec<TaskId> =
+        let pool: Vec<TaskId> =
             live.iter().filter(|(_, state)| *state != TaskState::Pending).map(|(id, _)| *id).collect();
-        let pool: Vec<TaskId> = if in_flight.is_empty() { live.iter().map(|(id, _)| *id).collect() } else { in_flight };
         if pool.is_empty() {
             return Ok(());
         }
@@ -1753,11 +1755,22 @@ impl Sim {
             self.note("client", format_args!("cancel task {id} ({state}) -> its row is locked"));
             return Ok(());
         }
+        // A Claimed task's holder may run it already (started without telling the store).
+        let holder = self.store.task(id).and_then(|row| row.claimed_by.clone());
         match self.store.cancel(id, now) {
-            Ok(()) => {
-                self.note("client", format_args!("cancel task {id} ({state}) -> cancelled"));
+            Ok(found) => {
+                self.note("client", format_args!("cancel task {id} ({state}) -> cancelled: {found:?}"));
                 if !matches!(state, TaskState::Pending | TaskState::Claimed) {
                     return Err(format!("cancel of task {id} in state {state} was accepted"));
+                }
+                let said = match &found {
+                    Cancelled::Pending => None,
+                    Cancelled::Claimed { worker } => Some(worker),
+                };
+                if said != holder.as_ref() {
+                    return Err(format!(
+                        "SILENT CANCEL: cancel of task {id} ({state}, held by {holder:?}) said {found:?}"
+                    ));
                 }
             }
             Err(refusal) => {
@@ -1901,6 +1914,7 @@ fn describe_reply(reply: &DbReply) -> String {
             part("retried", ids(&report.retried), report.retried.is_empty());
             part("failed", ids(&report.failed), report.failed.is_empty());
             part("expired", ids(&report.expired), report.expired.is_empty());
+            part("workers pruned", report.workers_pruned.to_string(), report.workers_pruned == 0);
         }
         DbReply::Purged { tasks } => return format!("purged {tasks}"),
         DbReply::Done => return "done".to_owned(),

@@ -143,6 +143,8 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         claimer_heartbeat_interval_ms: claimer_hb,
         finished_retention_ms: None,
         idempotency_retention_ms: None,
+        // The shortest: crashed workers' rows are pruned within a run.
+        worker_retention_ms: 60_000,
     };
     // Soft-cap mode needs an explicit lease; hard-cap mode sometimes keeps the 60 s default.
     let claim_lease_ms =

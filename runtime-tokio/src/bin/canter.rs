@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
-use canter_tokio::canter::memory::{FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
+use canter_tokio::canter::memory::{Cancelled, FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
 use canter_tokio::canter::postgres::{CheckReport, MIGRATE_LOCK_WAIT, PgStore, SchemaStatus, enqueue_many_in};
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration, printable};
@@ -706,8 +706,14 @@ async fn admin(command: &str, raw: &[String]) -> Outcome {
     let id = task_id(&args)?;
     let client = client(&args, Default::default())?;
     if command == "cancel" {
-        client.cancel(id).await.map_err(failed)?;
-        outln!("task {id} cancelled");
+        match client.cancel(id).await.map_err(failed)? {
+            Cancelled::Pending => outln!("task {id} cancelled"),
+            Cancelled::Claimed { worker } => outln!(
+                "task {id} cancelled; worker {} had claimed it and may be running it: that run goes on to its end, \
+                 and its outcome will not be recorded",
+                printable(&worker.0)
+            ),
+        }
     } else {
         client.retry(id).await.map_err(failed)?;
         outln!("task {id} is pending again");
