@@ -12,7 +12,7 @@ use std::time::Duration;
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
 use canter::db::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, WorkerInfo};
-use canter::memory::{AdminError, KeyRemoval, PausedQueue};
+use canter::memory::{AdminError, Cancelled, KeyRemoval, PausedQueue};
 use canter::postgres::{PgAdminError, PgStore};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, pin_clock};
@@ -385,4 +385,52 @@ async fn keys_from_before_their_mode_was_stored_are_kept_as_idempotency_keys() {
     assert!(windowed.get(legacy).await.unwrap().is_none());
     assert_eq!(windowed.get(replaced).await.unwrap().unwrap().key.as_deref(), Some("replace"));
     sqlx::raw_sql(AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", old.quoted()))).execute(&pool).await.unwrap();
+}
+
+/// Issue 18, item 10: a cancel of a claimed task says who claimed it, since that worker may
+/// already run it (soft-cap mode starts some claims without telling the store), and its run's
+/// outcome will not be recorded; a pending task's cancel says it never ran.
+#[tokio::test]
+async fn a_cancel_says_when_a_worker_had_claimed_the_task() {
+    let db = TestDb::new().await;
+    let app = AppConfig { prefetch_buffer: 2, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+    let store = db.store(app, 2).await;
+    store.enqueue(NewTask::new("t", json!(1))).await.unwrap();
+    let claimed = claim(&store, "w", 1, 0).await;
+    assert_eq!(claimed.len(), 1);
+    let held = claimed[0].0;
+    let pending = store.enqueue(NewTask::new("t", json!(2))).await.unwrap();
+    assert_eq!(store.cancel(held.task).await.unwrap(), Cancelled::Claimed { worker: w("w") });
+    assert_eq!(store.cancel(pending).await.unwrap(), Cancelled::Pending);
+    // The run the worker may have started unasked is fenced: its finish changes nothing.
+    let late = finish(&store, "w", &[held], FinishOutcome::Completed(json!(1))).await;
+    assert_eq!(late, DbReply::Finished { applied: vec![], lost: vec![held.task] });
+    assert_eq!(store.get(held.task).await.unwrap().unwrap().state, TaskState::Cancelled);
+}
+
+/// Issue 18, item 10: the reaper deletes from the registry the workers unseen for
+/// `recovery.worker_retention_ms` that hold no task; one that still holds a task stays (its
+/// tasks name it), and so does a recent one.
+#[tokio::test]
+async fn the_reaper_prunes_long_dead_workers_that_hold_nothing() {
+    let db = TestDb::new().await;
+    let app = AppConfig::default();
+    let retention = app.recovery.worker_retention_ms;
+    let store = db.store(app, 2).await;
+    for name in ["gone", "holding", "recent"] {
+        let info = WorkerInfo { worker: w(name), queues: vec!["default".into()], concurrency: 1 };
+        store.execute(&DbRequest::RegisterWorker(info)).await.unwrap();
+    }
+    store.enqueue(NewTask::new("t", json!(1))).await.unwrap();
+    assert_eq!(claim(&store, "holding", 1, 1).await.len(), 1);
+    let age = format!(
+        "UPDATE {}.workers SET last_seen = last_seen - ($1 + 1000) * interval '1 millisecond' WHERE id <> 'recent'",
+        db.schema.quoted()
+    );
+    sqlx::query(AssertSqlSafe(age)).bind(retention as i64).execute(store.pool()).await.unwrap();
+    let reap = DbRequest::Reap { worker: w("reaper"), claimed_stale_ms: None, running_stale_ms: None, entropy: 0 };
+    let DbReply::Reaped(report) = store.execute(&reap).await.unwrap() else { panic!("a reap report") };
+    assert_eq!(report.workers_pruned, 1);
+    let left: Vec<String> = store.workers().await.unwrap().into_iter().map(|r| r.info.worker.0).collect();
+    assert_eq!(left, ["holding", "recent"]);
 }
