@@ -4,7 +4,9 @@
 --    (`reaper_lock`) are row locks of this schema's tables. The advisory locks they replace
 --    were public numbers: any role that could connect could hold one and stall every claim of
 --    a capped queue, or every reaper. Locking a row takes the UPDATE privilege on its table.
--- 2. `db_clock()`: the time now, as opposed to `db_now()`, the time the transaction began.
+-- 2. `enqueue()` and `remove_key()` wait for a key's advisory lock at most 5 s, whatever
+--    session calls them.
+-- 3. `db_clock()`: the time now, as opposed to `db_now()`, the time the transaction began.
 --    `claim()` and `start_tasks()` take their times after their locks: a claim that waited
 --    for a lock dated its starts and leases from before the wait, so its tasks looked stale to
 --    the reaper as soon as it committed.
@@ -18,6 +20,14 @@ SET lock_timeout = '5s';
 
 INSERT INTO schema_versions (version, min_code_version, description) VALUES
     (4, 1, 'claim and reaper locks on rows of claim_locks and reaper_lock; db_clock() read after locks');
+
+-- Enqueuers of a key take turns on an advisory lock of the key (0003), a number anyone who can
+-- connect could hold: an application's own connection (enqueue_in) may carry no lock_timeout,
+-- so the functions bound their waits themselves.
+ALTER FUNCTION enqueue(text[], jsonb[], text[], smallint[], bigint[], bigint[], bigint[], jsonb[], text[], text[],
+                       text[], boolean, text, text)
+    SET lock_timeout = '5s';
+ALTER FUNCTION remove_key(text, jsonb, text, text) SET lock_timeout = '5s';
 
 -- The time now (`clock_timestamp()`), for times taken after a statement waited.
 CREATE FUNCTION db_clock() RETURNS timestamptz

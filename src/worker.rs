@@ -947,7 +947,9 @@ impl Worker {
         let mut kept = VecDeque::new();
         while free > 0 {
             let Some(id) = self.buffer.pop_front() else { break };
-            let held = self.held.get_mut(&id).expect("buffered tasks are held");
+            // A buffered task is held; one the store handed out again under the same lease (a
+            // failover) may have been written off meanwhile: it is simply gone.
+            let Some(held) = self.held.get_mut(&id).filter(|held| held.stage == Stage::Buffered) else { continue };
             if Self::starts_unasked(&self.policy, held) {
                 held.unrecorded = true;
                 let attempt = held.attempt;
@@ -1235,7 +1237,12 @@ impl Worker {
                 let resent: BTreeSet<TaskLease> =
                     batch.iter().filter(|q| q.resent).map(|q| q.completion.task).collect();
                 for (task, state) in applied {
-                    if self.held.get(&task).is_some_and(|held| sent.contains(TaskLease { task, lease: held.lease })) {
+                    // The run this finish ended: still finishing under the lease it named (not a
+                    // new holding under the same lease, after a failover handed it out again).
+                    let ended = self.held.get(&task).is_some_and(|held| {
+                        held.stage == Stage::Finishing && sent.contains(TaskLease { task, lease: held.lease })
+                    });
+                    if ended {
                         self.held.remove(&task);
                     }
                     match state {
@@ -1624,7 +1631,9 @@ impl Worker {
                 self.finish_in_flight = false;
                 // Re-send only what is still ours under the same lease.
                 let held = |q: &Queued| {
-                    self.held.get(&q.completion.task.task).is_some_and(|h| h.lease == q.completion.task.lease)
+                    self.held
+                        .get(&q.completion.task.task)
+                        .is_some_and(|h| h.lease == q.completion.task.lease && h.stage == Stage::Finishing)
                 };
                 let mut batch: Vec<Queued> = batch.into_iter().filter(held).collect();
                 let refused_values = matches!(failure, DbFailure::Invalid(_));

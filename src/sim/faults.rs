@@ -95,6 +95,10 @@ pub struct FaultOptions {
     /// Rows locked by other transactions, as `(at_ms, for_ms)`: a live row, in flight if
     /// there is one, is locked for that long (an application's transaction, an operator's).
     pub row_locks: Vec<(u64, u64)>,
+    /// Failovers, as `(at_ms, back_ms)`: the database comes back as it was `back_ms` earlier
+    /// (a restore from a backup, a promoted replica that lagged). Every write since is gone:
+    /// leases go back, tasks finished since run again, tasks enqueued since vanish.
+    pub failovers: Vec<(u64, u64)>,
 }
 
 impl FaultOptions {
@@ -127,6 +131,7 @@ impl FaultOptions {
             poison_row_chance: 0.0,
             late_commit_chance: 0.0,
             row_locks: Vec::new(),
+            failovers: Vec::new(),
         }
     }
 
@@ -196,6 +201,9 @@ impl FaultOptions {
         faults.late_commit_chance = on(rng, 0.05);
         if rng.chance(0.4) {
             faults.row_locks = events(rng, 8).into_iter().map(|(at, _)| (at, rng.range(100, 60_001))).collect();
+        }
+        if rng.chance(0.15) {
+            faults.failovers = events(rng, 2).into_iter().map(|(at, _)| (at, rng.range(500, 20_001))).collect();
         }
         if rng.chance(0.2) {
             // Bad data and locks alone, on a network that never fails: what they do to healthy
@@ -277,5 +285,6 @@ impl FaultOptions {
             || !self.stalls.is_empty()
             || !self.listener_drops.is_empty()
             || !self.row_locks.is_empty()
+            || !self.failovers.is_empty()
     }
 }

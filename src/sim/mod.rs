@@ -246,6 +246,10 @@ enum SimEvent {
     LockRow {
         for_ms: u64,
     },
+    /// The database comes back as it was `back_ms` ago.
+    Failover {
+        back_ms: u64,
+    },
     /// That transaction ends.
     UnlockRow {
         task: TaskId,
@@ -373,6 +377,16 @@ pub struct Sim {
     locked_until: BTreeMap<TaskId, Option<Instant>>,
     /// How long a fault can keep a live worker's heartbeats from landing (see `excuse`).
     excuse_window: Duration,
+    /// Copies of the store, oldest first, that a failover can come back to.
+    snapshots: std::collections::VecDeque<(Instant, MemoryStore)>,
+    /// Tasks a failover took back in time (or forgot): workers may run them under leases the
+    /// store never handed out again, or handed out to another, which fencing by lease cannot
+    /// tell apart; the checks of runs against the store leave them out.
+    rewound: std::collections::BTreeSet<TaskId>,
+    /// Whether a failover happened.
+    failed_over: bool,
+    /// Whether a reaper pruned workers from the registry.
+    workers_pruned: bool,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -440,6 +454,10 @@ impl Sim {
             poisoned: BTreeMap::new(),
             locked_until: BTreeMap::new(),
             excuse_window: excuse_window(&options),
+            snapshots: std::collections::VecDeque::new(),
+            rewound: std::collections::BTreeSet::new(),
+            failed_over: false,
+            workers_pruned: false,
             options,
         }
     }
@@ -528,6 +546,7 @@ impl Sim {
                 return Err(format!("step bound: {} steps without finishing", self.options.max_steps));
             }
             self.steps += 1;
+            self.snapshot();
             let timer = self.next_timer();
             let event_at = self.queue.first_key_value().map(|(key, _)| key.0);
             match (timer, event_at) {
@@ -660,6 +679,9 @@ impl Sim {
         }
         for &(at, for_ms) in &faults.row_locks {
             self.schedule_at(Duration::from_millis(at), SimEvent::LockRow { for_ms });
+        }
+        for &(at, back_ms) in &faults.failovers {
+            self.schedule_at(Duration::from_millis(at), SimEvent::Failover { back_ms });
         }
         self.schedule_at(Duration::from_millis(self.options.safety_ms), SimEvent::Heal);
         Ok(())
@@ -853,6 +875,11 @@ impl Sim {
                 // safety phase still in flight): it may leave deregistration to the registry.
                 continue;
             }
+            if self.failed_over || (self.workers_pruned && !stopped.contains_key(&id)) {
+                // A failover may have forgotten its registration or its deregistration; the
+                // reaper may have pruned it while it was silent for the registry's retention.
+                continue;
+            }
             if stopped.get(&id) != Some(&true) {
                 return Err(format!("after drain {id} is not deregistered: {:?}", stopped.get(&id)));
             }
@@ -987,8 +1014,10 @@ impl Sim {
             if s.abandoned == Some(0) && held > 0 {
                 return Err(format!("{name} drained with nothing abandoned but still holds {held} tasks"));
             }
-            if !s.handlers.is_empty() {
-                return Err(format!("{name} stopped with handlers still running: {:?}", s.handlers.keys()));
+            // A run the failover doubled (one lease, two runs) may outlive the worker's belief.
+            let left: Vec<&TaskId> = s.handlers.keys().filter(|task| !self.rewound.contains(task)).collect();
+            if !left.is_empty() {
+                return Err(format!("{name} stopped with handlers still running: {left:?}"));
             }
             let failing = s.stopped_on_failure || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0);
             self.slots[slot].stopped_on_failure = failing;
@@ -1008,6 +1037,9 @@ impl Sim {
     /// healthy. (A dropped claim merely lapses and is claimed again: not judged here.)
     fn check_loss(&self, slot: usize, name: &str, task: TaskId, reason: LostReason) -> Result<(), String> {
         let Some(&lease) = self.slots[slot].held_before.get(&task) else { return Ok(()) };
+        if self.rewound.contains(&task) {
+            return Ok(()); // what the store says of it since a failover is no news to the worker
+        }
         // A loss it is sure of (not a re-send meeting its own first send) must not be a run its
         // own finish ended.
         if reason == LostReason::LeaseLost && self.checker.finished_by(task, &WorkerId(name.to_owned()), lease) {
@@ -1068,7 +1100,8 @@ impl Sim {
                 let fate = if self.faults_on { self.options.faults.fate(&mut self.rng) } else { Fate::Delivered };
                 let latency = self.latency();
                 if fate != Fate::Delivered || latency > Duration::from_millis(self.options.faults.latency_max_ms) {
-                    self.excuse(slot, self.now);
+                    // Counted from when it reaches the database (and, below, from its answer).
+                    self.excuse(slot, self.now + latency);
                 }
                 let incarnation = self.slots[slot].incarnation;
                 let worker = WorkerId(name);
@@ -1212,7 +1245,7 @@ impl Sim {
         for slot in &self.slots {
             if let Some(worker) = &slot.worker {
                 let handlers: BTreeMap<TaskId, Lease> = slot.handlers.iter().map(|(t, h)| (*t, h.lease)).collect();
-                invariants::check_worker(&self.store, worker, &slot.policy, &handlers)?;
+                invariants::check_worker(&self.store, worker, &slot.policy, &handlers, &self.rewound)?;
             }
         }
         let handlers = self
@@ -1220,7 +1253,7 @@ impl Sim {
             .iter()
             .filter(|slot| slot.worker.is_some())
             .flat_map(|slot| slot.handlers.iter().map(|(t, h)| (*t, h.lease)));
-        self.checker.check_running_handlers(&self.store, handlers)
+        self.checker.check_running_handlers(&self.store, handlers, &self.rewound)
     }
 
     // ---------------------------------------------------------------------------------------
@@ -1243,6 +1276,7 @@ impl Sim {
                 Ok(())
             }
             SimEvent::LockRow { for_ms } => self.lock_row(for_ms),
+            SimEvent::Failover { back_ms } => self.failover(back_ms),
             SimEvent::UnlockRow { task } => {
                 if self.store.locked_rows().contains(&task) {
                     self.store.unlock_row(task);
@@ -1391,7 +1425,8 @@ impl Sim {
         let fate = if self.faults_on && faults.in_outage(at_ms) { Fate::Unavailable } else { fate };
         let unknown_after = Duration::from_millis(self.rng.range(1, faults.unknown_after_max_ms.max(1) + 1));
         if fate != Fate::Delivered {
-            self.excuse(slot, self.now);
+            // The worker hears of it `unknown_after` later at the latest.
+            self.excuse(slot, self.now + unknown_after.max(Duration::from_millis(faults.latency_max_ms)));
         }
         let (reply, delay) = match fate {
             Fate::Unavailable => (Err(DbFailure::Unavailable("connection refused (injected)".into())), self.latency()),
@@ -1481,6 +1516,7 @@ impl Sim {
         };
         self.note("db", format_args!("{} {op} {worker} -> {}", request.kind(), describe_reply(&reply)));
         if let DbReply::Reaped(report) = &reply {
+            self.workers_pruned |= report.workers_pruned > 0;
             for id in report.retried.iter().chain(&report.failed) {
                 if let Some((_, Some(holder), lease)) = runs.iter().find(|(task, _, _)| task == id) {
                     self.check_reaped_run(*id, holder, *lease)?;
@@ -1508,12 +1544,18 @@ impl Sim {
             (DbRequest::Finish { completions, .. }, Err(DbFailure::Invalid(_))) => {
                 self.slots[slot].refused_finish = Some(completions.clone());
             }
-            (DbRequest::Heartbeat { .. }, Ok(_)) if !abandoned.is_empty() => {
+            (DbRequest::Heartbeat { claimed, running, .. }, Ok(_)) if !abandoned.is_empty() => {
                 let locked = self.store.locked_rows();
+                // A row the beat names under its current lease is the worker's (after a failover
+                // a late claim can hand it the very leases it holds).
+                let named = |row: &crate::memory::StoredTask| {
+                    claimed.iter().chain(running).any(|t| t.task == row.id && t.lease == row.lease)
+                };
                 let orphan = self.store.tasks().take_while(|row| !row.state.is_terminal()).find(|row| {
                     row.claimed_by.as_ref() == Some(worker)
                         && row.claim_token.is_some_and(|token| abandoned.contains(&token))
                         && !locked.contains(&row.id)
+                        && !named(row)
                 });
                 if let Some(row) = orphan {
                     return Err(format!(
@@ -1559,7 +1601,9 @@ impl Sim {
                 }
                 FinishOutcome::Completed(_) => false,
             };
-            if refused && self.poisoned.get(&(c.task.task, c.task.lease)) == Some(&false) {
+            // After a failover one lease may have had two runs: their answers cannot be told apart.
+            let ran_twice = self.rewound.contains(&c.task.task);
+            if refused && !ran_twice && self.poisoned.get(&(c.task.task, c.task.lease)) == Some(&false) {
                 return Err(format!(
                     "HEALTHY OUTCOME REFUSED: {name} writes task {} lease {} as refused, but its handler's answer was \
                      sound",
@@ -1595,6 +1639,69 @@ impl Sim {
             ));
         }
         Ok(())
+    }
+
+    /// Keeps a copy of the store every half second of the safety phase, for the failovers to
+    /// come back to (no copies without failovers).
+    fn snapshot(&mut self) {
+        let Some(longest) = self.options.faults.failovers.iter().map(|&(_, back)| back).max() else { return };
+        if !self.faults_on {
+            self.snapshots.clear();
+            return;
+        }
+        let due = self.snapshots.back().is_none_or(|(at, _)| self.now >= *at + Duration::from_millis(500));
+        if due {
+            self.snapshots.push_back((self.now, self.store.clone()));
+        }
+        while self.snapshots.front().is_some_and(|(at, _)| *at + Duration::from_millis(longest + 1_000) < self.now) {
+            self.snapshots.pop_front();
+        }
+    }
+
+    /// The database comes back as it was `back_ms` ago: every write since is gone. The
+    /// workers carry on with what they believe; the store is the truth from now on.
+    fn failover(&mut self, back_ms: u64) -> Result<(), String> {
+        if !self.faults_on {
+            return Ok(());
+        }
+        let Some(target) = self.now.checked_sub(Duration::from_millis(back_ms)) else { return Ok(()) };
+        let Some(index) = self.snapshots.iter().rposition(|(at, _)| *at <= target) else { return Ok(()) };
+        let (at, mut restored) = self.snapshots[index].clone();
+        // Other transactions died with the old primary's connections.
+        let locked: Vec<TaskId> = restored.locked_rows().iter().copied().collect();
+        for task in locked {
+            restored.unlock_row(task);
+        }
+        restored.take_notifications();
+        // Every task whose row the failover changed (or forgot).
+        for row in self.store.tasks() {
+            if restored.task(row.id).is_none_or(|was| was != row) {
+                self.rewound.insert(row.id);
+            }
+        }
+        self.store = restored;
+        self.failed_over = true;
+        self.locked_until.clear();
+        self.snapshots.clear();
+        self.checker = self.checker.rebuild(&self.options.app, &self.store);
+        let now = self.now;
+        for slot in 0..self.slots.len() {
+            // Heartbeats from before the failover are gone: the reaper may find runs stale.
+            self.excuse(slot, now);
+            // The old primary's connections are gone, listeners' too: they connect again (and
+            // catch up on what they could not hear).
+            if self.slots[slot].worker.is_some() && self.slots[slot].listening {
+                let incarnation = self.slots[slot].incarnation;
+                self.schedule(Duration::ZERO, SimEvent::Listener { slot, incarnation, connected: false });
+                let back = Duration::from_millis(self.rng.range(10, 1_000));
+                self.schedule(back, SimEvent::Listener { slot, incarnation, connected: true });
+            }
+        }
+        self.note(
+            "db",
+            format_args!("FAILOVER: the database comes back as it was at +{:?} ({back_ms} ms ago)", at - self.epoch),
+        );
+        self.checker.check_store(&self.store, self.db_now(), true)
     }
 
     /// Excuses the worker in `slot` from keeping its runs fresh until `from` plus the window.
