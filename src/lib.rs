@@ -41,8 +41,9 @@
 //!    [`Worker::poll_event`](worker::Worker::poll_event) for observers;
 //! 3. waits until the next deadline or the next input, passing a `now` that never goes back.
 //!
-//! Database faults are inputs, not errors: a reply can be `Unavailable`, or `Unknown` (sent,
-//! no answer), and the machine stays correct under both.
+//! Database faults are inputs, not errors: a reply can be `Unavailable`, `Unknown` (sent, no
+//! answer), `Rejected`, `Invalid` (a value the database refuses) or `LockTimeout` (a lock held
+//! elsewhere for too long), and the machine stays correct under all of them.
 //!
 //! ```
 //! use std::time::Instant;

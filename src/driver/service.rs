@@ -257,6 +257,14 @@ fn log_event(worker: &WorkerId, event: &Event) {
         Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
         Event::Purged { tasks } => tracing::info!(%worker, tasks, "purged finished tasks past their retention"),
         Event::Drained { abandoned } => tracing::info!(%worker, abandoned, "drained"),
+        Event::OutcomeRefused { task, problem } => {
+            tracing::warn!(%worker, %task, %problem, "outcome refused: the task fails with WORKER_SERIALIZATION_ERROR")
+        }
+        Event::UnreadableRow { task, problem } => tracing::warn!(%worker, %task, %problem, "unreadable task row"),
+        Event::LeaseWentBack { task, held, claimed } => {
+            tracing::error!(%worker, %task, %held, %claimed, "the database handed out an older lease than this worker held: it went back in time (a restore, a failover?)")
+        }
+        Event::ReapSkipped => tracing::debug!(%worker, "reaper pass skipped: another reaper holds the lock"),
         _ => {}
     }
 }
