@@ -2,19 +2,12 @@
 
 #[path = "../../tests/common/pg.rs"]
 mod pg;
+#[path = "common/program.rs"]
+mod program;
+
+use program::canter;
 
 use std::process::{Command, Output, Stdio};
-
-fn canter(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .env("CANTER_LOG", "warn")
-        .env("CANTER_CONNECT_ATTEMPTS", "2")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run canter")
-}
 
 /// Runs `canter` with `args` against the test database's schema.
 fn against(db: &pg::TestDb) -> impl Fn(&[&str]) -> Output + use<> {
@@ -33,7 +26,7 @@ fn text(output: &Output) -> String {
 #[test]
 fn help_and_usage_errors_exit_with_their_codes() {
     assert_eq!(canter(&["--help"]).status.code(), Some(0));
-    assert_eq!(canter(&[]).status.code(), Some(2));
+    assert_eq!(canter::<&str>(&[]).status.code(), Some(2));
     let unknown = canter(&["frobnicate"]);
     assert_eq!(unknown.status.code(), Some(2));
     assert!(text(&unknown).contains("unknown command"));

@@ -4,6 +4,10 @@
 
 #[path = "../../tests/common/pg.rs"]
 mod pg;
+#[path = "common/program.rs"]
+mod program;
+
+use program::canter as run_canter;
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -452,17 +456,6 @@ async fn the_readme_grants_are_enough_for_each_role() {
 }
 
 // --- the program ----------------------------------------------------------------------------
-
-fn run_canter(args: &[String]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(args)
-        .env_remove("DATABASE_URL")
-        .env("CANTER_LOG", "warn")
-        .env("CANTER_CONNECT_ATTEMPTS", "2")
-        .stdin(Stdio::null())
-        .output()
-        .expect("run canter")
-}
 
 /// Runs the program with `args` against the test's schema, as the superuser.
 fn canter(db: &pg::TestDb, args: &[&str]) -> Output {
