@@ -387,6 +387,9 @@ pub struct Sim {
     failed_over: bool,
     /// Whether a reaper pruned workers from the registry.
     workers_pruned: bool,
+    /// Workers whose registration committed late: it may land after their deregistration
+    /// and mark them running again (the registry's word until they are pruned).
+    late_registrations: std::collections::BTreeSet<WorkerId>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -458,6 +461,7 @@ impl Sim {
             rewound: std::collections::BTreeSet::new(),
             failed_over: false,
             workers_pruned: false,
+            late_registrations: std::collections::BTreeSet::new(),
             options,
         }
     }
@@ -875,7 +879,10 @@ impl Sim {
                 // safety phase still in flight): it may leave deregistration to the registry.
                 continue;
             }
-            if self.failed_over || (self.workers_pruned && !stopped.contains_key(&id)) {
+            if self.failed_over
+                || (self.workers_pruned && !stopped.contains_key(&id))
+                || self.late_registrations.contains(&id)
+            {
                 // A failover may have forgotten its registration or its deregistration; the
                 // reaper may have pruned it while it was silent for the registry's retention.
                 continue;
@@ -1267,6 +1274,9 @@ impl Sim {
                 self.apply(slot, incarnation, worker, op, request, fate, &abandoned)
             }
             SimEvent::LateApply { worker, op, request } => {
+                if matches!(request, DbRequest::RegisterWorker(_)) {
+                    self.late_registrations.insert(worker.clone());
+                }
                 let outcome = self.apply_checked(&worker, op, &request)?;
                 let said = match &outcome {
                     Ok(reply) => describe_reply(reply),
