@@ -48,26 +48,23 @@ INSERT INTO reaper_lock DEFAULT VALUES;
 
 -- Locks the rows of `p_keys` (sorted by the caller) in key order, creating those that do not
 -- exist yet; returns when every one is held by this transaction. Waits are bounded by the
--- session's `lock_timeout`.
+-- session's `lock_timeout`. Nothing is locked before the rows are created: a transaction that
+-- held one key while it waited to create another could deadlock with the one creating it.
 CREATE FUNCTION take_claim_locks(p_keys bigint[]) RETURNS void
 LANGUAGE plpgsql VOLATILE
 SET search_path FROM CURRENT
 AS $$
-DECLARE
-    v_held integer;
 BEGIN
     IF coalesce(cardinality(p_keys), 0) = 0 THEN
         RETURN;
     END IF;
-    SELECT count(*) INTO v_held
-    FROM (SELECT FROM claim_locks l WHERE l.key = ANY (p_keys) ORDER BY l.key FOR UPDATE) x;
-    IF v_held < cardinality(p_keys) THEN
-        -- A key's first use: its row is created (a concurrent creator waits for this one's
-        -- commit), then every row is locked again, which re-locks the ones held already.
+    IF (SELECT count(*) FROM claim_locks l WHERE l.key = ANY (p_keys))
+       < (SELECT count(DISTINCT k.key) FROM unnest(p_keys) AS k(key)) THEN
+        -- A key's first use: a concurrent creator of the same key waits for this one's commit.
         INSERT INTO claim_locks (key) SELECT DISTINCT k.key FROM unnest(p_keys) AS k(key) ORDER BY k.key
         ON CONFLICT (key) DO NOTHING;
-        PERFORM FROM claim_locks l WHERE l.key = ANY (p_keys) ORDER BY l.key FOR UPDATE;
     END IF;
+    PERFORM FROM claim_locks l WHERE l.key = ANY (p_keys) ORDER BY l.key FOR UPDATE;
 END;
 $$;
 
@@ -317,7 +314,13 @@ BEGIN
         FROM tasks t
         WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state <> 'PENDING'
         ORDER BY t.id
-        FOR UPDATE
+        FOR UPDATE SKIP LOCKED
+    ),
+    -- The worker's rows another transaction holds: deferred, asked again later (not waited for).
+    busy AS (
+        SELECT t.id FROM tasks t
+        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state <> 'PENDING'
+          AND NOT EXISTS (SELECT FROM held h WHERE h.id = t.id)
     ),
     -- Per task, the first entry naming its current lease decides; later ones echo it.
     firsts AS (
@@ -378,7 +381,8 @@ BEGIN
     ),
     answer AS (
         SELECT i.ord, i.id,
-               CASE WHEN o.id IS NULL OR h.lease <> i.lease THEN 'lost'
+               CASE WHEN EXISTS (SELECT FROM busy b WHERE b.id = i.id) THEN 'deferred'
+                    WHEN o.id IS NULL OR h.lease <> i.lease THEN 'lost'
                     WHEN f.ord = i.ord THEN o.result
                     WHEN o.result = 'expired' THEN 'lost'
                     ELSE o.result END AS outcome,

@@ -342,6 +342,7 @@ pub fn check_new_task<'a>(app: &'a AppConfig, task: &'a NewTask, now: DbTime) ->
         return Err(EnqueueError::InvalidFlag(flag.clone()));
     }
     check_storable(&task.args, crate::config::MAX_STORED_VALUE_BYTES).map_err(EnqueueError::InvalidArgs)?;
+
     if let Some(policy) = &task.retry {
         policy.validate().map_err(|e| EnqueueError::InvalidRetryPolicy(e.to_string()))?;
     }
@@ -477,7 +478,8 @@ pub enum DbRequest {
     },
     /// Start claimed tasks: Claimed to Running when held by `worker` under that lease and not
     /// past its claim lease. Past good-until it becomes Expired instead; in soft-cap mode a
-    /// task whose queue is at its cap stays Claimed (`deferred`). Replies
+    /// task whose queue is at its cap stays Claimed (`deferred`), as does one whose row
+    /// another transaction holds locked (skipped, not waited for). Replies
     /// [`DbReply::Started`].
     Start {
         /// Who starts them.
@@ -830,9 +832,10 @@ pub enum UnstorableValue {
 }
 
 /// Checks that `value` can be stored as `jsonb` and read back: no U+0000 in any string or
-/// key, at most [`MAX_JSON_DEPTH`] levels, at most `max_bytes` bytes as JSON (an estimate
-/// that never undercounts by more than escapes). Walks the value without recursion.
-pub fn check_storable(value: &serde_json::Value, max_bytes: u64) -> Result<(), UnstorableValue> {
+/// key, at most [`MAX_JSON_DEPTH`] levels, at most `max_bytes` bytes as JSON. Returns its size
+/// as JSON, estimated: exact for integers, strings and structure (escapes aside), 24 bytes for
+/// a float. Walks the value without recursion.
+pub fn check_storable(value: &serde_json::Value, max_bytes: u64) -> Result<u64, UnstorableValue> {
     use serde_json::Value;
     enum Step<'a> {
         Key(&'a str),
@@ -862,9 +865,14 @@ pub fn check_storable(value: &serde_json::Value, max_bytes: u64) -> Result<(), U
             steps.push(step);
         }
         let nul = |text: &str| text.contains('\0');
-        bytes = bytes.saturating_add(match value {
+        // Each value: its own bytes and a separator.
+        bytes = bytes.saturating_add(1).saturating_add(match value {
             Value::Null | Value::Bool(_) => 5,
-            Value::Number(_) => 24,
+            Value::Number(number) => match (number.as_u64(), number.as_i64()) {
+                (Some(n), _) => digits(n),
+                (None, Some(n)) => digits(n.unsigned_abs()) + 1,
+                _ => 24,
+            },
             Value::String(text) => {
                 if nul(text) {
                     return Err(UnstorableValue::Nul { path: path_of(&steps) });
@@ -900,28 +908,39 @@ pub fn check_storable(value: &serde_json::Value, max_bytes: u64) -> Result<(), U
             return Err(UnstorableValue::TooLarge { max: max_bytes });
         }
     }
-    Ok(())
+    Ok(bytes)
+}
+
+/// How many decimal digits `n` has.
+fn digits(n: u64) -> u64 {
+    n.checked_ilog10().map_or(1, |log| u64::from(log) + 1)
 }
 
 /// Checks a handler's error as [`check_storable`] checks values: its code and message are
 /// text inside the stored JSON, so U+0000 there is refused too; its data counts against
-/// `max_bytes`.
-pub fn check_storable_error(error: &TaskError, max_bytes: u64) -> Result<(), UnstorableValue> {
+/// `max_bytes`. Returns its estimated size as JSON.
+pub fn check_storable_error(error: &TaskError, max_bytes: u64) -> Result<u64, UnstorableValue> {
     if error.message.contains('\0') {
         return Err(UnstorableValue::Nul { path: "$.message".into() });
     }
     if error.code.as_str().contains('\0') {
         return Err(UnstorableValue::Nul { path: "$.code".into() });
     }
-    let text = (error.message.len() + error.code.as_str().len()) as u64;
+    let text = (error.message.len() + error.code.as_str().len()) as u64 + 40;
     match &error.data {
-        Some(data) => check_storable(data, max_bytes.saturating_sub(text)).map_err(|problem| match problem {
-            UnstorableValue::Nul { path } => UnstorableValue::Nul { path: path.replacen('$', "$.data", 1) },
-            UnstorableValue::TooDeep { path } => UnstorableValue::TooDeep { path: path.replacen('$', "$.data", 1) },
-            UnstorableValue::TooLarge { .. } => UnstorableValue::TooLarge { max: max_bytes },
-        }),
+        Some(data) => {
+            check_storable(data, max_bytes.saturating_sub(text)).map(|size| size + text).map_err(
+                |problem| match problem {
+                    UnstorableValue::Nul { path } => UnstorableValue::Nul { path: path.replacen('$', "$.data", 1) },
+                    UnstorableValue::TooDeep { path } => {
+                        UnstorableValue::TooDeep { path: path.replacen('$', "$.data", 1) }
+                    }
+                    UnstorableValue::TooLarge { .. } => UnstorableValue::TooLarge { max: max_bytes },
+                },
+            )
+        }
         None if text > max_bytes => Err(UnstorableValue::TooLarge { max: max_bytes }),
-        None => Ok(()),
+        None => Ok(text),
     }
 }
 
@@ -955,7 +974,7 @@ mod tests {
 
     #[test]
     fn storable_values_have_no_nul_no_deep_nesting_and_a_bounded_size() {
-        assert_eq!(check_storable(&json!({"a": [1, "ok", {"b": null}]}), 1_000), Ok(()));
+        assert!(check_storable(&json!({"a": [1, "ok", {"b": null}]}), 1_000).is_ok());
         let nul = |v: serde_json::Value| check_storable(&v, 1_000).unwrap_err().to_string();
         assert!(
             nul(json!({"a": [1, "no\u{0}"]})).starts_with("$.a[1] contains U+0000"),
@@ -964,16 +983,24 @@ mod tests {
         );
         assert!(nul(json!({"k\u{0}": 1})).starts_with("$.k\\u{0} contains U+0000"));
         assert!(nul(json!([{"x": 1}, {"y": ["\u{0}"]}])).starts_with("$[1].y[0] contains"));
-        assert_eq!(check_storable(&nested(MAX_JSON_DEPTH), u64::MAX), Ok(()));
+        assert!(check_storable(&nested(MAX_JSON_DEPTH), u64::MAX).is_ok());
         assert!(matches!(check_storable(&nested(MAX_JSON_DEPTH + 1), u64::MAX), Err(UnstorableValue::TooDeep { .. })));
         assert_eq!(check_storable(&json!("x".repeat(100)), 50), Err(UnstorableValue::TooLarge { max: 50 }));
-        assert_eq!(check_storable(&json!("x".repeat(10)), 50), Ok(()));
+        assert!(check_storable(&json!("x".repeat(10)), 50).is_ok());
+        // Integers count by their digits: 400,000 one-digit items are about 800 kB as JSON.
+        let digits = serde_json::Value::Array((0..400_000).map(|i| json!(i % 10)).collect());
+        let size = check_storable(&digits, 8 * 1024 * 1024).expect("well under 8 MiB");
+        assert!((800_000..=900_000).contains(&size), "{size}");
+        assert_eq!(
+            check_storable(&json!([-12345, 18_446_744_073_709_551_615u64, 1.5]), 1_000).map(|s| s > 30),
+            Ok(true)
+        );
     }
 
     #[test]
     fn a_stored_error_is_checked_in_its_message_code_and_data() {
         let error = TaskError::new(ErrorCode::TaskError, "fine");
-        assert_eq!(check_storable_error(&error, 100), Ok(()));
+        assert!(check_storable_error(&error, 100).is_ok());
         let nul = TaskError::new(ErrorCode::TaskError, "from C: \u{0}");
         assert_eq!(check_storable_error(&nul, 100), Err(UnstorableValue::Nul { path: "$.message".into() }));
         let data = error.clone().with_data(json!({"d": "\u{0}"}));

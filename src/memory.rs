@@ -380,7 +380,7 @@ impl MemoryStore {
 
     /// Marks row `id` as locked by another transaction until [`unlock_row`](Self::unlock_row),
     /// as an application transaction or an operator's statement can hold it in PostgreSQL.
-    /// Statements that skip locked rows (claims, heartbeats, the reaper) pass it by; the
+    /// Statements that skip locked rows (claims, starts, heartbeats, the reaper) pass it by; the
     /// others wait, which [`execute`](Self::execute) answers as PostgreSQL's `lock_timeout`
     /// does.
     pub fn lock_row(&mut self, id: TaskId) {
@@ -641,16 +641,18 @@ impl MemoryStore {
                     .is_some_and(|row| row.state != TaskState::Pending && row.claimed_by.as_ref() == Some(worker))
         };
         match request {
-            DbRequest::Start { worker, tasks, .. }
-            | DbRequest::RecordStarts { worker, tasks }
-            | DbRequest::Release { worker, tasks } => tasks.iter().any(|t| held_locked(worker, t.task)),
+            DbRequest::RecordStarts { worker, tasks } | DbRequest::Release { worker, tasks } => {
+                tasks.iter().any(|t| held_locked(worker, t.task))
+            }
             DbRequest::Finish { worker, completions } => completions.iter().any(|c| held_locked(worker, c.task.task)),
             DbRequest::AbandonClaim { worker, token } => self.live.values().any(|row| {
                 self.locked.contains(&row.id)
                     && row.claimed_by.as_ref() == Some(worker)
                     && row.claim_token == Some(*token)
             }),
+            // A start skips the rows another transaction holds and defers them.
             DbRequest::Claim { .. }
+            | DbRequest::Start { .. }
             | DbRequest::Heartbeat { .. }
             | DbRequest::Reap { .. }
             | DbRequest::Purge { .. }
@@ -892,6 +894,16 @@ impl MemoryStore {
         let mut lost = Vec::new();
         let mut running = self.running_per_queue();
         for &TaskLease { task: id, lease } in tasks {
+            if self.locked.contains(&id)
+                && self
+                    .live
+                    .get(&id)
+                    .is_some_and(|row| row.state != TaskState::Pending && row.claimed_by.as_ref() == Some(worker))
+            {
+                // Skipped, as PostgreSQL's `SKIP LOCKED` does: asked again later.
+                deferred.push(id);
+                continue;
+            }
             let Some(row) = self.live.get(&id).filter(|row| row.held_by(worker, lease)) else {
                 lost.push(id);
                 continue;
@@ -1616,14 +1628,14 @@ fn busy_or_lost(
 fn refused_values(completion: &Completion) -> Result<(), db::UnstorableValue> {
     let limit = crate::config::MAX_STORED_VALUE_BYTES;
     let refused = |value: &Value| match db::check_storable(value, limit) {
-        Err(db::UnstorableValue::TooDeep { .. }) => Ok(()),
-        other => other,
+        Err(db::UnstorableValue::TooDeep { .. }) | Ok(_) => Ok(()),
+        Err(other) => Err(other),
     };
     match &completion.outcome {
         FinishOutcome::Completed(result) => refused(result)?,
         FinishOutcome::Failed(error) | FinishOutcome::Retry { error, .. } => {
             match db::check_storable_error(error, limit) {
-                Err(db::UnstorableValue::TooDeep { .. }) | Ok(()) => {}
+                Err(db::UnstorableValue::TooDeep { .. }) | Ok(_) => {}
                 Err(other) => return Err(other),
             }
         }

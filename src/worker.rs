@@ -69,8 +69,19 @@ pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
 
 /// How long a worker remembers the token of a claim it abandoned, handing back with every
 /// heartbeat whatever a late commit of that claim left claimed by it: longer than any
-/// statement can wait to reach the server or run there (sessions carry `statement_timeout`).
-pub const ABANDONED_CLAIM_MEMORY: Duration = Duration::from_secs(15 * 60);
+/// statement can wait to reach the server or run there (sessions carry `statement_timeout`),
+/// short because every beat that names a token scans the claimed rows for it.
+pub const ABANDONED_CLAIM_MEMORY: Duration = Duration::from_secs(3 * 60);
+
+/// The most bytes of outcomes (results, errors, new arguments; as [`check_storable`] counts
+/// them) one finish request carries: a batch of large results is cut short of it, though a
+/// single completion goes alone whatever its size.
+pub const MAX_FINISH_BATCH_BYTES: u64 = 64 * 1024 * 1024;
+
+/// A completion the database refuses alone this many times (other than for a lock) is
+/// dropped: the worker stops renewing its task and leaves it to the reaper, rather than
+/// sending it forever.
+pub const MAX_LONE_REFUSALS: u32 = 8;
 
 /// Claim passes woken by a notification that came back empty may run this many times in a
 /// burst, and then [`NOTIFIED_PASSES_PER_SECOND`] a second: a flood of notifications (anyone
@@ -279,6 +290,14 @@ pub enum Event {
         /// The lease the store handed out.
         claimed: Lease,
     },
+    /// The database refused a task's finish [`MAX_LONE_REFUSALS`] times, alone and with
+    /// values of the worker's own: the worker drops it and leaves the task to the reaper.
+    OutcomeDropped {
+        /// The task.
+        task: TaskId,
+        /// The last refusal.
+        problem: String,
+    },
     /// A reaper pass did nothing: another reaper held the reaper's lock.
     ReapSkipped,
     /// Shutdown finished: nothing is held and nothing is in flight (or the database was down
@@ -347,6 +366,8 @@ pub struct Stats {
     pub notified_passes_limited: u64,
     /// Outcomes that could not be stored, failed with `WORKER_SERIALIZATION_ERROR` instead.
     pub outcomes_refused: u64,
+    /// Completions the database kept refusing, dropped and left to the reaper.
+    pub outcomes_dropped: u64,
 }
 
 /// What the worker knows of one task it holds.
@@ -479,7 +500,11 @@ enum Op {
     },
     Start(Vec<TaskLease>),
     RecordStarts(Vec<TaskLease>),
-    Finish(Vec<Queued>),
+    Finish {
+        batch: Vec<Queued>,
+        /// A completion the database refused before, sent on its own (see `Worker::lone`).
+        lone: bool,
+    },
     /// The leases the beat named: a loss it reports concerns those leases only.
     Heartbeat(Vec<TaskLease>),
     Release(Vec<TaskLease>),
@@ -499,11 +524,15 @@ struct Queued {
     /// Already rewritten after the database refused its values: refused again, it is not the
     /// values.
     sanitized: bool,
+    /// Its outcome's size, as [`check_storable`] counts it: what batches are cut by.
+    bytes: u64,
+    /// Refusals of it alone so far (locks aside): at [`MAX_LONE_REFUSALS`] it is dropped.
+    refusals: u32,
 }
 
 impl Queued {
-    fn new(completion: Completion) -> Queued {
-        Queued { completion, resent: false, sanitized: false }
+    fn new(completion: Completion, bytes: u64) -> Queued {
+        Queued { completion, resent: false, sanitized: false, bytes, refusals: 0 }
     }
 }
 
@@ -582,11 +611,17 @@ pub struct Worker {
     completions: VecDeque<Queued>,
     /// Hold-ups by other transactions' locks in a row: the backoff of trying again.
     busy_streak: u32,
-    /// A request gave up on a lock: starts, records, releases, abandons and claims wait for
-    /// [`Timer::LockRetry`].
+    /// A release, an abandon, a record of starts or the registration gave up on a lock: those
+    /// wait for [`Timer::LockRetry`] (claims, starts, heartbeats and finishes go on).
     lock_blocked: bool,
-    /// Completions whose finish, alone, gave up on a lock: sent again at [`Timer::LockRetry`].
-    lock_held: Vec<Queued>,
+    /// A claim gave up on a lock (a queue's claim lock): claims wait for [`Timer::LockRetry`].
+    claims_held: bool,
+    /// Completions the database refused (or a lock held up) alone: sent one at a time beside
+    /// the batches, which they never hold up, taking turns when one is refused again.
+    lone: VecDeque<Queued>,
+    lone_in_flight: bool,
+    /// The last lone finish was refused: the next waits for [`Timer::LockRetry`].
+    lone_waiting: bool,
     /// The most completions the next finish may carry: halved when the database refuses a
     /// batch, to isolate the item it refuses; doubled back after every batch that lands.
     finish_limit: usize,
@@ -647,7 +682,10 @@ impl Worker {
             completions: VecDeque::new(),
             busy_streak: 0,
             lock_blocked: false,
-            lock_held: Vec::new(),
+            claims_held: false,
+            lone: VecDeque::new(),
+            lone_in_flight: false,
+            lone_waiting: false,
             finish_limit,
             finish_in_flight: false,
             abandoned: BTreeMap::new(),
@@ -809,9 +847,8 @@ impl Worker {
                 Timer::RecordStarts => self.record_due = true,
                 Timer::LockRetry => {
                     self.lock_blocked = false;
-                    for queued in std::mem::take(&mut self.lock_held) {
-                        self.completions.push_back(queued);
-                    }
+                    self.claims_held = false;
+                    self.lone_waiting = false;
                 }
                 Timer::NotifiedPass => {
                     self.more_work = true;
@@ -890,7 +927,7 @@ impl Worker {
             self.check_drained();
             return;
         }
-        if !self.registered && !self.register_in_flight {
+        if !self.registered && !self.register_in_flight && !self.lock_blocked {
             self.register_in_flight = true;
             let info = WorkerInfo {
                 worker: self.id.clone(),
@@ -903,20 +940,18 @@ impl Worker {
             self.send_heartbeat();
         }
         self.flush_completions();
-        if self.lock_blocked {
-            // Until the lock retry: heartbeats and finishes only.
-            self.check_drained();
-            return;
-        }
-        for token in std::mem::take(&mut self.abandons) {
-            self.send(DbRequest::AbandonClaim { worker: self.id.clone(), token }, Op::Abandon(token));
-        }
-        if !self.releases.is_empty() {
-            let tasks = std::mem::take(&mut self.releases);
-            self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
-        }
-        if self.record_due {
-            self.send_record_starts();
+        self.flush_lone();
+        if !self.lock_blocked {
+            for token in std::mem::take(&mut self.abandons) {
+                self.send(DbRequest::AbandonClaim { worker: self.id.clone(), token }, Op::Abandon(token));
+            }
+            if !self.releases.is_empty() {
+                let tasks = std::mem::take(&mut self.releases);
+                self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
+            }
+            if self.record_due {
+                self.send_record_starts();
+            }
         }
         self.start_buffered(now);
         self.claim(now);
@@ -927,11 +962,38 @@ impl Worker {
         if self.finish_in_flight || self.completions.is_empty() {
             return;
         }
-        let n = self.completions.len().min(self.config.completion_batch_max as usize).min(self.finish_limit.max(1));
+        let most = self.completions.len().min(self.config.completion_batch_max as usize).min(self.finish_limit.max(1));
+        let (mut n, mut bytes) = (0, 0u64);
+        for queued in self.completions.iter().take(most) {
+            bytes = bytes.saturating_add(queued.bytes);
+            if n > 0 && bytes > MAX_FINISH_BATCH_BYTES {
+                break;
+            }
+            n += 1;
+        }
         let batch: Vec<Queued> = self.completions.drain(..n).collect();
-        let completions: Vec<Completion> = batch.iter().map(|q| q.completion.clone()).collect();
         self.finish_in_flight = true;
-        self.send(DbRequest::Finish { worker: self.id.clone(), completions }, Op::Finish(batch));
+        self.send_finish(batch, false);
+    }
+
+    /// Sends the next lone completion, unless one is out or the last was refused.
+    fn flush_lone(&mut self) {
+        if self.lone_in_flight || self.lone_waiting {
+            return;
+        }
+        let Some(queued) = self.lone.pop_front() else { return };
+        self.lone_in_flight = true;
+        self.send_finish(vec![queued], true);
+    }
+
+    fn send_finish(&mut self, batch: Vec<Queued>, lone: bool) {
+        let completions: Vec<Completion> = batch.iter().map(|q| q.completion.clone()).collect();
+        self.send(DbRequest::Finish { worker: self.id.clone(), completions }, Op::Finish { batch, lone });
+    }
+
+    /// Whether something waits for [`Timer::LockRetry`]: the hold-ups in a row go on counting.
+    fn held_up(&self) -> bool {
+        self.lock_blocked || self.claims_held || self.lone_waiting
     }
 
     /// Starts buffered tasks while permits are free: without asking where the store would
@@ -1014,7 +1076,7 @@ impl Worker {
     }
 
     fn claim(&mut self, now: Instant) {
-        if self.phase != Phase::Running || self.claim_in_flight || !self.more_work {
+        if self.phase != Phase::Running || self.claim_in_flight || self.claims_held || !self.more_work {
             return;
         }
         let running = self.executing();
@@ -1225,12 +1287,17 @@ impl Worker {
                     self.arm(Timer::RecordStarts, at);
                 }
             }
-            (Op::Finish(batch), DbReply::Finished { applied, lost }) => {
-                self.finish_in_flight = false;
-                // It landed: the next batch may be as large again (back to the configured size
-                // after a refused batch was split).
-                self.finish_limit = self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
-                if !self.lock_blocked && self.lock_held.is_empty() {
+            (Op::Finish { batch, lone }, DbReply::Finished { applied, lost }) => {
+                if lone {
+                    self.lone_in_flight = false;
+                } else {
+                    self.finish_in_flight = false;
+                    // It landed: the next batch may be as large again (back to the configured
+                    // size after a refused batch was split).
+                    self.finish_limit =
+                        self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
+                }
+                if !self.held_up() {
                     self.busy_streak = 0;
                 }
                 let sent = SentLeases::new(batch.iter().map(|q| q.completion.task));
@@ -1292,7 +1359,7 @@ impl Worker {
                     }
                 }
                 if busy.is_empty() {
-                    if !self.lock_blocked && self.lock_held.is_empty() {
+                    if !self.held_up() {
                         self.busy_streak = 0;
                     }
                 } else {
@@ -1406,8 +1473,9 @@ impl Worker {
                     }
                 }
                 let message = format!("the task's stored arguments could not be read: {}", printable(&problem, 500));
-                let error = TaskError::new(ErrorCode::WorkerSerializationError, message);
-                self.finish(id, FinishOutcome::Failed(error), None);
+                let outcome = FinishOutcome::Failed(TaskError::new(ErrorCode::WorkerSerializationError, message));
+                let bytes = own_outcome_bytes(&outcome);
+                self.finish(id, outcome, None, bytes);
                 continue;
             }
             if self.phase != Phase::Running {
@@ -1494,26 +1562,32 @@ impl Worker {
         let checked = match &outcome {
             TaskOutcome::Success(value) => check_storable(value, max).map_err(|e| format!("its result: {e}")),
             TaskOutcome::Failure(error) => check_storable_error(error, max).map_err(|e| format!("its error: {e}")),
-            TaskOutcome::PartialFailure { error, remaining } => check_storable_error(error, max)
-                .map_err(|e| format!("its error: {e}"))
-                .and_then(|()| check_storable(remaining, max).map_err(|e| format!("its remaining items: {e}"))),
+            TaskOutcome::PartialFailure { error, remaining } => {
+                check_storable_error(error, max).map_err(|e| format!("its error: {e}")).and_then(|error_bytes| {
+                    check_storable(remaining, max.saturating_sub(error_bytes))
+                        .map(|bytes| bytes + error_bytes)
+                        .map_err(|e| format!("its remaining items: {e}"))
+                })
+            }
         };
-        let (outcome, args) = match (checked, outcome) {
+        let (outcome, args, bytes) = match (checked, outcome) {
             (Err(problem), _) => {
                 // Queued as it is, it would be refused with every completion of its batch.
                 let message = format!("the handler's outcome could not be stored: {problem}");
                 self.stats.outcomes_refused += 1;
                 self.events.push_back(Event::OutcomeRefused { task, problem: message.clone() });
                 let error = TaskError::new(ErrorCode::WorkerSerializationError, message);
-                (self.failure_outcome(task, error), None)
+                let outcome = self.failure_outcome(task, error);
+                let bytes = own_outcome_bytes(&outcome);
+                (outcome, None, bytes)
             }
-            (Ok(()), TaskOutcome::Success(value)) => (FinishOutcome::Completed(value), None),
-            (Ok(()), TaskOutcome::Failure(error)) => (self.failure_outcome(task, error), None),
-            (Ok(()), TaskOutcome::PartialFailure { error, remaining }) => {
-                (self.failure_outcome(task, error), Some(remaining))
+            (Ok(bytes), TaskOutcome::Success(value)) => (FinishOutcome::Completed(value), None, bytes),
+            (Ok(bytes), TaskOutcome::Failure(error)) => (self.failure_outcome(task, error), None, bytes),
+            (Ok(bytes), TaskOutcome::PartialFailure { error, remaining }) => {
+                (self.failure_outcome(task, error), Some(remaining), bytes)
             }
         };
-        self.finish(task, outcome, args);
+        self.finish(task, outcome, args, bytes);
     }
 
     fn failure_outcome(&mut self, task: TaskId, error: TaskError) -> FinishOutcome {
@@ -1526,17 +1600,18 @@ impl Worker {
         }
     }
 
-    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>) {
+    /// Queues the outcome of `task`, whose size as JSON is about `bytes`.
+    fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>, bytes: u64) {
         let held = self.held.set_stage(&task, Stage::Finishing).expect("finish is called for held tasks");
         let lease = held.lease;
         self.timers.remove(&Timer::HandlerTimeout(task));
-        self.completions.push_back(Queued::new(Completion { task: TaskLease { task, lease }, outcome, args }));
+        self.completions.push_back(Queued::new(Completion { task: TaskLease { task, lease }, outcome, args }, bytes));
     }
 
     /// Drops every unwritten completion of `task`.
     fn forget_writes(&mut self, task: TaskId) {
         self.completions.retain(|q| q.completion.task.task != task);
-        self.lock_held.retain(|q| q.completion.task.task != task);
+        self.lone.retain(|q| q.completion.task.task != task);
     }
 
     /// Arms the lock retry (once), backing off while locks keep holding things up.
@@ -1567,7 +1642,8 @@ impl Worker {
         self.events.push_back(Event::TimedOut { task });
         let error = TaskError::new(ErrorCode::TaskTimeout, format!("handler ran past its timeout of {timeout} ms"));
         let outcome = self.failure_outcome(task, error);
-        self.finish(task, outcome, None);
+        let bytes = own_outcome_bytes(&outcome);
+        self.finish(task, outcome, None, bytes);
     }
 
     /// Drops a task that is no longer ours under `lease`, aborting its handler if it runs. A
@@ -1616,6 +1692,12 @@ impl Worker {
                         self.abandoned.insert(token, until);
                     }
                 }
+                if lock {
+                    // A queue's claim lock: other workers claim meanwhile.
+                    self.claims_held = true;
+                    self.hold_up(now);
+                    return;
+                }
             }
             Op::Start(tasks) => {
                 self.start_in_flight = false;
@@ -1626,9 +1708,19 @@ impl Worker {
                         self.unstart(lease.task);
                     }
                 }
+                if lock {
+                    // Like a start deferred at a cap: asked again at the next poll or finish.
+                    self.start_blocked = true;
+                    self.poll_while_blocked();
+                    return;
+                }
             }
-            Op::Finish(batch) => {
-                self.finish_in_flight = false;
+            Op::Finish { batch, lone } => {
+                if lone {
+                    self.lone_in_flight = false;
+                } else {
+                    self.finish_in_flight = false;
+                }
                 // Re-send only what is still ours under the same lease.
                 let held = |q: &Queued| {
                     self.held
@@ -1636,49 +1728,41 @@ impl Worker {
                         .is_some_and(|h| h.lease == q.completion.task.lease && h.stage == Stage::Finishing)
                 };
                 let mut batch: Vec<Queued> = batch.into_iter().filter(held).collect();
-                let refused_values = matches!(failure, DbFailure::Invalid(_));
-                // Refused again after its values were rewritten: it is not the values.
-                let refused_anyway = batch.len() == 1 && batch.iter().all(|q| q.sanitized);
-                if refused_values || matches!(failure, DbFailure::Rejected(_) | DbFailure::LockTimeout(_)) {
-                    // Never the same refused batch again: halve it until the item the database
-                    // refuses (or the row another transaction holds) is alone.
-                    self.finish_limit = (batch.len() / 2).max(1);
-                }
-                if let ([queued], true) = (batch.as_mut_slice(), refused_values) {
-                    if !queued.sanitized {
-                        // Alone and refused for its values: its task fails instead, with values of
-                        // our own (no new arguments, which may be what was refused).
-                        let problem = format!(
-                            "the database refused the task's outcome: {}",
-                            printable(&failure.to_string(), 500)
-                        );
-                        let task = queued.completion.task.task;
-                        self.stats.outcomes_refused += 1;
-                        self.events.push_back(Event::OutcomeRefused { task, problem: problem.clone() });
-                        let error = TaskError::new(ErrorCode::WorkerSerializationError, problem);
-                        queued.completion.outcome = self.failure_outcome(task, error);
-                        queued.completion.args = None;
-                        queued.sanitized = true;
+                let refused =
+                    matches!(failure, DbFailure::Invalid(_) | DbFailure::Rejected(_) | DbFailure::LockTimeout(_));
+                if refused && batch.len() <= 1 {
+                    // Alone: it goes on in the lone lane, and the other completions without it.
+                    if let Some(queued) = batch.pop() {
+                        self.refused_alone(queued, &failure, now);
                     }
-                }
-                if lock && batch.len() == 1 {
-                    // The row it waits for is alone: it waits for the lock retry, the rest go on.
-                    self.lock_held.extend(batch);
-                    self.hold_up(now);
                     return;
                 }
-                let retry_at_once = (refused_values && !refused_anyway) || lock;
+                if refused {
+                    // Never the same refused batch again: halve it until the item the database
+                    // refuses (or the row another transaction holds) is alone. Not an outage:
+                    // the split is progress, sent at once.
+                    self.finish_limit = (batch.len() / 2).max(1);
+                }
+                let lane = if lone { &mut self.lone } else { &mut self.completions };
                 for mut queued in batch.into_iter().rev() {
                     queued.resent |= unknown;
-                    self.completions.push_front(queued);
+                    lane.push_front(queued);
                 }
-                if retry_at_once {
-                    // Not an outage: the split (or the rewrite) is progress, sent at once.
+                if refused {
                     return;
                 }
             }
             Op::Heartbeat(_) => {
                 self.heartbeat_in_flight = false;
+                if lock {
+                    // Beat again soon, less soon while the lock holds.
+                    let at = now + self.busy_delay();
+                    self.busy_streak = self.busy_streak.saturating_add(1);
+                    if self.timers.get(&Timer::Heartbeat).is_none_or(|&armed| armed > at) {
+                        self.arm(Timer::Heartbeat, at);
+                    }
+                    return;
+                }
                 self.heartbeat_due = true;
             }
             Op::RecordStarts(_) => {
@@ -1687,6 +1771,12 @@ impl Worker {
             }
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
+            Op::Reap | Op::Purge if lock => {
+                // The next interval tries again; nothing waits for it.
+                self.reap_in_flight &= !matches!(op, Op::Reap);
+                self.purge_in_flight &= !matches!(op, Op::Purge);
+                return;
+            }
             Op::Reap => self.reap_in_flight = false,
             Op::Purge => self.purge_in_flight = false,
             Op::Register => self.register_in_flight = false,
@@ -1697,6 +1787,7 @@ impl Worker {
             }
         }
         if lock {
+            // A release, an abandon, a record of starts or the registration: those wait.
             self.lock_blocked = true;
             self.hold_up(now);
             return;
@@ -1718,6 +1809,49 @@ impl Worker {
             self.events.push_back(Event::GaveUp);
             self.begin_shutdown(now);
         }
+    }
+
+    /// A completion the database refused (or a lock held up) on its own: it goes on in the
+    /// lone lane, beside the batches. Refused for its values, its task fails instead with
+    /// values of the worker's own, at once; refused otherwise, it waits for
+    /// [`Timer::LockRetry`], and after [`MAX_LONE_REFUSALS`] refusals it is dropped. A lock
+    /// drops nothing: the row's holder lets go in the end, and heartbeats keep the task.
+    fn refused_alone(&mut self, mut queued: Queued, failure: &DbFailure, now: Instant) {
+        let task = queued.completion.task.task;
+        match failure {
+            DbFailure::Invalid(_) if !queued.sanitized => {
+                // No new arguments either: they may be what was refused.
+                let problem =
+                    format!("the database refused the task's outcome: {}", printable(&failure.to_string(), 500));
+                self.stats.outcomes_refused += 1;
+                self.events.push_back(Event::OutcomeRefused { task, problem: problem.clone() });
+                let error = TaskError::new(ErrorCode::WorkerSerializationError, problem);
+                queued.completion.outcome = self.failure_outcome(task, error);
+                queued.completion.args = None;
+                queued.bytes = own_outcome_bytes(&queued.completion.outcome);
+                queued.sanitized = true;
+                self.lone.push_front(queued);
+                return;
+            }
+            DbFailure::LockTimeout(_) => {}
+            _ => {
+                queued.refusals += 1;
+                if queued.refusals >= MAX_LONE_REFUSALS {
+                    self.held.remove(&task);
+                    self.stats.outcomes_dropped += 1;
+                    let problem = format!(
+                        "the database refused the task's finish {} times, the last: {}",
+                        queued.refusals,
+                        printable(&failure.to_string(), 500)
+                    );
+                    self.events.push_back(Event::OutcomeDropped { task, problem });
+                    return;
+                }
+            }
+        }
+        self.lone.push_back(queued);
+        self.lone_waiting = true;
+        self.hold_up(now);
     }
 
     fn begin_shutdown(&mut self, now: Instant) {
@@ -1751,12 +1885,16 @@ impl Worker {
         // A database that keeps failing does not hold shutdown up past the grace period, but
         // one failed request (a lost reply) does not end it either: what it left to do (undo
         // an unanswered claim, hand tasks back) is retried like any write first.
-        if grace_over && self.db_down && self.backoff.failures() >= SHUTDOWN_DB_FAILURES {
+        // Nor do locks that keep holding its writes up.
+        let stuck = (self.db_down && self.backoff.failures() >= SHUTDOWN_DB_FAILURES)
+            || self.busy_streak >= SHUTDOWN_DB_FAILURES;
+        if grace_over && stuck {
             self.stop(self.held.len());
             return;
         }
         let idle = self.held.is_empty()
             && self.completions.is_empty()
+            && self.lone.is_empty()
             && self.releases.is_empty()
             && self.abandons.is_empty()
             && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap));
@@ -1770,6 +1908,16 @@ impl Worker {
         self.phase = Phase::Stopped;
         self.timers.clear();
         self.events.push_back(Event::Drained { abandoned });
+    }
+}
+
+/// The size of an outcome the worker wrote itself (an error of its own): small, and storable.
+fn own_outcome_bytes(outcome: &FinishOutcome) -> u64 {
+    match outcome {
+        FinishOutcome::Completed(value) => check_storable(value, u64::MAX).unwrap_or(0),
+        FinishOutcome::Retry { error, .. } | FinishOutcome::Failed(error) => {
+            check_storable_error(error, u64::MAX).unwrap_or(0)
+        }
     }
 }
 

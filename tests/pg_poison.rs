@@ -414,6 +414,52 @@ async fn a_row_another_transaction_holds_neither_stalls_a_heartbeat_nor_a_finish
     }
 }
 
+/// Another transaction holds one of a worker's claimed rows and its registry row: a start of
+/// its tasks defers that one at once (asked again later) and starts the others, and a
+/// heartbeat returns at once; neither waits for the locks.
+#[tokio::test]
+async fn a_start_and_a_heartbeat_pass_the_rows_another_transaction_holds() {
+    let db = TestDb::new().await;
+    let app = AppConfig::default();
+    let store = PgStore::new(session_pool(&db, 2).await, db.schema.clone(), app.clone());
+    store.enqueue_many((0..3).map(|i| NewTask::new("job", json!(i))).collect()).await.unwrap();
+    let policy = policy(&app, 3);
+    let tasks = claimed(&store, &claim(1, &policy, 0)).await;
+    assert_eq!(tasks.len(), 3);
+    assert!(tasks.iter().all(|t| !t.started));
+    assert!(store.execute(&heartbeat(vec![], vec![])).await.is_ok(), "the registry row exists");
+    let held = tasks[1].id;
+    let mut other = other_session(&db).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe("BEGIN")).execute(&mut other).await.unwrap();
+    let lock = "SELECT id FROM {s}.tasks WHERE id = $1 FOR UPDATE";
+    sqlx::query(on(&db.schema, lock)).bind(held.0).execute(&mut other).await.unwrap();
+    let lock = "SELECT id FROM {s}.workers WHERE id = $1 FOR UPDATE";
+    let locked = sqlx::query(on(&db.schema, lock)).bind(&worker().0).execute(&mut other).await.unwrap();
+    assert_eq!(locked.rows_affected(), 1);
+
+    let start = DbRequest::Start { worker: worker(), tasks: leases(&tasks), policy: Arc::clone(&policy) };
+    let started = tokio::time::timeout(Duration::from_secs(3), store.execute(&start)).await;
+    let started = started.expect("the start waited for the locked row");
+    let others: Vec<(TaskId, Attempt)> = tasks.iter().filter(|t| t.id != held).map(|t| (t.id, Attempt(1))).collect();
+    assert_eq!(
+        started,
+        Ok(DbReply::Started { started: others.clone(), expired: vec![], deferred: vec![held], lost: vec![] })
+    );
+    assert_eq!(live_row(store.pool(), &db.schema, held).await.0, "CLAIMED");
+    let running: Vec<TaskLease> =
+        tasks.iter().filter(|t| t.id != held).map(|t| TaskLease { task: t.id, lease: t.lease }).collect();
+    let beat = tokio::time::timeout(Duration::from_secs(3), store.execute(&heartbeat(running, vec![]))).await;
+    let beat = beat.expect("the heartbeat waited for the registry row");
+    assert_eq!(beat, Ok(DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] }));
+
+    rollback(&mut other).await;
+    let again = DbRequest::Start { worker: worker(), tasks: leases(&tasks[1..2]), policy };
+    assert_eq!(
+        store.execute(&again).await,
+        Ok(DbReply::Started { started: vec![(held, Attempt(1))], expired: vec![], deferred: vec![], lost: vec![] })
+    );
+}
+
 /// The SQLSTATE of a failed statement.
 fn sqlstate(result: Result<impl std::fmt::Debug, sqlx::Error>) -> String {
     match result {

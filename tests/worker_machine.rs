@@ -718,8 +718,12 @@ fn a_finish_refused_for_a_value_is_halved_until_the_item_is_alone_and_then_rewri
     let (op, batch, ids) = one_finish(&h.fail(op, refused()));
     assert_eq!(ids, vec![2]);
     sent.push(batch);
-    let (op, completions, ids) = one_finish(&h.fail(op, refused()));
-    assert_eq!(ids, vec![2], "alone: rewritten as a failure of its own");
+    // Alone: rewritten as a failure of its own and sent on its own, beside the next batch.
+    let both = finishes(&h.fail(op, refused()));
+    assert_eq!(both.len(), 2, "{both:?}");
+    let (lone, completions) = both.iter().find(|(_, c)| c[0].task.task == TaskId(2)).cloned().unwrap();
+    let (op, _) = both.iter().find(|(_, c)| c[0].task.task == TaskId(3)).cloned().unwrap();
+    assert_eq!(completions.len(), 1);
     assert!(serialization_failure(&completions[0]), "{completions:?}");
     assert!(completions[0].args.is_none());
     assert!(h.events.iter().any(|e| matches!(e, Event::OutcomeRefused { task: TaskId(2), .. })));
@@ -728,23 +732,73 @@ fn a_finish_refused_for_a_value_is_halved_until_the_item_is_alone_and_then_rewri
     for pair in sent.windows(2) {
         assert_ne!(pair[0], pair[1], "a refused batch was sent again as it was");
     }
-    // Refused again once rewritten: not its values; backed off like an outage, then re-sent.
-    assert!(finishes(&h.fail(op, refused())).is_empty(), "no identical re-send at once");
-    assert!(matches!(h.events.last(), Some(Event::DbUnavailable { .. })), "{:?}", h.events);
-    let retried = fire_until(&mut h, Timer::DbRetry, Duration::from_secs(5)).expect("a retry after the backoff");
+    // Refused again once rewritten: not its values. It waits for the lock retry, and the
+    // database is not treated as down.
+    assert!(finishes(&h.fail(lone, refused())).is_empty(), "no identical re-send at once");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "{:?}", h.events);
+    // The batches go on meanwhile, and double back once they land.
+    let (op, _, ids) =
+        one_finish(&h.reply(op, DbReply::Finished { applied: vec![(TaskId(3), TaskState::Completed)], lost: vec![] }));
+    assert_eq!(ids, vec![4, 5]);
+    let applied = vec![(TaskId(4), TaskState::Completed), (TaskId(5), TaskState::Completed)];
+    assert!(finishes(&h.reply(op, DbReply::Finished { applied, lost: vec![] })).is_empty());
+    let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(5)).expect("a retry after a wait");
     let (op, completions, ids) = one_finish(&retried);
     assert_eq!(ids, vec![2]);
     assert!(serialization_failure(&completions[0]));
-    // Landed: the batch size doubles back.
-    let after = h.reply(op, DbReply::Finished { applied: vec![(TaskId(2), TaskState::Failed)], lost: vec![] });
-    let (op, _, ids) = one_finish(&after);
-    assert_eq!(ids, vec![3, 4]);
-    let applied = vec![(TaskId(3), TaskState::Completed), (TaskId(4), TaskState::Completed)];
-    let (op, _, ids) = one_finish(&h.reply(op, DbReply::Finished { applied, lost: vec![] }));
-    assert_eq!(ids, vec![5]);
-    h.reply(op, DbReply::Finished { applied: vec![(TaskId(5), TaskState::Completed)], lost: vec![] });
+    h.reply(op, DbReply::Finished { applied: vec![(TaskId(2), TaskState::Failed)], lost: vec![] });
     let stats = h.worker.stats();
-    assert_eq!((stats.completed, stats.failed, stats.lost), (4, 1, 0), "{stats:?}");
+    assert_eq!((stats.completed, stats.failed, stats.lost, h.worker.held()), (4, 1, 0, 0), "{stats:?}");
+}
+
+#[test]
+fn a_finish_the_database_keeps_refusing_is_dropped_and_never_holds_up_the_others() {
+    let (mut h, first) = Harness::default(2);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
+    let (mut op, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    let refused = || DbFailure::Rejected("new row violates check constraint \"app_rule\" (23514)".into());
+    let mut tries = 0;
+    let mut second_done = false;
+    loop {
+        tries += 1;
+        assert!(tries <= canter::worker::MAX_LONE_REFUSALS, "refused {tries} times and still sent");
+        assert!(finishes(&h.fail(op, refused())).is_empty(), "try {tries}: sent again at once");
+        assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a refusal is not an outage");
+        if !second_done {
+            // Another task's finish goes out while the refused one waits.
+            let (other, _, ids) = one_finish(&h.finished(&runs[1], TaskOutcome::Success(json!(2))));
+            assert_eq!(ids, vec![2]);
+            h.reply(other, DbReply::Finished { applied: vec![(TaskId(2), TaskState::Completed)], lost: vec![] });
+            second_done = true;
+        }
+        if h.events.iter().any(|e| matches!(e, Event::OutcomeDropped { task: TaskId(1), .. })) {
+            break;
+        }
+        let retried = fire_until_sent(&mut h, "finish", Duration::from_secs(60)).expect("tried again");
+        let (next, _, ids) = one_finish(&retried);
+        assert_eq!(ids, vec![1]);
+        op = next;
+    }
+    assert_eq!(tries, canter::worker::MAX_LONE_REFUSALS);
+    assert_eq!(h.worker.held(), 0, "dropped: left to the reaper, no longer held");
+    assert_eq!(h.worker.stats().outcomes_dropped, 1);
+    assert!(fire_until_sent(&mut h, "finish", Duration::from_secs(120)).is_none(), "never sent again");
+}
+
+#[test]
+fn a_finish_held_up_by_a_lock_is_never_dropped() {
+    let (mut h, first) = Harness::default(1);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    let (mut op, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    for _ in 0..3 * canter::worker::MAX_LONE_REFUSALS {
+        assert!(finishes(&h.fail(op, lock())).is_empty());
+        let retried = fire_until_sent(&mut h, "finish", Duration::from_secs(60)).expect("tried again");
+        op = one_finish(&retried).0;
+    }
+    assert!(!h.events.iter().any(|e| matches!(e, Event::OutcomeDropped { .. })));
+    h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    assert_eq!((h.worker.stats().completed, h.worker.held()), (1, 0));
 }
 
 #[test]
@@ -889,7 +943,7 @@ fn a_heartbeat_that_reports_a_task_lost_while_its_finish_is_in_flight_is_not_a_l
 }
 
 #[test]
-fn an_unanswered_claims_token_rides_on_heartbeats_for_fifteen_minutes() {
+fn an_unanswered_claims_token_rides_on_heartbeats_for_three_minutes() {
     let (mut h, first) = Harness::default(2);
     h.reply(find(&first, "register_worker"), DbReply::Done);
     let claim = find(&first, "claim");
@@ -902,7 +956,7 @@ fn an_unanswered_claims_token_rides_on_heartbeats_for_fifteen_minutes() {
     let (_, again) = h.fire();
     answer_idle(&mut h, again);
     let mut carried_until = None;
-    while h.now - lost_at < Duration::from_secs(16 * 60) {
+    while h.now - lost_at < Duration::from_secs(4 * 60) {
         let (_, commands) = h.fire();
         let beat = db_ops(&commands).into_iter().find(|(_, r)| r.kind() == "heartbeat").map(|(op, r)| (op, r.clone()));
         if let Some((op, DbRequest::Heartbeat { abandoned, .. })) = beat {
@@ -923,7 +977,8 @@ fn an_unanswered_claims_token_rides_on_heartbeats_for_fifteen_minutes() {
         answer_idle(&mut h, others);
     }
     let carried = carried_until.expect("the token rode on heartbeats");
-    assert!(carried >= Duration::from_secs(14 * 60) && carried <= Duration::from_secs(15 * 60), "{carried:?}");
+    let memory = canter::worker::ABANDONED_CLAIM_MEMORY;
+    assert!(carried >= memory - Duration::from_secs(60) && carried <= memory, "{carried:?}");
     assert_eq!(h.worker.stats().lost, 0);
     assert_eq!(h.worker.held(), 0);
 }
@@ -999,4 +1054,75 @@ fn a_finish_alone_on_a_locked_row_waits_for_the_lock_retry_while_the_rest_goes_o
     let DbRequest::Heartbeat { running, .. } = request else { unreachable!() };
     assert_eq!(running.iter().map(|t| t.task).collect::<Vec<_>>(), vec![TaskId(1)]);
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
+}
+
+#[test]
+fn after_the_grace_period_a_release_a_lock_keeps_holding_up_does_not_hold_shutdown_up() {
+    let config = WorkerConfig { shutdown_grace_ms: 2_000, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    start(&mut h, &first, vec![task(1, true)], false);
+    h.input(Input::Shutdown);
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    let mut release = find(&fire_until_sent(&mut h, "release", Duration::from_secs(3)).unwrap(), "release");
+    for _ in 0..10 {
+        h.fail(release, lock());
+        if h.worker.is_stopped() {
+            break;
+        }
+        let Some(again) = fire_until_sent(&mut h, "release", Duration::from_secs(60)) else { break };
+        release = find(&again, "release");
+    }
+    assert!(h.worker.is_stopped(), "still waiting on a lock: {:?}", h.events);
+    assert!(h.events.contains(&Event::Drained { abandoned: 1 }), "{:?}", h.events);
+}
+
+#[test]
+fn a_lock_on_an_abandon_holds_up_abandons_and_releases_only() {
+    let (mut h, first) = Harness::default(2);
+    h.reply(find(&first, "register_worker"), DbReply::Done);
+    h.fail(find(&first, "claim"), DbFailure::Unknown("timed out".into()));
+    let (_, again) = h.fire();
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    h.fail(find(&again, "abandon_claim"), lock());
+    let next = h.reply(
+        find(&again, "claim"),
+        DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None },
+    );
+    assert!(!has(&next, "abandon_claim"), "the abandon waits for the lock retry");
+    let runs = spawns(&next);
+    // Claims and finishes go on meanwhile.
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
+    h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    assert!(has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry");
+    assert!(has(&retried, "abandon_claim"));
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { failures: 2.., .. })), "{:?}", h.events);
+}
+
+#[test]
+fn a_claim_held_up_by_a_lock_waits_for_the_lock_retry_while_finishes_go_on() {
+    let (mut h, first) = Harness::default(2);
+    let next = start(&mut h, &first, vec![task(1, true)], true);
+    let runs = spawns(&next);
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    assert!(!has(&h.fail(find(&next, "claim"), lock()), "claim"), "not at once");
+    assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"), "nor for a notification");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
+    assert!(has(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish"));
+    let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry");
+    assert!(has(&retried, "claim"));
+}
+
+#[test]
+fn a_heartbeat_held_up_by_a_lock_beats_again_after_the_busy_wait_not_at_once() {
+    let (mut h, first) = Harness::default(2);
+    start(&mut h, &first, vec![task(1, true)], false);
+    let beat = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(31)).expect("a heartbeat");
+    let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
+    let failed_at = h.now;
+    assert!(!has(&h.fail(find(&beat, "heartbeat"), lock()), "heartbeat"), "not at once");
+    let again = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(31)).expect("a heartbeat");
+    assert_eq!(h.now - failed_at, canter::worker::BUSY_RETRY_MIN);
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
+    assert!(has(&again, "heartbeat"));
 }

@@ -260,6 +260,9 @@ fn log_event(worker: &WorkerId, event: &Event) {
         Event::OutcomeRefused { task, problem } => {
             tracing::warn!(%worker, %task, %problem, "outcome refused: the task fails with WORKER_SERIALIZATION_ERROR")
         }
+        Event::OutcomeDropped { task, problem } => {
+            tracing::error!(%worker, %task, %problem, "the database keeps refusing a task's finish: dropped, left to the reaper")
+        }
         Event::UnreadableRow { task, problem } => tracing::warn!(%worker, %task, %problem, "unreadable task row"),
         Event::LeaseWentBack { task, held, claimed } => {
             tracing::error!(%worker, %task, %held, %claimed, "the database handed out an older lease than this worker held: it went back in time (a restore, a failover?)")

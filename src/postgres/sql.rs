@@ -225,10 +225,19 @@ beaten AS (
           WHERE h.state = 'RUNNING') b
     WHERE t.id = b.id
 ),
+-- The registry's row is not waited for either: one another transaction holds (an operator's
+-- release of workers) is seen at the next beat. A row that is gone (pruned) comes back.
+seen_row AS (
+    SELECT w.id FROM {s}.workers w WHERE w.id = $1 FOR UPDATE SKIP LOCKED
+),
 seen AS (
+    UPDATE {s}.workers w SET last_seen = {s}.db_now() FROM seen_row r WHERE w.id = r.id
+),
+seen_again AS (
     INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen)
-    VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now())
-    ON CONFLICT (id) DO UPDATE SET last_seen = EXCLUDED.last_seen
+    SELECT $1, '{}', 0, {s}.db_now(), {s}.db_now()
+    WHERE NOT EXISTS (SELECT FROM {s}.workers w WHERE w.id = $1)
+    ON CONFLICT (id) DO NOTHING
 )
 SELECT l.id, l.what FROM (
     SELECT 0 AS list, c.ord, c.id,

@@ -1595,7 +1595,7 @@ impl Sim {
                     crate::db::check_storable_error(error, max)
                 }
             };
-            let args = c.args.as_ref().map_or(Ok(()), |args| crate::db::check_storable(args, max));
+            let args = c.args.as_ref().map_or(Ok(0), |args| crate::db::check_storable(args, max));
             if let Err(problem) = values.and(args) {
                 return Err(format!(
                     "UNCHECKED OUTCOME: {name} sent task {}'s outcome, which cannot be stored ({problem}): it fails the \
