@@ -316,10 +316,13 @@ BEGIN
         ORDER BY t.id
         FOR UPDATE SKIP LOCKED
     ),
-    -- The worker's rows another transaction holds: deferred, asked again later (not waited for).
+    -- The worker's rows another transaction holds, running or under a live claim as last
+    -- committed: deferred, asked again later (not waited for). Others are lost.
     busy AS (
-        SELECT t.id FROM tasks t
-        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker AND t.state <> 'PENDING'
+        SELECT t.id, t.lease FROM tasks t
+        WHERE t.id = ANY (p_ids) AND t.claimed_by = p_worker
+          AND (t.state = 'RUNNING'
+               OR (t.state = 'CLAIMED' AND (t.claim_expires_at IS NULL OR t.claim_expires_at > v_now)))
           AND NOT EXISTS (SELECT FROM held h WHERE h.id = t.id)
     ),
     -- Per task, the first entry naming its current lease decides; later ones echo it.
@@ -381,7 +384,7 @@ BEGIN
     ),
     answer AS (
         SELECT i.ord, i.id,
-               CASE WHEN EXISTS (SELECT FROM busy b WHERE b.id = i.id) THEN 'deferred'
+               CASE WHEN EXISTS (SELECT FROM busy b WHERE b.id = i.id AND b.lease = i.lease) THEN 'deferred'
                     WHEN o.id IS NULL OR h.lease <> i.lease THEN 'lost'
                     WHEN f.ord = i.ord THEN o.result
                     WHEN o.result = 'expired' THEN 'lost'

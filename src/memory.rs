@@ -895,12 +895,14 @@ impl MemoryStore {
         let mut running = self.running_per_queue();
         for &TaskLease { task: id, lease } in tasks {
             if self.locked.contains(&id)
-                && self
-                    .live
-                    .get(&id)
-                    .is_some_and(|row| row.state != TaskState::Pending && row.claimed_by.as_ref() == Some(worker))
+                && self.live.get(&id).is_some_and(|row| {
+                    row.held_by(worker, lease)
+                        && (row.state == TaskState::Running
+                            || (row.state == TaskState::Claimed && row.claim_expires_at.is_none_or(|at| at > now)))
+                })
             {
-                // Skipped, as PostgreSQL's `SKIP LOCKED` does: asked again later.
+                // Skipped, as PostgreSQL's `SKIP LOCKED` does: asked again later. (Any other
+                // locked row is lost below, as it is there.)
                 deferred.push(id);
                 continue;
             }

@@ -14,7 +14,7 @@ use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy, WorkerConfi
 use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, NewTask};
 use canter::memory::TaskFilter;
 use canter::postgres::{PgSchema, PgStore, claim_lock_keys, with_session_settings};
-use canter::task::{Attempt, ErrorCode, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::{Value, json};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -437,13 +437,17 @@ async fn a_start_and_a_heartbeat_pass_the_rows_another_transaction_holds() {
     let locked = sqlx::query(on(&db.schema, lock)).bind(&worker().0).execute(&mut other).await.unwrap();
     assert_eq!(locked.rows_affected(), 1);
 
-    let start = DbRequest::Start { worker: worker(), tasks: leases(&tasks), policy: Arc::clone(&policy) };
+    // The held row named again under an older lease: that one is lost, not deferred.
+    let mut asked = leases(&tasks);
+    let stale = Lease(tasks[1].lease.0 - 1);
+    asked.push(TaskLease { task: held, lease: stale });
+    let start = DbRequest::Start { worker: worker(), tasks: asked, policy: Arc::clone(&policy) };
     let started = tokio::time::timeout(Duration::from_secs(3), store.execute(&start)).await;
     let started = started.expect("the start waited for the locked row");
     let others: Vec<(TaskId, Attempt)> = tasks.iter().filter(|t| t.id != held).map(|t| (t.id, Attempt(1))).collect();
     assert_eq!(
         started,
-        Ok(DbReply::Started { started: others.clone(), expired: vec![], deferred: vec![held], lost: vec![] })
+        Ok(DbReply::Started { started: others.clone(), expired: vec![], deferred: vec![held], lost: vec![held] })
     );
     assert_eq!(live_row(store.pool(), &db.schema, held).await.0, "CLAIMED");
     let running: Vec<TaskLease> =
