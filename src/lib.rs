@@ -78,7 +78,8 @@
 //! }
 //! assert_eq!(store.get(id).unwrap().result, Some("hello, Ada".into()));
 //! ```
-#![forbid(unsafe_code)]
+// One module borrows socket descriptors sqlx does not expose (`postgres::tcp`).
+#![deny(unsafe_code)]
 
 pub mod backoff;
 pub mod budget;

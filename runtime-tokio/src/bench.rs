@@ -79,7 +79,7 @@ usage: canter bench [--database-url URL] [--workload enqueue|drain|latency|histo
                     [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
                     [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
-                    [--worker-args 'FLAGS'] [--worker-bin PATH]
+                    [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -88,7 +88,11 @@ enqueue tasks in bulks of 1000, 1000 latency tasks every 5 ms, 1000000 finished 
 history, raw claims of 50 by C loops. --worker-args are `canter worker` settings
 (e.g. '--prefetch-buffer 0' for hard-cap mode) laid over the bench's defaults
 (--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000);
-the drain's worker is `canter worker` as a child process (this program, or --worker-bin).";
+the drain's worker is `canter worker` as a child process (this program, or --worker-bin).
+--tls runs each mode over plain TCP (sslmode=disable) and over TLS (sslmode=require; the
+server must offer it), with no raw baseline unless --baseline says so, and reports TLS/plain
+ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default 0 without
+--tls), so that a bulk call crosses many TLS records.";
 
 /// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
 /// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
@@ -121,11 +125,14 @@ impl Workload {
     }
 }
 
-/// Which implementation a result measures.
+/// Which implementation a result measures, and over which transport: plain TCP, or TLS
+/// (`--tls`: each mode runs over both, `sslmode=disable` and `sslmode=require`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Mode {
     Canter,
     Raw,
+    CanterTls,
+    RawTls,
 }
 
 impl Mode {
@@ -133,7 +140,22 @@ impl Mode {
         match self {
             Mode::Canter => "canter",
             Mode::Raw => "raw",
+            Mode::CanterTls => "canter_tls",
+            Mode::RawTls => "raw_tls",
         }
+    }
+
+    fn is_raw(self) -> bool {
+        matches!(self, Mode::Raw | Mode::RawTls)
+    }
+
+    fn tls(self) -> bool {
+        matches!(self, Mode::CanterTls | Mode::RawTls)
+    }
+
+    /// The same implementation over TLS.
+    fn over_tls(self) -> Mode {
+        if self.is_raw() { Mode::RawTls } else { Mode::CanterTls }
     }
 }
 
@@ -154,6 +176,10 @@ struct Options {
     history_tasks: usize,
     raw_batch: u32,
     raw_loops: u32,
+    /// Each mode over TLS too.
+    tls: bool,
+    /// Bytes of padding in every task's arguments (beside its number).
+    payload_bytes: usize,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -175,11 +201,12 @@ const VALUES: &[&str] = &[
     "raw-loops",
     "worker-args",
     "worker-bin",
+    "payload-bytes",
 ];
 
 fn options(raw: &[String]) -> Result<Options, BenchError> {
     let usage = |e: crate::cli::UsageError| BenchError::Usage(e.0);
-    let args = Args::parse(raw, VALUES, &["json-only"], false).map_err(usage)?;
+    let args = Args::parse(raw, VALUES, &["json-only", "tls"], false).map_err(usage)?;
     if let Some(extra) = args.positional.first() {
         return Err(BenchError::Usage(format!("unexpected argument {extra:?}")));
     }
@@ -200,12 +227,16 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         "history" => vec![Workload::History],
         other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
     };
-    let modes = match args.value("baseline").unwrap_or("both") {
+    let tls = args.switch("tls");
+    let mut modes = match args.value("baseline").unwrap_or(if tls { "none" } else { "both" }) {
         "both" => vec![Mode::Canter, Mode::Raw],
         "none" => vec![Mode::Canter],
         "raw" => vec![Mode::Raw],
         other => return Err(BenchError::Usage(format!("unknown baseline {other:?}: expected raw, none or both"))),
     };
+    if tls {
+        modes = modes.into_iter().flat_map(|mode| [mode, mode.over_tls()]).collect();
+    }
     let concurrency = number("concurrency", 16, 1, 1_000)? as u32;
     let url = args
         .value("database-url")
@@ -235,6 +266,8 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         history_tasks: number("history-tasks", 1_000_000, 0, 100_000_000)?,
         raw_batch: number("raw-batch", 50, 1, 10_000)? as u32,
         raw_loops: number("raw-loops", concurrency as usize, 1, 1_000)? as u32,
+        tls,
+        payload_bytes: number("payload-bytes", if tls { 200 } else { 0 }, 0, 1_000_000)?,
         config,
         worker_bin,
     })
@@ -434,12 +467,23 @@ fn median(mut values: Vec<f64>) -> Option<f64> {
 struct Scratch {
     pool: PgPool,
     name: String,
+    /// The mode that runs in it.
+    mode: Mode,
+    /// The URL its mode connects with: the transport its mode measures.
+    url: String,
 }
 
 impl Scratch {
-    async fn new(pool: &PgPool, workload: Workload, mode: Mode, run: u32) -> Result<Scratch, BenchError> {
+    async fn new(
+        options: &Options,
+        pool: &PgPool,
+        workload: Workload,
+        mode: Mode,
+        run: u32,
+    ) -> Result<Scratch, BenchError> {
         let name = format!("canter_bench_{}_{}_{}_{run}", workload.name(), mode.name(), std::process::id());
-        let scratch = Scratch { pool: pool.clone(), name };
+        let url = mode_url(options, mode);
+        let scratch = Scratch { pool: pool.clone(), name, mode, url };
         scratch.drop_now().await?;
         Ok(scratch)
     }
@@ -459,6 +503,26 @@ impl Scratch {
     }
 }
 
+/// The URL `mode` connects with: with `--tls`, `sslmode=require` for a TLS mode and
+/// `sslmode=disable` for the others (a later `sslmode` in a query string wins); otherwise the
+/// URL as given.
+fn mode_url(options: &Options, mode: Mode) -> String {
+    if !options.tls {
+        return options.url.clone();
+    }
+    let sslmode = if mode.tls() { "require" } else { "disable" };
+    let separator = if options.url.contains('?') { '&' } else { '?' };
+    format!("{}{separator}sslmode={sslmode}", options.url)
+}
+
+/// The arguments of the benchmark's task `i`: its number, and `--payload-bytes` of padding.
+fn task_args(options: &Options, i: usize) -> Value {
+    if options.payload_bytes == 0 {
+        return json!({ "i": i });
+    }
+    json!({ "i": i, "pad": "x".repeat(options.payload_bytes) })
+}
+
 /// A lazily connecting pool of at most `size` for the benchmark's own work, without notices
 /// (`DROP SCHEMA IF EXISTS` and cascades would log them).
 fn connect(url: &str, size: u32) -> Result<PgPool, BenchError> {
@@ -467,7 +531,8 @@ fn connect(url: &str, size: u32) -> Result<PgPool, BenchError> {
     let options = sqlx::ConnectOptions::disable_statement_logging(
         options.options([("client_min_messages", "warning")]).application_name("canter-bench"),
     );
-    Ok(sqlx::postgres::PgPoolOptions::new()
+    // TCP_NODELAY as canter's own connections have it: both modes alike.
+    Ok(canter::postgres::pool_options(&options)
         .max_connections(size.max(2))
         .acquire_timeout(Duration::from_secs(30))
         // As canter's own `connect`: no ping (a round trip) before every statement.
@@ -489,6 +554,12 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
         .fetch_one(&pool)
         .await
         .map_err(|e| failed("cannot reach the database", e))?;
+    if options.tls {
+        let ssl: String = sqlx::query_scalar("SHOW ssl").fetch_one(&pool).await.map_err(|e| failed("SHOW ssl", e))?;
+        if ssl != "on" {
+            return Err(BenchError::Usage(format!("--tls: the server does not offer TLS (ssl = {ssl})")));
+        }
+    }
     let started = load_average();
     if !options.json_only {
         let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
@@ -558,11 +629,12 @@ async fn run_one(
     mode: Mode,
     run: u32,
 ) -> Result<Vec<Sample>, BenchError> {
-    let scratch = Scratch::new(pool, workload, mode, run).await?;
+    let scratch = Scratch::new(options, pool, workload, mode, run).await?;
     let commit_ms = commit_latency(pool, &scratch).await?;
-    let result = match mode {
-        Mode::Canter => canter_mode::run(options, &scratch, workload).await,
-        Mode::Raw => raw_mode::run(options, &scratch, workload).await,
+    let result = if mode.is_raw() {
+        raw_mode::run(options, &scratch, workload).await
+    } else {
+        canter_mode::run(options, &scratch, workload).await
     };
     let dropped = scratch.drop_now().await;
     let mut samples = result?;
@@ -585,9 +657,10 @@ enum Enqueuer {
 impl Enqueuer {
     /// Sets up `mode`'s client on `scratch` (before any clock starts).
     async fn new(options: &Options, scratch: &Scratch, mode: Mode) -> Result<Enqueuer, BenchError> {
-        Ok(match mode {
-            Mode::Canter => Enqueuer::Canter(canter_mode::CanterEnqueuer::new(options, scratch).await?),
-            Mode::Raw => Enqueuer::Raw(raw_mode::RawEnqueuer::new(options, scratch).await?),
+        Ok(if mode.is_raw() {
+            Enqueuer::Raw(raw_mode::RawEnqueuer::new(options, scratch).await?)
+        } else {
+            Enqueuer::Canter(canter_mode::CanterEnqueuer::new(options, scratch).await?)
         })
     }
 
@@ -623,7 +696,7 @@ async fn run_enqueue(
         // Per mode: its sample (commit probe kept, time summed over its turns) and its client.
         let mut turns = Vec::new();
         for &mode in modes {
-            scratches.push(Scratch::new(pool, workload, mode, run).await?);
+            scratches.push(Scratch::new(options, pool, workload, mode, run).await?);
             let scratch = scratches.last().expect("just pushed");
             let mut sample = Sample::new(workload.name(), mode, options.enqueue_tasks, 0.0);
             sample.commit_ms = Some(commit_latency(pool, scratch).await?);
@@ -772,6 +845,9 @@ fn table(samples: &[Sample], options: &Options) -> String {
         let rss = med("history", Mode::Canter, &|s: &Sample| s.peak_rss_mib);
         row("history", "peak RSS MiB", rss, None, 1, String::new());
     }
+    if options.tls {
+        tls_rows(&mut out, &med);
+    }
     let commits: Vec<f64> = samples.iter().filter_map(|s| s.commit_ms).collect();
     if let (Some(low), Some(mid), Some(high)) =
         (commits.iter().copied().reduce(f64::min), median(commits.clone()), commits.iter().copied().reduce(f64::max))
@@ -785,6 +861,50 @@ fn table(samples: &[Sample], options: &Options) -> String {
         let _ = writeln!(out, "worker CPU per drained task: {us:.1} µs (median of runs)");
     }
     out
+}
+
+/// The TLS part of the summary: each mode over TLS against itself over plain TCP, as speed
+/// ratios (throughput TLS/plain; latency plain/TLS, so that 1 is "as fast" in both).
+fn tls_rows(out: &mut String, med: &dyn Fn(&str, Mode, &dyn Fn(&Sample) -> Option<f64>) -> Option<f64>) {
+    let _ = writeln!(
+        out,
+        "\nover TLS (sslmode=require) against plain TCP (sslmode=disable)\n{:<14} {:<14} {:>12} {:>12} {:>10}   target",
+        "workload", "metric", "plain", "tls", "speed"
+    );
+    let rate = |s: &Sample| Some(s.per_sec());
+    for base in [Mode::Canter, Mode::Raw] {
+        let tls = base.over_tls();
+        let mut rows: Vec<(String, &str, Option<f64>, Option<f64>, bool)> = Vec::new();
+        for workload in ["enqueue_one", "enqueue_bulk", "drain", "history"] {
+            rows.push((workload.to_owned(), "tasks/s", med(workload, base, &rate), med(workload, tls, &rate), true));
+        }
+        for (i, name) in ["p50 ms", "p90 ms", "p99 ms", "max ms"].into_iter().enumerate() {
+            let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+            rows.push(("latency".to_owned(), name, med("latency", base, &pick), med("latency", tls, &pick), false));
+        }
+        for (workload, metric, plain, over_tls, higher_is_better) in rows {
+            let (Some(plain), Some(over_tls)) = (plain, over_tls) else { continue };
+            let speed = if higher_is_better { over_tls / plain } else { plain / over_tls };
+            let targeted =
+                matches!((workload.as_str(), metric), ("enqueue_bulk" | "drain", _) | ("latency", "p50 ms" | "p99 ms"));
+            let target = if targeted {
+                format!("≥ 0.9: {}", if speed >= 0.9 { "ok" } else { "MISSED" })
+            } else {
+                String::new()
+            };
+            let digits = if higher_is_better { 0 } else { 3 };
+            let _ = writeln!(
+                out,
+                "{:<14} {:<14} {:>12.digits$} {:>12.digits$} {:>10.2}   {}",
+                format!("{} {}", base.name(), workload),
+                metric,
+                plain,
+                over_tls,
+                speed,
+                target
+            );
+        }
+    }
 }
 
 #[cfg(test)]

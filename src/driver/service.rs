@@ -328,10 +328,11 @@ async fn listen<R: Runtime>(
 /// are not pinged before use (sqlx's default): the ping is a round trip of its own before
 /// every statement, and a dead connection fails its statement anyway, which the worker and
 /// the client retry. Every session carries [`SESSION_SETTINGS`](crate::postgres::SESSION_SETTINGS)
-/// (statement, lock and idle-transaction timeouts).
+/// (statement, lock and idle-transaction timeouts), and every connection `TCP_NODELAY`
+/// ([`pool_options`](crate::postgres::pool_options)).
 pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
     let options = crate::postgres::with_session_settings(url.parse()?);
-    Ok(sqlx::postgres::PgPoolOptions::new()
+    Ok(crate::postgres::pool_options(&options)
         .max_connections(max_connections.max(2))
         .acquire_timeout(std::time::Duration::from_secs(5))
         .test_before_acquire(false)

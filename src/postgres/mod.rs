@@ -54,6 +54,7 @@ mod schedules;
 mod schema;
 mod sql;
 mod store;
+mod tcp;
 
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
@@ -63,3 +64,4 @@ pub use schema::{
     PgSchema, SchemaStatus, code_schema_version, migrate, migrate_within, require_current, schema_status,
 };
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, claim_lock_keys, with_session_settings};
+pub use tcp::{pool_options, set_tcp_nodelay, tcp_nodelay};

@@ -12,60 +12,64 @@ use canter::driver::{Registry, WorkerService};
 use canter::postgres::{PgSchema, PgStore, enqueue_many_in};
 use canter::task::{TaskError, WorkerId};
 use serde::Deserialize;
-use serde_json::{Value, json};
+use serde_json::Value;
 use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
-use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
+use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, task_args};
 use crate::{TokioRuntime, errln};
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
     let schema = scratch.schema()?;
-    let pool = connect(&options.url, 4)?;
+    let pool = connect(&scratch.url, 4)?;
     let store = PgStore::new(pool.clone(), schema.clone(), options.config.app.clone());
     store.migrate().await.map_err(|e| failed("migrate", e))?;
     let result = match workload {
         Workload::EnqueueOne | Workload::EnqueueBulk => {
             unreachable!("the enqueue workloads run through CanterEnqueuer")
         }
-        Workload::Drain => drain(options, &store, 0).await.map(|s| vec![s]),
+        Workload::Drain => drain(options, scratch, &store, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
-            drain(options, &store, options.history_tasks).await.map(|s| vec![s])
+            drain(options, scratch, &store, options.history_tasks).await.map(|s| vec![s])
         }
-        Workload::Latency => latency(options, &store).await.map(|s| vec![s]),
+        Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
     };
     pool.close().await;
     result
 }
 
-fn noop(i: usize) -> NewTask {
-    NewTask::new("noop", json!({ "i": i }))
+fn noop(options: &Options, i: usize) -> NewTask {
+    NewTask::new("noop", task_args(options, i))
 }
 
 /// The enqueue workloads' client: a store on a fresh schema.
 pub(super) struct CanterEnqueuer {
     store: PgStore,
+    options: Options,
 }
 
 impl CanterEnqueuer {
     /// Migrates the schema and connects (before any clock starts).
     pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<CanterEnqueuer, BenchError> {
-        let store = PgStore::new(connect(&options.url, 2)?, scratch.schema()?, options.config.app.clone());
+        let store = PgStore::new(connect(&scratch.url, 2)?, scratch.schema()?, options.config.app.clone());
         store.migrate().await.map_err(|e| failed("migrate", e))?;
         store.now().await.map_err(|e| failed("connect", e))?;
-        Ok(CanterEnqueuer { store })
+        Ok(CanterEnqueuer { store, options: options.clone() })
     }
 
     /// Enqueues tasks `range`: one call each, or all in one when `bulk`.
     pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
         if bulk {
-            self.store.enqueue_many(range.map(noop).collect()).await.map_err(|e| failed("enqueue_many", e))?;
+            self.store
+                .enqueue_many(range.map(|i| noop(&self.options, i)).collect())
+                .await
+                .map_err(|e| failed("enqueue_many", e))?;
             return Ok(());
         }
         for i in range {
-            self.store.enqueue(noop(i)).await.map_err(|e| failed("enqueue", e))?;
+            self.store.enqueue(noop(&self.options, i)).await.map_err(|e| failed("enqueue", e))?;
         }
         Ok(())
     }
@@ -117,12 +121,12 @@ struct WorkerProcess {
 }
 
 impl WorkerProcess {
-    fn spawn(options: &Options, schema: &PgSchema) -> Result<WorkerProcess, BenchError> {
+    fn spawn(options: &Options, url: &str, schema: &PgSchema) -> Result<WorkerProcess, BenchError> {
         let config = std::env::temp_dir().join(format!("canter-bench-{}-{}.json", std::process::id(), schema.name()));
         let text = serde_json::to_string(&options.config).map_err(|e| failed("config", e))?;
         std::fs::write(&config, text).map_err(|e| failed("write the worker config", e))?;
         let child = Command::new(&options.worker_bin)
-            .args(["worker", "--database-url", &options.url, "--schema", schema.name(), "--config"])
+            .args(["worker", "--database-url", url, "--schema", schema.name(), "--config"])
             .arg(&config)
             .env("CANTER_LOG", std::env::var("CANTER_LOG").unwrap_or_else(|_| "warn".to_owned()))
             .stdin(Stdio::null())
@@ -206,10 +210,10 @@ impl Drop for WorkerProcess {
 
 /// `options.tasks` no-op tasks committed at once while an idle worker process waits; timed from
 /// the commit to the last finished task.
-async fn drain(options: &Options, store: &PgStore, history: usize) -> Result<Sample, BenchError> {
+async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: usize) -> Result<Sample, BenchError> {
     let schema = store.schema().clone();
     let pool = store.pool();
-    let mut worker = WorkerProcess::spawn(options, &schema)?;
+    let mut worker = WorkerProcess::spawn(options, &scratch.url, &schema)?;
     worker.wait_ready(pool, &schema).await?;
     checkpoint(pool).await;
     let cpu_before = worker.cpu_seconds();
@@ -221,7 +225,7 @@ async fn drain(options: &Options, store: &PgStore, history: usize) -> Result<Sam
     let mut done = 0;
     while done < n {
         let size = 1_000.min(n - done);
-        let tasks = (done..done + size).map(noop).collect();
+        let tasks = (done..done + size).map(|i| noop(options, i)).collect();
         enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
         done += size;
     }
@@ -278,7 +282,7 @@ async fn drain(options: &Options, store: &PgStore, history: usize) -> Result<Sam
         )));
     }
     let workload = if history > 0 { "history" } else { "drain" };
-    let mut sample = Sample::new(workload, Mode::Canter, n, seconds);
+    let mut sample = Sample::new(workload, scratch.mode, n, seconds);
     sample.peak_rss_mib = peak;
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims as u64);
@@ -298,7 +302,7 @@ struct Stamp {
 
 /// An idle worker in this process (on a runtime of its own, as if it were another process),
 /// tasks enqueued one at a time: enqueue commit to handler start.
-async fn latency(options: &Options, store: &PgStore) -> Result<Sample, BenchError> {
+async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Result<Sample, BenchError> {
     let n = options.latency_tasks;
     let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
     let mut registry = Registry::new();
@@ -330,7 +334,7 @@ async fn latency(options: &Options, store: &PgStore) -> Result<Sample, BenchErro
     let mut service = WorkerService::new(app, config.clone(), registry, id).map_err(|e| failed("worker", e))?;
     service.schema = store.schema().clone();
     service.migrate = false;
-    let url = options.url.clone();
+    let url = scratch.url.clone();
     let serve = runtime.spawn(async move {
         let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
         let stop = async move {
@@ -364,10 +368,10 @@ async fn latency(options: &Options, store: &PgStore) -> Result<Sample, BenchErro
         let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
             paced.next().await;
-            store.enqueue(NewTask::new("stamp", json!({ "i": i }))).await.map_err(|e| failed("enqueue", e))?;
+            store.enqueue(NewTask::new("stamp", task_args(options, i))).await.map_err(|e| failed("enqueue", e))?;
             paced.committed();
         }
-        paced.sample(Mode::Canter, &stamps).await
+        paced.sample(scratch.mode, &stamps).await
     }
     .await;
 

@@ -7,13 +7,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use serde_json::{Value, json};
+use serde_json::Value;
 use sqlx::pool::PoolConnection;
 use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use super::{BenchError, Mode, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed};
+use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, task_args};
 
 const CREATE: &str = "\
 CREATE SCHEMA {s};
@@ -72,7 +72,7 @@ fn q(sql: &str) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::P
 }
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
-    let pool = connect(&options.url, options.raw_loops + 4)?;
+    let pool = connect(&scratch.url, options.raw_loops + 4)?;
     let create = CREATE.replace("{s}", &scratch.quoted());
     sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
     let sql = Sql::new(scratch);
@@ -83,18 +83,15 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
             fill_history(&pool, scratch, options.history_tasks).await?;
             drain(options, &pool, &sql, scratch, options.history_tasks).await.map(|s| vec![s])
         }
-        Workload::Latency => latency(options, &pool, &sql).await.map(|s| vec![s]),
+        Workload::Latency => latency(options, scratch, &pool, &sql).await.map(|s| vec![s]),
     };
     pool.close().await;
     result
 }
 
-fn payload(i: usize) -> Value {
-    json!({ "i": i })
-}
-
 /// The enqueue workloads' client: the jobs table in a fresh schema and one connection.
 pub(super) struct RawEnqueuer {
+    options: Options,
     pool: PgPool,
     conn: PoolConnection<Postgres>,
     sql: Sql,
@@ -103,17 +100,17 @@ pub(super) struct RawEnqueuer {
 impl RawEnqueuer {
     /// Creates the table and connects (before any clock starts).
     pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<RawEnqueuer, BenchError> {
-        let pool = connect(&options.url, 2)?;
+        let pool = connect(&scratch.url, 2)?;
         let create = CREATE.replace("{s}", &scratch.quoted());
         sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
         let conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
-        Ok(RawEnqueuer { pool, conn, sql: Sql::new(scratch) })
+        Ok(RawEnqueuer { options: options.clone(), pool, conn, sql: Sql::new(scratch) })
     }
 
     /// Inserts jobs `range`: one statement each, or all in one when `bulk`.
     pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
         if bulk {
-            let payloads: Vec<Value> = range.map(payload).collect();
+            let payloads: Vec<Value> = range.map(|i| task_args(&self.options, i)).collect();
             let rows = q(&self.sql.enqueue_many)
                 .bind(payloads)
                 .bind(&self.sql.channel)
@@ -126,7 +123,7 @@ impl RawEnqueuer {
         }
         for i in range {
             let _id: i64 = q(&self.sql.enqueue_one)
-                .bind(payload(i))
+                .bind(task_args(&self.options, i))
                 .bind(&self.sql.channel)
                 .fetch_one(&mut *self.conn)
                 .await
@@ -208,7 +205,7 @@ async fn drain(
     let mut done = 0;
     while done < n {
         let size = 1_000.min(n - done);
-        let payloads: Vec<Value> = (done..done + size).map(payload).collect();
+        let payloads: Vec<Value> = (done..done + size).map(|i| task_args(options, i)).collect();
         q(&sql.enqueue_many)
             .bind(payloads)
             .bind(&sql.channel)
@@ -259,7 +256,7 @@ async fn drain(
         )));
     }
     let workload = if history > 0 { "history" } else { "drain" };
-    let mut sample = Sample::new(workload, Mode::Raw, n, seconds);
+    let mut sample = Sample::new(workload, scratch.mode, n, seconds);
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims.load(Ordering::Relaxed));
     Ok(sample)
@@ -267,7 +264,7 @@ async fn drain(
 
 /// An idle raw worker (LISTEN, then claim until empty) on a runtime of its own; jobs inserted
 /// one at a time with a notification.
-async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
+async fn latency(options: &Options, scratch: &Scratch, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
     let n = options.latency_tasks;
     let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -278,7 +275,7 @@ async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, 
         .map_err(|e| failed("worker runtime", e))?;
     let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
     let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
-    let (url, worker_sql, record, batch) = (options.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
+    let (url, worker_sql, record, batch) = (scratch.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
     let worker = runtime.spawn(async move {
         let pool = crate::connect(&url, 2)?;
         let mut listener = PgListener::connect_with(&pool).await?;
@@ -320,14 +317,14 @@ async fn latency(options: &Options, pool: &PgPool, sql: &Sql) -> Result<Sample, 
         for i in 0..n {
             paced.next().await;
             q(&sql.enqueue_one)
-                .bind(payload(i))
+                .bind(task_args(options, i))
                 .bind(&sql.channel)
                 .fetch_one(&mut *conn)
                 .await
                 .map_err(|e| failed("insert", e))?;
             paced.committed();
         }
-        paced.sample(Mode::Raw, &stamps).await
+        paced.sample(scratch.mode, &stamps).await
     }
     .await;
 
