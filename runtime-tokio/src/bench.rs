@@ -761,13 +761,8 @@ async fn commit_latency(pool: &PgPool, scratch: &Scratch) -> Result<f64, BenchEr
 
 /// The readable summary: medians per workload and mode, ratios and targets.
 fn table(samples: &[Sample], options: &Options) -> String {
-    let mut by: BTreeMap<(&str, Mode), Vec<&Sample>> = BTreeMap::new();
-    for sample in samples {
-        by.entry((sample.workload, sample.mode)).or_default().push(sample);
-    }
-    let med = |workload: &str, mode: Mode, f: &dyn Fn(&Sample) -> Option<f64>| -> Option<f64> {
-        median(by.get(&(workload, mode))?.iter().filter_map(|s| f(s)).collect())
-    };
+    let medians = Medians::new(samples);
+    let med = |workload: &str, mode: Mode, f: &dyn Fn(&Sample) -> Option<f64>| medians.of(workload, mode, f);
     let rate = |s: &Sample| Some(s.per_sec());
     let mut out = String::new();
     let _ = writeln!(
@@ -846,7 +841,7 @@ fn table(samples: &[Sample], options: &Options) -> String {
         row("history", "peak RSS MiB", rss, None, 1, String::new());
     }
     if options.tls {
-        tls_rows(&mut out, &med);
+        tls_rows(&mut out, &medians);
     }
     let commits: Vec<f64> = samples.iter().filter_map(|s| s.commit_ms).collect();
     if let (Some(low), Some(mid), Some(high)) =
@@ -863,46 +858,58 @@ fn table(samples: &[Sample], options: &Options) -> String {
     out
 }
 
+/// The samples by workload and mode, for medians.
+struct Medians<'a> {
+    by: BTreeMap<(&'a str, Mode), Vec<&'a Sample>>,
+}
+
+impl<'a> Medians<'a> {
+    fn new(samples: &'a [Sample]) -> Medians<'a> {
+        let mut by: BTreeMap<(&str, Mode), Vec<&Sample>> = BTreeMap::new();
+        for sample in samples {
+            by.entry((sample.workload, sample.mode)).or_default().push(sample);
+        }
+        Medians { by }
+    }
+
+    /// The median of `f` over the samples of `workload` in `mode`.
+    fn of(&self, workload: &str, mode: Mode, f: &dyn Fn(&Sample) -> Option<f64>) -> Option<f64> {
+        median(self.by.get(&(workload, mode))?.iter().filter_map(|s| f(s)).collect())
+    }
+}
+
 /// The TLS part of the summary: each mode over TLS against itself over plain TCP, as speed
 /// ratios (throughput TLS/plain; latency plain/TLS, so that 1 is "as fast" in both).
-fn tls_rows(out: &mut String, med: &dyn Fn(&str, Mode, &dyn Fn(&Sample) -> Option<f64>) -> Option<f64>) {
+fn tls_rows(out: &mut String, medians: &Medians<'_>) {
     let _ = writeln!(
         out,
-        "\nover TLS (sslmode=require) against plain TCP (sslmode=disable)\n{:<14} {:<14} {:>12} {:>12} {:>10}   target",
+        "\nover TLS (sslmode=require) against plain TCP (sslmode=disable)\n{:<20} {:<8} {:>12} {:>12} {:>8}   target",
         "workload", "metric", "plain", "tls", "speed"
     );
     let rate = |s: &Sample| Some(s.per_sec());
     for base in [Mode::Canter, Mode::Raw] {
         let tls = base.over_tls();
-        let mut rows: Vec<(String, &str, Option<f64>, Option<f64>, bool)> = Vec::new();
-        for workload in ["enqueue_one", "enqueue_bulk", "drain", "history"] {
-            rows.push((workload.to_owned(), "tasks/s", med(workload, base, &rate), med(workload, tls, &rate), true));
-        }
-        for (i, name) in ["p50 ms", "p90 ms", "p99 ms", "max ms"].into_iter().enumerate() {
-            let pick = move |s: &Sample| s.latency.map(|l| l[i]);
-            rows.push(("latency".to_owned(), name, med("latency", base, &pick), med("latency", tls, &pick), false));
-        }
-        for (workload, metric, plain, over_tls, higher_is_better) in rows {
-            let (Some(plain), Some(over_tls)) = (plain, over_tls) else { continue };
-            let speed = if higher_is_better { over_tls / plain } else { plain / over_tls };
-            let targeted =
-                matches!((workload.as_str(), metric), ("enqueue_bulk" | "drain", _) | ("latency", "p50 ms" | "p99 ms"));
-            let target = if targeted {
-                format!("≥ 0.9: {}", if speed >= 0.9 { "ok" } else { "MISSED" })
-            } else {
-                String::new()
+        let mut row = |workload: &str, metric: &str, f: &dyn Fn(&Sample) -> Option<f64>, throughput: bool| {
+            let (Some(plain), Some(over_tls)) = (medians.of(workload, base, f), medians.of(workload, tls, f)) else {
+                return;
             };
-            let digits = if higher_is_better { 0 } else { 3 };
+            let speed = if throughput { over_tls / plain } else { plain / over_tls };
+            let targeted =
+                matches!((workload, metric), ("enqueue_bulk" | "drain", _) | ("latency", "p50 ms" | "p99 ms"));
+            let verdict = if speed >= 0.9 { "ok" } else { "MISSED" };
+            let target = if targeted { format!("≥ 0.9: {verdict}") } else { String::new() };
+            let digits = if throughput { 0 } else { 3 };
+            let label = format!("{} {workload}", base.name());
             let _ = writeln!(
                 out,
-                "{:<14} {:<14} {:>12.digits$} {:>12.digits$} {:>10.2}   {}",
-                format!("{} {}", base.name(), workload),
-                metric,
-                plain,
-                over_tls,
-                speed,
-                target
+                "{label:<20} {metric:<8} {plain:>12.digits$} {over_tls:>12.digits$} {speed:>8.2}   {target}"
             );
+        };
+        for workload in ["enqueue_one", "enqueue_bulk", "drain", "history"] {
+            row(workload, "tasks/s", &rate, true);
+        }
+        for (i, name) in ["p50 ms", "p90 ms", "p99 ms", "max ms"].into_iter().enumerate() {
+            row("latency", name, &move |s: &Sample| s.latency.map(|l| l[i]), false);
         }
     }
 }
