@@ -51,6 +51,22 @@ pub fn may_retry(policy: &RetryPolicy, retries_spent: u32, code: &ErrorCode) -> 
     retries_spent < policy.max_retries && policy.retries_for(code)
 }
 
+/// Whether, and after how long, a task whose run ended with `WORKER_CRASHED` runs again, having
+/// spent `retries_spent` retries: as its `policy` says when that retries the code; otherwise
+/// at once while it has spent fewer than `crash_retries` (`recovery.crash_retries`), since a
+/// crash is rarely the task's fault; otherwise never. (Good-until is the store's to check.)
+pub fn crash_retry_delay(
+    policy: &RetryPolicy,
+    retries_spent: u32,
+    crash_retries: u32,
+    entropy: u64,
+) -> Option<Duration> {
+    if may_retry(policy, retries_spent, &ErrorCode::WorkerCrashed) {
+        return Some(retry_delay(policy, retries_spent.saturating_add(1), entropy));
+    }
+    (retries_spent < crash_retries).then_some(Duration::ZERO)
+}
+
 /// The wait after the `failures`-th database error in a row (1 for the first):
 /// `min(max, initial · 2^(failures − 1)) · U(0.75, 1.25)`, never under 100 ms. The jitter
 /// comes after the cap, so a wait can reach 1.25 × max (reference/seeds.md §7, row 14).
@@ -111,6 +127,23 @@ mod tests {
 
     fn fixed(intervals: &[u32], jitter: bool) -> RetryPolicy {
         RetryPolicy { jitter, ..RetryPolicy::fixed(intervals.to_vec()) }
+    }
+
+    #[test]
+    fn a_crashed_run_follows_its_policy_else_runs_again_at_once_a_few_times() {
+        // A policy that retries crashes decides, with its own delays.
+        let retrying = fixed(&[60], false);
+        assert_eq!(crash_retry_delay(&retrying, 0, 2, 0), Some(Duration::from_secs(60)));
+        // One that does not: at once while fewer than `crash_retries` retries were spent.
+        let none = RetryPolicy::none();
+        assert_eq!(crash_retry_delay(&none, 0, 2, 0), Some(Duration::ZERO));
+        assert_eq!(crash_retry_delay(&none, 1, 2, 0), Some(Duration::ZERO));
+        assert_eq!(crash_retry_delay(&none, 2, 2, 0), None);
+        assert_eq!(crash_retry_delay(&none, 0, 0, 0), None, "0 fails a crashed run, as the seeds did");
+        // Codes a policy leaves out fall back to the allowance too; spent retries count.
+        let only_errors = RetryPolicy { auto_retry_for: vec![ErrorCode::TaskError], ..fixed(&[5, 5, 5], false) };
+        assert_eq!(crash_retry_delay(&only_errors, 1, 2, 0), Some(Duration::ZERO));
+        assert_eq!(crash_retry_delay(&only_errors, 2, 2, 0), None);
     }
 
     #[test]

@@ -58,6 +58,9 @@ const DB_RETRY_MAX_ATTEMPTS: RangeInclusive<u32> = 0..=10_000;
 const CLAIMED_STALE_THRESHOLD_MS: RangeInclusive<u64> = 1_000..=3_600_000;
 const RUNNING_STALE_THRESHOLD_MS: RangeInclusive<u64> = 1_000..=7_200_000;
 const CHECK_INTERVAL_MS: RangeInclusive<u64> = 1_000..=600_000;
+const LIVENESS_CHECK_INTERVAL_MS: RangeInclusive<u64> = 100..=60_000;
+const LIVENESS_GRACE_MS: RangeInclusive<u64> = 0..=600_000;
+const CRASH_RETRIES: RangeInclusive<u32> = 0..=100;
 const HEARTBEAT_INTERVAL_MS: RangeInclusive<u64> = 1_000..=120_000;
 const FINISHED_RETENTION_MS: RangeInclusive<u64> = 60_000..=3_153_600_000_000;
 const MAX_RETRIES: RangeInclusive<u32> = 0..=20;
@@ -228,6 +231,23 @@ pub struct RecoveryConfig {
     /// task: 60 000 to 3 153 600 000 000 ms, default 604 800 000 (seven days). The reaper
     /// deletes older ones, so a fleet that restarts often leaves no growing table behind.
     pub worker_retention_ms: u64,
+    /// Whether workers recover at once the tasks of workers whose liveness token PostgreSQL
+    /// released (default true): every worker holds a lock on a connection of its own, which
+    /// the server lets go when that session dies with its process, so a killed worker's tasks
+    /// need not wait out the stale thresholds (which stay, for workers that hang).
+    pub auto_recover_dead_workers: bool,
+    /// How often a worker looks for released tokens: 100 to 60 000 ms, default 1 000.
+    pub liveness_check_interval_ms: u64,
+    /// How long a token must stay released before its worker counts as dead: 0 to 600 000 ms,
+    /// default 2 000. A worker whose token connection drops and comes back within it loses
+    /// nothing.
+    pub liveness_grace_ms: u64,
+    /// Runs again a task whose run ended with `WORKER_CRASHED` (its worker died, or went
+    /// silent) though its retry policy does not retry that code, while the task has spent
+    /// fewer retries than this: 0 to 100, default 2 (0: such a run fails, as in the seed
+    /// systems). A crash is rarely the task's fault; a task that keeps killing its workers
+    /// stops after this many.
+    pub crash_retries: u32,
 }
 
 impl Default for RecoveryConfig {
@@ -243,6 +263,10 @@ impl Default for RecoveryConfig {
             finished_retention_ms: None,
             idempotency_retention_ms: None,
             worker_retention_ms: 604_800_000,
+            auto_recover_dead_workers: true,
+            liveness_check_interval_ms: 1_000,
+            liveness_grace_ms: 2_000,
+            crash_retries: 2,
         }
     }
 }
@@ -712,6 +736,9 @@ impl RecoveryConfig {
         }
         c.range("runner_heartbeat_interval_ms", self.runner_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
         c.range("claimer_heartbeat_interval_ms", self.claimer_heartbeat_interval_ms, HEARTBEAT_INTERVAL_MS);
+        c.range("liveness_check_interval_ms", self.liveness_check_interval_ms, LIVENESS_CHECK_INTERVAL_MS);
+        c.range("liveness_grace_ms", self.liveness_grace_ms, LIVENESS_GRACE_MS);
+        c.range("crash_retries", self.crash_retries, CRASH_RETRIES);
     }
 }
 
@@ -1256,6 +1283,10 @@ mod tests {
                     finished_retention_ms: Some(86_400_000),
                     idempotency_retention_ms: Some(604_800_000),
                     worker_retention_ms: 86_400_000,
+                    auto_recover_dead_workers: false,
+                    liveness_check_interval_ms: 500,
+                    liveness_grace_ms: 5_000,
+                    crash_retries: 0,
                 },
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])

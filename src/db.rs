@@ -571,6 +571,22 @@ pub enum DbRequest {
         /// Entropy for the jitter of crash retries.
         entropy: u64,
     },
+    /// Recover at once what dead workers left: a worker whose liveness token (a lock its
+    /// session holds, see `recovery.auto_recover_dead_workers`) the store finds released, in
+    /// the server incarnation the worker took it in, for at least `grace_ms`, is dead. Its
+    /// Claimed tasks go back to Pending and its Running tasks are retried or failed with
+    /// `WORKER_CRASHED` as the reaper does stale runs; the store forgets its token so it is
+    /// not looked at again (until the worker, alive after all, takes it again). A token seen
+    /// released for the first time is noted, not acted on. Any number may run at once: each
+    /// dead worker is recovered by one. Replies [`DbReply::Reaped`] (`dead_workers`).
+    ReapDead {
+        /// Who reaps.
+        worker: WorkerId,
+        /// How long a token must have been released.
+        grace_ms: u64,
+        /// Entropy for the jitter of crash retries.
+        entropy: u64,
+    },
     /// Delete finished tasks that finished more than `older_than_ms` ago, with their attempts
     /// history and the keys they still hold, at most `batch` per statement (PostgreSQL repeats
     /// until a batch comes back short, each statement its own transaction). Tasks an
@@ -600,6 +616,7 @@ impl DbRequest {
             DbRequest::Claim { .. }
             | DbRequest::AbandonClaim { .. }
             | DbRequest::Reap { .. }
+            | DbRequest::ReapDead { .. }
             | DbRequest::Purge { .. }
             | DbRequest::RegisterWorker(_)
             | DbRequest::DeregisterWorker(_) => 0,
@@ -617,6 +634,7 @@ impl DbRequest {
             DbRequest::Release { .. } => "release",
             DbRequest::AbandonClaim { .. } => "abandon_claim",
             DbRequest::Reap { .. } => "reap",
+            DbRequest::ReapDead { .. } => "reap_dead",
             DbRequest::Purge { .. } => "purge",
             DbRequest::RegisterWorker(_) => "register_worker",
             DbRequest::DeregisterWorker(_) => "deregister_worker",
@@ -706,6 +724,10 @@ pub struct ReapReport {
     /// `recovery.worker_retention_ms`, holding no task.
     #[serde(default)]
     pub workers_pruned: u64,
+    /// Workers found dead by their released liveness token ([`DbRequest::ReapDead`]), whose
+    /// tasks the pass recovered.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dead_workers: Vec<WorkerId>,
 }
 
 impl ReapReport {
@@ -713,6 +735,7 @@ impl ReapReport {
     pub fn changed_anything(&self) -> bool {
         !(self.requeued.is_empty() && self.retried.is_empty() && self.failed.is_empty() && self.expired.is_empty())
             || self.workers_pruned > 0
+            || !self.dead_workers.is_empty()
     }
 }
 

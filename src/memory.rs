@@ -340,6 +340,23 @@ pub struct MemoryStore {
     /// Rows another transaction holds locked (an application's, an operator's): see
     /// [`MemoryStore::lock_row`].
     locked: BTreeSet<TaskId>,
+    /// Workers' liveness tokens: see [`MemoryStore::take_token`].
+    tokens: Tokens,
+}
+
+/// The liveness tokens: in PostgreSQL, a session advisory lock each worker holds on a
+/// connection of its own, which the server releases when that session ends, and the
+/// registry's record of it (`workers.token_epoch`, `workers.token_free_since`).
+#[derive(Debug, Clone, Default)]
+struct Tokens {
+    /// The server's incarnation (`pg_postmaster_start_time()`): a restart or failover starts
+    /// a new one, and every session, with its locks, ends.
+    epoch: u64,
+    /// Tokens a live session holds.
+    held: BTreeSet<WorkerId>,
+    /// Per worker: the incarnation it took its token in, and since when a reaper has seen the
+    /// token released.
+    recorded: BTreeMap<WorkerId, (u64, Option<DbTime>)>,
 }
 
 /// The error PostgreSQL gives a statement that waited on a row lock past `lock_timeout`.
@@ -371,6 +388,7 @@ impl MemoryStore {
             schedules: BTreeMap::new(),
             notifications: Vec::new(),
             locked: BTreeSet::new(),
+            tokens: Tokens::default(),
         }
     }
 
@@ -395,6 +413,46 @@ impl MemoryStore {
     /// The rows locked by other transactions.
     pub fn locked_rows(&self) -> &BTreeSet<TaskId> {
         &self.locked
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Liveness tokens
+    // -----------------------------------------------------------------------------------------
+
+    /// `worker`'s session takes its liveness token, as a worker's driver does before it
+    /// claims (and again after its token connection came back), and records it in the
+    /// registry for this server incarnation; `false` (nothing recorded) when a live session
+    /// holds it already.
+    pub fn take_token(&mut self, worker: &WorkerId, now: DbTime) -> bool {
+        if !self.tokens.held.insert(worker.clone()) {
+            return false;
+        }
+        self.tokens.recorded.insert(worker.clone(), (self.tokens.epoch, None));
+        // The registry row is created if the worker has none yet, as a heartbeat creates it.
+        self.workers.entry(worker.clone()).or_insert_with(|| WorkerRecord {
+            info: WorkerInfo { worker: worker.clone(), queues: Vec::new(), concurrency: 0 },
+            last_seen: now,
+            stopped: false,
+        });
+        true
+    }
+
+    /// `worker`'s token session ended (its process died, or its connection did): the server
+    /// releases the token.
+    pub fn release_token(&mut self, worker: &WorkerId) {
+        self.tokens.held.remove(worker);
+    }
+
+    /// Whether a live session holds `worker`'s token.
+    pub fn holds_token(&self, worker: &WorkerId) -> bool {
+        self.tokens.held.contains(worker)
+    }
+
+    /// The server restarted (or another took over): every session ended, and tokens recorded
+    /// before count for nothing until their workers take them again.
+    pub fn restart_server(&mut self) {
+        self.tokens.epoch += 1;
+        self.tokens.held.clear();
     }
 
     // -----------------------------------------------------------------------------------------
@@ -655,6 +713,7 @@ impl MemoryStore {
             | DbRequest::Start { .. }
             | DbRequest::Heartbeat { .. }
             | DbRequest::Reap { .. }
+            | DbRequest::ReapDead { .. }
             | DbRequest::Purge { .. }
             | DbRequest::RegisterWorker(_)
             | DbRequest::DeregisterWorker(_) => false,
@@ -715,6 +774,9 @@ impl MemoryStore {
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 DbReply::Reaped(self.reap(*claimed_stale_ms, *running_stale_ms, *entropy, now))
             }
+            DbRequest::ReapDead { worker: _, grace_ms, entropy } => {
+                DbReply::Reaped(self.reap_dead(*grace_ms, *entropy, now))
+            }
             DbRequest::Purge { older_than_ms, batch: _ } => {
                 DbReply::Purged { tasks: self.purge_finished(*older_than_ms, now) }
             }
@@ -730,6 +792,77 @@ impl MemoryStore {
                 DbReply::Done
             }
         }
+    }
+
+    /// Ends a Running row whose worker crashed (or went silent) with `WORKER_CRASHED`: retried
+    /// as [`backoff::crash_retry_delay`] says if that is before good-until, else failed.
+    fn crash_run(
+        &mut self,
+        id: TaskId,
+        entropy: u64,
+        now: DbTime,
+        report: &mut ReapReport,
+        ready: &mut BTreeSet<String>,
+    ) {
+        let crash_retries = self.app.recovery.crash_retries;
+        let row = self.live_row(id);
+        let delay = backoff::crash_retry_delay(&row.retry, row.retries, crash_retries, mix(entropy ^ id.0 as u64));
+        let run_at = delay.map(|delay| now.plus_ms(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)));
+        let error = TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE);
+        match run_at.filter(|&run_at| row.good_until.is_none_or(|at| run_at < at)) {
+            Some(run_at) => {
+                ready.insert(row.queue.clone());
+                self.retry_run(id, error, run_at, now);
+                report.retried.push(id);
+            }
+            None => {
+                self.fail_run(id, error, now);
+                report.failed.push(id);
+            }
+        }
+    }
+
+    /// [`DbRequest::ReapDead`]: the workers whose token was recorded in this incarnation and
+    /// has been released for `grace_ms`, and their tasks (rows other transactions hold are
+    /// skipped, as the reaper skips them).
+    fn reap_dead(&mut self, grace_ms: u64, entropy: u64, now: DbTime) -> ReapReport {
+        let mut report = ReapReport::default();
+        let epoch = self.tokens.epoch;
+        let mut dead = Vec::new();
+        for (worker, (taken_in, free_since)) in &mut self.tokens.recorded {
+            if *taken_in != epoch || self.tokens.held.contains(worker) {
+                continue;
+            }
+            let since = *free_since.get_or_insert(now);
+            if minus_ms(now, grace_ms) >= since {
+                dead.push(worker.clone());
+            }
+        }
+        let mut ready = BTreeSet::new();
+        for worker in &dead {
+            self.tokens.recorded.remove(worker);
+            let held = |state: TaskState| -> Vec<TaskId> {
+                self.live
+                    .values()
+                    .filter(|row| {
+                        row.state == state && row.claimed_by.as_ref() == Some(worker) && !self.locked.contains(&row.id)
+                    })
+                    .map(|row| row.id)
+                    .collect()
+            };
+            let (claimed, running) = (held(TaskState::Claimed), held(TaskState::Running));
+            ready.extend(claimed.iter().map(|&id| self.release_row(id)));
+            report.requeued.extend(claimed);
+            for id in running {
+                self.crash_run(id, entropy, now, &mut report, &mut ready);
+            }
+        }
+        report.requeued.sort_unstable();
+        report.retried.sort_unstable();
+        report.failed.sort_unstable();
+        self.notify_ready(ready);
+        report.dead_workers = dead;
+        report
     }
 
     /// The counts a claim pass by a worker with `policy` observes at `now`: the cluster's and
@@ -1168,21 +1301,7 @@ impl MemoryStore {
                 .map(|row| row.id)
                 .collect();
             for id in stale {
-                let row = self.live_row(id);
-                let entropy = mix(entropy ^ id.0 as u64);
-                let delay = backoff::retry_delay(&row.retry, row.retries.saturating_add(1), entropy);
-                let run_at = now.plus_ms(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
-                let retry = backoff::may_retry(&row.retry, row.retries, &ErrorCode::WorkerCrashed)
-                    && row.good_until.is_none_or(|at| run_at < at);
-                let error = TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE);
-                if retry {
-                    ready.insert(self.live_row(id).queue.clone());
-                    self.retry_run(id, error, run_at, now);
-                    report.retried.push(id);
-                } else {
-                    self.fail_run(id, error, now);
-                    report.failed.push(id);
-                }
+                self.crash_run(id, entropy, now, &mut report, &mut ready);
             }
         }
         self.notify_ready(ready);
@@ -1212,6 +1331,8 @@ impl MemoryStore {
         report.workers_pruned = gone.len() as u64;
         for id in gone {
             self.workers.remove(&id);
+            // Its registry row held the record of its token.
+            self.tokens.recorded.remove(&id);
         }
         report
     }

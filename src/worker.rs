@@ -319,6 +319,9 @@ pub enum Timer {
     Heartbeat,
     /// Run the reaper.
     Reaper,
+    /// Look for dead workers by their released liveness tokens
+    /// (`recovery.liveness_check_interval_ms`).
+    LivenessCheck,
     /// Delete finished tasks past their retention (only with `recovery.finished_retention_ms`).
     Purge,
     /// Try the database again after a failure.
@@ -362,6 +365,9 @@ pub struct Stats {
     pub db_failures: u64,
     /// Reaper passes skipped because another reaper held the lock.
     pub reaps_skipped: u64,
+    /// Dead workers this worker recovered the tasks of, found by their released liveness
+    /// tokens.
+    pub dead_workers_recovered: u64,
     /// Claim passes held back by the rate of empty notified passes.
     pub notified_passes_limited: u64,
     /// Outcomes that could not be stored, failed with `WORKER_SERIALIZATION_ERROR` instead.
@@ -510,6 +516,7 @@ enum Op {
     Release(Vec<TaskLease>),
     Abandon(u64),
     Reap,
+    ReapDead,
     Purge,
     Register,
     Deregister,
@@ -605,6 +612,7 @@ pub struct Worker {
     /// A heartbeat is owed (its timer fired while it could not be sent).
     heartbeat_due: bool,
     reap_in_flight: bool,
+    reap_dead_in_flight: bool,
     purge_in_flight: bool,
     listening: bool,
     /// Completions not yet sent.
@@ -637,6 +645,9 @@ pub struct Worker {
     registered: bool,
     register_in_flight: bool,
     deregister_sent: bool,
+    /// Tasks shutdown gave up on after its grace period while locks held their writes up (the
+    /// reaper's now): the `abandoned` count of its `Drained` event.
+    given_up: usize,
     backoff: DbBackoff,
     db_down: bool,
     phase: Phase,
@@ -677,6 +688,7 @@ impl Worker {
             heartbeat_in_flight: false,
             heartbeat_due: false,
             reap_in_flight: false,
+            reap_dead_in_flight: false,
             purge_in_flight: false,
             listening: false,
             completions: VecDeque::new(),
@@ -696,6 +708,7 @@ impl Worker {
             registered: false,
             register_in_flight: false,
             deregister_sent: false,
+            given_up: 0,
             backoff: DbBackoff::new(),
             db_down: false,
             phase: Phase::Running,
@@ -707,6 +720,11 @@ impl Worker {
         let check = worker.app.recovery.check_interval_ms;
         let first_reap = worker.rng.range(check / 10, check + 1);
         worker.arm(Timer::Reaper, now + Duration::from_millis(first_reap));
+        if worker.app.recovery.auto_recover_dead_workers {
+            let every = worker.app.recovery.liveness_check_interval_ms;
+            let first = worker.rng.range(every / 10, every + 1);
+            worker.arm(Timer::LivenessCheck, now + Duration::from_millis(first));
+        }
         if worker.app.recovery.finished_retention_ms.is_some() {
             // Spread like the reaper; each worker purges (concurrent purges skip each other's
             // rows), so retention holds while any worker runs.
@@ -775,6 +793,11 @@ impl Worker {
         self.backoff.failures()
     }
 
+    /// Requests held up by locks of other transactions in a row right now.
+    pub fn lock_waits(&self) -> u32 {
+        self.busy_streak
+    }
+
     /// Reports something that happened. Drain the outputs afterwards.
     pub fn handle_input(&mut self, input: Input, now: Instant) {
         let now = self.advance(now);
@@ -836,6 +859,11 @@ impl Worker {
                 Timer::Reaper => {
                     self.send_reap();
                     self.arm(Timer::Reaper, now + Duration::from_millis(self.app.recovery.check_interval_ms));
+                }
+                Timer::LivenessCheck => {
+                    self.send_reap_dead();
+                    let every = self.app.recovery.liveness_check_interval_ms;
+                    self.arm(Timer::LivenessCheck, now + Duration::from_millis(every));
                 }
                 Timer::Purge => {
                     self.send_purge();
@@ -1158,6 +1186,21 @@ impl Worker {
         self.send(request, Op::Reap);
     }
 
+    /// Skipped (until the next interval) while one is in flight, the database is down or the
+    /// worker drains.
+    fn send_reap_dead(&mut self) {
+        if self.reap_dead_in_flight || self.db_down || self.phase != Phase::Running {
+            return;
+        }
+        let request = DbRequest::ReapDead {
+            worker: self.id.clone(),
+            grace_ms: self.app.recovery.liveness_grace_ms,
+            entropy: self.rng.next_u64(),
+        };
+        self.reap_dead_in_flight = true;
+        self.send(request, Op::ReapDead);
+    }
+
     /// Skipped (until the next interval) while a purge is in flight, the database is down or
     /// the worker drains.
     fn send_purge(&mut self) {
@@ -1388,6 +1431,13 @@ impl Worker {
                     self.events.push_back(Event::Reaped(report));
                 }
             }
+            (Op::ReapDead, DbReply::Reaped(report)) => {
+                self.reap_dead_in_flight = false;
+                if !report.dead_workers.is_empty() {
+                    self.stats.dead_workers_recovered += report.dead_workers.len() as u64;
+                    self.events.push_back(Event::Reaped(report));
+                }
+            }
             (Op::Purge, DbReply::Purged { tasks }) => {
                 self.purge_in_flight = false;
                 if tasks > 0 {
@@ -1398,7 +1448,7 @@ impl Worker {
                 self.register_in_flight = false;
                 self.registered = true;
             }
-            (Op::Deregister, DbReply::Done) => self.stop(0),
+            (Op::Deregister, DbReply::Done) => self.stop(self.given_up),
             (op, reply) => {
                 // A store that answers a request with another request's reply breaks its
                 // contract: count it as a refusal and try again later.
@@ -1771,18 +1821,20 @@ impl Worker {
             }
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
-            Op::Reap | Op::Purge if lock => {
+            Op::Reap | Op::ReapDead | Op::Purge if lock => {
                 // The next interval tries again; nothing waits for it.
                 self.reap_in_flight &= !matches!(op, Op::Reap);
+                self.reap_dead_in_flight &= !matches!(op, Op::ReapDead);
                 self.purge_in_flight &= !matches!(op, Op::Purge);
                 return;
             }
             Op::Reap => self.reap_in_flight = false,
+            Op::ReapDead => self.reap_dead_in_flight = false,
             Op::Purge => self.purge_in_flight = false,
             Op::Register => self.register_in_flight = false,
             Op::Deregister => {
                 // Not worth waiting for: the registry marks silent workers dead anyway.
-                self.stop(0);
+                self.stop(self.given_up);
                 return;
             }
         }
@@ -1862,6 +1914,7 @@ impl Worker {
         self.timers.remove(&Timer::Poll);
         self.timers.remove(&Timer::Wake);
         self.timers.remove(&Timer::Reaper);
+        self.timers.remove(&Timer::LivenessCheck);
         let buffered: Vec<TaskId> = self.buffer.iter().copied().collect();
         for task in buffered {
             self.release(task);
@@ -1886,18 +1939,25 @@ impl Worker {
         // one failed request (a lost reply) does not end it either: what it left to do (undo
         // an unanswered claim, hand tasks back) is retried like any write first.
         // Nor do locks that keep holding its writes up.
-        let stuck = (self.db_down && self.backoff.failures() >= SHUTDOWN_DB_FAILURES)
-            || self.busy_streak >= SHUTDOWN_DB_FAILURES;
-        if grace_over && stuck {
+        if grace_over && self.db_down && self.backoff.failures() >= SHUTDOWN_DB_FAILURES {
             self.stop(self.held.len());
             return;
+        }
+        if grace_over && self.busy_streak >= SHUTDOWN_DB_FAILURES && !self.held.is_empty() {
+            // The database answers, but locks held elsewhere keep holding writes up: what they
+            // hold up is left to the reaper, and the worker deregisters as usual.
+            self.given_up += self.held.len();
+            self.held = HeldTasks::default();
+            self.completions.clear();
+            self.lone.clear();
+            self.releases.clear();
         }
         let idle = self.held.is_empty()
             && self.completions.is_empty()
             && self.lone.is_empty()
             && self.releases.is_empty()
             && self.abandons.is_empty()
-            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap));
+            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap | Op::ReapDead));
         if idle && !self.deregister_sent && !self.db_down {
             self.deregister_sent = true;
             self.send(DbRequest::DeregisterWorker(self.id.clone()), Op::Deregister);

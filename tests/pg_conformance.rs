@@ -67,6 +67,10 @@ enum Op {
     Unlock(TaskId),
     /// A producer writes a row of this queue by hand, with arguments no reader decodes.
     EnqueueUnreadable(String),
+    /// The worker's session takes its liveness token (a connection of its own in PostgreSQL).
+    TakeToken(WorkerId),
+    /// That session ends, and the server releases the token.
+    DropToken(WorkerId),
 }
 
 /// How deep the hand-written rows' arguments are nested: past what serde_json decodes (128).
@@ -90,6 +94,8 @@ struct Pair {
     every_history: bool,
     /// The connections whose open transactions lock rows.
     locks: BTreeMap<TaskId, PgConnection>,
+    /// The sessions holding workers' liveness tokens.
+    tokens: BTreeMap<WorkerId, PgConnection>,
     db: TestDb,
 }
 
@@ -123,6 +129,7 @@ impl Pair {
             seen: BTreeMap::new(),
             every_history: false,
             locks: BTreeMap::new(),
+            tokens: BTreeMap::new(),
             db,
         }
     }
@@ -133,6 +140,25 @@ impl Pair {
 
     fn at(&self) -> String {
         format!("{} step {} ({})", self.label, self.step, self.last_op)
+    }
+
+    /// Waits until no session holds `worker`'s liveness lock any more.
+    async fn wait_token_free(&self, worker: &WorkerId) {
+        let sql = "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted \
+                   AND ((classid::bigint << 32) | objid::bigint) = hashtextextended($1 || $2, 0)";
+        for _ in 0..500 {
+            let held: i64 = sqlx::query_scalar(sql)
+                .bind(self.pg.schema().liveness_lock_prefix())
+                .bind(&worker.0)
+                .fetch_one(&self.pool)
+                .await
+                .unwrap();
+            if held == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("{}: the token session of {worker} never ended", self.at());
     }
 
     async fn apply(&mut self, op: &Op) {
@@ -189,6 +215,26 @@ impl Pair {
                 if let Some(mut conn) = self.locks.remove(id) {
                     sqlx::raw_sql(sqlx::AssertSqlSafe("ROLLBACK")).execute(&mut conn).await.unwrap();
                     conn.close().await.unwrap();
+                }
+            }
+            Op::TakeToken(worker) => {
+                let memory = self.memory.take_token(worker, self.now);
+                let mut conn = PgConnection::connect(&self.db.url).await.unwrap();
+                // The token session's statement reads the script's clock too.
+                pin_clock(&mut conn, self.pg.schema(), self.now).await;
+                let pg = self.pg.take_token(&mut conn, worker).await.unwrap();
+                assert_eq!(pg, memory, "{at}: take the token of {worker}");
+                if pg {
+                    self.tokens.insert(worker.clone(), conn);
+                    self.see("token taken");
+                }
+            }
+            Op::DropToken(worker) => {
+                self.memory.release_token(worker);
+                if let Some(conn) = self.tokens.remove(worker) {
+                    conn.close().await.unwrap();
+                    // The server ends the session (and lets go of its locks) after the close.
+                    self.wait_token_free(worker).await;
                 }
             }
             Op::EnqueueUnreadable(queue) => {
@@ -404,6 +450,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(!lost.is_empty(), "release lost");
         }
         DbReply::Reaped(report) => {
+            see(!report.dead_workers.is_empty(), "dead worker");
             see(!report.requeued.is_empty(), "reaped claimed");
             see(!report.retried.is_empty(), "reaped and retried");
             see(!report.failed.is_empty(), "reaped and failed");
@@ -875,7 +922,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
         tasks
     };
     let base = if operator { 114 } else { 100 };
-    let roll = rng.range(0, base + if faults { 12 } else { 0 });
+    let roll = rng.range(0, base + if faults { 16 } else { 0 });
     // Bad data and locks come after the other kinds: their rolls are 200 and up.
     let roll = if roll >= base { 200 + roll - base } else { roll };
     let any_id = |rng: &mut Rng| TaskId(rng.range(1, max_id as u64 + 2) as i64);
@@ -1099,6 +1146,13 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             None => Op::Advance(1),
         },
         206 | 207 => Op::EnqueueUnreadable(any_queue(rng)),
+        212 => Op::TakeToken(w(worker)),
+        213 => Op::DropToken(w(worker)),
+        214 | 215 => Op::Db(DbRequest::ReapDead {
+            worker: w("reaper"),
+            grace_ms: [0, 500, 2_000][rng.range(0, 3) as usize],
+            entropy: rng.next_u64(),
+        }),
         208 | 209 => {
             // A finish whose batch carries a value PostgreSQL refuses: nothing is written.
             let mut completions: Vec<Completion> = pick(rng, held(TaskState::Running))
@@ -1286,6 +1340,8 @@ fn kind(op: &Op) -> &'static str {
         Op::Lock(_) => "lock",
         Op::Unlock(_) => "unlock",
         Op::EnqueueUnreadable(_) => "enqueue unreadable",
+        Op::TakeToken(_) => "take token",
+        Op::DropToken(_) => "drop token",
     }
 }
 
@@ -1301,6 +1357,8 @@ async fn random_scripts_with_bad_data_and_locks_agree() {
         "heartbeat busy",
         "claimed unreadable",
         "late claim handed back",
+        "token taken",
+        "dead worker",
     ];
     assert_reached(&seen, &expected);
 }

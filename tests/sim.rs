@@ -85,9 +85,11 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     let stale: u64 = sweep.reports.iter().map(|r| r.stale_spawns).sum();
     let fenced: u64 = sweep.reports.iter().map(|r| r.fenced).sum();
     let busiest = sweep.reports.iter().map(|r| r.max_requests_per_second).max().unwrap_or(0);
+    let dead: u64 = sweep.reports.iter().map(|r| r.dead_workers).sum();
     eprintln!(
         "sim sweep: seeds {start}..{} ({count}): {} passed ({faulty} with faults), {} failed; {:.1} s wall, {:.1} seeds/s, \
-         {steps} steps, {virtual_secs} virtual s; {stale} stale spawns, {fenced} fenced writes, busiest worker {busiest} requests/s",
+         {steps} steps, {virtual_secs} virtual s; {stale} stale spawns, {fenced} fenced writes, {dead} dead workers found by \
+         their tokens, busiest worker {busiest} requests/s",
         start.wrapping_add(count),
         sweep.reports.len(),
         sweep.failures.len(),

@@ -9,6 +9,14 @@ use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, Work
 use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
 
+/// The default app without the liveness check's timer (its own tests turn it on), so that the
+/// timers these tests step through are the ones they are about.
+fn app() -> AppConfig {
+    let mut app = AppConfig::default();
+    app.recovery.auto_recover_dead_workers = false;
+    app
+}
+
 struct Harness {
     worker: Worker,
     now: Instant,
@@ -27,7 +35,7 @@ impl Harness {
     }
 
     fn default(concurrency: u32) -> (Harness, Vec<Command>) {
-        Harness::new(AppConfig::default(), WorkerConfig { concurrency, seed: Some(1), ..WorkerConfig::default() })
+        Harness::new(app(), WorkerConfig { concurrency, seed: Some(1), ..WorkerConfig::default() })
     }
 
     fn drain(&mut self) -> Vec<Command> {
@@ -175,7 +183,7 @@ fn notifications_during_a_claim_coalesce_into_one_more_pass() {
 #[test]
 fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_listening() {
     let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     start(&mut h, &first, vec![], false);
     assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
     let (timer, commands) = h.fire();
@@ -183,7 +191,7 @@ fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_
     assert!(has(&commands, "claim"));
 
     let config = WorkerConfig { deployment_mode: DeploymentMode::EventDrivenOnly, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     h.input(Input::Listener { connected: true });
     start(&mut h, &first, vec![], false);
     assert_ne!(h.worker.poll_timeout().unwrap().1, Timer::Poll);
@@ -262,7 +270,7 @@ fn failures_retry_as_the_policy_says() {
 #[test]
 fn a_handler_past_its_timeout_is_aborted_and_fails_with_task_timeout() {
     let config = WorkerConfig { handler_timeout_ms: Some(1_000), ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     let runs = spawns(&start(&mut h, &first, vec![task(7, true)], false));
     assert_eq!(runs[0].deadline, Some(h.now + Duration::from_millis(1_000)));
     let (timer, commands) = h.fire();
@@ -331,7 +339,7 @@ fn soft_cap_app(cap: Option<u32>) -> AppConfig {
         claim_lease_ms: Some(60_000),
         queue_mode: QueueMode::Custom,
         custom_queues: vec![CustomQueue { name: "default".into(), priority: 1, max_concurrency: cap, serial: false }],
-        ..AppConfig::default()
+        ..app()
     }
 }
 
@@ -429,7 +437,7 @@ fn runs_lease(run: &canter::worker::TaskRun) -> canter::task::TaskLease {
 #[test]
 fn heartbeats_cover_everything_held_and_lost_tasks_are_aborted() {
     let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
     h.finished(&runs[1], TaskOutcome::Success(json!(2)));
     // Several timers can fall due at one instant: fire until the heartbeat goes out.
@@ -469,7 +477,7 @@ fn graceful_shutdown_waits_for_handlers_then_deregisters() {
 #[test]
 fn after_the_grace_period_running_tasks_go_back_without_spending_a_retry() {
     let config = WorkerConfig { shutdown_grace_ms: 2_000, handler_timeout_ms: None, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     start(&mut h, &first, vec![task(1, true)], false);
     h.input(Input::Shutdown);
     let shutdown_at = h.now;
@@ -489,7 +497,7 @@ fn after_the_grace_period_running_tasks_go_back_without_spending_a_retry() {
 
 #[test]
 fn shutdown_hands_buffered_claims_back_at_once() {
-    let app = AppConfig { prefetch_buffer: 4, claim_lease_ms: Some(60_000), ..AppConfig::default() };
+    let app = AppConfig { prefetch_buffer: 4, claim_lease_ms: Some(60_000), ..app() };
     let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, ..WorkerConfig::default() });
     start(&mut h, &first, vec![task(1, true), task(2, false), task(3, false)], false);
     let commands = h.input(Input::Shutdown);
@@ -525,7 +533,7 @@ fn the_next_deadline_moves_forward_after_every_timeout() {
 #[test]
 fn a_heartbeat_skipped_by_an_outage_goes_out_as_soon_as_the_database_answers() {
     let config = WorkerConfig { concurrency: 1, handler_timeout_ms: None, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
     // The database goes away just before the heartbeat is due.
     h.now += Duration::from_millis(29_900);
@@ -588,7 +596,7 @@ fn a_retention_for_finished_tasks_purges_them_hourly() {
     let (mut kept, _) = Harness::default(2);
     assert!(fire_until(&mut kept, Timer::Purge, 3 * hour).is_none(), "no retention, no purge");
 
-    let mut app = AppConfig::default();
+    let mut app = app();
     app.recovery.finished_retention_ms = Some(86_400_000);
     let (mut h, _) = Harness::new(app, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
     let first = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("a purge within the hour");
@@ -674,7 +682,7 @@ fn answer_idle(h: &mut Harness, commands: Vec<Command>) {
 #[test]
 fn an_outcome_that_cannot_be_stored_fails_its_own_task_before_it_is_queued() {
     let config = WorkerConfig { concurrency: 4, max_result_bytes: 1_024, seed: Some(1), ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     let runs = spawns(&start(&mut h, &first, (1..=4).map(|i| task(i, true)).collect(), false));
     let (op, _, ids) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!("fine"))));
     assert_eq!(ids, vec![1]);
@@ -825,7 +833,7 @@ fn a_finish_that_waited_too_long_for_a_locked_row_is_halved() {
 
 #[test]
 fn rows_another_transaction_holds_are_beaten_for_again_soon_with_backoff_and_not_lost() {
-    let mut app = AppConfig::default();
+    let mut app = app();
     app.recovery.runner_heartbeat_interval_ms = 10_000;
     app.recovery.claimer_heartbeat_interval_ms = 10_000;
     let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, seed: Some(1), ..WorkerConfig::default() };
@@ -922,7 +930,7 @@ fn a_claim_under_an_older_lease_than_the_one_held_is_an_event_not_a_panic() {
 #[test]
 fn a_heartbeat_that_reports_a_task_lost_while_its_finish_is_in_flight_is_not_a_loss() {
     let config = WorkerConfig { concurrency: 1, handler_timeout_ms: None, seed: Some(1), ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
     let (finish, _, _) = one_finish(&h.finished(&runs[0], TaskOutcome::Success(json!(1))));
     let commands = fire_until_sent(&mut h, "heartbeat", Duration::from_secs(31)).expect("a heartbeat");
@@ -1059,19 +1067,28 @@ fn a_finish_alone_on_a_locked_row_waits_for_the_lock_retry_while_the_rest_goes_o
 #[test]
 fn after_the_grace_period_a_release_a_lock_keeps_holding_up_does_not_hold_shutdown_up() {
     let config = WorkerConfig { shutdown_grace_ms: 2_000, handler_timeout_ms: None, ..WorkerConfig::default() };
-    let (mut h, first) = Harness::new(AppConfig::default(), config);
+    let (mut h, first) = Harness::new(app(), config);
     start(&mut h, &first, vec![task(1, true)], false);
     h.input(Input::Shutdown);
     let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
     let mut release = find(&fire_until_sent(&mut h, "release", Duration::from_secs(3)).unwrap(), "release");
+    let mut deregister = None;
     for _ in 0..10 {
-        h.fail(release, lock());
-        if h.worker.is_stopped() {
+        let next = h.fail(release, lock());
+        if has(&next, "deregister_worker") {
+            deregister = Some(find(&next, "deregister_worker"));
             break;
         }
         let Some(again) = fire_until_sent(&mut h, "release", Duration::from_secs(60)) else { break };
+        if has(&again, "deregister_worker") {
+            deregister = Some(find(&again, "deregister_worker"));
+            break;
+        }
         release = find(&again, "release");
     }
+    // What the lock holds up is given up on; the worker still deregisters.
+    let deregister = deregister.expect("a deregistration once the lock has held shutdown up past its grace");
+    h.reply(deregister, DbReply::Done);
     assert!(h.worker.is_stopped(), "still waiting on a lock: {:?}", h.events);
     assert!(h.events.contains(&Event::Drained { abandoned: 1 }), "{:?}", h.events);
 }
@@ -1125,4 +1142,42 @@ fn a_heartbeat_held_up_by_a_lock_beats_again_after_the_busy_wait_not_at_once() {
     assert_eq!(h.now - failed_at, canter::worker::BUSY_RETRY_MIN);
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
     assert!(has(&again, "heartbeat"));
+}
+
+#[test]
+fn workers_look_for_dead_ones_every_liveness_interval_one_request_at_a_time() {
+    let mut app = AppConfig::default();
+    app.recovery.liveness_check_interval_ms = 1_000;
+    app.recovery.liveness_grace_ms = 2_500;
+    let (mut h, first) = Harness::new(app, WorkerConfig { seed: Some(1), ..WorkerConfig::default() });
+    answer_idle(&mut h, first);
+    let started = h.now;
+    let sent = fire_until(&mut h, Timer::LivenessCheck, Duration::from_secs(2)).expect("a liveness check");
+    assert!(h.now - started <= Duration::from_secs(1), "the first within one interval");
+    let reap = db_ops(&sent).into_iter().find(|(_, r)| r.kind() == "reap_dead").map(|(op, r)| (op, r.clone()));
+    let Some((op, DbRequest::ReapDead { grace_ms, .. })) = reap else { panic!("no reap_dead in {sent:?}") };
+    assert_eq!(grace_ms, 2_500);
+    // Unanswered, the next interval sends none.
+    let again = fire_until(&mut h, Timer::LivenessCheck, Duration::from_secs(2)).expect("the next interval");
+    assert!(!has(&again, "reap_dead"), "one at a time");
+    let report = canter::db::ReapReport {
+        requeued: vec![TaskId(3)],
+        dead_workers: vec![WorkerId("gone".into())],
+        ..Default::default()
+    };
+    h.reply(op, DbReply::Reaped(report.clone()));
+    assert_eq!(h.worker.stats().dead_workers_recovered, 1);
+    assert!(h.events.contains(&Event::Reaped(report)), "{:?}", h.events);
+    let next = fire_until(&mut h, Timer::LivenessCheck, Duration::from_secs(2)).expect("the next interval");
+    assert!(has(&next, "reap_dead"));
+    // Draining, it stops looking.
+    h.input(Input::Shutdown);
+    assert!(fire_until_sent(&mut h, "reap_dead", Duration::from_secs(10)).is_none());
+}
+
+#[test]
+fn without_dead_worker_recovery_no_liveness_check_is_sent() {
+    let (mut h, first) = Harness::new(app(), WorkerConfig { seed: Some(1), ..WorkerConfig::default() });
+    answer_idle(&mut h, first);
+    assert!(fire_until_sent(&mut h, "reap_dead", Duration::from_secs(60)).is_none());
 }

@@ -142,6 +142,79 @@ async fn a_killed_worker_has_its_tasks_recovered_by_another_workers_reaper() {
     let _ = std::fs::remove_file(config);
 }
 
+/// Issue 19, item 4: with default settings (stale thresholds of minutes), a worker killed with
+/// SIGKILL has its running tasks running again on another worker within 5 s: its liveness
+/// token went with its session, and `crash_retries` runs again what the default policy would
+/// not retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkilled_workers_tasks_run_again_on_another_worker_within_five_seconds_by_default() {
+    let db = pg::TestDb::new().await;
+    let pool = db.pool(8).await;
+    let client = Client::new(Arc::new(TokioRuntime), pool.clone(), db.schema.clone(), Default::default());
+    let config = std::env::temp_dir().join(format!("canter-defaults-{}.toml", std::process::id()));
+    std::fs::write(&config, "[app]\n[worker]\n").expect("write an empty config");
+    let mut victim = spawn_worker(&db, &config, 4);
+    let tasks: Vec<NewTask> = (0..4).map(|_| NewTask::new("sleep", json!({"ms": 4_000}))).collect();
+    let ids = client.store().enqueue_many(tasks).await.unwrap();
+    let running_on = |worker: Option<String>| {
+        let (pool, schema) = (pool.clone(), db.schema.clone());
+        async move {
+            let sql = format!(
+                "SELECT count(*) FROM {}.tasks WHERE state = 'RUNNING' AND ($1::text IS NULL OR claimed_by <> $1)",
+                schema.quoted()
+            );
+            sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(sql)).bind(worker).fetch_one(&pool).await.unwrap()
+        }
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while running_on(None).await != 4 {
+        assert!(tokio::time::Instant::now() < deadline, "the victim never ran the tasks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let victim_id: String =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT claimed_by FROM {}.tasks LIMIT 1", db.schema.quoted())))
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    // The rescuer is up (registered) before the kill.
+    let mut rescuer = spawn_worker(&db, &config, 4);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL AND token_epoch IS NOT NULL",
+            db.schema.quoted()
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if live == 2 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the rescuer did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    victim.kill().expect("SIGKILL");
+    let killed = tokio::time::Instant::now();
+    victim.wait().unwrap();
+    let deadline = killed + Duration::from_secs(5);
+    while running_on(Some(victim_id.clone())).await != 4 {
+        assert!(tokio::time::Instant::now() < deadline, "the killed worker's tasks were not running again within 5 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!("the killed worker's 4 tasks were running again on another worker {:?} after SIGKILL", killed.elapsed());
+    wait_drained(&client, Duration::from_secs(60)).await;
+    assert!(terminate(&mut rescuer).success());
+    for id in ids {
+        let record = client.get(id).await.unwrap().unwrap();
+        assert_eq!(record.state, TaskState::Completed, "task {id} ran again and completed");
+        assert_eq!(record.attempts, 2);
+        let attempts = client.attempts(id).await.unwrap();
+        assert_eq!(attempts[0].error.as_ref().map(|e| e.code.clone()), Some(ErrorCode::WorkerCrashed));
+        assert_eq!(attempts[0].worker.as_ref().map(|w| w.0.as_str()), Some(victim_id.as_str()));
+    }
+    let _ = std::fs::remove_file(config);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_postgres_restart_mid_run_loses_no_task_and_workers_carry_on() {
     let cluster = Cluster::start(

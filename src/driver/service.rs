@@ -158,6 +158,26 @@ impl WorkerService {
             }
         }
 
+        // The liveness token: taken (or found held elsewhere, or failed once) before the worker
+        // claims, so that its claims are covered from the first; kept until the worker ends.
+        let token = if app.recovery.auto_recover_dead_workers {
+            let (handle, registration) = AbortHandle::new_pair();
+            let (first_tx, first_rx) = oneshot::channel::<()>();
+            let keep =
+                keep_token(runtime.clone(), store.clone(), id.clone(), first_tx, app.clone(), mix(seed ^ 0x70c3));
+            runtime.spawn(Box::pin(Abortable::new(keep, registration).map(|_| ())));
+            let waited = runtime.sleep_until(runtime.now() + TOKEN_STARTUP_WAIT).fuse();
+            futures::pin_mut!(waited);
+            let mut first = first_rx.fuse();
+            futures::select! {
+                _ = first => {}
+                () = waited => tracing::warn!(worker = %id, "the liveness token is not taken yet: claiming without it"),
+            }
+            Some(handle)
+        } else {
+            None
+        };
+
         let worker = Worker::new(id.clone(), app.clone(), config.clone(), runtime.now())?;
         let policy = worker.policy().clone();
         tracing::info!(
@@ -229,6 +249,10 @@ impl WorkerService {
         let stats = stats_rx.await.map_err(|_| ServeError::Dropped);
         if let Some(listener) = listener {
             listener.abort();
+        }
+        // Its connection closes with it, and the server releases the token.
+        if let Some(token) = token {
+            token.abort();
         }
         stop(&scheduler_stop);
         if let Some(done) = scheduler_done {
@@ -319,6 +343,75 @@ async fn listen<R: Runtime>(
         }
         let _ = control.unbounded_send(Input::Listener { connected: false });
         let delay = backoff.on_failure(&resilience, &mut rng);
+        runtime.sleep_until(runtime.now() + delay).await;
+    }
+}
+
+/// How long a starting worker waits for its liveness token before it claims without it (its
+/// keeper goes on trying).
+const TOKEN_STARTUP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Holds the worker's liveness token (`recovery.auto_recover_dead_workers`) on a connection of
+/// its own, detached from the pool, for as long as it runs (aborted when the worker ends, which
+/// closes the connection). The connection is pinged at half the liveness grace (at most every
+/// second, at least every 100 ms): one that died is replaced and the token taken again, within
+/// the grace, so a lost connection costs nothing while a dead process loses its token for good.
+/// `first` is signalled after the first try, whatever came of it.
+async fn keep_token<R: Runtime>(
+    runtime: Arc<R>,
+    store: PgStore,
+    id: WorkerId,
+    first: oneshot::Sender<()>,
+    app: AppConfig,
+    seed: u64,
+) {
+    let ping = std::time::Duration::from_millis((app.recovery.liveness_grace_ms / 2).clamp(100, 1_000));
+    let mut first = Some(first);
+    let mut backoff = DbBackoff::new();
+    let mut rng = Rng::new(seed);
+    let mut warned = false;
+    loop {
+        let taken = match store.pool().acquire().await {
+            Ok(connection) => {
+                let mut connection = connection.detach();
+                match store.take_token(&mut connection, &id).await {
+                    Ok(true) => Some(connection),
+                    Ok(false) => {
+                        if !warned {
+                            tracing::warn!(worker = %id, "another session holds this worker's liveness token (the same worker id twice?): recovered by heartbeats only until it is free");
+                            warned = true;
+                        }
+                        None
+                    }
+                    Err(error) => {
+                        tracing::debug!(worker = %id, %error, "taking the liveness token failed");
+                        None
+                    }
+                }
+            }
+            Err(error) => {
+                tracing::debug!(worker = %id, %error, "no connection for the liveness token");
+                None
+            }
+        };
+        if let Some(sender) = first.take() {
+            let _ = sender.send(());
+        }
+        if let Some(mut connection) = taken {
+            backoff.on_success();
+            warned = false;
+            tracing::debug!(worker = %id, "liveness token taken");
+            loop {
+                runtime.sleep_until(runtime.now() + ping).await;
+                if let Err(error) = sqlx::Connection::ping(&mut connection).await {
+                    tracing::warn!(worker = %id, %error, "the liveness token's connection was lost: taking the token again");
+                    break;
+                }
+            }
+            // At once: the grace runs.
+            continue;
+        }
+        let delay = backoff.on_failure(&app.resilience, &mut rng);
         runtime.sleep_until(runtime.now() + delay).await;
     }
 }

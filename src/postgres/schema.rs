@@ -396,6 +396,12 @@ impl PgSchema {
         format!("canter:key:{}:", self.inner.name)
     }
 
+    /// What the text hashed into a worker's liveness lock starts with: the lock's key is
+    /// `hashtextextended(prefix || worker id, 0)` (see [`PgStore::take_token`](super::PgStore::take_token)).
+    pub fn liveness_lock_prefix(&self) -> String {
+        format!("canter:liveness:{}:", self.inner.name)
+    }
+
     pub(crate) fn sql(&self) -> &Statements {
         &self.inner.statements
     }
@@ -742,6 +748,7 @@ mod tests {
         (2, "8eb4a1ae59fc3a84ce37a27a34653bb03d676bfc8dff19011fca65d480cb40777efdf1412056ee0ff74d71f33f2210a7"),
         (3, "44c919368851da503e9723014c9fa1d06cb56316c918dbdf676e489492700406a7d9768d0ef8c52c3fd971c4d03fdc5f"),
         (4, "555adbfb3481dc111e3c5b18750570615d323b896455188fad74bc583f11748a0b82cd63ddd20f2ba871053d19daa248"),
+        (5, "5c407c93aca6f2a3d69279ff06ef20356f334bd13b66b3945c0f08ae7b68a76930668146e7e1f6f56a8ae2fe9b4c8acc"),
     ];
 
     fn hex(bytes: &[u8]) -> String {

@@ -298,11 +298,14 @@ SELECT r.id FROM released r CROSS JOIN notified ORDER BY r.id";
 /// this transaction holds it, none when another reaper does).
 const REAP_LOCK: &str = "SELECT true FROM {s}.reaper_lock FOR UPDATE SKIP LOCKED";
 
+/// Claims with no heartbeat (or claim) for `$1` ms (NULL: none by age), and those of the dead
+/// workers `$3`, back to Pending.
 const REAP_CLAIMED: &str = "\
 WITH stale AS (
     SELECT t.id FROM {s}.tasks t
     WHERE t.state = 'CLAIMED'
-      AND coalesce(t.heartbeat_at, t.claimed_at) < {s}.db_now() - $1 * interval '1 millisecond'
+      AND (coalesce(t.heartbeat_at, t.claimed_at) < {s}.db_now() - $1 * interval '1 millisecond'
+           OR t.claimed_by = ANY ($3::text[]))
     FOR UPDATE SKIP LOCKED
 ),
 released AS (
@@ -316,12 +319,47 @@ notified AS (
 )
 SELECT r.id FROM released r CROSS JOIN notified ORDER BY r.id";
 
+/// Runs with no heartbeat (or start) for `$1` ms (NULL: none by age), and those of the dead
+/// workers `$2`.
 const REAP_RUNNING_SELECT: &str = "\
 SELECT t.id, t.retry, t.retries FROM {s}.tasks t
 WHERE t.state = 'RUNNING'
-  AND coalesce(t.heartbeat_at, t.started_at) < {s}.db_now() - $1 * interval '1 millisecond'
+  AND (coalesce(t.heartbeat_at, t.started_at) < {s}.db_now() - $1 * interval '1 millisecond'
+       OR t.claimed_by = ANY ($2::text[]))
 ORDER BY t.id
 FOR UPDATE SKIP LOCKED";
+
+/// The workers whose liveness token, recorded in this server incarnation, this transaction
+/// can take (their sessions ended: the lock stays taken until commit, so one reaper acts on
+/// each), noted free since now if not before; returns those free for `$2` ms. `$1` is the
+/// schema's liveness-lock prefix (the worker's key is `hashtextextended($1 || id, 0)`).
+const REAP_DEAD_FIND: &str = "\
+WITH candidates AS MATERIALIZED (
+    SELECT w.id FROM {s}.workers w WHERE w.token_epoch = pg_postmaster_start_time() ORDER BY w.id
+),
+free AS MATERIALIZED (
+    SELECT c.id FROM candidates c WHERE pg_try_advisory_xact_lock(hashtextextended($1 || c.id, 0))
+),
+noted AS (
+    UPDATE {s}.workers w SET token_free_since = coalesce(w.token_free_since, {s}.db_now())
+    FROM free f
+    WHERE w.id = f.id
+    RETURNING w.id, w.token_free_since
+)
+SELECT n.id FROM noted n WHERE n.token_free_since <= {s}.db_now() - $2 * interval '1 millisecond' ORDER BY n.id";
+
+/// Forgets the tokens of the dead workers `$1`, whose tasks were recovered.
+const REAP_DEAD_FORGET: &str = "\
+UPDATE {s}.workers SET token_epoch = NULL, token_free_since = NULL WHERE id = ANY ($1::text[])";
+
+/// Takes worker `$2`'s liveness token (key `hashtextextended($1 || $2, 0)`) for this session and
+/// records it in this server incarnation; no row when another session holds it.
+const TAKE_TOKEN: &str = "\
+WITH got AS (SELECT pg_try_advisory_lock(hashtextextended($1 || $2, 0)) AS held)
+INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, token_epoch, token_free_since)
+SELECT $2, '{}', 0, {s}.db_now(), {s}.db_now(), pg_postmaster_start_time(), NULL FROM got WHERE got.held
+ON CONFLICT (id) DO UPDATE SET token_epoch = EXCLUDED.token_epoch, token_free_since = NULL
+RETURNING true";
 
 const REAP_RUNNING_APPLY: &str = "\
 WITH input AS (
@@ -769,6 +807,9 @@ pub(crate) struct Statements {
     pub(crate) reap_running_select: SqlStr,
     pub(crate) reap_running_apply: SqlStr,
     pub(crate) reap_expire: SqlStr,
+    pub(crate) reap_dead_find: SqlStr,
+    pub(crate) reap_dead_forget: SqlStr,
+    pub(crate) take_token: SqlStr,
     pub(crate) prune_workers: SqlStr,
     pub(crate) register_worker: SqlStr,
     pub(crate) deregister_worker: SqlStr,
@@ -835,6 +876,9 @@ impl Statements {
             reap_running_select: fill(REAP_RUNNING_SELECT),
             reap_running_apply: fill(REAP_RUNNING_APPLY),
             reap_expire: fill(REAP_EXPIRE),
+            reap_dead_find: fill(REAP_DEAD_FIND),
+            reap_dead_forget: fill(REAP_DEAD_FORGET),
+            take_token: fill(TAKE_TOKEN),
             prune_workers: fill(PRUNE_WORKERS),
             register_worker: fill(REGISTER_WORKER),
             deregister_worker: fill(DEREGISTER_WORKER),

@@ -382,6 +382,9 @@ impl PgStore {
             DbRequest::Reap { worker: _, claimed_stale_ms, running_stale_ms, entropy } => {
                 self.reap(conn, *claimed_stale_ms, *running_stale_ms, *entropy).await.map(DbReply::Reaped)
             }
+            DbRequest::ReapDead { worker: _, grace_ms, entropy } => {
+                self.reap_dead(conn, *grace_ms, *entropy).await.map(DbReply::Reaped)
+            }
             DbRequest::Purge { older_than_ms, batch } => {
                 Ok(DbReply::Purged { tasks: self.purge_on(conn, *older_than_ms, *batch).await? })
             }
@@ -493,45 +496,11 @@ impl PgStore {
             report.skipped = true;
             return Ok(report);
         }
-        if let Some(threshold) = claimed_stale_ms {
-            let ids: Vec<i64> = sqlx::query_scalar(sql.reap_claimed.clone())
-                .bind(duration(threshold))
-                .bind(self.schema.queue_channel_prefix())
-                .fetch_all(&mut *tx)
-                .await?;
-            report.requeued = ids.into_iter().map(TaskId).collect();
+        if claimed_stale_ms.is_some() {
+            report.requeued = self.requeue_claims(&mut tx, claimed_stale_ms, &[]).await?;
         }
-        if let Some(threshold) = running_stale_ms {
-            let stale =
-                sqlx::query(sql.reap_running_select.clone()).bind(duration(threshold)).fetch_all(&mut *tx).await?;
-            if !stale.is_empty() {
-                let mut ids = Vec::with_capacity(stale.len());
-                let mut delays = Vec::with_capacity(stale.len());
-                let mut may_retry = Vec::with_capacity(stale.len());
-                for row in stale {
-                    let id: i64 = row.try_get("id")?;
-                    // The policy its worker ran it under: the one it stores, else the app's.
-                    let (policy, _) = self.stored_policy(&row)?;
-                    let retries = count(row.try_get("retries")?);
-                    let delay = backoff::retry_delay(&policy, retries.saturating_add(1), mix(entropy ^ id as u64));
-                    ids.push(id);
-                    delays.push(duration(u64::try_from(delay.as_millis()).unwrap_or(u64::MAX)));
-                    may_retry.push(backoff::may_retry(&policy, retries, &ErrorCode::WorkerCrashed));
-                }
-                let error = error_json(&TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE))?;
-                let rows: Vec<(i64, String)> = sqlx::query_as(sql.reap_running_apply.clone())
-                    .bind(ids)
-                    .bind(delays)
-                    .bind(may_retry)
-                    .bind(error)
-                    .bind(self.schema.done_channel())
-                    .bind(self.schema.queue_channel_prefix())
-                    .fetch_all(&mut *tx)
-                    .await?;
-                for (id, state) in rows {
-                    if state == "PENDING" { report.retried.push(TaskId(id)) } else { report.failed.push(TaskId(id)) }
-                }
-            }
+        if running_stale_ms.is_some() {
+            self.crash_runs(&mut tx, running_stale_ms, &[], entropy, &mut report).await?;
         }
         let error = error_json(&TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE))?;
         let expired: Vec<i64> = sqlx::query_scalar(sql.reap_expire.clone())
@@ -547,6 +516,106 @@ impl PgStore {
         report.workers_pruned = u64::try_from(pruned).unwrap_or(0);
         tx.commit().await?;
         Ok(report)
+    }
+
+    /// [`DbRequest::ReapDead`] in one transaction: the workers whose token it can take (and
+    /// holds until it commits, so no other reaper acts on them), then their tasks.
+    async fn reap_dead(&self, conn: &mut PgConnection, grace_ms: u64, entropy: u64) -> Result<ReapReport, sqlx::Error> {
+        let sql = self.schema.sql();
+        let mut report = ReapReport::default();
+        let mut tx = conn.begin().await?;
+        let dead: Vec<String> = sqlx::query_scalar(sql.reap_dead_find.clone())
+            .bind(self.schema.liveness_lock_prefix())
+            .bind(duration(grace_ms))
+            .fetch_all(&mut *tx)
+            .await?;
+        if !dead.is_empty() {
+            report.requeued = self.requeue_claims(&mut tx, None, &dead).await?;
+            self.crash_runs(&mut tx, None, &dead, entropy, &mut report).await?;
+            sqlx::query(sql.reap_dead_forget.clone()).bind(&dead).execute(&mut *tx).await?;
+        }
+        tx.commit().await?;
+        report.dead_workers = dead.into_iter().map(WorkerId).collect();
+        Ok(report)
+    }
+
+    /// Claims with no heartbeat for `stale_ms`, and those of the workers `dead`, back to
+    /// Pending.
+    async fn requeue_claims(
+        &self,
+        tx: &mut PgConnection,
+        stale_ms: Option<u64>,
+        dead: &[String],
+    ) -> Result<Vec<TaskId>, sqlx::Error> {
+        let ids: Vec<i64> = sqlx::query_scalar(self.schema.sql().reap_claimed.clone())
+            .bind(stale_ms.map(duration))
+            .bind(self.schema.queue_channel_prefix())
+            .bind(dead)
+            .fetch_all(&mut *tx)
+            .await?;
+        Ok(ids.into_iter().map(TaskId).collect())
+    }
+
+    /// Runs with no heartbeat for `stale_ms`, and those of the workers `dead`, retried or failed
+    /// with `WORKER_CRASHED` ([`backoff::crash_retry_delay`]), into `report`.
+    async fn crash_runs(
+        &self,
+        tx: &mut PgConnection,
+        stale_ms: Option<u64>,
+        dead: &[String],
+        entropy: u64,
+        report: &mut ReapReport,
+    ) -> Result<(), sqlx::Error> {
+        let sql = self.schema.sql();
+        let stale = sqlx::query(sql.reap_running_select.clone())
+            .bind(stale_ms.map(duration))
+            .bind(dead)
+            .fetch_all(&mut *tx)
+            .await?;
+        if stale.is_empty() {
+            return Ok(());
+        }
+        let crash_retries = self.app.recovery.crash_retries;
+        let mut ids = Vec::with_capacity(stale.len());
+        let mut delays = Vec::with_capacity(stale.len());
+        let mut may_retry = Vec::with_capacity(stale.len());
+        for row in stale {
+            let id: i64 = row.try_get("id")?;
+            // The policy its worker ran it under: the one it stores, else the app's.
+            let (policy, _) = self.stored_policy(&row)?;
+            let retries = count(row.try_get("retries")?);
+            let delay = backoff::crash_retry_delay(&policy, retries, crash_retries, mix(entropy ^ id as u64));
+            ids.push(id);
+            delays.push(duration(delay.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))));
+            may_retry.push(delay.is_some());
+        }
+        let error = error_json(&TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE))?;
+        let rows: Vec<(i64, String)> = sqlx::query_as(sql.reap_running_apply.clone())
+            .bind(ids)
+            .bind(delays)
+            .bind(may_retry)
+            .bind(error)
+            .bind(self.schema.done_channel())
+            .bind(self.schema.queue_channel_prefix())
+            .fetch_all(&mut *tx)
+            .await?;
+        for (id, state) in rows {
+            if state == "PENDING" { report.retried.push(TaskId(id)) } else { report.failed.push(TaskId(id)) }
+        }
+        Ok(())
+    }
+
+    /// Takes `worker`'s liveness token for the session of `connection` and records it for this
+    /// server incarnation (`recovery.auto_recover_dead_workers`): `false` when another session
+    /// holds it. The token is held for as long as that session lives: keep the connection open,
+    /// idle, for the worker's lifetime (the drivers do), and take it again after a reconnect.
+    pub async fn take_token(&self, connection: &mut PgConnection, worker: &WorkerId) -> Result<bool, sqlx::Error> {
+        let held: Option<bool> = sqlx::query_scalar(self.schema.sql().take_token.clone())
+            .bind(self.schema.liveness_lock_prefix())
+            .bind(&worker.0)
+            .fetch_optional(connection)
+            .await?;
+        Ok(held.unwrap_or(false))
     }
 }
 

@@ -99,6 +99,14 @@ pub struct FaultOptions {
     /// (a restore from a backup, a promoted replica that lagged). Every write since is gone:
     /// leases go back, tasks finished since run again, tasks enqueued since vanish.
     pub failovers: Vec<(u64, u64)>,
+    /// Liveness-token connections that drop, as `(at_ms, slot, down_ms)`: the worker lives on
+    /// while the server releases its token, and takes it again `down_ms` later (a backend
+    /// killed, a connection cut). Down longer than `recovery.liveness_grace_ms`, the worker
+    /// counts as dead and its runs are taken: their writes must be fenced.
+    pub token_drops: Vec<(u64, usize, u64)>,
+    /// Whether a stall (a partition from the database) also ends the worker's token session
+    /// until it wakes.
+    pub stalls_drop_tokens: bool,
 }
 
 impl FaultOptions {
@@ -132,6 +140,8 @@ impl FaultOptions {
             late_commit_chance: 0.0,
             row_locks: Vec::new(),
             failovers: Vec::new(),
+            token_drops: Vec::new(),
+            stalls_drop_tokens: false,
         }
     }
 
@@ -205,6 +215,12 @@ impl FaultOptions {
         if rng.chance(0.15) {
             faults.failovers = events(rng, 2).into_iter().map(|(at, _)| (at, rng.range(500, 20_001))).collect();
         }
+        // Drawn after the faults above, for the same reason.
+        if rng.chance(0.3) {
+            faults.token_drops =
+                events(rng, 4).into_iter().map(|(at, slot)| (at, slot, rng.range(50, 10_001))).collect();
+        }
+        faults.stalls_drop_tokens = rng.chance(0.5);
         if rng.chance(0.2) {
             // Bad data and locks alone, on a network that never fails: what they do to healthy
             // workers is not hidden behind other faults.
@@ -286,5 +302,6 @@ impl FaultOptions {
             || !self.listener_drops.is_empty()
             || !self.row_locks.is_empty()
             || !self.failovers.is_empty()
+            || !self.token_drops.is_empty()
     }
 }

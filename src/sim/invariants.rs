@@ -49,6 +49,8 @@ struct Facts {
     attempts: u32,
     retries: u32,
     max_retries: u32,
+    /// Whether its policy retries `WORKER_CRASHED`.
+    retries_crashes: bool,
     run_at: DbTime,
     good_until: Option<DbTime>,
     priority: i16,
@@ -69,6 +71,7 @@ impl Facts {
             attempts: row.attempts,
             retries: row.retries,
             max_retries: row.retry.max_retries,
+            retries_crashes: row.retry.retries_for(&ErrorCode::WorkerCrashed),
             run_at: row.run_at,
             good_until: row.good_until,
             priority: row.priority,
@@ -111,6 +114,9 @@ pub(crate) struct Before {
     abandoned: BTreeSet<TaskId>,
     /// Rows other transactions held locked.
     locked: BTreeSet<TaskId>,
+    /// Reap of dead workers: each worker's claims and runs (rows not locked).
+    held_claims: BTreeMap<WorkerId, BTreeSet<TaskId>>,
+    held_runs: BTreeMap<WorkerId, BTreeSet<TaskId>>,
 }
 
 /// A terminal row's frozen content.
@@ -173,6 +179,8 @@ pub(crate) struct Checker {
     serial: BTreeSet<String>,
     cluster_cap: Option<u32>,
     paused: BTreeSet<String>,
+    /// `recovery.crash_retries`: re-runs of crashed runs beyond their policy.
+    crash_retries: u32,
     /// Per task, indexed by `id - 1` (the store numbers tasks 1, 2, 3… in order): the most
     /// attempts and the highest lease seen, and the content once terminal. Its length is the
     /// number of tasks enqueued.
@@ -206,6 +214,7 @@ impl Checker {
             serial: queues.iter().filter(|q| q.serial).map(|q| q.name.clone()).collect(),
             cluster_cap: app.cluster_wide_cap,
             paused: queues.iter().filter(|q| q.max_concurrency == Some(0)).map(|q| q.name.clone()).collect(),
+            crash_retries: app.recovery.crash_retries,
             seen: Vec::new(),
             mutations: 0,
             unfinished: 0,
@@ -372,6 +381,24 @@ impl Checker {
                     if before.stale_claimed.contains(&row.id) || before.stale_running.contains(&row.id) {
                         before.rows.insert(row.id, Facts::of(row));
                     }
+                }
+            }
+            DbRequest::ReapDead { .. } => {
+                for row in live_rows(store) {
+                    // Only a worker whose token no session holds can be found dead.
+                    let Some(holder) = row.claimed_by.as_ref().filter(|w| !store.holds_token(w)).cloned() else {
+                        continue;
+                    };
+                    if before.locked.contains(&row.id) {
+                        continue;
+                    }
+                    let held = match row.state {
+                        TaskState::Claimed => &mut before.held_claims,
+                        TaskState::Running => &mut before.held_runs,
+                        _ => continue,
+                    };
+                    held.entry(holder).or_default().insert(row.id);
+                    before.rows.insert(row.id, Facts::of(row));
                 }
             }
             DbRequest::Purge { .. } | DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_) => {}
@@ -746,33 +773,31 @@ impl Checker {
                 );
                 let expired: BTreeSet<TaskId> = report.expired.iter().copied().collect();
                 ensure!(expired == before.expiring, "reaper expired {expired:?}, expected {:?}", before.expiring);
-                for &id in &report.retried {
-                    let (was, row) = (pre(id).expect("stale runs have facts"), post(id)?);
-                    ensure!(was.retries < was.max_retries, "reaper retried task {id} with no retry left");
-                    ensure!(
-                        row.state == TaskState::Pending && row.retries == was.retries + 1,
-                        "reaper retry of task {id} left {} retries {}",
-                        row.state,
-                        row.retries
-                    );
-                    ensure!(
-                        row.good_until.is_none_or(|at| row.run_at < at),
-                        "reaper retry of task {id} scheduled at or past good_until"
-                    );
-                    ensure!(
-                        row.error.as_ref().is_some_and(|e| e.code == ErrorCode::WorkerCrashed),
-                        "reaper retry of task {id} without WORKER_CRASHED"
-                    );
-                }
-                for &id in &report.failed {
-                    ensure!(
-                        post(id)?.state == TaskState::Failed,
-                        "reaper failed task {id} but it is {}",
-                        post(id)?.state
-                    );
-                }
+                self.check_crashed(report, pre, post)?;
                 touched
                     .extend(report.requeued.iter().chain(&report.retried).chain(&report.failed).chain(&report.expired));
+            }
+            (DbRequest::ReapDead { .. }, DbReply::Reaped(report)) => {
+                let mut claims = BTreeSet::new();
+                let mut runs = BTreeSet::new();
+                for dead in &report.dead_workers {
+                    ensure!(!store.holds_token(dead), "the reaper found {dead} dead, but its token is held");
+                    claims.extend(before.held_claims.get(dead).into_iter().flatten().copied());
+                    runs.extend(before.held_runs.get(dead).into_iter().flatten().copied());
+                }
+                let requeued: BTreeSet<TaskId> = report.requeued.iter().copied().collect();
+                ensure!(requeued == claims, "dead workers' claims {claims:?} but the reaper requeued {requeued:?}");
+                let crashed: BTreeSet<TaskId> = report.retried.iter().chain(&report.failed).copied().collect();
+                ensure!(crashed == runs, "dead workers' runs {runs:?} but the reaper took {crashed:?}");
+                ensure!(
+                    report.expired.is_empty() && report.workers_pruned == 0,
+                    "a reap of dead workers expired or pruned: {report:?}"
+                );
+                for &id in &report.requeued {
+                    self.check_released(pre(id), post(id)?, id)?;
+                }
+                self.check_crashed(report, pre, post)?;
+                touched.extend(report.requeued.iter().chain(&report.retried).chain(&report.failed));
             }
             (DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_), DbReply::Done) => {}
             // The simulated apps keep finished tasks (no retention): a purge deletes nothing
@@ -784,6 +809,46 @@ impl Checker {
             if let Some(row) = store.task(id).filter(|row| row.state.is_terminal()) {
                 self.freeze(row)?;
             }
+        }
+        Ok(())
+    }
+
+    /// The runs a reaper ended as crashed: retried (a retry spent, `WORKER_CRASHED`, before
+    /// good-until) only when their policy retries crashes or `recovery.crash_retries` allows
+    /// another run; failed otherwise.
+    fn check_crashed<'r>(
+        &self,
+        report: &crate::db::ReapReport,
+        pre: impl Fn(TaskId) -> Option<&'r Facts>,
+        post: impl Fn(TaskId) -> Result<&'r StoredTask, String>,
+    ) -> Result<(), String> {
+        for &id in &report.retried {
+            let (was, row) = (pre(id).ok_or_else(|| format!("reaped run {id} had no facts"))?, post(id)?);
+            let by_policy = was.retries_crashes && was.retries < was.max_retries;
+            ensure!(
+                by_policy || was.retries < self.crash_retries,
+                "reaper retried task {id} with no retry left (retries {}, policy max {}, crash retries {})",
+                was.retries,
+                was.max_retries,
+                self.crash_retries
+            );
+            ensure!(
+                row.state == TaskState::Pending && row.retries == was.retries + 1,
+                "reaper retry of task {id} left {} retries {}",
+                row.state,
+                row.retries
+            );
+            ensure!(
+                row.good_until.is_none_or(|at| row.run_at < at),
+                "reaper retry of task {id} scheduled at or past good_until"
+            );
+            ensure!(
+                row.error.as_ref().is_some_and(|e| e.code == ErrorCode::WorkerCrashed),
+                "reaper retry of task {id} without WORKER_CRASHED"
+            );
+        }
+        for &id in &report.failed {
+            ensure!(post(id)?.state == TaskState::Failed, "reaper failed task {id} but it is {}", post(id)?.state);
         }
         Ok(())
     }

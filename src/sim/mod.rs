@@ -144,6 +144,8 @@ pub struct SimReport {
     pub unknown_aborts: u64,
     /// The most requests one worker sent in one virtual second.
     pub max_requests_per_second: u32,
+    /// Workers found dead by their released liveness tokens (and their tasks recovered).
+    pub dead_workers: u64,
     /// Whether the run injected any fault besides latency.
     pub faulty: bool,
 }
@@ -250,6 +252,16 @@ enum SimEvent {
     Failover {
         back_ms: u64,
     },
+    /// A worker's liveness-token connection drops for `down_ms`.
+    TokenDrop {
+        slot: usize,
+        down_ms: u64,
+    },
+    /// A live worker's token connection is back: it takes its token again.
+    TokenBack {
+        slot: usize,
+        incarnation: u32,
+    },
     /// That transaction ends.
     UnlockRow {
         task: TaskId,
@@ -337,6 +349,10 @@ struct Slot {
     /// Until when the reaper may take its runs: a fault the run injected into its requests
     /// (or a stall) can keep its heartbeats from landing for that long.
     excused_until: Option<Instant>,
+    /// Until when a reap of dead workers may take its runs: its token session was cut (a
+    /// token drop, a partition). Nothing else may make a live worker look dead: not a failover
+    /// or a restart, which release every token of an older server incarnation.
+    token_lost_until: Option<Instant>,
 }
 
 impl Slot {
@@ -402,6 +418,7 @@ struct Stats {
     stale_spawns: u64,
     unknown_aborts: u64,
     max_per_second: u32,
+    dead_workers: u64,
 }
 
 impl Sim {
@@ -430,6 +447,7 @@ impl Sim {
                 abandoned_claims: BTreeMap::new(),
                 refused_finish: None,
                 excused_until: None,
+                token_lost_until: None,
             })
             .collect();
         Sim {
@@ -535,6 +553,7 @@ impl Sim {
             fenced: self.checker.fenced,
             unknown_aborts: self.stats.unknown_aborts,
             max_requests_per_second: self.stats.max_per_second,
+            dead_workers: self.stats.dead_workers,
             faulty: self.options.faults.any(),
         }
     }
@@ -686,6 +705,9 @@ impl Sim {
         }
         for &(at, back_ms) in &faults.failovers {
             self.schedule_at(Duration::from_millis(at), SimEvent::Failover { back_ms });
+        }
+        for &(at, slot, down_ms) in &faults.token_drops {
+            self.schedule_at(Duration::from_millis(at), SimEvent::TokenDrop { slot, down_ms });
         }
         self.schedule_at(Duration::from_millis(self.options.safety_ms), SimEvent::Heal);
         Ok(())
@@ -855,7 +877,7 @@ impl Sim {
             .min()
             .unwrap_or(1)
             .max(1);
-        let attempts = u64::from(self.max_retries) + 2;
+        let attempts = u64::from(self.max_retries.max(r.crash_retries)) + 2;
         let serial = self.checker.unfinished() as u64 * attempts * (longest_run + 200) / u64::from(narrowest);
         let run_at_left = u64::try_from(self.latest_run_at.0 - self.db_now().0).unwrap_or(0);
         run_at_left + attempts * per_attempt + self.retry_budget_ms + serial + 60_000
@@ -920,6 +942,11 @@ impl Sim {
             .map_err(|e| format!("worker {id} refused its configuration: {e}"))?;
         s.worker = Some(worker);
         let (incarnation, listens) = (s.incarnation, s.config.deployment_mode.listens());
+        // Its driver takes its liveness token before the machine claims anything.
+        let now = self.db_now();
+        if !self.store.take_token(&id, now) {
+            return Err(format!("{id} could not take its liveness token: another session holds it"));
+        }
         self.stats.starts += 1;
         self.note(&id.0, format_args!("start"));
         if listens {
@@ -937,10 +964,31 @@ impl Sim {
                 self.queue.remove(&key);
             }
         }
+        // Its sessions end with it, and the server releases its token.
+        let id = WorkerId(self.slots[slot].name(slot));
+        self.store.release_token(&id);
         let s = &mut self.slots[slot];
         s.worker = None;
         s.listening = false;
         s.stalled_until = None;
+    }
+
+    /// The worker in `slot` loses its token session until `back` from now (its process lives
+    /// on, and may find its runs taken: excused).
+    fn drop_token(&mut self, slot: usize, back: Duration) {
+        let id = WorkerId(self.slots[slot].name(slot));
+        if !self.store.holds_token(&id) {
+            return;
+        }
+        self.store.release_token(&id);
+        let now = self.now;
+        self.excuse(slot, now + back);
+        let until = now + back + self.excuse_window;
+        let s = &mut self.slots[slot];
+        s.token_lost_until = Some(s.token_lost_until.map_or(until, |at| at.max(until)));
+        let incarnation = self.slots[slot].incarnation;
+        self.schedule(back, SimEvent::TokenBack { slot, incarnation });
+        self.note(&id.0, format_args!("TOKEN DROP for {back:?}"));
     }
 
     fn schedule_restart(&mut self, slot: usize) {
@@ -1026,7 +1074,10 @@ impl Sim {
             if !left.is_empty() {
                 return Err(format!("{name} stopped with handlers still running: {left:?}"));
             }
-            let failing = s.stopped_on_failure || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0);
+            // Failing requests, or writes locks held up past the grace period (given up on).
+            let failing = s.stopped_on_failure
+                || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0)
+                || (s.abandoned.is_some_and(|n| n > 0) && s.worker.as_ref().is_some_and(|w| w.lock_waits() > 0));
             self.slots[slot].stopped_on_failure = failing;
             self.note(
                 &name,
@@ -1352,6 +1403,23 @@ impl Sim {
                 );
                 self.handle_event(key, SimEvent::Listener { slot, incarnation, connected: false })
             }
+            SimEvent::TokenDrop { slot, down_ms } => {
+                if self.slots[slot].worker.is_none() || !self.faults_on {
+                    return Ok(());
+                }
+                self.drop_token(slot, Duration::from_millis(down_ms));
+                Ok(())
+            }
+            SimEvent::TokenBack { slot, incarnation } => {
+                if self.is_current(slot, incarnation) {
+                    let id = WorkerId(self.slots[slot].name(slot));
+                    let now = self.db_now();
+                    if self.store.take_token(&id, now) {
+                        self.note(&id.0, format_args!("token taken again"));
+                    }
+                }
+                Ok(())
+            }
             SimEvent::Stall { slot, for_ms } => {
                 // A stall matters when the worker holds work: take the busiest live worker
                 // (the drawn slot when none holds anything).
@@ -1369,6 +1437,10 @@ impl Sim {
                 let until = self.now + Duration::from_millis(for_ms);
                 self.slots[slot].stalled_until = Some(until);
                 self.excuse(slot, until);
+                if self.options.faults.stalls_drop_tokens {
+                    // A partition: the server ends its token session too, until it wakes.
+                    self.drop_token(slot, Duration::from_millis(for_ms));
+                }
                 let name = self.slots[slot].name(slot);
                 self.note(&name, format_args!("STALL for {for_ms} ms (its handlers run on)"));
                 Ok(())
@@ -1505,7 +1577,7 @@ impl Sim {
         let before = self.checker.before(&self.store, request, now);
         // The holders of the runs a reap may end, to judge below.
         let runs: Vec<(TaskId, Option<WorkerId>, Lease)> = match request {
-            DbRequest::Reap { .. } => self
+            DbRequest::Reap { .. } | DbRequest::ReapDead { .. } => self
                 .store
                 .tasks()
                 .take_while(|row| !row.state.is_terminal())
@@ -1527,9 +1599,11 @@ impl Sim {
         self.note("db", format_args!("{} {op} {worker} -> {}", request.kind(), describe_reply(&reply)));
         if let DbReply::Reaped(report) = &reply {
             self.workers_pruned |= report.workers_pruned > 0;
+            self.stats.dead_workers += report.dead_workers.len() as u64;
+            let dead = matches!(request, DbRequest::ReapDead { .. });
             for id in report.retried.iter().chain(&report.failed) {
                 if let Some((_, Some(holder), lease)) = runs.iter().find(|(task, _, _)| task == id) {
-                    self.check_reaped_run(*id, holder, *lease)?;
+                    self.check_reaped_run(*id, holder, *lease, dead)?;
                 }
             }
         }
@@ -1630,13 +1704,27 @@ impl Sim {
     /// run fresh; that the reaper took it says something kept them from renewing it (one
     /// locked row holding up the beat of the others, a lock wait that backed off every
     /// request as an outage would).
-    fn check_reaped_run(&self, task: TaskId, holder: &WorkerId, lease: Lease) -> Result<(), String> {
+    ///
+    /// A reap of dead workers (`by_token`) may take a live worker's run only while that
+    /// worker's token session is cut: faults of its requests, a failover or a restart never
+    /// make a live worker look dead.
+    fn check_reaped_run(&self, task: TaskId, holder: &WorkerId, lease: Lease, by_token: bool) -> Result<(), String> {
         let Some(slot) =
             (0..self.slots.len()).find(|&i| self.slots[i].worker.is_some() && self.slots[i].name(i) == holder.0)
         else {
             return Ok(()); // its worker is dead
         };
         let s = &self.slots[slot];
+        if by_token {
+            let cut = s.token_lost_until.is_some_and(|until| until > self.now);
+            if !cut {
+                return Err(format!(
+                    "LIVE WORKER FOUND DEAD: a reap of dead workers ended task {task} lease {lease} of {holder}, which \
+                     is alive and whose token session was never cut lately"
+                ));
+            }
+            return Ok(());
+        }
         let holds = s.worker.as_ref().is_some_and(|w| w.held_leases().any(|t| t.task == task && t.lease == lease));
         let excused = s.excused_until.is_some_and(|until| until > self.now);
         let locked =
@@ -1690,6 +1778,8 @@ impl Sim {
             }
         }
         self.store = restored;
+        // A new server incarnation: every session, and every token, ended.
+        self.store.restart_server();
         self.failed_over = true;
         self.locked_until.clear();
         self.snapshots.clear();
@@ -1705,6 +1795,13 @@ impl Sim {
                 self.schedule(Duration::ZERO, SimEvent::Listener { slot, incarnation, connected: false });
                 let back = Duration::from_millis(self.rng.range(10, 1_000));
                 self.schedule(back, SimEvent::Listener { slot, incarnation, connected: true });
+            }
+            // Token connections too: each takes its token again once it reconnects, after
+            // its backoff (often longer than the liveness grace).
+            if self.slots[slot].worker.is_some() {
+                let incarnation = self.slots[slot].incarnation;
+                let back = Duration::from_millis(self.rng.range(10, 8_000));
+                self.schedule(back, SimEvent::TokenBack { slot, incarnation });
             }
         }
         self.note(
@@ -1987,6 +2084,7 @@ fn describe_request(request: &DbRequest) -> String {
         }
         DbRequest::AbandonClaim { token, .. } => format!("token {token}"),
         DbRequest::Reap { .. }
+        | DbRequest::ReapDead { .. }
         | DbRequest::Purge { .. }
         | DbRequest::RegisterWorker(_)
         | DbRequest::DeregisterWorker(_) => String::new(),

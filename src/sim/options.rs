@@ -119,6 +119,9 @@ impl SimOptions {
         let safety_ms = rng.range(60_000, 300_001);
         let load = swarm_load(rng, safety_ms);
         let faults = FaultOptions::swarm(rng, safety_ms, worker_count);
+        let mut app = app;
+        // Drawn last, so that the draws above are those of seeds recorded before these knobs.
+        swarm_liveness(rng, &mut app.recovery);
         SimOptions { app, workers, load, faults, safety_ms, max_steps: 3_000_000 }
     }
 
@@ -145,6 +148,8 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         idempotency_retention_ms: None,
         // The shortest: crashed workers' rows are pruned within a run.
         worker_retention_ms: 60_000,
+        // Drawn at the end of `swarm` (see `swarm_liveness`).
+        ..RecoveryConfig::default()
     };
     // Soft-cap mode needs an explicit lease; hard-cap mode sometimes keeps the 60 s default.
     let claim_lease_ms =
@@ -189,6 +194,16 @@ fn swarm_app(rng: &mut Rng) -> AppConfig {
         retry: if rng.chance(0.5) { RetryPolicy::none() } else { swarm_retry(rng) },
         schedules: Vec::new(),
     }
+}
+
+/// Liveness tokens and crash re-runs: mostly on, checked every 0.5 to 5 s, with a grace of
+/// none to 5 s (shorter and longer than the token drops of [`FaultOptions`]), 0 to 3 crash
+/// retries.
+fn swarm_liveness(rng: &mut Rng, recovery: &mut RecoveryConfig) {
+    recovery.auto_recover_dead_workers = rng.chance(0.8);
+    recovery.liveness_check_interval_ms = rng.range(500, 5_001);
+    recovery.liveness_grace_ms = rng.range(0, 5_001);
+    recovery.crash_retries = rng.range(0, 4) as u32;
 }
 
 /// A random valid retry policy with at most 3 retries of at most 10 s base delay.

@@ -204,9 +204,9 @@ impl Drop for TestDb {
 
 /// Pins the database clock of every statement `pool` runs at `now` (the pool must have one
 /// connection: the setting is per session). Only schemas made by [`TestDb::new`] read it.
-pub async fn pin_clock(pool: &PgPool, schema: &PgSchema, now: DbTime) {
+pub async fn pin_clock<'e>(executor: impl sqlx::PgExecutor<'e>, schema: &PgSchema, now: DbTime) {
     let sql = format!("SELECT set_config('canter.now', {}.at_ms($1)::text, false)", schema.quoted());
-    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(pool).await.expect("pin the clock");
+    sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(executor).await.expect("pin the clock");
 }
 
 /// A call of the schema's `claim` function for a worker `w` on the default queue: a budget and
