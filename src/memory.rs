@@ -2207,7 +2207,10 @@ mod tests {
 
     #[test]
     fn reaper_retries_stale_runs_when_the_policy_lists_worker_crashed_and_fails_the_rest() {
-        let mut store = MemoryStore::new(AppConfig::default());
+        // The policies alone decide (no crash retries beyond them, as in the seed systems).
+        let mut app = AppConfig::default();
+        app.recovery.crash_retries = 0;
+        let mut store = MemoryStore::new(app);
         let crash_retry = RetryPolicy::fixed(vec![10]).with_jitter(false);
         let no_crash = RetryPolicy::fixed(vec![10]).with_codes(vec![ErrorCode::TaskError]);
         let retried = running_task(&mut store, NewTask::new("t", json!(1)).retry(crash_retry.clone()), "a", T0);

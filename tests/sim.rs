@@ -597,11 +597,13 @@ mod scripted {
     /// starves.
     #[test]
     fn regression_j_a_cap_blocked_event_driven_worker_claims_when_capacity_frees() {
-        let app = AppConfig {
+        let mut app = AppConfig {
             queue_mode: QueueMode::Custom,
             custom_queues: vec![CustomQueue::new("q").with_max_concurrency(1)],
             ..AppConfig::default()
         };
+        // The dead worker's run fails (no crash retry): only the waiting task is left to run.
+        app.recovery.crash_retries = 0;
         let mut s = Script::new(
             app.clone(),
             WorkerConfig { poll_interval_ms: 5_000, ..worker(1, DeploymentMode::EventDrivenOnly) },

@@ -146,7 +146,8 @@ impl Setup {
         self.cluster_cap.map(|cap| u32::from(cap % 8) + 1)
     }
 
-    /// The application: [`QUEUES`] in custom mode, hard-cap mode, the cluster-wide cap.
+    /// The application: [`QUEUES`] in custom mode, hard-cap mode, the cluster-wide cap; stale
+    /// runs fail (no crash retries: the reference models caps, not retries).
     pub fn app(&self) -> AppConfig {
         let queues = QUEUES.iter().map(|&(name, priority, cap)| CustomQueue {
             name: name.to_owned(),
@@ -154,12 +155,14 @@ impl Setup {
             max_concurrency: cap,
             serial: false,
         });
-        AppConfig {
+        let mut app = AppConfig {
             queue_mode: QueueMode::Custom,
             custom_queues: queues.collect(),
             cluster_wide_cap: self.cluster_wide_cap(),
             ..AppConfig::default()
-        }
+        };
+        app.recovery.crash_retries = 0;
+        app
     }
 
     /// The claim policy of worker `worker % WORKERS` (serving every queue).
