@@ -512,6 +512,29 @@ pub enum DbRequest {
         /// The outcomes.
         completions: Vec<Completion>,
     },
+    /// A [`DbRequest::Finish`] and then a [`DbRequest::Claim`] by the same worker, in one
+    /// statement (one transaction, one round trip): the claim sees what the finish did, so the
+    /// slots and cap room the finish frees are claimed at once. Replies
+    /// [`DbReply::FinishedAndClaimed`]; fails as a whole. The worker machine sends it in
+    /// hard-cap mode, where every claim is bounded by free slots.
+    FinishAndClaim {
+        /// Who ran them, and claims.
+        worker: WorkerId,
+        /// The outcomes, as [`DbRequest::Finish`] carries them.
+        completions: Vec<Completion>,
+        /// The claim's token, as [`DbRequest::Claim`]'s.
+        token: u64,
+        /// As [`DbRequest::Claim`]'s.
+        policy: Arc<ClaimPolicy>,
+        /// As [`DbRequest::Claim`]'s: handlers running once these outcomes are written.
+        my_running: u32,
+        /// As [`DbRequest::Claim`]'s.
+        my_claimed: u32,
+        /// As [`DbRequest::Claim`]'s.
+        start_now: u32,
+        /// As [`DbRequest::Claim`]'s.
+        lease_ms: u64,
+    },
     /// Renew what `worker` holds: Claimed tasks get their lease extended to `now + lease_ms`
     /// (unless claimed more than `max_renew_age_ms` ago, or lapsed already: claimers count a
     /// lapsed claim out), Running tasks a fresh heartbeat; the worker's registry row is
@@ -605,13 +628,42 @@ pub enum DbRequest {
 }
 
 impl DbRequest {
+    /// A [`DbRequest::FinishAndClaim`] as the [`DbRequest::Finish`] and the
+    /// [`DbRequest::Claim`] it is made of, in that order; `None` for any other request.
+    pub fn finish_then_claim(&self) -> Option<(DbRequest, DbRequest)> {
+        let DbRequest::FinishAndClaim {
+            worker,
+            completions,
+            token,
+            policy,
+            my_running,
+            my_claimed,
+            start_now,
+            lease_ms,
+        } = self
+        else {
+            return None;
+        };
+        let finish = DbRequest::Finish { worker: worker.clone(), completions: completions.clone() };
+        let claim = DbRequest::Claim {
+            worker: worker.clone(),
+            token: *token,
+            policy: Arc::clone(policy),
+            my_running: *my_running,
+            my_claimed: *my_claimed,
+            start_now: *start_now,
+            lease_ms: *lease_ms,
+        };
+        Some((finish, claim))
+    }
+
     /// How many tasks (or claims) the request names: its batch size, for logs and traces.
     pub fn items(&self) -> usize {
         match self {
             DbRequest::Start { tasks, .. }
             | DbRequest::RecordStarts { tasks, .. }
             | DbRequest::Release { tasks, .. } => tasks.len(),
-            DbRequest::Finish { completions, .. } => completions.len(),
+            DbRequest::Finish { completions, .. } | DbRequest::FinishAndClaim { completions, .. } => completions.len(),
             DbRequest::Heartbeat { claimed, running, .. } => claimed.len() + running.len(),
             DbRequest::Claim { .. }
             | DbRequest::AbandonClaim { .. }
@@ -630,6 +682,7 @@ impl DbRequest {
             DbRequest::Start { .. } => "start",
             DbRequest::RecordStarts { .. } => "record_starts",
             DbRequest::Finish { .. } => "finish",
+            DbRequest::FinishAndClaim { .. } => "finish_and_claim",
             DbRequest::Heartbeat { .. } => "heartbeat",
             DbRequest::Release { .. } => "release",
             DbRequest::AbandonClaim { .. } => "abandon_claim",
@@ -676,6 +729,19 @@ pub enum DbReply {
         /// Not held under that lease any more: nothing written.
         lost: Vec<TaskId>,
     },
+    /// What a [`DbRequest::FinishAndClaim`] did: the finish's answer, then the claim's.
+    FinishedAndClaimed {
+        /// As [`DbReply::Finished`]'s.
+        applied: Vec<(TaskId, TaskState)>,
+        /// As [`DbReply::Finished`]'s.
+        lost: Vec<TaskId>,
+        /// As [`DbReply::Claimed`]'s.
+        tasks: Vec<ClaimedTask>,
+        /// As [`DbReply::Claimed`]'s.
+        more: bool,
+        /// As [`DbReply::Claimed`]'s.
+        next_run_in_ms: Option<u64>,
+    },
     /// What a [`DbRequest::Heartbeat`] found.
     Heartbeat {
         /// Not held under that lease any more.
@@ -704,6 +770,30 @@ pub enum DbReply {
     },
     /// A registry request was applied.
     Done,
+}
+
+impl DbReply {
+    /// The [`DbReply::Finished`] and [`DbReply::Claimed`] answers a
+    /// [`DbReply::FinishedAndClaimed`] is made of; any other reply as it is, with no second.
+    pub fn into_finished_and_claimed(self) -> (DbReply, Option<DbReply>) {
+        match self {
+            DbReply::FinishedAndClaimed { applied, lost, tasks, more, next_run_in_ms } => {
+                (DbReply::Finished { applied, lost }, Some(DbReply::Claimed { tasks, more, next_run_in_ms }))
+            }
+            other => (other, None),
+        }
+    }
+
+    /// Joins a finish's answer and a claim's into a [`DbReply::FinishedAndClaimed`]; `None`
+    /// unless they are a [`DbReply::Finished`] and a [`DbReply::Claimed`].
+    pub fn finished_and_claimed(finished: DbReply, claimed: DbReply) -> Option<DbReply> {
+        match (finished, claimed) {
+            (DbReply::Finished { applied, lost }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+                Some(DbReply::FinishedAndClaimed { applied, lost, tasks, more, next_run_in_ms })
+            }
+            _ => None,
+        }
+    }
 }
 
 /// What one reaper pass changed.

@@ -673,7 +673,7 @@ impl MemoryStore {
     /// locked ([`lock_row`](Self::lock_row)) fails with [`DbFailure::LockTimeout`] as
     /// `lock_timeout` makes it; nothing is applied then. Otherwise as [`apply`](Self::apply).
     pub fn execute(&mut self, request: &DbRequest, now: DbTime) -> Result<DbReply, DbFailure> {
-        if let DbRequest::Finish { completions, .. } = request {
+        if let DbRequest::Finish { completions, .. } | DbRequest::FinishAndClaim { completions, .. } = request {
             for completion in completions {
                 refused_values(completion).map_err(|e| DbFailure::Invalid(e.to_string()))?;
             }
@@ -702,7 +702,9 @@ impl MemoryStore {
             DbRequest::RecordStarts { worker, tasks } | DbRequest::Release { worker, tasks } => {
                 tasks.iter().any(|t| held_locked(worker, t.task))
             }
-            DbRequest::Finish { worker, completions } => completions.iter().any(|c| held_locked(worker, c.task.task)),
+            DbRequest::Finish { worker, completions } | DbRequest::FinishAndClaim { worker, completions, .. } => {
+                completions.iter().any(|c| held_locked(worker, c.task.task))
+            }
             DbRequest::AbandonClaim { worker, token } => self.live.values().any(|row| {
                 self.locked.contains(&row.id)
                     && row.claimed_by.as_ref() == Some(worker)
@@ -763,6 +765,13 @@ impl MemoryStore {
             DbRequest::Start { worker, tasks, policy } => self.start(worker, tasks, policy, now),
             DbRequest::RecordStarts { worker, tasks } => self.record_starts(worker, tasks, now),
             DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
+            DbRequest::FinishAndClaim { .. } => {
+                // One statement: the claim sees what the finish did.
+                let (finish, claim) = request.finish_then_claim().expect("a FinishAndClaim");
+                let finished = self.apply_request(&finish, now);
+                let claimed = self.apply_request(&claim, now);
+                DbReply::finished_and_claimed(finished, claimed).expect("a finish and a claim answer as such")
+            }
             DbRequest::Heartbeat { worker, claimed, running, lease_ms, max_renew_age_ms, abandoned } => {
                 self.heartbeat(worker, claimed, running, *lease_ms, *max_renew_age_ms, abandoned, now)
             }

@@ -495,6 +495,16 @@ impl HeldTasks {
 /// The stages a handler runs in (its deadline aside), for [`HeldTasks::count`].
 const RUNNING: Stage = Stage::Running { deadline: None };
 
+/// A claim pass about to be sent: its token (the op id it goes out under), whether a
+/// notification woke it, and the counts it claims for.
+struct ClaimPass {
+    token: u64,
+    notified: bool,
+    running: u32,
+    claimed: u32,
+    start_now: u32,
+}
+
 /// An outstanding database request and what it was about.
 #[derive(Debug, Clone)]
 enum Op {
@@ -510,6 +520,12 @@ enum Op {
         batch: Vec<Queued>,
         /// A completion the database refused before, sent on its own (see `Worker::lone`).
         lone: bool,
+    },
+    /// A finish of `batch` and a claim in one request (hard-cap mode): both in flight.
+    FinishAndClaim {
+        batch: Vec<Queued>,
+        token: u64,
+        notified: bool,
     },
     /// The leases the beat named: a loss it reports concerns those leases only.
     Heartbeat(Vec<TaskLease>),
@@ -967,6 +983,7 @@ impl Worker {
         if self.heartbeat_due {
             self.send_heartbeat();
         }
+        self.finish_and_claim(now);
         self.flush_completions();
         self.flush_lone();
         if !self.lock_blocked {
@@ -987,8 +1004,17 @@ impl Worker {
     }
 
     fn flush_completions(&mut self) {
+        if let Some(batch) = self.take_finish_batch() {
+            self.send_finish(batch, false);
+        }
+    }
+
+    /// The next batch of completions to finish, marked in flight; `None` while one is out or
+    /// none waits. At most `completion_batch_max`, the refusal limit and (after the first)
+    /// [`MAX_FINISH_BATCH_BYTES`].
+    fn take_finish_batch(&mut self) -> Option<Vec<Queued>> {
         if self.finish_in_flight || self.completions.is_empty() {
-            return;
+            return None;
         }
         let most = self.completions.len().min(self.config.completion_batch_max as usize).min(self.finish_limit.max(1));
         let (mut n, mut bytes) = (0, 0u64);
@@ -999,9 +1025,31 @@ impl Worker {
             }
             n += 1;
         }
-        let batch: Vec<Queued> = self.completions.drain(..n).collect();
         self.finish_in_flight = true;
-        self.send_finish(batch, false);
+        Some(self.completions.drain(..n).collect())
+    }
+
+    /// In hard-cap mode, when a claim is due and completions wait, one request finishes them
+    /// and claims: the claim refills the slots the finish frees, in the same round trip.
+    fn finish_and_claim(&mut self, now: Instant) {
+        if !self.app.is_hard_cap_mode() || self.finish_in_flight || self.completions.is_empty() {
+            return;
+        }
+        let Some(claim) = self.begin_claim(now) else { return };
+        // Checked above: a batch waits and none is in flight.
+        let batch = self.take_finish_batch().unwrap_or_default();
+        let completions: Vec<Completion> = batch.iter().map(|q| q.completion.clone()).collect();
+        let request = DbRequest::FinishAndClaim {
+            worker: self.id.clone(),
+            completions,
+            token: claim.token,
+            policy: self.policy.clone(),
+            my_running: claim.running,
+            my_claimed: claim.claimed,
+            start_now: claim.start_now,
+            lease_ms: self.app.effective_claim_lease_ms(),
+        };
+        self.send(request, Op::FinishAndClaim { batch, token: claim.token, notified: claim.notified });
     }
 
     /// Sends the next lone completion, unless one is out or the last was refused.
@@ -1104,18 +1152,35 @@ impl Worker {
     }
 
     fn claim(&mut self, now: Instant) {
+        let Some(claim) = self.begin_claim(now) else { return };
+        let request = DbRequest::Claim {
+            worker: self.id.clone(),
+            token: claim.token,
+            policy: self.policy.clone(),
+            my_running: claim.running,
+            my_claimed: claim.claimed,
+            start_now: claim.start_now,
+            lease_ms: self.app.effective_claim_lease_ms(),
+        };
+        self.send(request, Op::Claim { token: claim.token, notified: claim.notified });
+    }
+
+    /// Starts a claim pass if one is due and there is room: the pass is in flight from here
+    /// (the caller sends it, alone or with a finish). `None` when no pass goes now.
+    fn begin_claim(&mut self, now: Instant) -> Option<ClaimPass> {
         if self.phase != Phase::Running || self.claim_in_flight || self.claims_held || !self.more_work {
-            return;
+            return None;
         }
         let running = self.executing();
         let claimed = self.claimed() as u32;
         if self.policy.local_budget(running, claimed) == 0 {
-            return; // a freed permit calls pump again
+            return None; // a freed permit calls pump again
         }
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
         self.more_work = false;
         self.claim_in_flight = true;
         self.stats.claim_passes += 1;
+        // The request's op id: sent next.
         let token = self.next_op;
         let notified = std::mem::take(&mut self.notified_pass);
         if notified {
@@ -1123,19 +1188,10 @@ impl Worker {
             self.pass_budget.refill(now);
             self.pass_budget.tokens = self.pass_budget.tokens.saturating_sub(1);
         }
-        let request = DbRequest::Claim {
-            worker: self.id.clone(),
-            token,
-            policy: self.policy.clone(),
-            my_running: running,
-            my_claimed: claimed,
-            start_now,
-            lease_ms: self.app.effective_claim_lease_ms(),
-        };
-        self.send(request, Op::Claim { token, notified });
         if self.polls() {
             self.arm(Timer::Poll, now + self.poll_interval());
         }
+        Some(ClaimPass { token, notified, running, claimed, start_now })
     }
 
     fn send_heartbeat(&mut self) {
@@ -1258,6 +1314,13 @@ impl Worker {
 
     fn on_reply(&mut self, op: Op, reply: DbReply) {
         match (op, reply) {
+            (Op::FinishAndClaim { batch, token, notified }, reply @ DbReply::FinishedAndClaimed { .. }) => {
+                let (finished, claimed) = reply.into_finished_and_claimed();
+                self.on_reply(Op::Finish { batch, lone: false }, finished);
+                if let Some(claimed) = claimed {
+                    self.on_reply(Op::Claim { token, notified }, claimed);
+                }
+            }
             (Op::Claim { notified, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
                 // A wake-up hint past the end of this clock's range is no hint at all.
                 let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
@@ -1731,17 +1794,16 @@ impl Worker {
         // A lock another transaction held too long: not an outage, so no backoff of everything.
         let lock = matches!(failure, DbFailure::LockTimeout(_));
         match op {
-            Op::Claim { token, .. } => {
-                self.claim_in_flight = false;
-                self.want_pass();
-                if unknown {
-                    // The claim may have committed, or commit later still: undo it by its token
-                    // now, and with every heartbeat for a while.
-                    self.abandons.push(token);
-                    if let Some(until) = now.checked_add(ABANDONED_CLAIM_MEMORY) {
-                        self.abandoned.insert(token, until);
-                    }
+            Op::FinishAndClaim { batch, token, .. } => {
+                // Both parts failed together. A lock or a refusal is the finish's: its rows are
+                // what the statement locks or writes values into.
+                self.claim_failed(token, unknown, now);
+                if self.finish_failed(batch, false, &failure, unknown, now) {
+                    return;
                 }
+            }
+            Op::Claim { token, .. } => {
+                self.claim_failed(token, unknown, now);
                 if lock {
                     // A queue's claim lock: other workers claim meanwhile.
                     self.claims_held = true;
@@ -1766,39 +1828,7 @@ impl Worker {
                 }
             }
             Op::Finish { batch, lone } => {
-                if lone {
-                    self.lone_in_flight = false;
-                } else {
-                    self.finish_in_flight = false;
-                }
-                // Re-send only what is still ours under the same lease.
-                let held = |q: &Queued| {
-                    self.held
-                        .get(&q.completion.task.task)
-                        .is_some_and(|h| h.lease == q.completion.task.lease && h.stage == Stage::Finishing)
-                };
-                let mut batch: Vec<Queued> = batch.into_iter().filter(held).collect();
-                let refused =
-                    matches!(failure, DbFailure::Invalid(_) | DbFailure::Rejected(_) | DbFailure::LockTimeout(_));
-                if refused && batch.len() <= 1 {
-                    // Alone: it goes on in the lone lane, and the other completions without it.
-                    if let Some(queued) = batch.pop() {
-                        self.refused_alone(queued, &failure, now);
-                    }
-                    return;
-                }
-                if refused {
-                    // Never the same refused batch again: halve it until the item the database
-                    // refuses (or the row another transaction holds) is alone. Not an outage:
-                    // the split is progress, sent at once.
-                    self.finish_limit = (batch.len() / 2).max(1);
-                }
-                let lane = if lone { &mut self.lone } else { &mut self.completions };
-                for mut queued in batch.into_iter().rev() {
-                    queued.resent |= unknown;
-                    lane.push_front(queued);
-                }
-                if refused {
+                if self.finish_failed(batch, lone, &failure, unknown, now) {
                     return;
                 }
             }
@@ -1861,6 +1891,67 @@ impl Worker {
             self.events.push_back(Event::GaveUp);
             self.begin_shutdown(now);
         }
+    }
+
+    /// A claim that failed: no pass in flight, another wanted. One whose commit is unknown is
+    /// undone by its token now, and with every heartbeat for a while (it may commit later).
+    fn claim_failed(&mut self, token: u64, unknown: bool, now: Instant) {
+        self.claim_in_flight = false;
+        self.want_pass();
+        if unknown {
+            self.abandons.push(token);
+            if let Some(until) = now.checked_add(ABANDONED_CLAIM_MEMORY) {
+                self.abandoned.insert(token, until);
+            }
+        }
+    }
+
+    /// A finish of `batch` that failed: what is still ours goes back to its lane, split when
+    /// the database refused it (a value, a lock) so that no refused batch is sent again
+    /// unchanged. `true` when the failure is not an outage (nothing to back off from).
+    fn finish_failed(
+        &mut self,
+        batch: Vec<Queued>,
+        lone: bool,
+        failure: &DbFailure,
+        unknown: bool,
+        now: Instant,
+    ) -> bool {
+        if lone {
+            self.lone_in_flight = false;
+        } else {
+            self.finish_in_flight = false;
+        }
+        // Only an item refused alone is the refused item: one left alone because the others
+        // were lost meanwhile is sent again as it is.
+        let sent_alone = batch.len() <= 1;
+        // Re-send only what is still ours under the same lease.
+        let held = |q: &Queued| {
+            self.held
+                .get(&q.completion.task.task)
+                .is_some_and(|h| h.lease == q.completion.task.lease && h.stage == Stage::Finishing)
+        };
+        let mut batch: Vec<Queued> = batch.into_iter().filter(held).collect();
+        let refused = matches!(failure, DbFailure::Invalid(_) | DbFailure::Rejected(_) | DbFailure::LockTimeout(_));
+        if refused && sent_alone {
+            // Alone: it goes on in the lone lane, and the other completions without it.
+            if let Some(queued) = batch.pop() {
+                self.refused_alone(queued, failure, now);
+            }
+            return true;
+        }
+        if refused {
+            // Never the same refused batch again: halve it until the item the database refuses
+            // (or the row another transaction holds) is alone. Not an outage: the split is
+            // progress, sent at once.
+            self.finish_limit = (batch.len() / 2).max(1);
+        }
+        let lane = if lone { &mut self.lone } else { &mut self.completions };
+        for mut queued in batch.into_iter().rev() {
+            queued.resent |= unknown;
+            lane.push_front(queued);
+        }
+        refused
     }
 
     /// A completion the database refused (or a lock held up) on its own: it goes on in the
@@ -1983,6 +2074,7 @@ fn own_outcome_bytes(outcome: &FinishOutcome) -> u64 {
 
 fn reply_kind(reply: &DbReply) -> &'static str {
     match reply {
+        DbReply::FinishedAndClaimed { .. } => "finished_and_claimed",
         DbReply::Claimed { .. } => "claimed",
         DbReply::Started { .. } => "started",
         DbReply::Finished { .. } => "finished",

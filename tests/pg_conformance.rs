@@ -420,6 +420,12 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
         }
     };
     match reply {
+        DbReply::FinishedAndClaimed { .. } => {
+            let (finished, claimed) = reply.clone().into_finished_and_claimed();
+            seen.push("finished and claimed");
+            seen.extend(features(&finished));
+            seen.extend(claimed.iter().flat_map(features));
+        }
         DbReply::Claimed { tasks, more, next_run_in_ms } => {
             see(next_run_in_ms.is_some(), "wake-up hint");
             see(!tasks.is_empty(), "claimed");
@@ -465,7 +471,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
 /// A reply with what differs between the stores' wording taken out: why a row's arguments
 /// could not be read (each decoder says it its own way).
 fn normalized(mut reply: DbReply) -> DbReply {
-    if let DbReply::Claimed { tasks, .. } = &mut reply {
+    if let DbReply::Claimed { tasks, .. } | DbReply::FinishedAndClaimed { tasks, .. } = &mut reply {
         for task in tasks {
             task.args_error = task.args_error.take().map(|_| "unreadable".to_owned());
         }
@@ -574,6 +580,41 @@ async fn claim_order_caps_and_more_in_hard_mode() {
         claim("c", 1, &Arc::new(ClaimPolicy { max_claim_batch: 1, ..(*p).clone() }), 1, 60_000),
     ];
     pair.run(&script).await;
+}
+
+#[tokio::test]
+async fn a_finish_and_claim_refills_the_cap_slot_its_finish_frees() {
+    let app = AppConfig { cluster_wide_cap: Some(2), ..custom(vec![CustomQueue::new("q").with_max_concurrency(1)]) };
+    let p = policy(&app, 4);
+    let mut pair = Pair::new(app, "finish and claim").await;
+    let finish_and_claim = |task: TaskLease, token: u64| {
+        Op::Db(DbRequest::FinishAndClaim {
+            worker: w("a"),
+            completions: vec![Completion { task, outcome: FinishOutcome::Completed(json!(task.task.0)), args: None }],
+            token,
+            policy: Arc::clone(&p),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 4,
+            lease_ms: 60_000,
+        })
+    };
+    let script = vec![
+        Op::Enqueue((1..=3).map(|i| NewTask::new("t", json!(i)).queue("q")).collect()),
+        claim("a", 1, &p, 4, 60_000),
+        // The queue's one slot is taken: nothing for another worker.
+        claim("b", 1, &p, 4, 60_000),
+        // Finishing task 1 frees it, and the same statement takes task 2 into it.
+        finish_and_claim(lease(1, 1), 2),
+        claim("b", 2, &p, 4, 60_000),
+        // A stale lease finishes nothing (fenced), and the claim finds the slot taken.
+        finish_and_claim(lease(1, 1), 3),
+        finish_and_claim(lease(2, 1), 4),
+    ];
+    pair.run(&script).await;
+    let states: Vec<TaskState> = (1..=3).map(|id| pair.memory.task(TaskId(id)).expect("task").state).collect();
+    assert_eq!(states, vec![TaskState::Completed, TaskState::Completed, TaskState::Running]);
+    assert_eq!(pair.memory.task(TaskId(3)).and_then(|t| t.claimed_by.clone()), Some(w("a")));
 }
 
 #[tokio::test]
@@ -893,6 +934,33 @@ fn ids(pair: &Pair) -> Vec<i64> {
 
 const WORKERS: [&str; 3] = ["w1", "w2", "w3"];
 
+/// A claim by `worker` (holding `running` and `claimed` tasks) under a random policy of `app`.
+fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, claimed: usize, tokens: &mut u64) -> Op {
+    let soft = app.prefetch_buffer > 0;
+    let mut queues: Vec<QueuePolicy> =
+        app.queues().into_iter().filter(|_| rng.chance(0.85)).map(QueuePolicy::from).collect();
+    queues.sort_by_key(|q| q.priority);
+    let policy = ClaimPolicy {
+        concurrency: rng.range(1, 5) as u32,
+        prefetch_buffer: app.prefetch_buffer,
+        max_claim_batch: rng.range(0, 3) as u32,
+        max_claim_per_worker: if rng.chance(0.2) { rng.range(1, 4) as u32 } else { 0 },
+        cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },
+        queues,
+        forbidden_flags: if rng.chance(0.3) { vec!["slow".into()] } else { Vec::new() },
+    };
+    *tokens += 1;
+    Op::Db(DbRequest::Claim {
+        worker: w(worker),
+        token: *tokens % 4,
+        policy: Arc::new(policy),
+        my_running: running as u32,
+        my_claimed: claimed as u32,
+        start_now: rng.range(0, 4) as u32,
+        lease_ms: [500, 2_000, 60_000][rng.range(0, 3) as usize],
+    })
+}
+
 /// The next operation, chosen from what the memory store holds now; with `operator`, the
 /// operator actions (reschedule, complete and fail by hand, force-unlock, remove key, purge,
 /// pause, resume) are in the mix too (without, the scripts are those of the worker protocol).
@@ -982,31 +1050,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             Op::Enqueue(tasks)
         }
         20..=39 => {
-            let soft = app.prefetch_buffer > 0;
-            let mut queues: Vec<QueuePolicy> =
-                app.queues().into_iter().filter(|_| rng.chance(0.85)).map(QueuePolicy::from).collect();
-            queues.sort_by_key(|q| q.priority);
-            let policy = ClaimPolicy {
-                concurrency: rng.range(1, 5) as u32,
-                prefetch_buffer: app.prefetch_buffer,
-                max_claim_batch: rng.range(0, 3) as u32,
-                max_claim_per_worker: if rng.chance(0.2) { rng.range(1, 4) as u32 } else { 0 },
-                cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },
-                queues,
-                forbidden_flags: if rng.chance(0.3) { vec!["slow".into()] } else { Vec::new() },
-            };
-            let my_running = held(TaskState::Running).len() as u32;
-            let my_claimed = held(TaskState::Claimed).len() as u32;
-            *tokens += 1;
-            Op::Db(DbRequest::Claim {
-                worker: w(worker),
-                token: *tokens % 4,
-                policy: Arc::new(policy),
-                my_running,
-                my_claimed,
-                start_now: rng.range(0, 4) as u32,
-                lease_ms: [500, 2_000, 60_000][rng.range(0, 3) as usize],
-            })
+            random_claim(rng, &app, worker, held(TaskState::Running).len(), held(TaskState::Claimed).len(), tokens)
         }
         40..=49 => {
             let tasks = pick(rng, held(TaskState::Claimed));
@@ -1014,7 +1058,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             Op::Db(DbRequest::Start { worker: w(worker), tasks, policy })
         }
         50..=64 => {
-            let completions = pick(rng, held(TaskState::Running))
+            let completions: Vec<Completion> = pick(rng, held(TaskState::Running))
                 .into_iter()
                 .map(|task| {
                     let outcome = match rng.range(0, 4) {
@@ -1029,7 +1073,26 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
                     Completion { task, outcome, args }
                 })
                 .collect();
-            Op::Db(DbRequest::Finish { worker: w(worker), completions })
+            if !rng.chance(0.3) {
+                return Op::Db(DbRequest::Finish { worker: w(worker), completions });
+            }
+            // The finish and a claim in one statement: the claim counts what the finish freed.
+            let running = held(TaskState::Running).len().saturating_sub(completions.len());
+            let Op::Db(DbRequest::Claim { token, policy, my_running, my_claimed, start_now, lease_ms, .. }) =
+                random_claim(rng, &app, worker, running, held(TaskState::Claimed).len(), tokens)
+            else {
+                unreachable!("random_claim makes claims")
+            };
+            Op::Db(DbRequest::FinishAndClaim {
+                worker: w(worker),
+                completions,
+                token,
+                policy,
+                my_running,
+                my_claimed,
+                start_now,
+                lease_ms,
+            })
         }
         65..=72 => Op::Db(DbRequest::Heartbeat {
             worker: w(worker),
@@ -1206,6 +1269,8 @@ fn apps() -> Vec<(&'static str, AppConfig)> {
             "hard",
             AppConfig {
                 cluster_wide_cap: Some(5),
+                // Crashed runs fail here, as in the seed systems; the other apps run them again.
+                recovery: RecoveryConfig { crash_retries: 0, ..RecoveryConfig::default() },
                 ..custom(vec![
                     CustomQueue::new("a").with_priority(2),
                     CustomQueue::new("b").with_priority(1).with_max_concurrency(2),
@@ -1292,6 +1357,7 @@ async fn random_scripts_agree() {
         "reaped claimed",
         "reaped and retried",
         "reaped and failed",
+        "finished and claimed",
         "expired pending",
     ];
     assert_reached(&seen, &expected);

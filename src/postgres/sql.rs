@@ -62,7 +62,8 @@ FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)";
 const START: &str = "\
 SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
 
-const FINISH: &str = "\
+/// The finish (see [`FINISH`]) up to its answer: every CTE, the writes included.
+const FINISH_WITH: &str = "\
 WITH input AS (
     SELECT i.id, i.lease, i.kind, i.result, i.error, i.delay_ms, i.args, i.ord
     FROM unnest($2::bigint[], $3::bigint[], $4::text[], $5::jsonb[], $6::jsonb[], $7::bigint[], $10::jsonb[])
@@ -127,10 +128,38 @@ notified AS (
 -- A retry is work that becomes ready later: listeners claim and learn when (the wake-up hint).
 ready AS (
     SELECT count(pg_notify($9 || q.queue, '')) AS n FROM (SELECT DISTINCT r.queue FROM retried r) q
-)
-SELECT i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
-CROSS JOIN ready
-ORDER BY i.ord";
+)";
+
+/// The finish's answer, in input order: each task with its new state (NULL: not held). Reading
+/// `notified` and `ready` makes the statement run the moves and retries before it answers.
+const FINISH_ANSWER: &str = "\
+SELECT i.ord, i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
+CROSS JOIN ready";
+
+/// Records finished runs ([`DbRequest::Finish`](crate::db::DbRequest::Finish)).
+const FINISH: &str = "{finish_with}\n{finish_answer}\nORDER BY i.ord";
+
+/// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::db::DbRequest::FinishAndClaim)):
+/// the finish's parameters `$1` to `$10`, the claim's `$11` to `$23`. The claim runs after the
+/// finish has answered (its filter reads the answer first), and `claim()`, a volatile
+/// function, sees what the statement wrote so far: the rows it moved and retried. Rows of
+/// part 0 answer the finish, of part 1 the claim, each in its order.
+const FINISH_AND_CLAIM: &str = "\
+{finish_with},
+finish_answer AS ({finish_answer})
+SELECT 0 AS part, f.ord, f.id, f.state, NULL::bigint AS lease, NULL::text AS name, NULL::text AS queue,
+       NULL::jsonb AS args, NULL::smallint AS priority, NULL::boolean AS started, NULL::integer AS attempt,
+       NULL::integer AS retries, NULL::jsonb AS retry, NULL::boolean AS expires, NULL::boolean AS more,
+       NULL::bigint AS next_run_in_ms
+FROM finish_answer f
+UNION ALL
+SELECT 1, c.ord, c.id, NULL, c.lease, c.name, c.queue, c.args, c.priority, c.started, c.attempt, c.retries, c.retry,
+       c.expires, c.more, c.next_run_in_ms
+FROM {s}.claim($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23)
+     WITH ORDINALITY AS c(id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more,
+                          next_run_in_ms, ord)
+WHERE (SELECT count(*) FROM finish_answer) >= 0
+ORDER BY part, ord";
 
 const RECORD_STARTS: &str = "\
 WITH input AS (
@@ -799,6 +828,7 @@ pub(crate) struct Statements {
     pub(crate) start: SqlStr,
     pub(crate) record_starts: SqlStr,
     pub(crate) finish: SqlStr,
+    pub(crate) finish_and_claim: SqlStr,
     pub(crate) heartbeat: SqlStr,
     pub(crate) release: SqlStr,
     pub(crate) abandon: SqlStr,
@@ -848,6 +878,8 @@ impl Statements {
     pub(crate) fn new(quoted: &str) -> Self {
         let fill = |template: &str| -> SqlStr {
             let text = template
+                .replace("{finish_with}", FINISH_WITH)
+                .replace("{finish_answer}", FINISH_ANSWER)
                 .replace("{finished_columns}", FINISHED_COLUMNS)
                 .replace("{kept}", KEPT)
                 .replace("{unclaim}", UNCLAIM)
@@ -868,6 +900,7 @@ impl Statements {
             start: fill(START),
             record_starts: fill(RECORD_STARTS),
             finish: fill(FINISH),
+            finish_and_claim: fill(FINISH_AND_CLAIM),
             heartbeat: fill(HEARTBEAT),
             release: fill(RELEASE),
             abandon: fill(ABANDON),

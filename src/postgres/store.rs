@@ -217,61 +217,34 @@ impl PgStore {
         let sql = self.schema.sql();
         match request {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
-                // claim() relies on distinct queues (a queue named twice is served once).
-                let mut seen = std::collections::BTreeSet::new();
-                let served: Vec<_> = policy.queues.iter().filter(|q| seen.insert(q.name.as_str())).collect();
-                let queues: Vec<&str> = served.iter().map(|q| q.name.as_str()).collect();
-                let caps: Vec<Option<i32>> = served.iter().map(|q| q.max_concurrency.map(int)).collect();
-                let serial: Vec<bool> = served.iter().map(|q| q.serial).collect();
-                let forbidden = (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags);
-                let rows = sqlx::query(sql.claim.clone())
-                    .bind(&worker.0)
-                    .bind(*token as i64)
-                    .bind(queues)
-                    .bind(caps)
-                    .bind(int(policy.local_budget(*my_running, *my_claimed)))
-                    .bind(policy.hard_cap_mode())
-                    .bind(policy.cluster_wide_cap.map(int))
-                    .bind(int(policy.max_claim_batch))
-                    .bind(claim_lock_keys(&self.schema, policy))
-                    .bind(int(*start_now))
-                    .bind(duration(*lease_ms))
-                    .bind(serial)
-                    .bind(forbidden)
-                    .fetch_all(&mut *conn)
-                    .await?;
-                let mut tasks = Vec::with_capacity(rows.len().saturating_sub(1));
-                let (mut more, mut next_run_in_ms) = (false, None);
-                for row in rows {
-                    let Some(id) = row.try_get::<Option<i64>, _>("id")? else {
-                        more = row.try_get("more")?;
-                        next_run_in_ms = row.try_get::<Option<i64>, _>("next_run_in_ms")?.map(|ms| ms.max(0) as u64);
-                        continue;
-                    };
-                    // A stored value one row cannot decode fails that task alone (the worker fails
-                    // it without running it, or runs it under the app's policy), never the reply.
-                    let (args, args_error) = match leniently::<Value>(&row, "args")? {
-                        Ok(args) => (args, None),
-                        Err(problem) => (Value::Null, Some(problem)),
-                    };
-                    let (retry, retry_error) = self.stored_policy(&row)?;
-                    tasks.push(ClaimedTask {
-                        id: TaskId(id),
-                        lease: Lease(row.try_get("lease")?),
-                        name: row.try_get("name")?,
-                        queue: row.try_get("queue")?,
-                        args,
-                        priority: row.try_get("priority")?,
-                        started: row.try_get("started")?,
-                        attempt: Attempt(count(row.try_get("attempt")?)),
-                        retries: count(row.try_get("retries")?),
-                        retry,
-                        expires: row.try_get("expires")?,
-                        args_error,
-                        retry_error,
-                    });
+                let claim = ClaimArgs::new(&self.schema, policy, *my_running, *my_claimed);
+                let query = claim.bind(sqlx::query(sql.claim.clone()), worker, *token, *start_now, *lease_ms);
+                let rows = query.fetch_all(&mut *conn).await?;
+                self.claimed_from(&rows)
+            }
+            DbRequest::FinishAndClaim {
+                worker,
+                completions,
+                token,
+                policy,
+                my_running,
+                my_claimed,
+                start_now,
+                lease_ms,
+            } => {
+                let finish = FinishArgs::new(completions)?;
+                let claim = ClaimArgs::new(&self.schema, policy, *my_running, *my_claimed);
+                let query = self.bind_finish(sqlx::query(sql.finish_and_claim.clone()), worker, finish);
+                let rows = claim.bind(query, worker, *token, *start_now, *lease_ms).fetch_all(&mut *conn).await?;
+                let split = rows.iter().position(|row| row.try_get::<i32, _>("part").is_ok_and(|part| part == 1));
+                let (finished, claimed) = rows.split_at(split.unwrap_or(rows.len()));
+                let mut answers = Vec::with_capacity(finished.len());
+                for row in finished {
+                    answers.push((row.try_get("id")?, row.try_get("state")?));
                 }
-                Ok(DbReply::Claimed { tasks, more, next_run_in_ms })
+                let (finished, claimed) = (finished_from(answers)?, self.claimed_from(claimed)?);
+                DbReply::finished_and_claimed(finished, claimed)
+                    .ok_or_else(|| sqlx::Error::Protocol("a finish and a claim answered as something else".into()))
             }
             DbRequest::Start { worker, tasks, policy } => {
                 let (ids, leases) = split(tasks);
@@ -410,48 +383,66 @@ impl PgStore {
         worker: &WorkerId,
         completions: &[Completion],
     ) -> Result<DbReply, sqlx::Error> {
-        let n = completions.len();
-        let (mut ids, mut leases, mut kinds) = (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut results, mut errors, mut delays) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let mut new_args: Vec<Option<&Value>> = Vec::with_capacity(n);
-        for Completion { task, outcome, args } in completions {
-            new_args.push(args.as_ref());
-            ids.push(task.task.0);
-            leases.push(task.lease.0);
-            let (kind, result, error, delay) = match outcome {
-                FinishOutcome::Completed(result) => ("completed", result.clone(), Value::Null, 0),
-                FinishOutcome::Failed(error) => ("failed", Value::Null, error_json(error)?, 0),
-                FinishOutcome::Retry { error, delay_ms } => {
-                    ("retry", Value::Null, error_json(error)?, duration(*delay_ms))
-                }
-            };
-            kinds.push(kind);
-            results.push(result);
-            errors.push(error);
-            delays.push(delay);
+        let query =
+            self.bind_finish(sqlx::query(self.schema.sql().finish.clone()), worker, FinishArgs::new(completions)?);
+        let rows = query.fetch_all(&mut *conn).await?;
+        let mut answers = Vec::with_capacity(rows.len());
+        for row in &rows {
+            answers.push((row.try_get("id")?, row.try_get("state")?));
         }
-        let rows: Vec<(i64, Option<String>)> = sqlx::query_as(self.schema.sql().finish.clone())
+        finished_from(answers)
+    }
+
+    /// A finish's parameters, `$1` to `$10`, bound to `query`.
+    fn bind_finish<'q>(&self, query: PgQuery<'q>, worker: &'q WorkerId, args: FinishArgs<'q>) -> PgQuery<'q> {
+        query
             .bind(&worker.0)
-            .bind(ids)
-            .bind(leases)
-            .bind(kinds)
-            .bind(results)
-            .bind(errors)
-            .bind(delays)
+            .bind(args.ids)
+            .bind(args.leases)
+            .bind(args.kinds)
+            .bind(args.results)
+            .bind(args.errors)
+            .bind(args.delays)
             .bind(self.schema.done_channel())
             .bind(self.schema.queue_channel_prefix())
-            .bind(new_args)
-            .fetch_all(&mut *conn)
-            .await?;
-        let (mut applied, mut lost) = (Vec::new(), Vec::new());
-        for (id, state) in rows {
-            match state {
-                Some(state) => applied.push((TaskId(id), parse_state(&state)?)),
-                None => lost.push(TaskId(id)),
-            }
+            .bind(args.new_args)
+    }
+
+    /// The [`DbReply::Claimed`] of a claim's rows (the last row, with no id, carries `more`
+    /// and the wake-up hint).
+    fn claimed_from(&self, rows: &[sqlx::postgres::PgRow]) -> Result<DbReply, sqlx::Error> {
+        let mut tasks = Vec::with_capacity(rows.len().saturating_sub(1));
+        let (mut more, mut next_run_in_ms) = (false, None);
+        for row in rows {
+            let Some(id) = row.try_get::<Option<i64>, _>("id")? else {
+                more = row.try_get("more")?;
+                next_run_in_ms = row.try_get::<Option<i64>, _>("next_run_in_ms")?.map(|ms| ms.max(0) as u64);
+                continue;
+            };
+            // A stored value one row cannot decode fails that task alone (the worker fails it
+            // without running it, or runs it under the app's policy), never the reply.
+            let (args, args_error) = match leniently::<Value>(row, "args")? {
+                Ok(args) => (args, None),
+                Err(problem) => (Value::Null, Some(problem)),
+            };
+            let (retry, retry_error) = self.stored_policy(row)?;
+            tasks.push(ClaimedTask {
+                id: TaskId(id),
+                lease: Lease(row.try_get("lease")?),
+                name: row.try_get("name")?,
+                queue: row.try_get("queue")?,
+                args,
+                priority: row.try_get("priority")?,
+                started: row.try_get("started")?,
+                attempt: Attempt(count(row.try_get("attempt")?)),
+                retries: count(row.try_get("retries")?),
+                retry,
+                expires: row.try_get("expires")?,
+                args_error,
+                retry_error,
+            });
         }
-        Ok(DbReply::Finished { applied, lost })
+        Ok(DbReply::Claimed { tasks, more, next_run_in_ms })
     }
 
     /// Purges finished tasks on `conn`, `batch` per statement (each its own transaction),
@@ -617,6 +608,125 @@ impl PgStore {
             .await?;
         Ok(held.unwrap_or(false))
     }
+}
+
+/// A query with its parameters, as sqlx builds it.
+type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+/// A finish's outcomes as the statement's arrays.
+struct FinishArgs<'a> {
+    ids: Vec<i64>,
+    leases: Vec<i64>,
+    kinds: Vec<&'static str>,
+    results: Vec<Value>,
+    errors: Vec<Value>,
+    delays: Vec<i64>,
+    new_args: Vec<Option<&'a Value>>,
+}
+
+impl<'a> FinishArgs<'a> {
+    fn new(completions: &'a [Completion]) -> Result<FinishArgs<'a>, sqlx::Error> {
+        let n = completions.len();
+        let mut args = FinishArgs {
+            ids: Vec::with_capacity(n),
+            leases: Vec::with_capacity(n),
+            kinds: Vec::with_capacity(n),
+            results: Vec::with_capacity(n),
+            errors: Vec::with_capacity(n),
+            delays: Vec::with_capacity(n),
+            new_args: Vec::with_capacity(n),
+        };
+        for Completion { task, outcome, args: new_args } in completions {
+            args.new_args.push(new_args.as_ref());
+            args.ids.push(task.task.0);
+            args.leases.push(task.lease.0);
+            let (kind, result, error, delay) = match outcome {
+                FinishOutcome::Completed(result) => ("completed", result.clone(), Value::Null, 0),
+                FinishOutcome::Failed(error) => ("failed", Value::Null, error_json(error)?, 0),
+                FinishOutcome::Retry { error, delay_ms } => {
+                    ("retry", Value::Null, error_json(error)?, duration(*delay_ms))
+                }
+            };
+            args.kinds.push(kind);
+            args.results.push(result);
+            args.errors.push(error);
+            args.delays.push(delay);
+        }
+        Ok(args)
+    }
+}
+
+/// A claim's parameters as `claim()` takes them (but the worker, token, start-now and lease).
+struct ClaimArgs<'a> {
+    queues: Vec<&'a str>,
+    caps: Vec<Option<i32>>,
+    serial: Vec<bool>,
+    budget: i32,
+    hard: bool,
+    cluster_cap: Option<i32>,
+    max_batch: i32,
+    lock_keys: Vec<i64>,
+    forbidden: Option<&'a Vec<String>>,
+}
+
+impl<'a> ClaimArgs<'a> {
+    fn new(schema: &PgSchema, policy: &'a ClaimPolicy, my_running: u32, my_claimed: u32) -> ClaimArgs<'a> {
+        // claim() relies on distinct queues (a queue named twice is served once).
+        let mut seen = std::collections::BTreeSet::new();
+        let served: Vec<_> = policy.queues.iter().filter(|q| seen.insert(q.name.as_str())).collect();
+        ClaimArgs {
+            queues: served.iter().map(|q| q.name.as_str()).collect(),
+            caps: served.iter().map(|q| q.max_concurrency.map(int)).collect(),
+            serial: served.iter().map(|q| q.serial).collect(),
+            budget: int(policy.local_budget(my_running, my_claimed)),
+            hard: policy.hard_cap_mode(),
+            cluster_cap: policy.cluster_wide_cap.map(int),
+            max_batch: int(policy.max_claim_batch),
+            lock_keys: claim_lock_keys(schema, policy),
+            forbidden: (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags),
+        }
+    }
+
+    /// The thirteen parameters of `claim()`, bound to `query` after those it has.
+    fn bind<'q>(
+        self,
+        query: PgQuery<'q>,
+        worker: &'q WorkerId,
+        token: u64,
+        start_now: u32,
+        lease_ms: u64,
+    ) -> PgQuery<'q>
+    where
+        'a: 'q,
+    {
+        query
+            .bind(&worker.0)
+            .bind(token as i64)
+            .bind(self.queues)
+            .bind(self.caps)
+            .bind(self.budget)
+            .bind(self.hard)
+            .bind(self.cluster_cap)
+            .bind(self.max_batch)
+            .bind(self.lock_keys)
+            .bind(int(start_now))
+            .bind(duration(lease_ms))
+            .bind(self.serial)
+            .bind(self.forbidden)
+    }
+}
+
+/// The [`DbReply::Finished`] of a finish's answers: each task with its new state, or none
+/// (not held under that lease: lost).
+fn finished_from(answers: Vec<(i64, Option<String>)>) -> Result<DbReply, sqlx::Error> {
+    let (mut applied, mut lost) = (Vec::new(), Vec::new());
+    for (id, state) in answers {
+        match state {
+            Some(state) => applied.push((TaskId(id), parse_state(&state)?)),
+            None => lost.push(TaskId(id)),
+        }
+    }
+    Ok(DbReply::Finished { applied, lost })
 }
 
 /// The `claim_locks` rows a claim under `policy` locks, sorted: none without caps, the cluster

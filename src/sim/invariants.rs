@@ -339,6 +339,8 @@ impl Checker {
                 named(&mut before, &mut tasks.iter().map(|t| t.task));
             }
             DbRequest::Finish { completions, .. } => named(&mut before, &mut completions.iter().map(|c| c.task.task)),
+            // The harness checks it as its finish and then its claim.
+            DbRequest::FinishAndClaim { .. } => {}
             DbRequest::Heartbeat { worker, claimed, running, abandoned, .. } => {
                 named(&mut before, &mut claimed.iter().chain(running).map(|t| t.task));
                 before.abandoned = abandoned_rows(store, worker, abandoned);

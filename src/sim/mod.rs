@@ -1059,6 +1059,14 @@ impl Sim {
                     self.note(&name, format_args!("event Lost task {task} {reason:?}"));
                     self.check_loss(slot, &name, task, reason)?;
                 }
+                Event::DbUnavailable { error, .. }
+                    if error.to_string().contains(crate::memory::LOCK_TIMEOUT_MESSAGE) =>
+                {
+                    // A lock held elsewhere holds up what waits for it, not the whole worker.
+                    return Err(format!(
+                        "LOCK TAKEN FOR AN OUTAGE: {name} backs off everything after a lock wait: {error}"
+                    ));
+                }
                 other => self.note(&name, format_args!("event {other:?}")),
             }
         }
@@ -1152,7 +1160,9 @@ impl Sim {
                             .map(|(token, _)| *token)
                             .collect();
                     }
-                    DbRequest::Finish { completions, .. } => self.check_finish_sent(slot, &name, completions)?,
+                    DbRequest::Finish { completions, .. } | DbRequest::FinishAndClaim { completions, .. } => {
+                        self.check_finish_sent(slot, &name, completions)?
+                    }
                     _ => {}
                 }
                 let fate = if self.faults_on { self.options.faults.fate(&mut self.rng) } else { Fate::Delivered };
@@ -1560,6 +1570,20 @@ impl Sim {
         op: OpId,
         request: &DbRequest,
     ) -> Result<Result<DbReply, DbFailure>, String> {
+        if let Some((finish, claim)) = request.finish_then_claim() {
+            // One statement: the finish, then the claim in what the finish left, each checked
+            // as if alone. A failure fails both (nothing applied).
+            let finished = match self.apply_checked(worker, op, &finish)? {
+                Ok(reply) => reply,
+                Err(failure) => return Ok(Err(failure)),
+            };
+            let claimed = self
+                .apply_checked(worker, op, &claim)?
+                .map_err(|failure| format!("the claim of a finish-and-claim failed after its finish: {failure}"))?;
+            return DbReply::finished_and_claimed(finished, claimed)
+                .map(Ok)
+                .ok_or_else(|| "a finish and a claim answered as something else".to_owned());
+        }
         let now = self.db_now();
         if let (Some(limit), DbRequest::Finish { completions, .. }) =
             (self.options.faults.db_value_limit_bytes, request)
@@ -1625,7 +1649,10 @@ impl Sim {
         abandoned: &[u64],
     ) -> Result<(), String> {
         match (request, reply) {
-            (DbRequest::Finish { completions, .. }, Err(DbFailure::Invalid(_))) => {
+            (
+                DbRequest::Finish { completions, .. } | DbRequest::FinishAndClaim { completions, .. },
+                Err(DbFailure::Invalid(_)),
+            ) => {
                 self.slots[slot].refused_finish = Some(completions.clone());
             }
             (DbRequest::Heartbeat { claimed, running, .. }, Ok(_)) if !abandoned.is_empty() => {
@@ -2070,6 +2097,10 @@ fn describe_request(request: &DbRequest) -> String {
         DbRequest::Start { tasks, .. } | DbRequest::RecordStarts { tasks, .. } | DbRequest::Release { tasks, .. } => {
             leases(tasks)
         }
+        DbRequest::FinishAndClaim { .. } => {
+            let (finish, claim) = request.finish_then_claim().expect("a finish-and-claim");
+            format!("{} and claim {}", describe_request(&finish), describe_request(&claim))
+        }
         DbRequest::Finish { completions, .. } => ids(completions.iter().map(|c| {
             let outcome = match &c.outcome {
                 FinishOutcome::Completed(_) => "ok".to_owned(),
@@ -2099,6 +2130,11 @@ fn describe_reply(reply: &DbReply) -> String {
         }
     };
     match reply {
+        DbReply::FinishedAndClaimed { .. } => {
+            let (finished, claimed) = reply.clone().into_finished_and_claimed();
+            let claimed = claimed.map(|c| describe_reply(&c)).unwrap_or_default();
+            return format!("{}; {claimed}", describe_reply(&finished));
+        }
         DbReply::Claimed { tasks, more, .. } => {
             let listed = ids(tasks.iter().map(|t| {
                 format!("{}@{}{}", t.id, t.lease, if t.started { format!("/run{}", t.attempt) } else { String::new() })
@@ -2130,6 +2166,7 @@ fn describe_reply(reply: &DbReply) -> String {
             part("failed", ids(&report.failed), report.failed.is_empty());
             part("expired", ids(&report.expired), report.expired.is_empty());
             part("workers pruned", report.workers_pruned.to_string(), report.workers_pruned == 0);
+            part("dead", ids(&report.dead_workers), report.dead_workers.is_empty());
         }
         DbReply::Purged { tasks } => return format!("purged {tasks}"),
         DbReply::Done => return "done".to_owned(),
