@@ -816,10 +816,27 @@ impl Worker {
 
     /// Reports something that happened. Drain the outputs afterwards.
     pub fn handle_input(&mut self, input: Input, now: Instant) {
+        self.handle_inputs([input], now);
+    }
+
+    /// Reports several things that happened at once (handlers that finished together, say),
+    /// then decides what to send: one claim for every slot they freed, one finish for all their
+    /// outcomes, where reporting them one by one would send a request for the first alone.
+    /// Drain the outputs afterwards.
+    pub fn handle_inputs(&mut self, inputs: impl IntoIterator<Item = Input>, now: Instant) {
         let now = self.advance(now);
-        if self.phase == Phase::Stopped {
-            return;
+        for input in inputs {
+            if self.phase == Phase::Stopped {
+                return;
+            }
+            self.take_input(input, now);
         }
+        if self.phase != Phase::Stopped {
+            self.pump(now);
+        }
+    }
+
+    fn take_input(&mut self, input: Input, now: Instant) {
         match input {
             Input::Db { op, reply } => self.on_db(op, reply, now),
             Input::TaskFinished { task, lease, outcome } => self.on_task_finished(task, lease, outcome),
@@ -840,7 +857,6 @@ impl Worker {
             }
             Input::Shutdown => self.begin_shutdown(now),
         }
-        self.pump(now);
     }
 
     /// Handles every timer due at `now`. Early or repeated calls do nothing harmful.

@@ -164,7 +164,9 @@ where
                         };
                         // Where a worker's time goes, request by request (`CANTER_LOG=canter::db=trace`).
                         let claimed = match &answer {
-                            Ok(DbReply::Claimed { tasks, .. }) => tasks.len(),
+                            Ok(DbReply::Claimed { tasks, .. } | DbReply::FinishedAndClaimed { tasks, .. }) => {
+                                tasks.len()
+                            }
                             _ => 0,
                         };
                         let ms = clock.now().saturating_duration_since(sent).as_secs_f64() * 1e3;
@@ -254,16 +256,17 @@ where
                 if matches!(input, Input::Shutdown) {
                     shutdown_sent = true;
                 }
-                worker.handle_input(input, now);
-                // Handlers that finished meanwhile go in the same turn: one wake-up of this
-                // loop for many of them, not one each.
+                // Handlers that finished meanwhile go in the same turn, and the machine decides
+                // once for all of them: one finish and one claim for the slots they freed.
+                let mut batch = vec![input];
                 for _ in 0..DONE_PER_TURN {
                     let Ok((task, lease, outcome)) = done_rx.try_recv() else { break };
                     if running.get(&task).is_some_and(|(held, _)| *held == lease) {
                         running.remove(&task);
                     }
-                    worker.handle_input(Input::TaskFinished { task, lease, outcome }, now);
+                    batch.push(Input::TaskFinished { task, lease, outcome });
                 }
+                worker.handle_inputs(batch, now);
                 // A steady stream of inputs must not starve the timers (heartbeats, timeouts).
                 if worker.poll_timeout().is_some_and(|(at, _)| at <= now) {
                     worker.handle_timeout(now);
