@@ -4,10 +4,10 @@
 //! observes, and the SQL claim statement computes the same thing (the conformance suite runs
 //! both). The formula is horsies' (reference/seeds.md §1.1, "Budget formula (Rust)"):
 //!
-//! - `max_claimed` = `max_claim_per_worker`, or automatically `concurrency` (hard-cap mode) or
-//!   `concurrency + prefetch_buffer` (soft-cap mode); nothing is claimed once this worker holds
-//!   that many live claims;
-//! - `local_available` = `concurrency (+ prefetch_buffer) − my_running − my_claimed`;
+//! - `max_claimed` = `max_claim_per_worker`, or automatically the capacity: `concurrency +
+//!   claim_ahead` (hard-cap mode) or `concurrency + prefetch_buffer` (soft-cap mode); nothing
+//!   is claimed once this worker holds that many live claims;
+//! - `local_available` = capacity `− my_running − my_claimed`;
 //! - `global_remaining` = `cluster_wide_cap − cluster in-flight` (hard mode only);
 //! - `total` = min(local_available, max_claimed − my_claimed, global_remaining);
 //! - per queue, in priority order: min(what is left of `total`, the queue's cap minus its
@@ -55,6 +55,11 @@ pub struct ClaimPolicy {
     pub concurrency: u32,
     /// Extra claims a worker may hold beyond `concurrency`; 0 is hard-cap mode.
     pub prefetch_buffer: u32,
+    /// Hard-cap mode: claims a worker may take beyond its free slots, left Claimed (they count
+    /// against every cap as any live claim does, and the worker starts them as slots free).
+    /// The worker sets it per claim from its rate of work; 0 claims for free slots only.
+    #[serde(default)]
+    pub claim_ahead: u32,
     /// Most tasks taken from one queue in one pass; 0 = no limit beyond the budget.
     pub max_claim_batch: u32,
     /// Most live claims this worker may hold; 0 = automatic.
@@ -74,6 +79,7 @@ impl ClaimPolicy {
         ClaimPolicy {
             concurrency: worker.concurrency,
             prefetch_buffer: app.prefetch_buffer,
+            claim_ahead: 0,
             max_claim_batch: worker.max_claim_batch,
             max_claim_per_worker: worker.max_claim_per_worker,
             cluster_wide_cap: app.cluster_wide_cap,
@@ -95,11 +101,7 @@ impl ClaimPolicy {
 
     /// The most live claims this worker may hold, with the automatic default resolved.
     pub fn max_claimed(&self) -> u32 {
-        if self.max_claim_per_worker > 0 {
-            self.max_claim_per_worker
-        } else {
-            self.concurrency.saturating_add(self.prefetch_buffer)
-        }
+        if self.max_claim_per_worker > 0 { self.max_claim_per_worker } else { self.capacity() }
     }
 
     /// What this worker may claim in total, from its own counts alone (no cluster or queue cap
@@ -109,9 +111,15 @@ impl ClaimPolicy {
         if my_claimed >= max_claimed {
             return 0;
         }
-        let capacity = self.concurrency.saturating_add(self.prefetch_buffer);
-        let local_available = capacity.saturating_sub(my_running).saturating_sub(my_claimed);
+        let local_available = self.capacity().saturating_sub(my_running).saturating_sub(my_claimed);
         local_available.min(max_claimed - my_claimed)
+    }
+
+    /// The most tasks this worker may hold running and claimed: its concurrency, its prefetch
+    /// buffer (soft-cap mode) and what it claims ahead (hard-cap mode).
+    pub fn capacity(&self) -> u32 {
+        let extra = if self.hard_cap_mode() { self.claim_ahead } else { self.prefetch_buffer };
+        self.concurrency.saturating_add(extra)
     }
 
     /// Whether any cap needs a consistent count across the cluster (and so an advisory lock).
@@ -205,6 +213,7 @@ mod tests {
         ClaimPolicy {
             concurrency,
             prefetch_buffer: prefetch,
+            claim_ahead: 0,
             max_claim_batch: 0,
             max_claim_per_worker: 0,
             cluster_wide_cap: None,

@@ -519,6 +519,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
     Arc::new(ClaimPolicy {
         concurrency,
         prefetch_buffer: app.prefetch_buffer,
+        claim_ahead: 0,
         max_claim_batch: 0,
         max_claim_per_worker: 0,
         cluster_wide_cap: app.cluster_wide_cap,
@@ -943,6 +944,8 @@ fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, cl
     let policy = ClaimPolicy {
         concurrency: rng.range(1, 5) as u32,
         prefetch_buffer: app.prefetch_buffer,
+        // Hard-cap workers claim ahead of their free slots as their rate of work says.
+        claim_ahead: if soft || rng.chance(0.5) { 0 } else { rng.range(1, 4) as u32 },
         max_claim_batch: rng.range(0, 3) as u32,
         max_claim_per_worker: if rng.chance(0.2) { rng.range(1, 4) as u32 } else { 0 },
         cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },

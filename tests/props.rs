@@ -27,10 +27,20 @@ fn queue_policies() -> impl Strategy<Value = Vec<QueuePolicy>> {
 }
 
 fn claim_policies() -> impl Strategy<Value = ClaimPolicy> {
-    (1u32..32, prop_oneof![Just(0u32), 1u32..16], 0u32..10, 0u32..40, prop::option::of(1u32..64), queue_policies())
-        .prop_map(|(concurrency, prefetch, batch, per_worker, cap, queues)| ClaimPolicy {
+    (
+        1u32..32,
+        prop_oneof![Just(0u32), 1u32..16],
+        0u32..10,
+        0u32..40,
+        prop::option::of(1u32..64),
+        queue_policies(),
+        prop_oneof![Just(0u32), 1u32..40],
+    )
+        .prop_map(|(concurrency, prefetch, batch, per_worker, cap, queues, ahead)| ClaimPolicy {
             concurrency,
             prefetch_buffer: prefetch,
+            // Claims ahead of free slots are a hard-cap mode setting.
+            claim_ahead: if prefetch == 0 { ahead } else { 0 },
             max_claim_batch: batch,
             max_claim_per_worker: per_worker,
             // A cluster-wide cap with a prefetch buffer is a configuration error.
@@ -72,8 +82,9 @@ proptest! {
         let total = plan.total();
         // This worker: its capacity and its live-claim limit.
         prop_assert!(total <= plan.budget);
+        let extra = if hard { policy.claim_ahead } else { policy.prefetch_buffer };
         prop_assert!(counts.my_running + counts.my_claimed + total
-            <= (policy.concurrency + policy.prefetch_buffer).max(counts.my_running + counts.my_claimed));
+            <= (policy.concurrency + extra).max(counts.my_running + counts.my_claimed));
         prop_assert!(total == 0 || counts.my_claimed + total <= policy.max_claimed());
         // The cluster.
         if let (true, Some(cap)) = (hard, policy.cluster_wide_cap) {

@@ -3,6 +3,7 @@
 
 use std::time::{Duration, Instant};
 
+use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
@@ -1299,4 +1300,97 @@ fn a_refused_batch_left_with_one_item_by_losses_sends_that_item_again_unchanged(
         "unchanged: {completions:?}"
     );
     assert!(!h.events.iter().any(|e| matches!(e, Event::OutcomeRefused { .. })), "{:?}", h.events);
+}
+
+#[test]
+fn a_more_urgent_task_overtakes_the_buffer() {
+    let app = soft_cap_app(None);
+    let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, seed: Some(1), ..WorkerConfig::default() });
+    // One runs; two wait in the buffer, the more urgent one (priority -1) after the other.
+    let mut urgent = task(3, false);
+    urgent.priority = -1;
+    let next = start(&mut h, &first, vec![task(1, true), task(2, false), urgent], false);
+    let runs = spawns(&next);
+    assert_eq!(runs.iter().map(|r| r.id).collect::<Vec<_>>(), vec![TaskId(1)]);
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    assert_eq!(spawns(&after).iter().map(|r| r.id).collect::<Vec<_>>(), vec![TaskId(3)], "the urgent one first");
+}
+
+/// Answers `commands` as a store with endless work would: finishes land; a claim takes its
+/// whole budget, starting what it may start at once. Returns the commands the answers led to
+/// and the most any claim asked to take ahead.
+fn answer_busy(h: &mut Harness, commands: &[Command], next_id: &mut i64) -> (Vec<Command>, u32) {
+    let mut out = Vec::new();
+    let mut ahead = 0;
+    let claimed = |policy: &ClaimPolicy, my_running: u32, my_claimed: u32, start_now: u32, next_id: &mut i64| {
+        (0..policy.local_budget(my_running, my_claimed))
+            .map(|i| {
+                *next_id += 1;
+                task(*next_id, i < start_now)
+            })
+            .collect::<Vec<_>>()
+    };
+    for (op, request) in db_ops(commands) {
+        let reply = match request.clone() {
+            DbRequest::Finish { completions, .. } => DbReply::Finished {
+                applied: completions.iter().map(|c| (c.task.task, TaskState::Completed)).collect(),
+                lost: vec![],
+            },
+            DbRequest::Claim { policy, my_running, my_claimed, start_now, .. } => {
+                ahead = ahead.max(policy.claim_ahead);
+                let tasks = claimed(&policy, my_running, my_claimed, start_now, next_id);
+                DbReply::Claimed { tasks, more: true, next_run_in_ms: None }
+            }
+            DbRequest::FinishAndClaim { completions, policy, my_running, my_claimed, start_now, .. } => {
+                ahead = ahead.max(policy.claim_ahead);
+                let tasks = claimed(&policy, my_running, my_claimed, start_now, next_id);
+                DbReply::FinishedAndClaimed {
+                    applied: completions.iter().map(|c| (c.task.task, TaskState::Completed)).collect(),
+                    lost: vec![],
+                    tasks,
+                    more: true,
+                    next_run_in_ms: None,
+                }
+            }
+            _ => continue,
+        };
+        out.extend(h.reply(op, reply));
+    }
+    (out, ahead)
+}
+
+#[test]
+fn a_hard_cap_worker_claims_ahead_of_its_free_slots_as_fast_as_it_works() {
+    let (mut h, first) = Harness::default(2);
+    let next = start(&mut h, &first, vec![task(1, true), task(2, true)], true);
+    let mut running = spawns(&next);
+    let mut pending: Vec<Command> = next.into_iter().filter(|c| matches!(c, Command::Db { .. })).collect();
+    let mut next_id = 2;
+    let mut ahead = 0;
+    // Handlers that finish at once, every 200 µs: a rate of thousands a second.
+    for _ in 0..100 {
+        h.now += Duration::from_micros(200);
+        let inputs: Vec<Input> = std::mem::take(&mut running)
+            .iter()
+            .map(|run| Input::TaskFinished { task: run.id, lease: run.lease, outcome: TaskOutcome::Success(json!(1)) })
+            .collect();
+        h.worker.handle_inputs(inputs, h.now);
+        let mut sent = std::mem::take(&mut pending);
+        sent.extend(h.drain());
+        running.extend(spawns(&sent));
+        let (answered, most) = answer_busy(&mut h, &sent, &mut next_id);
+        ahead = ahead.max(most);
+        running.extend(spawns(&answered));
+        pending = answered.into_iter().filter(|c| matches!(c, Command::Db { .. })).collect();
+    }
+    assert!(ahead > 0, "it claims ahead once it knows its rate");
+    assert!(h.worker.claimed() > 0, "claims wait in its buffer");
+    // What waits starts without a request as slots free: its claim counts against the caps.
+    let runs = running;
+    assert!(!runs.is_empty());
+    let before = h.worker.claimed();
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    assert!(!has(&after, "start"), "{after:?}");
+    assert_eq!(spawns(&after).len(), 1, "{after:?}");
+    assert_eq!(h.worker.claimed(), before - 1);
 }

@@ -579,7 +579,12 @@ impl Checker {
                     touched.push(id);
                 }
                 for &id in deferred {
-                    ensure!(!self.hard, "start by {worker} deferred task {id} in hard-cap mode");
+                    // In hard-cap mode a start checks no cap: only a row another transaction
+                    // holds is deferred.
+                    ensure!(
+                        !self.hard || before.locked.contains(&id),
+                        "start by {worker} deferred task {id} in hard-cap mode"
+                    );
                     ensure!(usable(id), "start by {worker} deferred task {id} it does not hold");
                 }
                 for &id in lost {
@@ -1067,12 +1072,18 @@ pub(crate) fn check_worker(
         "CAP: {id} runs {running} handlers, concurrency {}",
         policy.concurrency
     );
+    // Its buffer varies with its rate of work, up to the prefetch buffer (soft-cap mode) or the
+    // most it claims ahead (hard-cap mode).
+    let most = ClaimPolicy {
+        claim_ahead: if policy.hard_cap_mode() { crate::worker::HARD_CAP_CLAIM_AHEAD_MAX } else { 0 },
+        ..policy.clone()
+    };
     ensure!(
-        running + claimed <= (policy.concurrency + policy.prefetch_buffer) as usize,
+        running + claimed <= most.capacity() as usize,
         "CAP: {id} holds {running} running and {claimed} claimed, capacity {}",
-        policy.concurrency + policy.prefetch_buffer
+        most.capacity()
     );
-    ensure!(claimed <= policy.max_claimed() as usize, "CAP: {id} holds {claimed} claims, max {}", policy.max_claimed());
+    ensure!(claimed <= most.max_claimed() as usize, "CAP: {id} holds {claimed} claims, max {}", most.max_claimed());
     // After a failover a task may run twice under one lease (the store handed the lease out
     // again): an aborted run's late answer then reads as the new run's. Those tasks aside.
     let believed: BTreeMap<TaskId, Lease> =

@@ -33,8 +33,10 @@
 //!   once after a pass that left work behind, otherwise when a notification arrives or the poll
 //!   interval passes (by deployment mode). Notifications that arrive while a claim is in
 //!   flight coalesce into one more pass.
-//! - In hard-cap mode claimed tasks start in the claim itself; in soft-cap mode the tasks past
-//!   the free permits wait in a buffer and start in batches as permits free up.
+//! - Claims for its free permits, which start in the claim itself (hard-cap mode) or, where
+//!   the store has nothing to check, at once (soft-cap mode), and for a buffer beyond them
+//!   sized by its rate of work (`flow`): buffered tasks start, most urgent first, as permits
+//!   free up. In hard-cap mode a finish and the next claim share one request.
 //! - Writes completions in batches: the first at once, and while one batch is in flight the
 //!   next accumulates (up to `completion_batch_max`). A handler's permit is freed when it
 //!   finishes, before its completion is written (tasker's backpressure rule).
@@ -58,7 +60,12 @@ use crate::db::{
     WorkerInfo, check_storable, check_storable_error, printable,
 };
 use crate::rng::Rng;
+
+mod flow;
+
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX};
+use flow::{Buffer, ClaimFlow};
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
 /// worker and leave what it still holds to the reaper.
@@ -383,6 +390,8 @@ struct Held {
     attempt: Attempt,
     name: String,
     queue: String,
+    /// Its priority (lower runs first): the buffer's order.
+    priority: i16,
     args: serde_json::Value,
     retries: u32,
     retry: RetryPolicy,
@@ -503,6 +512,8 @@ struct ClaimPass {
     running: u32,
     claimed: u32,
     start_now: u32,
+    /// The worker's policy with the buffer sized for this pass.
+    policy: Arc<ClaimPolicy>,
 }
 
 /// An outstanding database request and what it was about.
@@ -513,6 +524,8 @@ enum Op {
         /// Woken by a notification only: it spent a pass of the budget when sent, which it
         /// gives back if it finds work.
         notified: bool,
+        /// When it was sent: its round trip sizes the buffer.
+        sent: Instant,
     },
     Start(Vec<TaskLease>),
     RecordStarts(Vec<TaskLease>),
@@ -526,6 +539,7 @@ enum Op {
         batch: Vec<Queued>,
         token: u64,
         notified: bool,
+        sent: Instant,
     },
     /// The leases the beat named: a loss it reports concerns those leases only.
     Heartbeat(Vec<TaskLease>),
@@ -607,8 +621,12 @@ pub struct Worker {
     next_op: u64,
     ops: BTreeMap<OpId, Op>,
     held: HeldTasks,
-    /// Buffered claims in claim order.
-    buffer: VecDeque<TaskId>,
+    /// Buffered claims, most urgent first.
+    buffer: Buffer,
+    /// The rate of work and the claim round trip, which size the buffer.
+    flow: ClaimFlow,
+    /// The policy of the last claim pass, with the buffer it was sized for.
+    claim_policy: Arc<ClaimPolicy>,
     timers: BTreeMap<Timer, Instant>,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
@@ -676,6 +694,7 @@ impl Worker {
     pub fn new(id: WorkerId, app: AppConfig, config: WorkerConfig, now: Instant) -> Result<Worker, ConfigError> {
         crate::config::validate_pair(&app, &config)?;
         let policy = Arc::new(ClaimPolicy::from_config(&app, &config));
+        let claim_policy = Arc::clone(&policy);
         let served = policy.queues.iter().map(|q| q.name.clone()).collect();
         let seed = config.seed_for(&id);
         let finish_limit = config.completion_batch_max.max(1) as usize;
@@ -690,7 +709,9 @@ impl Worker {
             next_op: 1,
             ops: BTreeMap::new(),
             held: HeldTasks::default(),
-            buffer: VecDeque::new(),
+            buffer: Buffer::default(),
+            flow: ClaimFlow::new(now),
+            claim_policy,
             timers: BTreeMap::new(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
@@ -1059,13 +1080,14 @@ impl Worker {
             worker: self.id.clone(),
             completions,
             token: claim.token,
-            policy: self.policy.clone(),
+            policy: claim.policy,
             my_running: claim.running,
             my_claimed: claim.claimed,
             start_now: claim.start_now,
             lease_ms: self.app.effective_claim_lease_ms(),
         };
-        self.send(request, Op::FinishAndClaim { batch, token: claim.token, notified: claim.notified });
+        let sent = self.now;
+        self.send(request, Op::FinishAndClaim { batch, token: claim.token, notified: claim.notified, sent });
     }
 
     /// Sends the next lone completion, unless one is out or the last was refused.
@@ -1100,7 +1122,7 @@ impl Worker {
         let mut ask = Vec::new();
         let mut kept = VecDeque::new();
         while free > 0 {
-            let Some(id) = self.buffer.pop_front() else { break };
+            let Some(id) = self.buffer.pop() else { break };
             // A buffered task is held; one the store handed out again under the same lease (a
             // failover) may have been written off meanwhile: it is simply gone.
             let Some(held) = self.held.get_mut(&id).filter(|held| held.stage == Stage::Buffered) else { continue };
@@ -1121,7 +1143,7 @@ impl Worker {
             free -= 1;
         }
         while let Some(id) = kept.pop_back() {
-            self.buffer.push_front(id);
+            self.buffer_task(id, true);
         }
         if !ask.is_empty() {
             self.start_in_flight = true;
@@ -1130,16 +1152,17 @@ impl Worker {
         }
     }
 
-    /// Whether a claimed task may start without a start request: in soft-cap mode a start
-    /// checks only the claim lease (which heartbeats keep), good-until and the queue's cap.
+    /// Whether a claimed task may start without a start request: a start checks only the
+    /// claim lease (which heartbeats keep), good-until and, in soft-cap mode, the queue's cap.
     /// With neither of the last two there is nothing to ask, so the handler starts at once and
     /// the store learns of it from the finish, or from [`DbRequest::RecordStarts`] if the
-    /// handler is still running [`Worker::record_starts_after`] later. (Hard-cap mode starts
-    /// in the claim itself.)
+    /// handler is still running [`Worker::record_starts_after`] later.
     fn starts_unasked(policy: &ClaimPolicy, held: &Held) -> bool {
-        !policy.hard_cap_mode()
-            && !held.expires
-            && policy.queues.iter().find(|q| q.name == held.queue).is_some_and(|q| q.max_concurrency.is_none())
+        // In hard-cap mode its claim already counts against every cap: starting it changes no
+        // count the store would check.
+        !held.expires
+            && (policy.hard_cap_mode()
+                || policy.queues.iter().find(|q| q.name == held.queue).is_some_and(|q| q.max_concurrency.is_none()))
     }
 
     /// How long a handler started unasked may run before its start is recorded: a quarter of
@@ -1172,13 +1195,14 @@ impl Worker {
         let request = DbRequest::Claim {
             worker: self.id.clone(),
             token: claim.token,
-            policy: self.policy.clone(),
+            policy: claim.policy,
             my_running: claim.running,
             my_claimed: claim.claimed,
             start_now: claim.start_now,
             lease_ms: self.app.effective_claim_lease_ms(),
         };
-        self.send(request, Op::Claim { token: claim.token, notified: claim.notified });
+        let sent = self.now;
+        self.send(request, Op::Claim { token: claim.token, notified: claim.notified, sent });
     }
 
     /// Starts a claim pass if one is due and there is room: the pass is in flight from here
@@ -1189,7 +1213,8 @@ impl Worker {
         }
         let running = self.executing();
         let claimed = self.claimed() as u32;
-        if self.policy.local_budget(running, claimed) == 0 {
+        let policy = self.sized_policy();
+        if policy.local_budget(running, claimed) == 0 {
             return None; // a freed permit calls pump again
         }
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
@@ -1207,7 +1232,31 @@ impl Worker {
         if self.polls() {
             self.arm(Timer::Poll, now + self.poll_interval());
         }
-        Some(ClaimPass { token, notified, running, claimed, start_now })
+        Some(ClaimPass { token, notified, running, claimed, start_now, policy })
+    }
+
+    /// The policy to claim with now: the buffer (the prefetch buffer in soft-cap mode, the
+    /// claims ahead in hard-cap mode) sized by [`ClaimFlow::buffer`] for the work this worker
+    /// does, up to its maximum.
+    fn sized_policy(&mut self) -> Arc<ClaimPolicy> {
+        let hard = self.policy.hard_cap_mode();
+        let (current, floor, max) = if hard {
+            (self.claim_policy.claim_ahead, 0, HARD_CAP_CLAIM_AHEAD_MAX)
+        } else {
+            // At least 1: a buffer of 0 would be hard-cap mode.
+            (self.claim_policy.prefetch_buffer, 1, self.policy.prefetch_buffer)
+        };
+        let buffer = self.flow.buffer(self.now, floor, max);
+        if buffer != current {
+            let mut policy = (*self.policy).clone();
+            if hard {
+                policy.claim_ahead = buffer;
+            } else {
+                policy.prefetch_buffer = buffer;
+            }
+            self.claim_policy = Arc::new(policy);
+        }
+        Arc::clone(&self.claim_policy)
     }
 
     fn send_heartbeat(&mut self) {
@@ -1330,14 +1379,15 @@ impl Worker {
 
     fn on_reply(&mut self, op: Op, reply: DbReply) {
         match (op, reply) {
-            (Op::FinishAndClaim { batch, token, notified }, reply @ DbReply::FinishedAndClaimed { .. }) => {
+            (Op::FinishAndClaim { batch, token, notified, sent }, reply @ DbReply::FinishedAndClaimed { .. }) => {
                 let (finished, claimed) = reply.into_finished_and_claimed();
                 self.on_reply(Op::Finish { batch, lone: false }, finished);
                 if let Some(claimed) = claimed {
-                    self.on_reply(Op::Claim { token, notified }, claimed);
+                    self.on_reply(Op::Claim { token, notified, sent }, claimed);
                 }
             }
-            (Op::Claim { notified, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+            (Op::Claim { notified, sent, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+                self.flow.on_claim_answered(sent, self.now);
                 // A wake-up hint past the end of this clock's range is no hint at all.
                 let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
                 if let Some(at) = hint.filter(|_| self.phase == Phase::Running) {
@@ -1560,6 +1610,7 @@ impl Worker {
                     attempt,
                     name: task.name,
                     queue: task.queue,
+                    priority: task.priority,
                     args: task.args,
                     retries: task.retries,
                     retry: task.retry,
@@ -1582,7 +1633,7 @@ impl Worker {
                     self.commands.push_back(Command::Abort { task: id, lease: previous.lease });
                 }
                 self.timers.remove(&Timer::HandlerTimeout(id));
-                self.buffer.retain(|t| *t != id);
+                self.buffer.remove(id);
                 self.forget_writes(id);
                 self.releases.retain(|t| t.task != id);
                 self.stats.lost += 1;
@@ -1613,7 +1664,7 @@ impl Worker {
             } else if started {
                 self.on_started(id, attempt);
             } else {
-                self.buffer.push_back(id);
+                self.buffer_task(id, false);
             }
         }
         if more {
@@ -1623,6 +1674,19 @@ impl Worker {
                 self.cap_blocked = true;
                 self.poll_while_blocked();
             }
+        }
+    }
+
+    /// Puts held task `id` in the buffer by its queue's priority and its own; `front`: before
+    /// the others of its rank (a start that did not happen).
+    fn buffer_task(&mut self, id: TaskId, front: bool) {
+        let Some(held) = self.held.get(&id) else { return };
+        let queue_priority = self.policy.queues.iter().find(|q| q.name == held.queue).map_or(u8::MAX, |q| q.priority);
+        let priority = held.priority;
+        if front {
+            self.buffer.push_front(id, queue_priority, priority);
+        } else {
+            self.buffer.push(id, queue_priority, priority);
         }
     }
 
@@ -1649,7 +1713,7 @@ impl Worker {
         if self.phase != Phase::Running {
             self.release(task);
         } else if self.held.set_stage(&task, Stage::Buffered).is_some() {
-            self.buffer.push_front(task);
+            self.buffer_task(task, true);
         }
     }
 
@@ -1687,6 +1751,7 @@ impl Worker {
         if held.lease != lease || !matches!(held.stage, Stage::Running { .. }) {
             return; // aborted or superseded: its answer no longer counts
         }
+        self.flow.on_finished(self.now);
         let max = self.config.max_result_bytes;
         let checked = match &outcome {
             TaskOutcome::Success(value) => check_storable(value, max).map_err(|e| format!("its result: {e}")),
@@ -1786,7 +1851,7 @@ impl Worker {
             self.commands.push_back(Command::Abort { task, lease: held.lease });
         }
         self.timers.remove(&Timer::HandlerTimeout(task));
-        self.buffer.retain(|t| *t != task);
+        self.buffer.remove(task);
         self.forget_writes(task);
         self.stats.lost += 1;
         self.events.push_back(Event::Lost { task, reason });
@@ -1798,7 +1863,7 @@ impl Worker {
         if was_running {
             self.commands.push_back(Command::Abort { task, lease });
         }
-        self.buffer.retain(|t| *t != task);
+        self.buffer.remove(task);
         self.held.set_stage(&task, Stage::Releasing);
         self.timers.remove(&Timer::HandlerTimeout(task));
         self.releases.push(TaskLease { task, lease });
@@ -2022,7 +2087,7 @@ impl Worker {
         self.timers.remove(&Timer::Wake);
         self.timers.remove(&Timer::Reaper);
         self.timers.remove(&Timer::LivenessCheck);
-        let buffered: Vec<TaskId> = self.buffer.iter().copied().collect();
+        let buffered: Vec<TaskId> = self.buffer.iter().collect();
         for task in buffered {
             self.release(task);
         }
