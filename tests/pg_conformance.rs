@@ -106,8 +106,11 @@ impl Pair {
         // gives up quickly, as a worker's does after its session's 5 s.
         let options: PgConnectOptions = db.url.parse().unwrap();
         let options = options.application_name(db.schema.name()).options([("lock_timeout", "300ms")]);
-        let pool =
-            PgPoolOptions::new().max_connections(1).connect_with(options.disable_statement_logging()).await.unwrap();
+        let pool = canter::postgres::pool_options(&options)
+            .max_connections(1)
+            .connect_with(options.disable_statement_logging())
+            .await
+            .unwrap();
         let pg = PgStore::new(pool.clone(), db.schema.clone(), app.clone());
         let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
         let marker = format!("{}_marker", db.schema.name());

@@ -34,10 +34,11 @@ fn options(db: &TestDb) -> PgConnectOptions {
 
 /// A pool whose sessions carry `SESSION_SETTINGS`, as the adapters' `connect()` makes them.
 async fn session_pool(db: &TestDb, size: u32) -> PgPool {
-    PgPoolOptions::new()
+    let options = with_session_settings(options(db));
+    canter::postgres::pool_options(&options)
         .max_connections(size)
         .acquire_timeout(Duration::from_secs(30))
-        .connect_with(with_session_settings(options(db)))
+        .connect_with(options)
         .await
         .expect("connect")
 }

@@ -18,6 +18,9 @@
 //!   `CHECKPOINT` comes before it, so no run pays for the previous one's dirty pages;
 //! - `latency`: an idle worker (in this process, on a runtime of its own), `--latency-tasks`
 //!   tasks enqueued one at a time every `--interval-ms`; enqueue commit to handler start;
+//! - `latency-under-load`: `--tasks` no-op tasks committed at once to a worker in this process,
+//!   and a task of priority −1 every `--interval-ms` until they are done: the drain's rate,
+//!   and each urgent task's enqueue commit to handler start (no raw baseline);
 //! - `history`: the drain again with `--history-tasks` finished tasks already stored.
 //!
 //! The raw baseline uses one table `jobs (id bigserial, state, payload jsonb, result jsonb, …)`
@@ -75,7 +78,8 @@ fn failed(what: &str, error: impl std::fmt::Display) -> BenchError {
 
 /// The help of `canter bench`.
 pub const HELP: &str = "\
-usage: canter bench [--database-url URL] [--workload enqueue|drain|latency|history|all]
+usage: canter bench [--database-url URL]
+                    [--workload enqueue|drain|latency|latency-under-load|history|all]
                     [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
                     [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
@@ -110,6 +114,8 @@ enum Workload {
     EnqueueBulk,
     Drain,
     Latency,
+    /// Probes of priority -1 during a drain, in this process (no raw baseline).
+    LatencyUnderLoad,
     History,
 }
 
@@ -120,6 +126,7 @@ impl Workload {
             Workload::EnqueueBulk => "enqueue_bulk",
             Workload::Drain => "drain",
             Workload::Latency => "latency",
+            Workload::LatencyUnderLoad => "latency_under_load",
             Workload::History => "history",
         }
     }
@@ -219,11 +226,19 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
     };
     let workloads = match args.value("workload").unwrap_or("all") {
         "all" => {
-            vec![Workload::EnqueueOne, Workload::EnqueueBulk, Workload::Drain, Workload::Latency, Workload::History]
+            vec![
+                Workload::EnqueueOne,
+                Workload::EnqueueBulk,
+                Workload::Drain,
+                Workload::Latency,
+                Workload::LatencyUnderLoad,
+                Workload::History,
+            ]
         }
         "enqueue" => vec![Workload::EnqueueOne, Workload::EnqueueBulk],
         "drain" => vec![Workload::Drain],
         "latency" => vec![Workload::Latency],
+        "latency-under-load" => vec![Workload::LatencyUnderLoad],
         "history" => vec![Workload::History],
         other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
     };
@@ -830,6 +845,18 @@ fn table(samples: &[Sample], options: &Options) -> String {
             _ => String::new(),
         };
         row("latency", name, c, r, 3, target);
+    }
+    let under_load = med("latency_under_load", Mode::Canter, &rate);
+    if under_load.is_some() {
+        let ok = ratio_at_least(under_load, drain.0, 0.9);
+        let target = format!("≥ 0.9 × canter's drain: {}", verdict(ok));
+        row("under load", "drain tasks/s", under_load, None, 0, target);
+        for (i, name) in names.iter().enumerate() {
+            let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+            let c = med("latency_under_load", Mode::Canter, &pick);
+            let target = if i == 2 { format!("≤ 5 ms: {}", verdict(c.map(|c| c <= 5.0))) } else { String::new() };
+            row("under load", &format!("urgent {name}"), c, None, 3, target);
+        }
     }
     let history = (med("history", Mode::Canter, &rate), med("history", Mode::Raw, &rate));
     if history.0.is_some() || history.1.is_some() {

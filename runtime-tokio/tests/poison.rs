@@ -18,7 +18,7 @@ use canter::postgres::with_session_settings;
 use canter::task::{ErrorCode, TaskState};
 use canter::worker::{NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
 use canter_tokio::TokioRuntime;
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tokio::time::Instant;
 
@@ -45,9 +45,10 @@ async fn wait_for(what: &str, within: Duration, mut check: impl AsyncFnMut() -> 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_held_locked_stops_neither_the_heartbeats_nor_the_workers_other_tasks() {
     let db = pg::TestDb::new().await;
-    let pool: PgPool = PgPoolOptions::new()
+    let session = with_session_settings(options(&db));
+    let pool: PgPool = canter_tokio::canter::postgres::pool_options(&session)
         .max_connections(20)
-        .connect_with(with_session_settings(options(&db)))
+        .connect_with(session)
         .await
         .expect("connect");
     let runtime = Arc::new(TokioRuntime);

@@ -25,7 +25,7 @@ use std::time::Duration;
 use canter::config::AppConfig;
 use canter::db::DbTime;
 use canter::postgres::{PgSchema, PgStore, migrate};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 /// The database the tests use when `DATABASE_URL` is not set.
@@ -158,10 +158,11 @@ impl TestDb {
         db
     }
 
-    /// A pool of at most `size` connections to the server.
+    /// A pool of at most `size` connections to the server, as Canter opens them (TCP_NODELAY:
+    /// over TLS, which the server may offer, every longer message would wait ~40 ms without).
     pub async fn pool(&self, size: u32) -> PgPool {
         let options: PgConnectOptions = self.url.parse().expect("database url");
-        PgPoolOptions::new()
+        canter::postgres::pool_options(&options)
             .max_connections(size)
             .acquire_timeout(Duration::from_secs(30))
             // Tagged with the schema, so cleanup can end this test's sessions (see `Drop`).

@@ -35,6 +35,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
             drain(options, scratch, &store, options.history_tasks).await.map(|s| vec![s])
         }
         Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
+        Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
     };
     pool.close().await;
     result
@@ -300,12 +301,81 @@ struct Stamp {
     i: usize,
 }
 
-/// An idle worker in this process (on a runtime of its own, as if it were another process),
-/// tasks enqueued one at a time: enqueue commit to handler start.
-async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Result<Sample, BenchError> {
-    let n = options.latency_tasks;
-    let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
-    let mut registry = Registry::new();
+/// A worker in this process, on a runtime of its own (as if it were another process), with
+/// the bench's worker settings: started and registered (and its first claim back) before any
+/// clock starts.
+struct InProcessWorker {
+    runtime: tokio::runtime::Runtime,
+    stop: futures::channel::oneshot::Sender<()>,
+    serve: tokio::task::JoinHandle<Result<(), sqlx::Error>>,
+}
+
+impl InProcessWorker {
+    async fn start(
+        options: &Options,
+        scratch: &Scratch,
+        store: &PgStore,
+        registry: Registry,
+    ) -> Result<InProcessWorker, BenchError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("bench-worker")
+            .enable_all()
+            .build()
+            .map_err(|e| failed("worker runtime", e))?;
+        let (stop, stop_rx) = futures::channel::oneshot::channel::<()>();
+        let app: AppConfig = options.config.app.clone();
+        let config = options.config.worker.clone();
+        let id = WorkerId(format!("bench-{}-{}", scratch.name, std::process::id()));
+        let mut service =
+            WorkerService::new(app, config.clone(), Arc::new(registry), id).map_err(|e| failed("worker", e))?;
+        service.schema = store.schema().clone();
+        service.migrate = false;
+        let url = scratch.url.clone();
+        let serve = runtime.spawn(async move {
+            let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
+            let stop = async move {
+                let _ = stop_rx.await;
+            };
+            let _ = service.serve(Arc::new(TokioRuntime), pool.clone(), stop).await;
+            pool.close().await;
+            Ok::<_, sqlx::Error>(())
+        });
+        let worker = InProcessWorker { runtime, stop, serve };
+        let schema = store.schema();
+        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let live: i64 = match sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone())).fetch_one(store.pool()).await {
+                Ok(live) => live,
+                Err(e) => {
+                    worker.stop().await;
+                    return Err(failed("read workers", e));
+                }
+            };
+            if live > 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                worker.stop().await;
+                return Err(BenchError::Failed("the worker did not register within 30 s".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Room for the listener to connect, and the startup claim to come back empty.
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(worker)
+    }
+
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(Duration::from_secs(35), self.serve).await;
+        self.runtime.shutdown_background();
+    }
+}
+
+/// A handler that stamps when task `i` started into `stamps`.
+fn register_stamp(registry: &mut Registry, stamps: &Arc<Mutex<Vec<Option<Instant>>>>) -> Result<(), BenchError> {
     let record = stamps.clone();
     registry
         .register("stamp", move |args: Stamp, _| {
@@ -318,53 +388,19 @@ async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Resul
                 Ok::<_, TaskError>(Value::Null)
             }
         })
-        .map_err(|e| failed("register", e))?;
-    let registry = Arc::new(registry);
+        .map(|_| ())
+        .map_err(|e| failed("register", e))
+}
 
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("bench-worker")
-        .enable_all()
-        .build()
-        .map_err(|e| failed("worker runtime", e))?;
-    let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
-    let app: AppConfig = options.config.app.clone();
-    let config = options.config.worker.clone();
-    let id = WorkerId(format!("bench-latency-{}", std::process::id()));
-    let mut service = WorkerService::new(app, config.clone(), registry, id).map_err(|e| failed("worker", e))?;
-    service.schema = store.schema().clone();
-    service.migrate = false;
-    let url = scratch.url.clone();
-    let serve = runtime.spawn(async move {
-        let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
-        let stop = async move {
-            let _ = stop_rx.await;
-        };
-        let _ = service.serve(Arc::new(TokioRuntime), pool.clone(), stop).await;
-        pool.close().await;
-        Ok::<_, sqlx::Error>(())
-    });
-
+/// An idle worker in this process, tasks enqueued one at a time: enqueue commit to handler
+/// start.
+async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Result<Sample, BenchError> {
+    let n = options.latency_tasks;
+    let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
+    let mut registry = Registry::new();
+    register_stamp(&mut registry, &stamps)?;
+    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
     let result = async {
-        let schema = store.schema();
-        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
-                .fetch_one(store.pool())
-                .await
-                .map_err(|e| failed("read workers", e))?;
-            if live > 0 {
-                break;
-            }
-            if Instant::now() > deadline {
-                return Err(BenchError::Failed("the worker did not register within 30 s".into()));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        // Room for the listener to connect, and the startup claim to come back empty.
-        tokio::time::sleep(Duration::from_millis(500)).await;
-
         let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
             paced.next().await;
@@ -374,9 +410,69 @@ async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Resul
         paced.sample(scratch.mode, &stamps).await
     }
     .await;
+    worker.stop().await;
+    result
+}
 
-    let _ = stop_tx.send(());
-    let _ = tokio::time::timeout(Duration::from_secs(35), serve).await;
-    runtime.shutdown_background();
+/// Urgent work during a drain: `options.tasks` no-op tasks committed at once while a worker in
+/// this process waits, then, until the drain is done, a task of priority -1 enqueued every
+/// `options.interval`: each one's enqueue commit to its handler's start. The sample's rate is
+/// the drain's.
+async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStore) -> Result<Sample, BenchError> {
+    let n = options.tasks;
+    // Probes for as long as the drain may take at 1,000 tasks a second (a slow machine).
+    let most_probes = (n as u64 * 1_000 / options.interval.as_micros().max(1) as u64).max(1_000) as usize;
+    let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; most_probes]));
+    let drained = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut registry = Registry::new();
+    register_stamp(&mut registry, &stamps)?;
+    let count = drained.clone();
+    registry
+        .register("noop", move |_: Value, _| {
+            let count = count.clone();
+            async move {
+                count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Ok::<_, TaskError>(Value::Null)
+            }
+        })
+        .map_err(|e| failed("register", e))?;
+    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
+    let result = async {
+        let schema = store.schema().clone();
+        let pool = store.pool();
+        let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
+        let mut done = 0;
+        while done < n {
+            let size = 1_000.min(n - done);
+            let tasks = (done..done + size).map(|i| noop(options, i)).collect();
+            enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
+            done += size;
+        }
+        let analyze = format!("ANALYZE {}.tasks", schema.quoted());
+        sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
+        tx.commit().await.map_err(|e| failed("commit", e))?;
+        let start = Instant::now();
+        let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
+        let mut paced = Paced::new(options.interval, most_probes);
+        let mut probes = 0;
+        while drained.load(std::sync::atomic::Ordering::Relaxed) < n {
+            if probes == most_probes || start.elapsed() > limit {
+                return Err(BenchError::Failed(format!("the drain did not finish within {:?}", start.elapsed())));
+            }
+            paced.next().await;
+            let probe = NewTask::new("stamp", task_args(options, probes)).priority(-1);
+            store.enqueue(probe).await.map_err(|e| failed("enqueue", e))?;
+            paced.committed();
+            probes += 1;
+        }
+        let seconds = start.elapsed().as_secs_f64();
+        let mut sample = paced.sample(scratch.mode, &stamps).await?;
+        sample.workload = "latency_under_load";
+        sample.tasks = n;
+        sample.seconds = seconds;
+        Ok(sample)
+    }
+    .await;
+    worker.stop().await;
     result
 }

@@ -84,6 +84,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
             drain(options, &pool, &sql, scratch, options.history_tasks).await.map(|s| vec![s])
         }
         Workload::Latency => latency(options, scratch, &pool, &sql).await.map(|s| vec![s]),
+        // No baseline: the raw loop has no priorities to honour beside a backlog.
+        Workload::LatencyUnderLoad => Ok(Vec::new()),
     };
     pool.close().await;
     result
