@@ -17,7 +17,7 @@ use canter::postgres::{PgSchema, PgStore, claim_lock_keys, with_session_settings
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::{Value, json};
-use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 use tokio::time::Instant;
 
