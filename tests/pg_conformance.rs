@@ -40,7 +40,7 @@ use canter::rng::Rng;
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, pin_clock};
 use serde_json::json;
-use sqlx::postgres::{PgConnectOptions, PgListener, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgListener};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 const T0: DbTime = DbTime(1_700_000_000_000);
