@@ -71,6 +71,10 @@ pub struct ClaimPolicy {
     /// Tasks with any of these flags are not claimed.
     #[serde(default)]
     pub forbidden_flags: Vec<String>,
+    /// Only tasks of this priority or a more urgent (lower) one are claimed, and seen: a claim
+    /// for announced urgent tasks beside a pass in flight. `None` claims any.
+    #[serde(default)]
+    pub max_priority: Option<i16>,
 }
 
 impl ClaimPolicy {
@@ -85,12 +89,14 @@ impl ClaimPolicy {
             cluster_wide_cap: app.cluster_wide_cap,
             queues: worker.served_queues(app).into_iter().map(QueuePolicy::from).collect(),
             forbidden_flags: crate::db::normalized_flags(&worker.forbidden_flags),
+            max_priority: None,
         }
     }
 
-    /// Whether a task with `flags` may be claimed under this policy.
-    pub fn admits(&self, flags: &[String]) -> bool {
-        self.forbidden_flags.is_empty() || !flags.iter().any(|f| self.forbidden_flags.contains(f))
+    /// Whether a task with `flags` and `priority` may be claimed under this policy.
+    pub fn admits(&self, flags: &[String], priority: i16) -> bool {
+        (self.forbidden_flags.is_empty() || !flags.iter().any(|f| self.forbidden_flags.contains(f)))
+            && self.max_priority.is_none_or(|max| priority <= max)
     }
 
     /// Hard-cap mode counts live claims against every cap; soft-cap mode (a prefetch buffer)
@@ -211,6 +217,7 @@ mod tests {
 
     fn policy(concurrency: u32, prefetch: u32, queues: &[(&str, Option<u32>)]) -> ClaimPolicy {
         ClaimPolicy {
+            max_priority: None,
             concurrency,
             prefetch_buffer: prefetch,
             claim_ahead: 0,

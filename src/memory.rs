@@ -202,6 +202,10 @@ pub enum Notification {
     TaskReady {
         /// The queue.
         queue: String,
+        /// For tasks enqueued (or updated by a key), the most urgent priority among them: a
+        /// worker whose buffer holds less urgent tasks claims it at once. `None` for tasks that
+        /// became claimable otherwise (released, retried, rescheduled, resumed).
+        priority: Option<i16>,
     },
     /// A task reached a terminal state.
     TaskFinished {
@@ -548,8 +552,10 @@ impl MemoryStore {
         }
 
         let mut ids = Vec::with_capacity(tasks.len());
-        let mut ready = BTreeSet::new();
+        // Per queue that received a new or updated task, the most urgent priority.
+        let mut ready: BTreeMap<String, i16> = BTreeMap::new();
         for (task, queue) in tasks.into_iter().zip(queues) {
+            let priority = task.priority;
             let holder = task.key.as_ref().and_then(|key| self.keys.get_mut(key)).map(|hold| {
                 // An idempotent enqueue relies on the key from now on, whatever mode took it.
                 if task.key_mode == KeyMode::Idempotent {
@@ -579,10 +585,13 @@ impl MemoryStore {
                     self.insert_new(task, queue.clone(), now)
                 }
             };
-            ready.insert(queue);
+            let most_urgent = ready.entry(queue).or_insert(priority);
+            *most_urgent = (*most_urgent).min(priority);
             ids.push(id);
         }
-        self.notify_ready(ready);
+        for (queue, priority) in ready {
+            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+        }
         Ok(ids)
     }
 
@@ -897,7 +906,7 @@ impl MemoryStore {
                 }
             }
             // A row another transaction locks cannot be taken (`SKIP LOCKED`).
-            if row.is_claimable(now) && policy.admits(&row.flags) && !self.locked.contains(&row.id) {
+            if row.is_claimable(now) && policy.admits(&row.flags, row.priority) && !self.locked.contains(&row.id) {
                 if let Some(available) = counts.available.get_mut(&row.queue) {
                     *available = available.saturating_add(1);
                 }
@@ -927,7 +936,7 @@ impl MemoryStore {
                 .filter(|row| {
                     &row.queue == queue
                         && row.is_claimable(now)
-                        && policy.admits(&row.flags)
+                        && policy.admits(&row.flags, row.priority)
                         && !taken.contains(&row.id)
                         && !self.locked.contains(&row.id)
                 })
@@ -1005,8 +1014,9 @@ impl MemoryStore {
                 .map_or(u32::MAX, |cap| cap.saturating_sub(in_flight.counted(hard || queue.serial)));
             let batch = if policy.max_claim_batch > 0 { policy.max_claim_batch } else { u32::MAX };
             let want = left.min(room).min(batch);
-            let eligible =
-                |row: &&StoredTask| row.queue == queue.name && row.is_claimable(now) && policy.admits(&row.flags);
+            let eligible = |row: &&StoredTask| {
+                row.queue == queue.name && row.is_claimable(now) && policy.admits(&row.flags, row.priority)
+            };
             let got: Vec<&StoredTask> =
                 self.live.values().filter(eligible).filter(|row| taken.contains(&row.id)).collect();
             left = left.saturating_sub(got.len() as u32);
@@ -1662,7 +1672,7 @@ impl MemoryStore {
 
     fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {
         for queue in queues {
-            self.notifications.push(Notification::TaskReady { queue });
+            self.notifications.push(Notification::TaskReady { queue, priority: None });
         }
     }
 
@@ -2209,7 +2219,10 @@ mod tests {
         let row = store.task(TaskId(1)).unwrap();
         assert_eq!((row.state, row.claimed_by.clone(), row.claim_expires_at), (TaskState::Pending, None, None));
         assert_eq!((row.retries, row.attempts, row.lease), (0, 0, Lease(1)));
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskReady { queue: "default".into(), priority: None }]
+        );
         // `None` skips the step.
         assert_eq!(reap(&mut store, None, None, at(1_000_000)), ReapReport::default());
     }
@@ -2267,7 +2280,7 @@ mod tests {
                 Notification::TaskFinished { task: failed.task, state: TaskState::Failed },
                 Notification::TaskFinished { task: near_expiry.task, state: TaskState::Failed },
                 // The retry becomes ready later: listeners are told so they learn when.
-                Notification::TaskReady { queue: "default".into() },
+                Notification::TaskReady { queue: "default".into(), priority: None },
             ]
         );
         // The worker that was thought dead finds out when it writes.
@@ -2326,7 +2339,10 @@ mod tests {
         let record = store.get(held.task).unwrap();
         assert_eq!((record.state, record.retries, record.attempts), (TaskState::Pending, 0, 2));
         assert_eq!((record.run_at, record.finished_at), (at(2_000), None));
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskReady { queue: "default".into(), priority: None }]
+        );
         assert_eq!(store.tasks().next().map(|t| t.id), Some(held.task), "back in the live table");
         let third = claim(&mut store, "b", 1, at(2_000));
         assert_eq!((third[0].attempt, third[0].retries, third[0].lease), (Attempt(3), 0, Lease(3)));
@@ -2344,7 +2360,10 @@ mod tests {
         store.reschedule(id, later, at(1)).unwrap();
         let row = store.task(id).unwrap();
         assert_eq!((row.run_at, row.priority, row.retries, row.key.as_deref()), (at(5_001), -4, 3, Some("k")));
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskReady { queue: "default".into(), priority: None }]
+        );
         // A claim now waits for it: the wake-up hint names its new run-at.
         let p = policy(&store, 1);
         let request = claim_request("a", 1, &p, 0);
@@ -2406,7 +2425,10 @@ mod tests {
         let other = claim(&mut store, "b", 1, T0);
         store.take_notifications();
         assert_eq!(store.force_unlock(&[w("dead")]), 2);
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskReady { queue: "default".into(), priority: None }]
+        );
         let states: Vec<(TaskState, u32, u32)> =
             dead.iter().map(|t| store.get(t.id).unwrap()).map(|r| (r.state, r.attempts, r.retries)).collect();
         assert_eq!(states, vec![(TaskState::Pending, 1, 0), (TaskState::Pending, 0, 0)]);
@@ -2499,7 +2521,7 @@ mod tests {
         assert!(store.take_notifications().is_empty());
         assert_eq!(store.resume_queue("a"), Ok(true));
         assert_eq!(store.resume_queue("a"), Ok(false));
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "a".into() }]);
+        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "a".into(), priority: None }]);
         assert_eq!(ids(&claim_with(&mut store, "w", 2, &p, 0, T0)), vec![1]);
     }
 
@@ -2762,7 +2784,10 @@ mod tests {
         // fences whatever the claim's holder might still write).
         assert_eq!((one.attempts, one.retries, one.lease), (0, 0, Lease(1)));
         assert_eq!(one.started_at, None);
-        assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into() }]);
+        assert_eq!(
+            store.take_notifications(),
+            vec![Notification::TaskReady { queue: "default".into(), priority: None }]
+        );
         let again = store.apply(&DbRequest::AbandonClaim { worker: w("a"), token: 1 }, at(2));
         assert_eq!(again, DbReply::Released { released: vec![], lost: vec![] });
         assert!(store.take_notifications().is_empty());
@@ -2778,13 +2803,20 @@ mod tests {
             NewTask::new("t", json!(4)).queue("a"),
         ];
         store.enqueue_many(batch, T0).unwrap();
-        let ready = |q: &str| Notification::TaskReady { queue: q.into() };
-        assert_eq!(store.take_notifications(), vec![ready("a"), ready("b")]);
+        // An enqueue announces the most urgent priority it wrote; a release announces none.
+        let ready = |q: &str, priority| Notification::TaskReady { queue: q.into(), priority };
+        assert_eq!(store.take_notifications(), vec![ready("a", Some(0)), ready("b", Some(0))]);
         let claimed = claim(&mut store, "w", 4, T0);
         assert!(store.take_notifications().is_empty());
         let tasks = claimed.iter().map(lease).collect();
         store.apply(&DbRequest::Release { worker: w("w"), tasks }, at(1));
-        assert_eq!(store.take_notifications(), vec![ready("a"), ready("b")]);
+        assert_eq!(store.take_notifications(), vec![ready("a", None), ready("b", None)]);
+        let urgent = vec![
+            NewTask::new("t", json!(5)).queue("a").priority(3),
+            NewTask::new("t", json!(6)).queue("a").priority(-2),
+        ];
+        store.enqueue_many(urgent, at(1)).unwrap();
+        assert_eq!(store.take_notifications(), vec![ready("a", Some(-2))]);
         let p = policy(&store, 4);
         let claimed = claim_with(&mut store, "w", 2, &p, 4, at(2));
         let completions = claimed

@@ -370,14 +370,19 @@ impl Pair {
         }
     }
 
-    /// The notifications of the last step: ready queues per statement and finished ids, in
-    /// any order (PostgreSQL batches finished ids into one payload).
+    /// The notifications of the last step: ready queues per statement (with the priority an
+    /// enqueue announces) and finished ids, in any order (PostgreSQL batches finished ids into
+    /// one payload).
     async fn compare_notifications(&mut self) {
         let at = self.at();
         let (mut ready, mut done) = (Vec::new(), Vec::new());
         for note in self.memory.take_notifications() {
             match note {
-                Notification::TaskReady { queue } => ready.push(self.pg.schema().queue_channel(&queue)),
+                // The channel and the payload: the most urgent priority an enqueue wrote.
+                Notification::TaskReady { queue, priority } => ready.push((
+                    self.pg.schema().queue_channel(&queue),
+                    priority.map(|p| p.to_string()).unwrap_or_default(),
+                )),
                 Notification::TaskFinished { task, .. } => done.push(task.0),
             }
         }
@@ -394,7 +399,7 @@ impl Pair {
             if note.channel() == self.pg.schema().done_channel() {
                 pg_done.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
             } else {
-                pg_ready.push(note.channel().to_owned());
+                pg_ready.push((note.channel().to_owned(), note.payload().to_owned()));
             }
         }
         for list in [&mut ready, &mut pg_ready] {
@@ -528,6 +533,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
         cluster_wide_cap: app.cluster_wide_cap,
         queues,
         forbidden_flags: Vec::new(),
+        max_priority: None,
     })
 }
 
@@ -954,6 +960,8 @@ fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, cl
         cluster_wide_cap: if soft { None } else { app.cluster_wide_cap },
         queues,
         forbidden_flags: if rng.chance(0.3) { vec!["slow".into()] } else { Vec::new() },
+        // A claim of urgent tasks alone, now and then.
+        max_priority: rng.chance(0.15).then(|| rng.range(0, 4) as i16 - 2),
     };
     *tokens += 1;
     Op::Db(DbRequest::Claim {

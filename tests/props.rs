@@ -47,6 +47,7 @@ fn claim_policies() -> impl Strategy<Value = ClaimPolicy> {
             cluster_wide_cap: if prefetch == 0 { cap } else { None },
             queues,
             forbidden_flags: Vec::new(),
+            max_priority: None,
         })
 }
 

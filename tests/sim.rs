@@ -282,8 +282,8 @@ mod scripted {
         fn settle(&mut self, notify: bool) {
             for _ in 0..1_000 {
                 for notification in self.store.take_notifications() {
-                    if let (true, Notification::TaskReady { queue }) = (notify, notification) {
-                        self.input(Input::Notified { queue });
+                    if let (true, Notification::TaskReady { queue, priority }) = (notify, notification) {
+                        self.input(Input::Notified { queue, priority });
                     }
                 }
                 let Some(&(op, _)) = self.requests.first() else { return };
@@ -431,7 +431,7 @@ mod scripted {
         let resend = s.op("finish");
         let beat = s.op("heartbeat");
         s.run_op(beat); // the row is Pending: the worker rightly lets lease 1 go
-        s.input(Input::Notified { queue: "default".into() });
+        s.input(Input::Notified { queue: "default".into(), priority: None });
         let claim = s.op("claim");
         s.run_op(claim); // the retry is due: lease 2 starts
         assert!(s.runs(task, Lease(2)));
@@ -448,7 +448,7 @@ mod scripted {
         s.input(Input::Listener { connected: true });
         s.settle(true);
         let task = s.enqueue(NewTask::new("job", json!(1)).run_at(RunAt::DelayMs(5_000)));
-        s.input(Input::Notified { queue: "default".into() });
+        s.input(Input::Notified { queue: "default".into(), priority: None });
         s.run_for(120_000);
         assert_eq!(s.state(task), TaskState::Completed, "a delayed task never ran in EventDrivenOnly mode");
     }
@@ -536,7 +536,7 @@ mod scripted {
         s.advance(1_000);
         let beat = s.op("heartbeat");
         s.run_op(beat); // the worker learns and lets lease 1 go
-        s.input(Input::Notified { queue: "default".into() });
+        s.input(Input::Notified { queue: "default".into(), priority: None });
         let claim = s.op("claim");
         s.run_op(claim); // claimed and started again under lease 2
         assert!(s.runs(second, Lease(2)));

@@ -166,15 +166,15 @@ fn a_claim_that_found_all_there_was_waits_for_a_notification_or_the_poll() {
     assert_eq!(timer, Timer::Poll);
     assert_eq!(at, h.now + Duration::from_millis(5_000));
     // A notification for a queue this worker does not serve changes nothing.
-    assert!(!has(&h.input(Input::Notified { queue: "other".into() }), "claim"));
-    assert!(has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    assert!(!has(&h.input(Input::Notified { queue: "other".into(), priority: None }), "claim"));
+    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
 }
 
 #[test]
 fn notifications_during_a_claim_coalesce_into_one_more_pass() {
     let (mut h, first) = Harness::default(4);
     for _ in 0..5 {
-        assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+        assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
     }
     let next = start(&mut h, &first, vec![], false);
     assert_eq!(db_ops(&next).iter().filter(|(_, r)| r.kind() == "claim").count(), 1);
@@ -186,7 +186,7 @@ fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_
     let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..WorkerConfig::default() };
     let (mut h, first) = Harness::new(app(), config);
     start(&mut h, &first, vec![], false);
-    assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
     let (timer, commands) = h.fire();
     assert_eq!(timer, Timer::Poll);
     assert!(has(&commands, "claim"));
@@ -565,7 +565,7 @@ fn one_outage_is_one_step_of_backoff_however_many_requests_fail() {
     let (mut h, first) = Harness::default(2);
     let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
     let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
-    let claim = find(&h.input(Input::Notified { queue: "default".into() }), "claim");
+    let claim = find(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim");
     h.fail(finish, DbFailure::Unavailable("down".into()));
     h.fail(claim, DbFailure::Unknown("down".into()));
     assert_eq!(h.worker.db_failures(), 1);
@@ -577,7 +577,7 @@ fn a_driver_that_breaks_the_contract_does_not_panic_the_machine() {
     let (mut h, first) = Harness::default(2);
     // Time going backwards is taken as no time passing.
     let earlier = h.now - Duration::from_secs(1);
-    h.worker.handle_input(Input::Notified { queue: "default".into() }, earlier);
+    h.worker.handle_input(Input::Notified { queue: "default".into(), priority: None }, earlier);
     // A reply of the wrong kind counts as a refused request.
     h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] });
     assert!(matches!(h.events.last(), Some(Event::DbUnavailable { error: DbFailure::Rejected(_), .. })));
@@ -877,7 +877,7 @@ fn a_flood_of_notifications_costs_a_bounded_number_of_claim_passes() {
     let mut in_flight: Vec<Command> = Vec::new();
     for _ in 0..1_000 {
         h.now += Duration::from_millis(1);
-        let mut commands = h.input(Input::Notified { queue: "default".into() });
+        let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None });
         if h.worker.poll_timeout().is_some_and(|(at, _)| at <= h.now) {
             h.worker.handle_timeout(h.now);
             commands.extend(h.drain());
@@ -894,7 +894,7 @@ fn a_flood_of_notifications_costs_a_bounded_number_of_claim_passes() {
     assert!(h.worker.stats().notified_passes_limited > 0);
     // A notification for real work still claims within a token's time.
     h.now += Duration::from_millis(60);
-    let mut commands = h.input(Input::Notified { queue: "default".into() });
+    let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None });
     if !has(&commands, "claim") {
         let (timer, fired) = h.fire();
         assert_eq!(timer, Timer::NotifiedPass);
@@ -1115,7 +1115,7 @@ fn a_lock_on_an_abandon_holds_up_abandons_and_releases_only() {
     // Claims and finishes go on meanwhile.
     let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
     h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
-    assert!(has(&h.input(Input::Notified { queue: "default".into() }), "claim"));
+    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
     let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry");
     assert!(has(&retried, "abandon_claim"));
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { failures: 2.., .. })), "{:?}", h.events);
@@ -1128,7 +1128,10 @@ fn a_claim_held_up_by_a_lock_waits_for_the_lock_retry_while_finishes_go_on() {
     let runs = spawns(&next);
     let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
     assert!(!has(&h.fail(find(&next, "claim"), lock()), "claim"), "not at once");
-    assert!(!has(&h.input(Input::Notified { queue: "default".into() }), "claim"), "nor for a notification");
+    assert!(
+        !has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"),
+        "nor for a notification"
+    );
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
     assert!(has(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish"));
     let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry");
@@ -1393,4 +1396,33 @@ fn a_hard_cap_worker_claims_ahead_of_its_free_slots_as_fast_as_it_works() {
     assert!(!has(&after, "start"), "{after:?}");
     assert_eq!(spawns(&after).len(), 1, "{after:?}");
     assert_eq!(h.worker.claimed(), before - 1);
+}
+
+#[test]
+fn an_announced_urgent_task_is_claimed_at_once_and_starts_first() {
+    let app = soft_cap_app(None);
+    let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 1, seed: Some(1), ..WorkerConfig::default() });
+    // One runs and one waits in the buffer: the buffer is full, no pass goes.
+    let next = start(&mut h, &first, vec![task(1, true), task(2, false)], true);
+    let runs = spawns(&next);
+    assert!(!has(&next, "claim"));
+    // A less urgent announcement changes nothing; a more urgent one is claimed at once.
+    let calm = h.input(Input::Notified { queue: "default".into(), priority: Some(5) });
+    assert!(!has(&calm, "claim"), "{calm:?}");
+    let urgent = h.input(Input::Notified { queue: "default".into(), priority: Some(-1) });
+    let claims: Vec<(OpId, DbRequest)> =
+        db_ops(&urgent).into_iter().filter(|(_, r)| r.kind() == "claim").map(|(op, r)| (op, r.clone())).collect();
+    assert_eq!(claims.len(), 1, "an urgent claim: {urgent:?}");
+    let (op, DbRequest::Claim { policy, my_running, my_claimed, start_now, .. }) = &claims[0] else { unreachable!() };
+    let budget = policy.local_budget(*my_running, *my_claimed);
+    assert!((1..=canter::worker::URGENT_CLAIM_MAX).contains(&budget), "a small claim: {budget}");
+    assert_eq!(*start_now, 0, "no slot is free");
+    // A second announcement while it is out sends no other.
+    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: Some(-3) }), "claim"));
+    let mut found = task(9, false);
+    found.priority = -1;
+    h.reply(*op, DbReply::Claimed { tasks: vec![found], more: true, next_run_in_ms: None });
+    // When the slot frees, the urgent task goes before the one buffered earlier.
+    let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
+    assert_eq!(spawns(&after).iter().map(|r| r.id).collect::<Vec<_>>(), vec![TaskId(9)]);
 }

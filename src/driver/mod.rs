@@ -115,6 +115,9 @@ pub type Observer = Box<dyn FnMut(&Event) + Send>;
 /// How many finished handlers one turn of the loop takes in after the input it woke for.
 const DONE_PER_TURN: usize = 256;
 
+/// How many waiting outside inputs (notifications) one turn takes in besides.
+const INPUTS_PER_TURN: usize = 64;
+
 type DbFuture = Pin<Box<dyn Future<Output = (OpId, Result<DbReply, DbFailure>)> + Send>>;
 
 /// Runs `worker` until it has shut down and drained; returns its final counters.
@@ -266,6 +269,20 @@ where
                     }
                     batch.push(Input::TaskFinished { task, lease, outcome });
                 }
+                // Notifications that came meanwhile too: while handlers finish without pause
+                // (a drain), the biased wait above would never get to them, and an announced
+                // urgent task would wait for the drain.
+                for _ in 0..INPUTS_PER_TURN {
+                    match inputs.next().now_or_never() {
+                        Some(Some(input)) => {
+                            if matches!(input, Input::Shutdown) {
+                                shutdown_sent = true;
+                            }
+                            batch.push(input);
+                        }
+                        _ => break,
+                    }
+                }
                 worker.handle_inputs(batch, now);
                 // A steady stream of inputs must not starve the timers (heartbeats, timeouts).
                 if worker.poll_timeout().is_some_and(|(at, _)| at <= now) {
@@ -353,8 +370,9 @@ impl MemoryBackend {
 impl MemoryInner {
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            if let crate::memory::Notification::TaskReady { queue } = notification {
-                self.subscribers.retain(|tx| tx.unbounded_send(Input::Notified { queue: queue.clone() }).is_ok());
+            if let crate::memory::Notification::TaskReady { queue, priority } = notification {
+                self.subscribers
+                    .retain(|tx| tx.unbounded_send(Input::Notified { queue: queue.clone(), priority }).is_ok());
             }
         }
     }

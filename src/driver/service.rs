@@ -330,13 +330,16 @@ async fn listen<R: Runtime>(
                 let _ = control.unbounded_send(Input::Listener { connected: true });
                 // Tasks may have arrived unannounced while deaf: one wake-up per queue.
                 for queue in &queues {
-                    let _ = notes.try_send(Input::Notified { queue: queue.clone() });
+                    let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
                 }
                 // A full channel drops the note: wake-ups coalesce anyway.
                 while let Ok(Some(note)) = listener.try_recv().await {
                     if let Some(queue) = note.channel().strip_prefix(&prefix) {
-                        tracing::trace!(target: "canter::listen", queue, "notified");
-                        let _ = notes.try_send(Input::Notified { queue: queue.to_owned() });
+                        // Enqueues announce the most urgent priority they wrote (anything else,
+                        // an empty payload included, announces none).
+                        let priority = note.payload().parse::<i16>().ok();
+                        tracing::trace!(target: "canter::listen", queue, ?priority, "notified");
+                        let _ = notes.try_send(Input::Notified { queue: queue.to_owned(), priority });
                     }
                 }
             }

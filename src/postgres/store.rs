@@ -667,6 +667,7 @@ struct ClaimArgs<'a> {
     max_batch: i32,
     lock_keys: Vec<i64>,
     forbidden: Option<&'a Vec<String>>,
+    max_priority: Option<i16>,
 }
 
 impl<'a> ClaimArgs<'a> {
@@ -684,10 +685,11 @@ impl<'a> ClaimArgs<'a> {
             max_batch: int(policy.max_claim_batch),
             lock_keys: claim_lock_keys(schema, policy),
             forbidden: (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags),
+            max_priority: policy.max_priority,
         }
     }
 
-    /// The thirteen parameters of `claim()`, bound to `query` after those it has.
+    /// The fourteen parameters of `claim()`, bound to `query` after those it has.
     fn bind<'q>(
         self,
         query: PgQuery<'q>,
@@ -713,6 +715,7 @@ impl<'a> ClaimArgs<'a> {
             .bind(duration(lease_ms))
             .bind(self.serial)
             .bind(self.forbidden)
+            .bind(self.max_priority)
     }
 }
 

@@ -328,7 +328,11 @@ impl Checker {
             DbRequest::Claim { policy, .. } => {
                 let served: BTreeSet<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
                 for row in live_rows(store) {
-                    if served.contains(row.queue.as_str()) && claimable(row, now) {
+                    // Forbidden flags and a priority bound (an urgent claim) leave rows out.
+                    if served.contains(row.queue.as_str())
+                        && claimable(row, now)
+                        && policy.admits(&row.flags, row.priority)
+                    {
                         before.rows.insert(row.id, Facts::of(row));
                     }
                 }

@@ -283,6 +283,7 @@ enum SimEvent {
         slot: usize,
         incarnation: u32,
         queue: String,
+        priority: Option<i16>,
     },
     Listener {
         slot: usize,
@@ -1205,7 +1206,10 @@ impl Sim {
 
     fn spawn(&mut self, slot: usize, name: &str, run: TaskRun) -> Result<(), String> {
         self.stats.spawns += 1;
-        if let Some(row) = self.store.task(run.id).filter(|row| json_depth(&row.args) > READABLE_JSON_DEPTH) {
+        // After a failover a task id the worker knew may name another task (the one it held was
+        // forgotten, and the id written again): its belief is no news about the new row.
+        let unreadable = |row: &&crate::memory::StoredTask| json_depth(&row.args) > READABLE_JSON_DEPTH;
+        if let Some(row) = self.store.task(run.id).filter(unreadable).filter(|_| !self.rewound.contains(&run.id)) {
             return Err(format!(
                 "SPAWNED UNREADABLE: {name} runs task {} (lease {}), whose stored arguments no reader can decode \
                  ({} levels deep)",
@@ -1385,13 +1389,13 @@ impl Sim {
                 );
                 self.handle_input(slot, Input::TaskFinished { task, lease, outcome })
             }
-            SimEvent::Notify { slot, incarnation, queue } => {
+            SimEvent::Notify { slot, incarnation, queue, priority } => {
                 if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
                     return Ok(());
                 }
                 let name = self.slots[slot].name(slot);
-                self.note(&name, format_args!("notified {queue}"));
-                self.handle_input(slot, Input::Notified { queue })
+                self.note(&name, format_args!("notified {queue} {priority:?}"));
+                self.handle_input(slot, Input::Notified { queue, priority })
             }
             SimEvent::Listener { slot, incarnation, connected } => {
                 if !self.is_current(slot, incarnation) || self.slots[slot].listening == connected {
@@ -1878,7 +1882,7 @@ impl Sim {
     /// Delivers the store's notifications to every listening worker, with faults.
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            let Notification::TaskReady { queue } = notification else { continue };
+            let Notification::TaskReady { queue, priority } = notification else { continue };
             let mut lost = Vec::new();
             for slot in 0..self.slots.len() {
                 if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
@@ -1898,7 +1902,7 @@ impl Sim {
                 let incarnation = self.slots[slot].incarnation;
                 for _ in 0..copies {
                     let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
-                    self.schedule(delay, SimEvent::Notify { slot, incarnation, queue: queue.clone() });
+                    self.schedule(delay, SimEvent::Notify { slot, incarnation, queue: queue.clone(), priority });
                 }
             }
             if !lost.is_empty() {

@@ -14,6 +14,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
+/// The most tasks a claim for an announced urgent task takes (see [`Buffer::would_overtake`]):
+/// it goes beside a claim already in flight, and takes the most urgent tasks first.
+pub const URGENT_CLAIM_MAX: u32 = 8;
+
 /// The most tasks a worker in hard-cap mode claims beyond its free slots (they count against
 /// every cap, as live claims do, and start as slots free).
 pub const HARD_CAP_CLAIM_AHEAD_MAX: u32 = 1_024;
@@ -136,6 +140,12 @@ impl Buffer {
         self.order.is_empty()
     }
 
+    /// Whether a task of queue priority `queue_priority` and priority `priority` would start
+    /// before some buffered task: it is more urgent than the least urgent one.
+    pub(crate) fn would_overtake(&self, queue_priority: u8, priority: i16) -> bool {
+        self.order.last().is_some_and(|&(q, p, _, _)| (queue_priority, priority) < (q, p))
+    }
+
     /// The buffered tasks, most urgent first.
     pub(crate) fn iter(&self) -> impl Iterator<Item = TaskKey> + '_ {
         self.order.iter().map(|&(_, _, _, task)| task)
@@ -156,6 +166,7 @@ mod tests {
         buffer.push(TaskId(4), 1, 5); // a task of a higher-priority queue
         buffer.push_front(TaskId(5), 2, 0); // put back
         assert_eq!(buffer.iter().count(), 5);
+        assert!(buffer.would_overtake(2, -1) && buffer.would_overtake(1, 9) && !buffer.would_overtake(2, 0));
         buffer.remove(TaskId(2));
         let order: Vec<TaskId> = std::iter::from_fn(|| buffer.pop()).collect();
         assert_eq!(order, vec![TaskId(4), TaskId(3), TaskId(5), TaskId(1)]);

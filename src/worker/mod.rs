@@ -64,7 +64,7 @@ use crate::rng::Rng;
 mod flow;
 
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
-pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX};
+pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
 use flow::{Buffer, ClaimFlow};
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
@@ -129,6 +129,10 @@ pub enum Input {
     Notified {
         /// The queue.
         queue: String,
+        /// The most urgent priority an enqueue announced (PostgreSQL's notification payload),
+        /// if it announced one: a task more urgent than some the worker holds in its buffer is
+        /// claimed at once, beside a claim already in flight.
+        priority: Option<i16>,
     },
     /// The notification listener connected (`true`) or lost its connection (`false`). While it
     /// is down the worker polls even in [`DeploymentMode::EventDrivenOnly`].
@@ -401,6 +405,8 @@ struct Held {
     /// Started without a start request and the store does not know yet: it is Claimed there
     /// (its heartbeat renews the claim) until a finish or a [`DbRequest::RecordStarts`].
     unrecorded: bool,
+    /// The token of the claim that took it (claims are numbered in the order they are sent).
+    claim_token: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -526,6 +532,8 @@ enum Op {
         notified: bool,
         /// When it was sent: its round trip sizes the buffer.
         sent: Instant,
+        /// A claim for an announced urgent task, beside the regular pass.
+        urgent: bool,
     },
     Start(Vec<TaskLease>),
     RecordStarts(Vec<TaskLease>),
@@ -627,6 +635,18 @@ pub struct Worker {
     flow: ClaimFlow,
     /// The policy of the last claim pass, with the buffer it was sized for.
     claim_policy: Arc<ClaimPolicy>,
+    /// The regular claim pass in flight: its budget and how many it may start.
+    claim_out: (u32, u32),
+    /// Announcements of tasks more urgent than what the worker holds, not claimed yet: the
+    /// budget of the next urgent claim.
+    urgent_due: u32,
+    /// The least urgent priority among them: the urgent claim takes nothing less urgent.
+    urgent_bound: i16,
+    /// The least urgent rank (queue priority, priority) of the last pass that took tasks: what
+    /// the worker is working through when its buffer is empty.
+    working_rank: Option<(u8, i16)>,
+    /// A claim for it is in flight: its budget and how many it may start.
+    urgent_out: Option<(u32, u32)>,
     timers: BTreeMap<Timer, Instant>,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
@@ -712,6 +732,11 @@ impl Worker {
             buffer: Buffer::default(),
             flow: ClaimFlow::new(now),
             claim_policy,
+            claim_out: (0, 0),
+            urgent_due: 0,
+            urgent_bound: i16::MIN,
+            working_rank: None,
+            urgent_out: None,
             timers: BTreeMap::new(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
@@ -861,7 +886,7 @@ impl Worker {
         match input {
             Input::Db { op, reply } => self.on_db(op, reply, now),
             Input::TaskFinished { task, lease, outcome } => self.on_task_finished(task, lease, outcome),
-            Input::Notified { queue } => self.on_notified(&queue),
+            Input::Notified { queue, priority } => self.on_notified(&queue, priority),
             Input::Listener { connected } => {
                 if connected && !self.listening {
                     // Notifications sent while the listener was down are gone: catch up.
@@ -1037,6 +1062,7 @@ impl Worker {
         }
         self.start_buffered(now);
         self.claim(now);
+        self.claim_urgent();
         self.check_drained();
     }
 
@@ -1117,7 +1143,9 @@ impl Worker {
             return;
         }
         let starting = self.held.count(&[Stage::Starting]);
-        let mut free = self.config.concurrency.saturating_sub(self.executing() + starting);
+        // Slots the claims in flight start tasks in are taken already.
+        let reserved = if self.claim_in_flight { self.claim_out.1 } else { 0 } + self.urgent_out.map_or(0, |(_, s)| s);
+        let mut free = self.config.concurrency.saturating_sub(self.executing() + starting + reserved);
         let may_ask = !self.start_in_flight && !self.start_blocked;
         let mut ask = Vec::new();
         let mut kept = VecDeque::new();
@@ -1152,17 +1180,18 @@ impl Worker {
         }
     }
 
-    /// Whether a claimed task may start without a start request: a start checks only the
-    /// claim lease (which heartbeats keep), good-until and, in soft-cap mode, the queue's cap.
-    /// With neither of the last two there is nothing to ask, so the handler starts at once and
+    /// Whether a claimed task may start without a start request: a start checks the claim
+    /// lease (which heartbeats keep), good-until and the caps (soft-cap mode checks them at
+    /// start; hard-cap mode counts a claim while its lease is live). With no good-until and no
+    /// cap there is nothing to ask, so the handler starts at once and
     /// the store learns of it from the finish, or from [`DbRequest::RecordStarts`] if the
     /// handler is still running [`Worker::record_starts_after`] later.
     fn starts_unasked(policy: &ClaimPolicy, held: &Held) -> bool {
-        // In hard-cap mode its claim already counts against every cap: starting it changes no
-        // count the store would check.
-        !held.expires
-            && (policy.hard_cap_mode()
-                || policy.queues.iter().find(|q| q.name == held.queue).is_some_and(|q| q.max_concurrency.is_none()))
+        // Under a cap a start must ask: in soft-cap mode the cap is checked at start; in
+        // hard-cap mode the claim counts against it only while its lease is live, which the
+        // start request checks on the store's clock (a buffered claim may have lapsed).
+        let uncapped = policy.queues.iter().find(|q| q.name == held.queue).is_some_and(|q| q.max_concurrency.is_none());
+        !held.expires && uncapped && (!policy.hard_cap_mode() || policy.cluster_wide_cap.is_none())
     }
 
     /// How long a handler started unasked may run before its start is recorded: a quarter of
@@ -1202,7 +1231,7 @@ impl Worker {
             lease_ms: self.app.effective_claim_lease_ms(),
         };
         let sent = self.now;
-        self.send(request, Op::Claim { token: claim.token, notified: claim.notified, sent });
+        self.send(request, Op::Claim { token: claim.token, notified: claim.notified, sent, urgent: false });
     }
 
     /// Starts a claim pass if one is due and there is room: the pass is in flight from here
@@ -1211,13 +1240,17 @@ impl Worker {
         if self.phase != Phase::Running || self.claim_in_flight || self.claims_held || !self.more_work {
             return None;
         }
-        let running = self.executing();
-        let claimed = self.claimed() as u32;
+        // An urgent claim in flight may bring what it asked for: counted as held already.
+        let (urgent_budget, urgent_start) = self.urgent_out.unwrap_or((0, 0));
+        let running = self.executing() + urgent_start;
+        let claimed = self.claimed() as u32 + urgent_budget.saturating_sub(urgent_start);
         let policy = self.sized_policy();
-        if policy.local_budget(running, claimed) == 0 {
+        let budget = policy.local_budget(running, claimed);
+        if budget == 0 {
             return None; // a freed permit calls pump again
         }
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
+        self.claim_out = (budget, start_now.min(budget));
         self.more_work = false;
         self.claim_in_flight = true;
         self.stats.claim_passes += 1;
@@ -1235,16 +1268,72 @@ impl Worker {
         Some(ClaimPass { token, notified, running, claimed, start_now, policy })
     }
 
+    /// A task announced more urgent than some in the buffer is claimed at once by a small claim
+    /// of its own, beside a pass in flight or while the buffer is full (at most [`URGENT_CLAIM_MAX`], within the
+    /// worker's largest buffer, and starting only what the pass in flight leaves room for): it
+    /// then starts before the buffer, instead of waiting for the pass in flight and the next.
+    fn claim_urgent(&mut self) {
+        // Called after the regular pass had its chance: if none is in flight, none could go
+        // (the buffer is full, or passes are held back), and none comes before a slot frees.
+        if self.urgent_due == 0 || self.urgent_out.is_some() || self.phase != Phase::Running || self.claims_held {
+            return;
+        }
+        let hard = self.policy.hard_cap_mode();
+        let (out_budget, out_start) = self.claim_out;
+        let (running, claimed) = (self.executing(), self.claimed() as u32);
+        let most = self.config.concurrency + if hard { HARD_CAP_CLAIM_AHEAD_MAX } else { self.policy.prefetch_buffer };
+        let mut room = most.saturating_sub(running + claimed + out_budget);
+        if self.policy.max_claim_per_worker > 0 {
+            // What the pass in flight brings counts against the worker's most live claims.
+            room = room.min(self.policy.max_claim_per_worker.saturating_sub(claimed + out_budget));
+        }
+        // As many as were announced: the claim takes the most urgent first.
+        let budget = URGENT_CLAIM_MAX.min(self.urgent_due).min(room);
+        if budget == 0 {
+            return; // due still: asked once the pass in flight is back
+        }
+        self.urgent_due = 0;
+        let start_now = self.config.concurrency.saturating_sub(running + claimed + out_start).min(budget);
+        // The store sees this worker's held tasks only: it may take `budget`, no more.
+        let mut policy = (*self.policy).clone();
+        let extra = (running + claimed + budget).saturating_sub(self.config.concurrency);
+        if hard {
+            policy.claim_ahead = extra;
+        } else {
+            policy.prefetch_buffer = extra.max(1);
+        }
+        let cap = claimed + budget;
+        policy.max_claim_per_worker =
+            if policy.max_claim_per_worker > 0 { policy.max_claim_per_worker.min(cap) } else { cap };
+        // Only tasks as urgent as those announced: a few rows, not the ones the pass holds.
+        policy.max_priority = Some(self.urgent_bound);
+        self.urgent_out = Some((budget, start_now));
+        let token = self.next_op;
+        let request = DbRequest::Claim {
+            worker: self.id.clone(),
+            token,
+            policy: Arc::new(policy),
+            my_running: running,
+            my_claimed: claimed,
+            start_now,
+            lease_ms: self.app.effective_claim_lease_ms(),
+        };
+        let sent = self.now;
+        self.send(request, Op::Claim { token, notified: false, sent, urgent: true });
+    }
+
     /// The policy to claim with now: the buffer (the prefetch buffer in soft-cap mode, the
     /// claims ahead in hard-cap mode) sized by [`ClaimFlow::buffer`] for the work this worker
     /// does, up to its maximum.
     fn sized_policy(&mut self) -> Arc<ClaimPolicy> {
         let hard = self.policy.hard_cap_mode();
+        // Room is left for a claim of an urgent task beside the buffer (`claim_urgent`).
         let (current, floor, max) = if hard {
-            (self.claim_policy.claim_ahead, 0, HARD_CAP_CLAIM_AHEAD_MAX)
+            (self.claim_policy.claim_ahead, 0, HARD_CAP_CLAIM_AHEAD_MAX - URGENT_CLAIM_MAX)
         } else {
             // At least 1: a buffer of 0 would be hard-cap mode.
-            (self.claim_policy.prefetch_buffer, 1, self.policy.prefetch_buffer)
+            let max = self.policy.prefetch_buffer.saturating_sub(URGENT_CLAIM_MAX).max(1);
+            (self.claim_policy.prefetch_buffer, 1, max)
         };
         let buffer = self.flow.buffer(self.now, floor, max);
         if buffer != current {
@@ -1333,9 +1422,23 @@ impl Worker {
         self.send(DbRequest::Purge { older_than_ms, batch: DEFAULT_PURGE_BATCH }, Op::Purge);
     }
 
-    fn on_notified(&mut self, queue: &str) {
+    fn on_notified(&mut self, queue: &str, priority: Option<i16>) {
         if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
             return;
+        }
+        if let Some(priority) = priority {
+            let rank = (self.queue_priority(queue), priority);
+            // More urgent than a buffered task, or, with none buffered, than what the worker
+            // is working through (a pass in flight brings more of it).
+            let overtakes = if self.buffer.is_empty() {
+                self.working_rank.is_some_and(|working| rank < working)
+            } else {
+                self.buffer.would_overtake(rank.0, rank.1)
+            };
+            if overtakes {
+                self.urgent_bound = if self.urgent_due == 0 { priority } else { self.urgent_bound.max(priority) };
+                self.urgent_due = self.urgent_due.saturating_add(1);
+            }
         }
         if self.more_work && !self.cap_blocked {
             self.stats.notifications_coalesced += 1;
@@ -1383,10 +1486,15 @@ impl Worker {
                 let (finished, claimed) = reply.into_finished_and_claimed();
                 self.on_reply(Op::Finish { batch, lone: false }, finished);
                 if let Some(claimed) = claimed {
-                    self.on_reply(Op::Claim { token, notified, sent }, claimed);
+                    self.on_reply(Op::Claim { token, notified, sent, urgent: false }, claimed);
                 }
             }
-            (Op::Claim { notified, sent, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
+            (Op::Claim { urgent: true, token, .. }, DbReply::Claimed { tasks, .. }) => {
+                // What it took joins the buffer, most urgent first; the regular passes go on.
+                self.urgent_out = None;
+                self.take_claimed(tasks, token);
+            }
+            (Op::Claim { notified, sent, token, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
                 self.flow.on_claim_answered(sent, self.now);
                 // A wake-up hint past the end of this clock's range is no hint at all.
                 let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
@@ -1398,7 +1506,7 @@ impl Worker {
                 if notified && (!tasks.is_empty() || more) {
                     self.pass_budget.tokens = (self.pass_budget.tokens + 1).min(NOTIFIED_PASS_BURST);
                 }
-                self.on_claimed(tasks, more)
+                self.on_claimed(tasks, more, token)
             }
             (Op::Start(sent), DbReply::Started { started, expired, deferred, lost }) => {
                 let sent = SentLeases::new(sent);
@@ -1587,10 +1695,31 @@ impl Worker {
         }
     }
 
-    fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool) {
+    fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
         self.claim_in_flight = false;
+        self.claim_out = (0, 0);
         let took = tasks.len();
+        self.working_rank = tasks.iter().map(|t| (self.queue_priority(&t.queue), t.priority)).max();
+        self.take_claimed(tasks, token);
+        if more {
+            if took > 0 {
+                self.want_pass();
+            } else {
+                self.cap_blocked = true;
+                self.poll_while_blocked();
+            }
+        }
+    }
+
+    /// Holds the tasks a claim took: started ones run, the others wait in the buffer.
+    fn take_claimed(&mut self, tasks: Vec<ClaimedTask>, token: u64) {
         for task in tasks {
+            // Two claims may be out at once (a pass and an urgent claim), and their answers
+            // come in any order: a task a later claim took since, under a newer lease, is not
+            // this one's any more (the older claim lapsed, or was taken back, meanwhile).
+            if self.held.get(&task.id).is_some_and(|held| held.lease > task.lease && held.claim_token > token) {
+                continue;
+            }
             self.stats.claimed += 1;
             self.events.push_back(Event::Claimed { task: task.id, queue: task.queue.clone() });
             let started = task.started;
@@ -1617,6 +1746,7 @@ impl Worker {
                     stage,
                     expires: task.expires,
                     unrecorded: false,
+                    claim_token: token,
                 },
             );
             if let Some(previous) = previous {
@@ -1667,22 +1797,18 @@ impl Worker {
                 self.buffer_task(id, false);
             }
         }
-        if more {
-            if took > 0 {
-                self.want_pass();
-            } else {
-                self.cap_blocked = true;
-                self.poll_while_blocked();
-            }
-        }
+    }
+
+    /// The claim priority of `queue` for this worker (lower claims first).
+    fn queue_priority(&self, queue: &str) -> u8 {
+        self.policy.queues.iter().find(|q| q.name == queue).map_or(u8::MAX, |q| q.priority)
     }
 
     /// Puts held task `id` in the buffer by its queue's priority and its own; `front`: before
     /// the others of its rank (a start that did not happen).
     fn buffer_task(&mut self, id: TaskId, front: bool) {
         let Some(held) = self.held.get(&id) else { return };
-        let queue_priority = self.policy.queues.iter().find(|q| q.name == held.queue).map_or(u8::MAX, |q| q.priority);
-        let priority = held.priority;
+        let (queue_priority, priority) = (self.queue_priority(&held.queue), held.priority);
         if front {
             self.buffer.push_front(id, queue_priority, priority);
         } else {
@@ -1878,13 +2004,17 @@ impl Worker {
             Op::FinishAndClaim { batch, token, .. } => {
                 // Both parts failed together. A lock or a refusal is the finish's: its rows are
                 // what the statement locks or writes values into.
-                self.claim_failed(token, unknown, now);
+                self.claim_failed(token, unknown, false, now);
                 if self.finish_failed(batch, false, &failure, unknown, now) {
                     return;
                 }
             }
-            Op::Claim { token, .. } => {
-                self.claim_failed(token, unknown, now);
+            Op::Claim { token, urgent, .. } => {
+                self.claim_failed(token, unknown, urgent, now);
+                if urgent {
+                    // Its task waits for the next pass; nothing else waits for it.
+                    return;
+                }
                 if lock {
                     // A queue's claim lock: other workers claim meanwhile.
                     self.claims_held = true;
@@ -1976,9 +2106,14 @@ impl Worker {
 
     /// A claim that failed: no pass in flight, another wanted. One whose commit is unknown is
     /// undone by its token now, and with every heartbeat for a while (it may commit later).
-    fn claim_failed(&mut self, token: u64, unknown: bool, now: Instant) {
-        self.claim_in_flight = false;
-        self.want_pass();
+    fn claim_failed(&mut self, token: u64, unknown: bool, urgent: bool, now: Instant) {
+        if urgent {
+            self.urgent_out = None;
+        } else {
+            self.claim_in_flight = false;
+            self.claim_out = (0, 0);
+            self.want_pass();
+        }
         if unknown {
             self.abandons.push(token);
             if let Some(until) = now.checked_add(ABANDONED_CLAIM_MEMORY) {

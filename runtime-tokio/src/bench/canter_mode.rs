@@ -455,17 +455,24 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
         let mut paced = Paced::new(options.interval, most_probes);
         let mut probes = 0;
-        while drained.load(std::sync::atomic::Ordering::Relaxed) < n {
+        // The drain's end is looked for every millisecond, whatever the probes' interval.
+        let seconds = loop {
+            if drained.load(std::sync::atomic::Ordering::Relaxed) >= n {
+                break start.elapsed().as_secs_f64();
+            }
             if probes == most_probes || start.elapsed() > limit {
                 return Err(BenchError::Failed(format!("the drain did not finish within {:?}", start.elapsed())));
             }
-            paced.next().await;
-            let probe = NewTask::new("stamp", task_args(options, probes)).priority(-1);
-            store.enqueue(probe).await.map_err(|e| failed("enqueue", e))?;
-            paced.committed();
-            probes += 1;
-        }
-        let seconds = start.elapsed().as_secs_f64();
+            tokio::select! {
+                () = paced.next() => {
+                    let probe = NewTask::new("stamp", task_args(options, probes)).priority(-1);
+                    store.enqueue(probe).await.map_err(|e| failed("enqueue", e))?;
+                    paced.committed();
+                    probes += 1;
+                }
+                () = tokio::time::sleep(Duration::from_millis(1)) => {}
+            }
+        };
         let mut sample = paced.sample(scratch.mode, &stamps).await?;
         sample.workload = "latency_under_load";
         sample.tasks = n;
