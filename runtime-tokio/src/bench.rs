@@ -84,6 +84,7 @@ usage: canter bench [--database-url URL]
                     [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
                     [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
+                    [--workers N]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -96,7 +97,8 @@ the drain's worker is `canter worker` as a child process (this program, or --wor
 --tls runs each mode over plain TCP (sslmode=disable) and over TLS (sslmode=require; the
 server must offer it), with no raw baseline unless --baseline says so, and reports TLS/plain
 ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default 0 without
---tls), so that a bulk call crosses many TLS records.";
+--tls), so that a bulk call crosses many TLS records. --workers N drains with N worker
+processes (and the raw baseline with N times its loops).";
 
 /// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
 /// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
@@ -185,6 +187,8 @@ struct Options {
     raw_loops: u32,
     /// Each mode over TLS too.
     tls: bool,
+    /// Worker processes of the drains (raw: this many times `raw_loops`).
+    workers: u32,
     /// Bytes of padding in every task's arguments (beside its number).
     payload_bytes: usize,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
@@ -209,6 +213,7 @@ const VALUES: &[&str] = &[
     "worker-args",
     "worker-bin",
     "payload-bytes",
+    "workers",
 ];
 
 fn options(raw: &[String]) -> Result<Options, BenchError> {
@@ -281,6 +286,7 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         history_tasks: number("history-tasks", 1_000_000, 0, 100_000_000)?,
         raw_batch: number("raw-batch", 50, 1, 10_000)? as u32,
         raw_loops: number("raw-loops", concurrency as usize, 1, 1_000)? as u32,
+        workers: number("workers", 1, 1, 16)? as u32,
         tls,
         payload_bytes: number("payload-bytes", if tls { 200 } else { 0 }, 0, 1_000_000)?,
         config,
@@ -317,8 +323,10 @@ struct Sample {
     history: Option<usize>,
     /// Claim passes (canter) or claim statements (raw) the run took.
     claims: Option<u64>,
-    /// CPU seconds (user and system) the worker process spent in the run.
+    /// CPU seconds (user and system) the worker processes spent in the run.
     worker_cpu_s: Option<f64>,
+    /// Worker processes (or raw loop groups) of a drain.
+    workers: Option<u32>,
     /// The median time of a one-row autocommit insert just before the run, in ms: what a
     /// commit (a WAL flush) cost on this machine at the time.
     commit_ms: Option<f64>,
@@ -337,6 +345,7 @@ impl Sample {
             history: None,
             claims: None,
             worker_cpu_s: None,
+            workers: None,
             commit_ms: None,
         }
     }
@@ -355,6 +364,9 @@ impl Sample {
             "per_sec": round(self.per_sec(), 1),
             "concurrency": concurrency,
         });
+        if let Some(workers) = self.workers {
+            line["workers"] = json!(workers);
+        }
         if let Some([p50, p90, p99, max]) = self.latency {
             line["p50_ms"] = json!(round(p50, 3));
             line["p90_ms"] = json!(round(p90, 3));

@@ -35,14 +35,32 @@ async fn bench_runs_every_workload_with_tiny_sizes_and_prints_json() {
             expected.push((workload.to_owned(), mode.to_owned()));
         }
     }
+    // Urgent tasks during a drain: Canter alone (the raw loop has no priorities).
+    expected.push(("latency_under_load".to_owned(), "canter".to_owned()));
     assert_eq!(seen, expected);
     for line in &lines {
         assert!(line["per_sec"].as_f64().is_some(), "{line}");
-        if line["workload"] == "latency" {
+        if line["workload"] == "latency" || line["workload"] == "latency_under_load" {
             assert!(line["p99_ms"].as_f64().is_some(), "{line}");
         }
     }
     if cfg!(target_os = "linux") {
         assert!(lines.iter().any(|l| l["workload"] == "drain" && l["peak_rss_mib"].as_f64().is_some()));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_drains_with_several_worker_processes() {
+    let url = pg::server_url().await;
+    let output = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["bench", "--database-url", &url, "--workload", "drain", "--runs", "1", "--workers", "2"])
+        .args(["--tasks", "400", "--concurrency", "2", "--json-only"])
+        .env("CANTER_LOG", "warn")
+        .output()
+        .expect("run canter bench");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "canter bench failed: {}\n{stdout}", String::from_utf8_lossy(&output.stderr));
+    let lines: Vec<Value> = stdout.lines().map(|line| serde_json::from_str(line).expect("JSON")).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    assert!(lines.iter().all(|l| l["workers"] == 2 && l["tasks"] == 400), "{stdout}");
 }

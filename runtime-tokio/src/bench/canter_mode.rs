@@ -121,9 +121,63 @@ struct WorkerProcess {
     config: std::path::PathBuf,
 }
 
+/// `options.workers` worker processes, started together and stopped together.
+struct WorkerProcesses(Vec<WorkerProcess>);
+
+impl WorkerProcesses {
+    async fn start(options: &Options, url: &str, store: &PgStore) -> Result<WorkerProcesses, BenchError> {
+        let schema = store.schema();
+        let workers = (0..options.workers)
+            .map(|i| WorkerProcess::spawn(options, url, schema, i))
+            .collect::<Result<Vec<_>, _>>()
+            .map(WorkerProcesses)?;
+        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut workers = workers;
+        loop {
+            workers.check_alive()?;
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
+                .fetch_one(store.pool())
+                .await
+                .map_err(|e| failed("read workers", e))?;
+            if live >= i64::from(options.workers) {
+                // A little more, for their listeners.
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                return Ok(workers);
+            }
+            if Instant::now() > deadline {
+                return Err(BenchError::Failed(format!(
+                    "{live} of {} workers registered within 30 s",
+                    options.workers
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    fn check_alive(&mut self) -> Result<(), BenchError> {
+        self.0.iter_mut().try_for_each(WorkerProcess::check_alive)
+    }
+
+    /// The largest peak resident set of one process, in MiB.
+    fn peak_rss_mib(&self) -> Option<f64> {
+        self.0.iter().filter_map(WorkerProcess::peak_rss_mib).reduce(f64::max)
+    }
+
+    /// CPU seconds of them all.
+    fn cpu_seconds(&self) -> Option<f64> {
+        self.0.iter().map(WorkerProcess::cpu_seconds).sum()
+    }
+
+    async fn stop(self) {
+        futures::future::join_all(self.0.into_iter().map(WorkerProcess::stop)).await;
+    }
+}
+
 impl WorkerProcess {
-    fn spawn(options: &Options, url: &str, schema: &PgSchema) -> Result<WorkerProcess, BenchError> {
-        let config = std::env::temp_dir().join(format!("canter-bench-{}-{}.json", std::process::id(), schema.name()));
+    fn spawn(options: &Options, url: &str, schema: &PgSchema, index: u32) -> Result<WorkerProcess, BenchError> {
+        let config =
+            std::env::temp_dir().join(format!("canter-bench-{}-{}-{index}.json", std::process::id(), schema.name()));
         let text = serde_json::to_string(&options.config).map_err(|e| failed("config", e))?;
         std::fs::write(&config, text).map_err(|e| failed("write the worker config", e))?;
         let child = Command::new(&options.worker_bin)
@@ -142,28 +196,6 @@ impl WorkerProcess {
             Ok(None) => Ok(()),
             Ok(Some(status)) => Err(BenchError::Failed(format!("the worker process exited: {status}"))),
             Err(e) => Err(failed("the worker process", e)),
-        }
-    }
-
-    /// Waits until the worker has registered (it is connected and claiming), and a little more
-    /// for its listener.
-    async fn wait_ready(&mut self, pool: &PgPool, schema: &PgSchema) -> Result<(), BenchError> {
-        let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
-        let deadline = Instant::now() + Duration::from_secs(30);
-        loop {
-            self.check_alive()?;
-            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(sql.clone()))
-                .fetch_one(pool)
-                .await
-                .map_err(|e| failed("read workers", e))?;
-            if live > 0 {
-                tokio::time::sleep(Duration::from_millis(300)).await;
-                return Ok(());
-            }
-            if Instant::now() > deadline {
-                return Err(BenchError::Failed("the worker did not register within 30 s".into()));
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
         }
     }
 
@@ -214,8 +246,7 @@ impl Drop for WorkerProcess {
 async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: usize) -> Result<Sample, BenchError> {
     let schema = store.schema().clone();
     let pool = store.pool();
-    let mut worker = WorkerProcess::spawn(options, &scratch.url, &schema)?;
-    worker.wait_ready(pool, &schema).await?;
+    let mut worker = WorkerProcesses::start(options, &scratch.url, store).await?;
     checkpoint(pool).await;
     let cpu_before = worker.cpu_seconds();
 
@@ -288,6 +319,7 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims as u64);
     sample.worker_cpu_s = cpu;
+    sample.workers = Some(options.workers);
     Ok(sample)
 }
 

@@ -72,7 +72,7 @@ fn q(sql: &str) -> sqlx::query::Query<'static, sqlx::Postgres, sqlx::postgres::P
 }
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
-    let pool = connect(&scratch.url, options.raw_loops + 4)?;
+    let pool = connect(&scratch.url, options.raw_loops * options.workers + 4)?;
     let create = CREATE.replace("{s}", &scratch.quoted());
     sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
     let sql = Sql::new(scratch);
@@ -196,7 +196,7 @@ async fn drain(
     scratch: &Scratch,
     history: usize,
 ) -> Result<Sample, BenchError> {
-    let loops = options.raw_loops as usize;
+    let loops = (options.raw_loops * options.workers) as usize;
     let mut conns = Vec::with_capacity(loops);
     for _ in 0..loops {
         conns.push(pool.acquire().await.map_err(|e| failed("connect", e))?);
@@ -259,6 +259,7 @@ async fn drain(
     }
     let workload = if history > 0 { "history" } else { "drain" };
     let mut sample = Sample::new(workload, scratch.mode, n, seconds);
+    sample.workers = Some(options.workers);
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims.load(Ordering::Relaxed));
     Ok(sample)
