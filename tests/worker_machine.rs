@@ -1426,3 +1426,104 @@ fn an_announced_urgent_task_is_claimed_at_once_and_starts_first() {
     let after = h.finished(&runs[0], TaskOutcome::Success(json!(1)));
     assert_eq!(spawns(&after).iter().map(|r| r.id).collect::<Vec<_>>(), vec![TaskId(9)]);
 }
+
+/// Sim seed 10198: lock hold-ups long before, then an outage through the grace period. When the
+/// database answers again nothing is held up by a lock: the finish goes out and lands, and
+/// nothing is given up on.
+#[test]
+fn hold_ups_before_an_outage_do_not_make_shutdown_give_up_after_it() {
+    let mut app = app();
+    app.recovery.runner_heartbeat_interval_ms = 10_000;
+    let config = WorkerConfig {
+        concurrency: 1,
+        shutdown_grace_ms: 2_000,
+        handler_timeout_ms: None,
+        seed: Some(1),
+        ..WorkerConfig::default()
+    };
+    let (mut h, first) = Harness::new(app, config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    for _ in 0..3 {
+        let op =
+            find(&fire_until_sent(&mut h, "heartbeat", Duration::from_secs(11)).expect("a heartbeat"), "heartbeat");
+        h.reply(op, DbReply::Heartbeat { lost: vec![], busy: vec![TaskId(1)], handed_back: vec![] });
+    }
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish_and_claim");
+    h.fail(finish, DbFailure::Unavailable("down".into()));
+    h.input(Input::Shutdown);
+    // The finish goes out again after the outage and is answered only after the grace period.
+    let mut resent = None;
+    loop {
+        let (timer, commands) = h.fire();
+        if has(&commands, "finish") {
+            let (op, _, ids) = one_finish(&commands);
+            assert_eq!(ids, vec![1]);
+            resent = Some(op);
+        }
+        if timer == Timer::ShutdownGrace {
+            break;
+        }
+    }
+    let op = resent.expect("the finish went out again within the grace period");
+    let next = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    h.reply(find(&next, "deregister_worker"), DbReply::Done);
+    assert!(h.events.contains(&Event::Drained { abandoned: 0 }), "{:?}", h.events);
+}
+
+/// Sim seed 55848: a pass and an urgent claim out at once, applied by the database in the other
+/// order than they were sent: the urgent claim took task 9 under lease 1, its claim lapsed and
+/// the pass took it again under lease 2. The pass's answer comes first; the urgent claim's
+/// late answer is older news, not a database gone back in time.
+#[test]
+fn a_late_answer_of_a_claim_applied_before_the_other_one_out_is_ignored() {
+    let app = soft_cap_app(None);
+    let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
+    let next = start(&mut h, &first, vec![task(1, true)], true);
+    let pass = find(&next, "claim");
+    let urgent = find(&h.input(Input::Notified { queue: "default".into(), priority: Some(-1) }), "claim");
+    assert!(urgent.0 > pass.0, "the urgent claim is sent after the pass");
+    let mut newer = task(9, true);
+    newer.lease = Lease(2);
+    newer.attempt = Attempt(2);
+    let runs = spawns(&h.reply(pass, DbReply::Claimed { tasks: vec![newer], more: false, next_run_in_ms: None }));
+    assert_eq!(runs.iter().map(|r| (r.id, r.lease)).collect::<Vec<_>>(), vec![(TaskId(9), Lease(2))]);
+    let mut older = task(9, true);
+    older.priority = -1;
+    let late = h.reply(urgent, DbReply::Claimed { tasks: vec![older], more: false, next_run_in_ms: None });
+    assert!(late.iter().all(|c| !matches!(c, Command::Abort { .. } | Command::Spawn(_))), "{late:?}");
+    assert!(!h.events.iter().any(|e| matches!(e, Event::Lost { .. } | Event::LeaseWentBack { .. })), "{:?}", h.events);
+    assert_eq!(h.worker.running(), 2);
+}
+
+/// Sim seed 74029: a finish waits on a locked row through the grace period, and its lock
+/// timeout comes back after it, when the row is free again. Hold-ups of before the grace period
+/// do not count: the finish is tried again, lands, and nothing is given up on.
+#[test]
+fn hold_ups_before_the_grace_period_ends_do_not_make_shutdown_give_up() {
+    let mut app = app();
+    app.recovery.runner_heartbeat_interval_ms = 10_000;
+    let config = WorkerConfig {
+        concurrency: 1,
+        shutdown_grace_ms: 2_000,
+        handler_timeout_ms: None,
+        seed: Some(1),
+        ..WorkerConfig::default()
+    };
+    let (mut h, first) = Harness::new(app, config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
+    for _ in 0..3 {
+        let op =
+            find(&fire_until_sent(&mut h, "heartbeat", Duration::from_secs(11)).expect("a heartbeat"), "heartbeat");
+        h.reply(op, DbReply::Heartbeat { lost: vec![], busy: vec![TaskId(1)], handed_back: vec![] });
+    }
+    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish_and_claim");
+    h.input(Input::Shutdown);
+    fire_until(&mut h, Timer::ShutdownGrace, Duration::from_secs(3)).expect("the grace period ends");
+    h.fail(finish, DbFailure::LockTimeout("canceling statement due to lock timeout".into()));
+    let again = fire_until_sent(&mut h, "finish", Duration::from_secs(30)).expect("the finish tried again");
+    let (op, _, ids) = one_finish(&again);
+    assert_eq!(ids, vec![1]);
+    let next = h.reply(op, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
+    h.reply(find(&next, "deregister_worker"), DbReply::Done);
+    assert!(h.events.contains(&Event::Drained { abandoned: 0 }), "{:?}", h.events);
+}

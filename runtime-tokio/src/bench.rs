@@ -36,6 +36,7 @@
 
 mod canter_mode;
 mod raw_mode;
+mod steady;
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -79,12 +80,13 @@ fn failed(what: &str, error: impl std::fmt::Display) -> BenchError {
 /// The help of `canter bench`.
 pub const HELP: &str = "\
 usage: canter bench [--database-url URL]
-                    [--workload enqueue|drain|latency|latency-under-load|history|all]
+                    [--workload enqueue|drain|latency|latency-under-load|history|
+                                held-xmin|no-vacuum|all]
                     [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
                     [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
                     [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
-                    [--workers N]
+                    [--workers N] [--rate N] [--hold-s S] [--duration-s S] [--window-s S]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -98,7 +100,11 @@ the drain's worker is `canter worker` as a child process (this program, or --wor
 server must offer it), with no raw baseline unless --baseline says so, and reports TLS/plain
 ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default 0 without
 --tls), so that a bulk call crosses many TLS records. --workers N drains with N worker
-processes (and the raw baseline with N times its loops).";
+processes (and the raw baseline with N times its loops).
+held-xmin and no-vacuum (not in all: minutes each) offer --rate tasks/s (1000) to an idle
+worker for --duration-s and report pickup latency and the live table's size per --window-s:
+held-xmin while another session holds the xmin from 20 s for --hold-s (90; 160 s in all,
+windows of 10 s), no-vacuum with autovacuum off on the schema's tables (600 s, windows of 60 s).";
 
 /// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
 /// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
@@ -119,6 +125,10 @@ enum Workload {
     /// Probes of priority -1 during a drain, in this process (no raw baseline).
     LatencyUnderLoad,
     History,
+    /// A steady load while another session holds the xmin (see [`steady`]).
+    HeldXmin,
+    /// A steady load with autovacuum off (see [`steady`]).
+    NoVacuum,
 }
 
 impl Workload {
@@ -130,6 +140,8 @@ impl Workload {
             Workload::Latency => "latency",
             Workload::LatencyUnderLoad => "latency_under_load",
             Workload::History => "history",
+            Workload::HeldXmin => "held_xmin",
+            Workload::NoVacuum => "no_vacuum",
         }
     }
 }
@@ -191,6 +203,14 @@ struct Options {
     workers: u32,
     /// Bytes of padding in every task's arguments (beside its number).
     payload_bytes: usize,
+    /// The steady workloads' tasks a second.
+    rate: u32,
+    /// How long `held-xmin` holds the xmin, in seconds (`None`: its default).
+    hold_s: Option<u64>,
+    /// How long a steady workload runs, in seconds (`None`: its default).
+    duration_s: Option<u64>,
+    /// A steady workload's windows, in seconds (`None`: its default).
+    window_s: Option<u64>,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -214,6 +234,10 @@ const VALUES: &[&str] = &[
     "worker-bin",
     "payload-bytes",
     "workers",
+    "rate",
+    "hold-s",
+    "duration-s",
+    "window-s",
 ];
 
 fn options(raw: &[String]) -> Result<Options, BenchError> {
@@ -225,6 +249,13 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
     let number = |name: &str, default: usize, min: usize, max: usize| -> Result<usize, BenchError> {
         let value = args.parsed::<usize>(name).map_err(usage)?.unwrap_or(default);
         if value < min || value > max {
+            return Err(BenchError::Usage(format!("--{name} must be {min} to {max}")));
+        }
+        Ok(value)
+    };
+    let optional = |name: &str, min: u64, max: u64| -> Result<Option<u64>, BenchError> {
+        let value = args.parsed::<u64>(name).map_err(usage)?;
+        if value.is_some_and(|v| v < min || v > max) {
             return Err(BenchError::Usage(format!("--{name} must be {min} to {max}")));
         }
         Ok(value)
@@ -245,6 +276,8 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         "latency" => vec![Workload::Latency],
         "latency-under-load" => vec![Workload::LatencyUnderLoad],
         "history" => vec![Workload::History],
+        "held-xmin" => vec![Workload::HeldXmin],
+        "no-vacuum" => vec![Workload::NoVacuum],
         other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
     };
     let tls = args.switch("tls");
@@ -289,6 +322,10 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         workers: number("workers", 1, 1, 16)? as u32,
         tls,
         payload_bytes: number("payload-bytes", if tls { 200 } else { 0 }, 0, 1_000_000)?,
+        rate: number("rate", 1_000, 1, 100_000)? as u32,
+        hold_s: optional("hold-s", 1, 3_600)?,
+        duration_s: optional("duration-s", 1, 86_400)?,
+        window_s: optional("window-s", 1, 3_600)?,
         config,
         worker_bin,
     })
@@ -330,6 +367,8 @@ struct Sample {
     /// The median time of a one-row autocommit insert just before the run, in ms: what a
     /// commit (a WAL flush) cost on this machine at the time.
     commit_ms: Option<f64>,
+    /// A steady workload's plan and windows.
+    windows: Option<(steady::Plan, Vec<steady::Window>)>,
 }
 
 impl Sample {
@@ -347,6 +386,7 @@ impl Sample {
             worker_cpu_s: None,
             workers: None,
             commit_ms: None,
+            windows: None,
         }
     }
 
@@ -387,6 +427,9 @@ impl Sample {
         }
         if let Some(commit) = self.commit_ms {
             line["commit_ms"] = json!(round(commit, 3));
+        }
+        if let Some((plan, windows)) = &self.windows {
+            line["windows"] = windows.iter().enumerate().map(|(i, w)| w.json(i, plan)).collect();
         }
         let [one, five, _] = load_average();
         line["load1"] = json!(one);
@@ -882,6 +925,9 @@ fn table(samples: &[Sample], options: &Options) -> String {
     if options.tls {
         tls_rows(&mut out, &medians);
     }
+    for workload in [Workload::HeldXmin, Workload::NoVacuum] {
+        steady_rows(&mut out, &medians, workload);
+    }
     let commits: Vec<f64> = samples.iter().filter_map(|s| s.commit_ms).collect();
     if let (Some(low), Some(mid), Some(high)) =
         (commits.iter().copied().reduce(f64::min), median(commits.clone()), commits.iter().copied().reduce(f64::max))
@@ -914,6 +960,60 @@ impl<'a> Medians<'a> {
     /// The median of `f` over the samples of `workload` in `mode`.
     fn of(&self, workload: &str, mode: Mode, f: &dyn Fn(&Sample) -> Option<f64>) -> Option<f64> {
         median(self.by.get(&(workload, mode))?.iter().filter_map(|s| f(s)).collect())
+    }
+}
+
+/// A steady workload's part of the summary: per window, the medians over runs of each mode's
+/// pickup p50 and p99 and its live table's size.
+fn steady_rows(out: &mut String, medians: &Medians<'_>, workload: Workload) {
+    let plan_of = |mode| medians.by.get(&(workload.name(), mode))?.iter().find_map(|s| s.windows.as_ref().map(|w| w.0));
+    let Some(plan) = plan_of(Mode::Canter).or_else(|| plan_of(Mode::Raw)) else { return };
+    let held = plan.hold.map_or(String::new(), |(from, until)| {
+        format!(", xmin held from {} s to {} s", from.as_secs(), until.as_secs())
+    });
+    let vacuum = if plan.no_autovacuum { ", autovacuum off" } else { "" };
+    let _ = writeln!(
+        out,
+        "\n{}: {} tasks/s for {} s{held}{vacuum}; pickup by window of enqueue (medians of runs)\n\
+         {:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+        workload.name(),
+        plan.rate,
+        plan.duration.as_secs(),
+        "from s",
+        "canter p50",
+        "p99",
+        "live MiB",
+        "raw p50",
+        "p99",
+        "live MiB"
+    );
+    let windows = (plan.duration.as_millis().div_ceil(plan.window.as_millis().max(1))) as usize;
+    let cell = |v: Option<f64>, digits: usize| v.map_or_else(|| "-".to_owned(), |v| format!("{v:.digits$}"));
+    for w in 0..windows {
+        let pick = |mode: Mode, f: &dyn Fn(&steady::Window) -> f64| {
+            medians.of(workload.name(), mode, &|s: &Sample| s.windows.as_ref().and_then(|(_, ws)| ws.get(w)).map(f))
+        };
+        let row: Vec<String> = [Mode::Canter, Mode::Raw]
+            .into_iter()
+            .flat_map(|mode| {
+                [
+                    cell(pick(mode, &|w| w.latency[0]), 2),
+                    cell(pick(mode, &|w| w.latency[2]), 2),
+                    cell(pick(mode, &|w| w.live_mib), 1),
+                ]
+            })
+            .collect();
+        let _ = writeln!(
+            out,
+            "{:>8} {:>10} {:>10} {:>10} {:>10} {:>10} {:>10}",
+            w as u64 * plan.window.as_secs(),
+            row[0],
+            row[1],
+            row[2],
+            row[3],
+            row[4],
+            row[5]
+        );
     }
 }
 

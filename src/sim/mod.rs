@@ -1224,12 +1224,16 @@ impl Sim {
                 run.id, run.lease, other.lease
             ));
         }
-        // A start without a start request (the row still Claimed under this lease) checks
-        // nothing in the store: good-until is the worker's to respect.
+        // A start without a start request (the row still Claimed by this worker under this
+        // lease) checks nothing in the store: good-until is the worker's to respect. (After a
+        // failover that lost writes, another worker may hold the row under the same lease
+        // number: this run is then a stale one, which fencing keeps out.)
         let now = self.db_now();
-        if let Some(row) =
-            self.store.task(run.id).filter(|row| row.state == TaskState::Claimed && row.lease == run.lease)
-        {
+        if let Some(row) = self.store.task(run.id).filter(|row| {
+            row.state == TaskState::Claimed
+                && row.lease == run.lease
+                && row.claimed_by.as_ref().is_some_and(|w| w.0 == name)
+        }) {
             if row.good_until.is_some_and(|at| at <= now) {
                 return Err(format!(
                     "{name} started task {} at {} at or past its good_until {:?} without asking the store",

@@ -405,8 +405,10 @@ struct Held {
     /// Started without a start request and the store does not know yet: it is Claimed there
     /// (its heartbeat renews the claim) until a finish or a [`DbRequest::RecordStarts`].
     unrecorded: bool,
-    /// The token of the claim that took it (claims are numbered in the order they are sent).
-    claim_token: u64,
+    /// The first op id not yet sent when it was taken: a claim with a lower token (op ids
+    /// number requests in the order they are sent) was in flight by then, and the database
+    /// may have applied it before or after the one that took this.
+    taken_before_op: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -1714,10 +1716,12 @@ impl Worker {
     /// Holds the tasks a claim took: started ones run, the others wait in the buffer.
     fn take_claimed(&mut self, tasks: Vec<ClaimedTask>, token: u64) {
         for task in tasks {
-            // Two claims may be out at once (a pass and an urgent claim), and their answers
-            // come in any order: a task a later claim took since, under a newer lease, is not
-            // this one's any more (the older claim lapsed, or was taken back, meanwhile).
-            if self.held.get(&task.id).is_some_and(|held| held.lease > task.lease && held.claim_token > token) {
+            // Two claims may be out at once (a pass and an urgent claim), the database may
+            // apply them in either order, and their answers come in any order: a task held
+            // under a newer lease since this claim was sent was taken by the other one later
+            // (this one's claim lapsed, or was taken back, meanwhile). Only a claim sent after
+            // the holding began can say the database went back.
+            if self.held.get(&task.id).is_some_and(|held| held.lease > task.lease && token < held.taken_before_op) {
                 continue;
             }
             self.stats.claimed += 1;
@@ -1746,7 +1750,7 @@ impl Worker {
                     stage,
                     expires: task.expires,
                     unrecorded: false,
-                    claim_token: token,
+                    taken_before_op: self.next_op,
                 },
             );
             if let Some(previous) = previous {
@@ -2085,6 +2089,9 @@ impl Worker {
             self.hold_up(now);
             return;
         }
+        // An outage ends a run of hold-ups: nothing says the locks of before still hold (and
+        // shutdown gives up on writes only while they do).
+        self.busy_streak = 0;
         if self.db_down {
             // Other requests in flight when the database went away fail too: one outage,
             // one step of backoff.
@@ -2231,6 +2238,10 @@ impl Worker {
 
     fn end_grace(&mut self) {
         self.phase = Phase::Draining { grace_over: true };
+        // Shutdown gives up on writes that locks keep holding up past the grace period: the
+        // hold-ups before it (the row may be free by now) do not count.
+        self.busy_streak = 0;
+
         let running: Vec<TaskId> =
             self.held.iter().filter(|(_, t)| matches!(t.stage, Stage::Running { .. })).map(|(id, _)| *id).collect();
         for task in running {

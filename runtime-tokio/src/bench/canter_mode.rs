@@ -17,7 +17,7 @@ use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
-use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, task_args};
+use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args};
 use crate::{TokioRuntime, errln};
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
@@ -36,6 +36,10 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         }
         Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
+        Workload::HeldXmin | Workload::NoVacuum => {
+            let plan = steady::Plan::of(workload, options).expect("a steady workload");
+            steady(options, scratch, &store, plan).await.map(|s| vec![s])
+        }
     };
     pool.close().await;
     result
@@ -511,6 +515,30 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         sample.seconds = seconds;
         Ok(sample)
     }
+    .await;
+    worker.stop().await;
+    result
+}
+
+/// A steady workload (see [`steady`]) against a worker in this process, tasks enqueued in calls
+/// of `rate / 100`.
+async fn steady(
+    options: &Options,
+    scratch: &Scratch,
+    store: &PgStore,
+    plan: steady::Plan,
+) -> Result<Sample, BenchError> {
+    if plan.no_autovacuum {
+        steady::disable_autovacuum(&scratch.pool, scratch).await?;
+    }
+    let stamps = steady::stamps_for(&plan);
+    let mut registry = Registry::new();
+    register_stamp(&mut registry, &stamps)?;
+    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
+    let result = steady::run(plan, scratch, "tasks", &stamps, async |range: Range<usize>| {
+        let tasks = range.map(|i| NewTask::new("stamp", task_args(options, i))).collect();
+        store.enqueue_many(tasks).await.map(|_| ()).map_err(|e| failed("enqueue", e))
+    })
     .await;
     worker.stop().await;
     result

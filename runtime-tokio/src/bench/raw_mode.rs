@@ -13,7 +13,7 @@ use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, task_args};
+use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args};
 
 const CREATE: &str = "\
 CREATE SCHEMA {s};
@@ -86,6 +86,10 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::Latency => latency(options, scratch, &pool, &sql).await.map(|s| vec![s]),
         // No baseline: the raw loop has no priorities to honour beside a backlog.
         Workload::LatencyUnderLoad => Ok(Vec::new()),
+        Workload::HeldXmin | Workload::NoVacuum => {
+            let plan = steady::Plan::of(workload, options).expect("a steady workload");
+            steady(options, scratch, &pool, &sql, plan).await.map(|s| vec![s])
+        }
     };
     pool.close().await;
     result
@@ -265,56 +269,94 @@ async fn drain(
     Ok(sample)
 }
 
-/// An idle raw worker (LISTEN, then claim until empty) on a runtime of its own; jobs inserted
-/// one at a time with a notification.
+/// An idle raw worker (LISTEN, then claim until empty) on a runtime of its own, stamping each
+/// job's start into `stamps` by its payload's `i`.
+struct RawListener {
+    runtime: tokio::runtime::Runtime,
+    stop: tokio::sync::oneshot::Sender<()>,
+    worker: tokio::task::JoinHandle<Result<(), sqlx::Error>>,
+}
+
+impl RawListener {
+    /// Starts it and waits until it listens (and a little more).
+    async fn start(
+        options: &Options,
+        scratch: &Scratch,
+        sql: &Sql,
+        stamps: &Arc<Mutex<Vec<Option<Instant>>>>,
+    ) -> Result<RawListener, BenchError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("bench-raw-worker")
+            .enable_all()
+            .build()
+            .map_err(|e| failed("worker runtime", e))?;
+        let (stop, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
+        let (url, worker_sql, record, batch) = (scratch.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
+        let worker = runtime.spawn(async move {
+            let pool = crate::connect(&url, 2)?;
+            let mut listener = PgListener::connect_with(&pool).await?;
+            listener.listen(&worker_sql.channel).await?;
+            let mut conn = pool.acquire().await?;
+            let _ = ready_tx.send(());
+            loop {
+                loop {
+                    let stamp = |payload: &Value| {
+                        let now = Instant::now();
+                        let i = payload["i"].as_u64().unwrap_or(u64::MAX) as usize;
+                        if let Some(slot) = record.lock().unwrap_or_else(PoisonError::into_inner).get_mut(i) {
+                            *slot = Some(now);
+                        }
+                    };
+                    if claim_run_complete(&mut conn, &worker_sql, batch, stamp).await? == 0 {
+                        break;
+                    }
+                }
+                tokio::select! {
+                    note = listener.recv() => { note?; }
+                    _ = &mut stop_rx => break,
+                }
+            }
+            drop(conn);
+            drop(listener);
+            pool.close().await;
+            Ok::<_, sqlx::Error>(())
+        });
+        let started = RawListener { runtime, stop, worker };
+        match tokio::time::timeout(Duration::from_secs(30), ready_rx).await {
+            Ok(Ok(())) => {}
+            Ok(Err(_)) => {
+                started.stop().await?;
+                return Err(BenchError::Failed("the raw worker failed to start".into()));
+            }
+            Err(_) => {
+                let _ = started.stop().await;
+                return Err(BenchError::Failed("the raw worker did not start within 30 s".into()));
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        Ok(started)
+    }
+
+    /// Stops it (up to 10 s): its error, if it failed.
+    async fn stop(self) -> Result<(), BenchError> {
+        let _ = self.stop.send(());
+        let stopped = tokio::time::timeout(Duration::from_secs(10), self.worker).await;
+        self.runtime.shutdown_background();
+        match stopped {
+            Ok(Ok(Err(error))) => Err(failed("raw worker", error)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The raw listener; jobs inserted one at a time with a notification.
 async fn latency(options: &Options, scratch: &Scratch, pool: &PgPool, sql: &Sql) -> Result<Sample, BenchError> {
     let n = options.latency_tasks;
     let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("bench-raw-worker")
-        .enable_all()
-        .build()
-        .map_err(|e| failed("worker runtime", e))?;
-    let (stop_tx, mut stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
-    let (url, worker_sql, record, batch) = (scratch.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
-    let worker = runtime.spawn(async move {
-        let pool = crate::connect(&url, 2)?;
-        let mut listener = PgListener::connect_with(&pool).await?;
-        listener.listen(&worker_sql.channel).await?;
-        let mut conn = pool.acquire().await?;
-        let _ = ready_tx.send(());
-        loop {
-            loop {
-                let stamp = |payload: &Value| {
-                    let now = Instant::now();
-                    let i = payload["i"].as_u64().unwrap_or(u64::MAX) as usize;
-                    if let Some(slot) = record.lock().unwrap_or_else(PoisonError::into_inner).get_mut(i) {
-                        *slot = Some(now);
-                    }
-                };
-                if claim_run_complete(&mut conn, &worker_sql, batch, stamp).await? == 0 {
-                    break;
-                }
-            }
-            tokio::select! {
-                note = listener.recv() => { note?; }
-                _ = &mut stop_rx => break,
-            }
-        }
-        drop(conn);
-        drop(listener);
-        pool.close().await;
-        Ok::<_, sqlx::Error>(())
-    });
-
+    let worker = RawListener::start(options, scratch, sql, &stamps).await?;
     let result = async {
-        tokio::time::timeout(Duration::from_secs(30), ready_rx)
-            .await
-            .map_err(|_| BenchError::Failed("the raw worker did not start within 30 s".into()))?
-            .map_err(|_| BenchError::Failed("the raw worker failed to start".into()))?;
-        tokio::time::sleep(Duration::from_millis(500)).await;
         let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
         let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
@@ -330,13 +372,43 @@ async fn latency(options: &Options, scratch: &Scratch, pool: &PgPool, sql: &Sql)
         paced.sample(scratch.mode, &stamps).await
     }
     .await;
-
-    let _ = stop_tx.send(());
-    let stopped = tokio::time::timeout(Duration::from_secs(10), worker).await;
-    runtime.shutdown_background();
+    let stopped = worker.stop().await;
     let sample = result?;
-    if let Ok(Ok(Err(error))) = stopped {
-        return Err(failed("raw worker", error));
+    stopped?;
+    Ok(sample)
+}
+
+/// A steady workload (see [`steady`]) against the raw listener, jobs inserted in calls of
+/// `rate / 100`.
+async fn steady(
+    options: &Options,
+    scratch: &Scratch,
+    pool: &PgPool,
+    sql: &Sql,
+    plan: steady::Plan,
+) -> Result<Sample, BenchError> {
+    if plan.no_autovacuum {
+        steady::disable_autovacuum(&scratch.pool, scratch).await?;
     }
+    let stamps = steady::stamps_for(&plan);
+    let worker = RawListener::start(options, scratch, sql, &stamps).await?;
+    let result = async {
+        let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
+        steady::run(plan, scratch, "jobs", &stamps, async |range: Range<usize>| {
+            let payloads: Vec<Value> = range.map(|i| task_args(options, i)).collect();
+            q(&sql.enqueue_many)
+                .bind(payloads)
+                .bind(&sql.channel)
+                .fetch_all(&mut *conn)
+                .await
+                .map(|_| ())
+                .map_err(|e| failed("insert", e))
+        })
+        .await
+    }
+    .await;
+    let stopped = worker.stop().await;
+    let sample = result?;
+    stopped?;
     Ok(sample)
 }
