@@ -61,6 +61,7 @@ const CHECK_INTERVAL_MS: RangeInclusive<u64> = 1_000..=600_000;
 const LIVENESS_CHECK_INTERVAL_MS: RangeInclusive<u64> = 100..=60_000;
 const LIVENESS_GRACE_MS: RangeInclusive<u64> = 0..=600_000;
 const CRASH_RETRIES: RangeInclusive<u32> = 0..=100;
+const VACUUM_DEAD_ROWS: RangeInclusive<u64> = 100..=1_000_000_000;
 const HEARTBEAT_INTERVAL_MS: RangeInclusive<u64> = 1_000..=120_000;
 const FINISHED_RETENTION_MS: RangeInclusive<u64> = 60_000..=3_153_600_000_000;
 const MAX_RETRIES: RangeInclusive<u32> = 0..=20;
@@ -248,6 +249,13 @@ pub struct RecoveryConfig {
     /// systems). A crash is rarely the task's fault; a task that keeps killing its workers
     /// stops after this many.
     pub crash_retries: u32,
+    /// Canter's own vacuum: every 10 s a worker vacuums the hot tables (live tasks, keys, the
+    /// registry, locks) that gained at least this many dead rows since its last vacuum of them
+    /// left them (100 to 1 000 000 000, default 10 000; `None` leaves vacuuming to the server,
+    /// written 0 in files). On a server that vacuums them in time it finds nothing to do;
+    /// where autovacuum is off or falls behind, it keeps the live table small.
+    #[serde(with = "zero_is_none")]
+    pub vacuum_dead_rows: Option<u64>,
 }
 
 impl Default for RecoveryConfig {
@@ -267,6 +275,7 @@ impl Default for RecoveryConfig {
             liveness_check_interval_ms: 1_000,
             liveness_grace_ms: 2_000,
             crash_retries: 2,
+            vacuum_dead_rows: Some(10_000),
         }
     }
 }
@@ -739,6 +748,9 @@ impl RecoveryConfig {
         c.range("liveness_check_interval_ms", self.liveness_check_interval_ms, LIVENESS_CHECK_INTERVAL_MS);
         c.range("liveness_grace_ms", self.liveness_grace_ms, LIVENESS_GRACE_MS);
         c.range("crash_retries", self.crash_retries, CRASH_RETRIES);
+        if let Some(rows) = self.vacuum_dead_rows {
+            c.range("vacuum_dead_rows", rows, VACUUM_DEAD_ROWS);
+        }
     }
 }
 
@@ -804,7 +816,7 @@ pub struct WorkerConfig {
     /// How long a handler may run before it fails with `TASK_TIMEOUT`: 1 to 86 400 000 ms,
     /// default 30 000; `None` = no timeout. In files, 0 (or JSON null) means `None`, and
     /// `None` is written as 0, because TOML has no null.
-    #[serde(with = "timeout_ms")]
+    #[serde(with = "zero_is_none")]
     pub handler_timeout_ms: Option<u64>,
     /// How long running tasks may finish after shutdown is asked before they are handed
     /// back: 0 to 3 600 000 ms, default 30 000.
@@ -971,8 +983,9 @@ fn key_path(key: &str) -> String {
     if bare { key.to_owned() } else { format!("{key:?}") }
 }
 
-/// Serde for `handler_timeout_ms`: TOML has no null, so 0 stands for "no timeout".
-mod timeout_ms {
+/// Serde for optional numbers whose 0 would mean nothing (`handler_timeout_ms`,
+/// `vacuum_dead_rows`): TOML has no null, so 0 stands for `None`.
+mod zero_is_none {
     use serde::{Deserialize, Deserializer, Serializer};
 
     pub(super) fn serialize<S: Serializer>(value: &Option<u64>, serializer: S) -> Result<S::Ok, S::Error> {
@@ -1287,6 +1300,7 @@ mod tests {
                     liveness_check_interval_ms: 500,
                     liveness_grace_ms: 5_000,
                     crash_retries: 0,
+                    vacuum_dead_rows: None,
                 },
                 retry: RetryPolicy::exponential(5, 8)
                     .with_codes(vec![ErrorCode::TaskTimeout, ErrorCode::User("RATE_LIMITED".into())])
@@ -1558,7 +1572,7 @@ mod tests {
 
     #[test]
     fn recovery_ranges() {
-        let cases: [(Change<RecoveryConfig>, &str); 14] = [
+        let cases: [(Change<RecoveryConfig>, &str); 16] = [
             (|r| r.claimed_stale_threshold_ms = 999, "claimed_stale_threshold_ms"),
             (|r| r.claimed_stale_threshold_ms = 3_600_001, "claimed_stale_threshold_ms"),
             (|r| r.running_stale_threshold_ms = 999, "running_stale_threshold_ms"),
@@ -1574,6 +1588,8 @@ mod tests {
             (|r| r.finished_retention_ms = Some(3_153_600_000_001), "finished_retention_ms"),
             (|r| r.idempotency_retention_ms = Some(59_999), "idempotency_retention_ms"),
             (|r| r.idempotency_retention_ms = Some(3_153_600_000_001), "idempotency_retention_ms"),
+            (|r| r.vacuum_dead_rows = Some(99), "vacuum_dead_rows"),
+            (|r| r.vacuum_dead_rows = Some(1_000_000_001), "vacuum_dead_rows"),
         ];
         for (change, field) in cases {
             let mut recovery = RecoveryConfig::default();
@@ -1585,9 +1601,13 @@ mod tests {
         let kept = RecoveryConfig {
             finished_retention_ms: Some(60_000),
             idempotency_retention_ms: Some(3_153_600_000_000),
+            vacuum_dead_rows: Some(100),
             ..RecoveryConfig::default()
         };
         assert!(kept.validate().is_ok());
+        assert!(
+            RecoveryConfig { vacuum_dead_rows: Some(1_000_000_000), ..RecoveryConfig::default() }.validate().is_ok()
+        );
     }
 
     #[test]
@@ -1877,6 +1897,9 @@ mod tests {
             intervals_secs = [10, 20]
             auto_retry_for = ["TASK_ERROR", "HTTP_503"]
 
+            [app.recovery]
+            vacuum_dead_rows = 0
+
             [worker]
             concurrency = 4
             handler_timeout_ms = 0
@@ -1888,6 +1911,7 @@ mod tests {
         assert_eq!(config.app.queues(), [CustomQueue::new("emails").with_max_concurrency(0)]);
         assert_eq!(config.app.retry.auto_retry_for, [ErrorCode::TaskError, ErrorCode::User("HTTP_503".into())]);
         assert_eq!(config.worker.handler_timeout_ms, None);
+        assert_eq!(config.app.recovery.vacuum_dead_rows, None);
         assert_eq!(config.worker.served_queues(&config.app)[0].priority, 7);
     }
 

@@ -621,6 +621,15 @@ pub enum DbRequest {
         /// Tasks per statement (0 is taken as 1).
         batch: u32,
     },
+    /// Vacuum the store's hot tables (the live tasks, keys, the registry, the lock and queue
+    /// tables) that hold at least `min_dead_rows` dead rows more than a vacuum of this store
+    /// last left there: what keeps them small on a server that does not vacuum them (no
+    /// autovacuum, or one too slow for a queue's churn). A table another vacuum is working on
+    /// is skipped. Replies [`DbReply::Vacuumed`]; a store without dead rows vacuums nothing.
+    Vacuum {
+        /// The threshold.
+        min_dead_rows: u64,
+    },
     /// Add or refresh `worker` in the worker registry.
     RegisterWorker(WorkerInfo),
     /// Mark `worker` stopped in the worker registry.
@@ -670,6 +679,7 @@ impl DbRequest {
             | DbRequest::Reap { .. }
             | DbRequest::ReapDead { .. }
             | DbRequest::Purge { .. }
+            | DbRequest::Vacuum { .. }
             | DbRequest::RegisterWorker(_)
             | DbRequest::DeregisterWorker(_) => 0,
         }
@@ -689,6 +699,7 @@ impl DbRequest {
             DbRequest::Reap { .. } => "reap",
             DbRequest::ReapDead { .. } => "reap_dead",
             DbRequest::Purge { .. } => "purge",
+            DbRequest::Vacuum { .. } => "vacuum",
             DbRequest::RegisterWorker(_) => "register_worker",
             DbRequest::DeregisterWorker(_) => "deregister_worker",
         }
@@ -768,6 +779,11 @@ pub enum DbReply {
         /// The count.
         tasks: u64,
     },
+    /// The tables a [`DbRequest::Vacuum`] vacuumed.
+    Vacuumed {
+        /// Each table, with its dead rows before and after.
+        tables: Vec<VacuumedTable>,
+    },
     /// A registry request was applied.
     Done,
 }
@@ -794,6 +810,17 @@ impl DbReply {
             _ => None,
         }
     }
+}
+
+/// One table a [`DbRequest::Vacuum`] vacuumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VacuumedTable {
+    /// Its name.
+    pub table: String,
+    /// Dead rows the statistics counted before.
+    pub dead_before: u64,
+    /// Dead rows left after (rows a transaction may still see: an open snapshot holds them).
+    pub dead_after: u64,
 }
 
 /// What one reaper pass changed.

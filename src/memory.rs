@@ -726,6 +726,7 @@ impl MemoryStore {
             | DbRequest::Reap { .. }
             | DbRequest::ReapDead { .. }
             | DbRequest::Purge { .. }
+            | DbRequest::Vacuum { .. }
             | DbRequest::RegisterWorker(_)
             | DbRequest::DeregisterWorker(_) => false,
         }
@@ -795,6 +796,8 @@ impl MemoryStore {
             DbRequest::ReapDead { worker: _, grace_ms, entropy } => {
                 DbReply::Reaped(self.reap_dead(*grace_ms, *entropy, now))
             }
+            // Nothing here leaves dead rows behind.
+            DbRequest::Vacuum { .. } => DbReply::Vacuumed { tables: Vec::new() },
             DbRequest::Purge { older_than_ms, batch: _ } => {
                 DbReply::Purged { tasks: self.purge_finished(*older_than_ms, now) }
             }

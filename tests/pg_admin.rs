@@ -434,3 +434,73 @@ async fn the_reaper_prunes_long_dead_workers_that_hold_nothing() {
     let left: Vec<String> = store.workers().await.unwrap().into_iter().map(|r| r.info.worker.0).collect();
     assert_eq!(left, ["holding", "recent"]);
 }
+
+/// Dead rows of `table` as the statistics count them, once they count at least `at_least`
+/// (each backend reports its counts within a second or so of its transaction's end).
+async fn dead_rows(store: &PgStore, table: &str, at_least: i64) -> i64 {
+    let sql = "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2";
+    for _ in 0..100 {
+        let dead: i64 =
+            sqlx::query_scalar(sql).bind(store.schema().name()).bind(table).fetch_one(store.pool()).await.unwrap();
+        if dead >= at_least {
+            return dead;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{table} never counted {at_least} dead rows");
+}
+
+async fn vacuum(store: &PgStore, min_dead_rows: u64) -> Vec<canter::db::VacuumedTable> {
+    match store.execute(&DbRequest::Vacuum { min_dead_rows }).await.unwrap() {
+        DbReply::Vacuumed { tables } => tables,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+/// Runs `n` tasks through `store`: each leaves dead row versions in the live table.
+async fn churn(store: &PgStore, n: u32) {
+    store.enqueue_many((0..n).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
+    let held: Vec<TaskLease> = claim(store, "w", n, n).await.into_iter().map(|(t, _)| t).collect();
+    assert_eq!(held.len(), n as usize);
+    finish(store, "w", &held, FinishOutcome::Completed(json!(true))).await;
+}
+
+/// Issue 19: on a server without autovacuum the live table grew without bound. Workers vacuum
+/// the hot tables once enough dead rows pile up, and do not repeat a vacuum that an open
+/// snapshot kept from removing anything.
+#[tokio::test]
+async fn workers_vacuum_the_hot_tables_when_dead_rows_pile_up() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    // Whatever the server's setting, only Canter's vacuum runs here.
+    for table in canter::postgres::HOT_TABLES {
+        let sql = format!("ALTER TABLE {}.\"{table}\" SET (autovacuum_enabled = off)", store.schema().quoted());
+        sqlx::raw_sql(AssertSqlSafe(sql)).execute(store.pool()).await.unwrap();
+    }
+    assert!(vacuum(&store, 100).await.is_empty(), "nothing dead yet");
+
+    // An open snapshot older than the dead rows: the vacuum can remove none of them.
+    let mut holder = db.pool(1).await.begin().await.unwrap();
+    sqlx::raw_sql("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ; SELECT txid_current()")
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    churn(&store, 300).await;
+    let before = dead_rows(&store, "tasks", 300).await;
+    let held = vacuum(&store, 100).await;
+    let tasks = held.iter().find(|t| t.table == "tasks").expect("tasks vacuumed");
+    assert!(tasks.dead_before >= before as u64 && tasks.dead_after >= before as u64, "{held:?}");
+    assert!(vacuum(&store, 100).await.iter().all(|t| t.table != "tasks"), "not repeated for nothing");
+    holder.rollback().await.unwrap();
+
+    // Once the snapshot is gone, a vacuum removes them (this store's next one after more dead
+    // rows or a minute; a fresh store's at once).
+    let fresh = db.store(AppConfig::default(), 1).await;
+    let freed = vacuum(&fresh, 100).await;
+    let tasks = freed.iter().find(|t| t.table == "tasks").expect("tasks vacuumed");
+    assert!(tasks.dead_after < 100, "{freed:?}");
+    assert!(vacuum(&fresh, 100).await.is_empty(), "nothing left to vacuum");
+    churn(&store, 200).await;
+    dead_rows(&store, "tasks", 200).await;
+    assert!(vacuum(&fresh, 100).await.iter().any(|t| t.table == "tasks" && t.dead_after < 100));
+}

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
-use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId};
+use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, VacuumedTable};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
@@ -15,6 +15,8 @@ use serde_json::json;
 fn app() -> AppConfig {
     let mut app = AppConfig::default();
     app.recovery.auto_recover_dead_workers = false;
+    // Its timer would come between the ones tests look for; one test below turns it on.
+    app.recovery.vacuum_dead_rows = None;
     app
 }
 
@@ -614,6 +616,35 @@ fn a_retention_for_finished_tasks_purges_them_hourly() {
     assert!(h.events.iter().any(|e| matches!(e, Event::Purged { tasks: 3 })), "{:?}", h.events);
     let third = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("the next hour's timer");
     assert!(has(&third, "purge"));
+}
+
+#[test]
+fn workers_check_every_ten_seconds_whether_the_hot_tables_need_a_vacuum() {
+    let interval = Duration::from_millis(canter::worker::VACUUM_CHECK_INTERVAL_MS);
+    let (mut none, _) = Harness::default(2);
+    assert!(fire_until(&mut none, Timer::Vacuum, 10 * interval).is_none(), "turned off, no vacuum");
+
+    let mut on = app();
+    on.recovery.vacuum_dead_rows = AppConfig::default().recovery.vacuum_dead_rows;
+    let (mut h, _) = Harness::new(on, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
+    let first = fire_until(&mut h, Timer::Vacuum, interval + Duration::from_millis(1)).expect("a check within 10 s");
+    let (op, request) = db_ops(&first).into_iter().find(|(_, r)| r.kind() == "vacuum").expect("a vacuum request");
+    assert_eq!(request, &DbRequest::Vacuum { min_dead_rows: 10_000 });
+    // Still in flight at the next check: not sent twice.
+    let second = fire_until(&mut h, Timer::Vacuum, interval + Duration::from_millis(1)).expect("the next check");
+    assert!(!has(&second, "vacuum"), "{second:?}");
+    let tables = vec![VacuumedTable { table: "tasks".into(), dead_before: 12_000, dead_after: 0 }];
+    h.reply(op, DbReply::Vacuumed { tables: tables.clone() });
+    assert!(h.events.iter().any(|e| *e == Event::Vacuumed(tables.clone())), "{:?}", h.events);
+    let third = fire_until(&mut h, Timer::Vacuum, interval + Duration::from_millis(1)).expect("the next check");
+    let (op, _) = db_ops(&third).into_iter().find(|(_, r)| r.kind() == "vacuum").expect("checked again");
+    // A failed vacuum (here its statement timeout) is not an outage, and waits for the next check.
+    let after = h.fail(op, DbFailure::Unknown("canceling statement due to statement timeout".into()));
+    assert!(!has(&after, "vacuum"), "{after:?}");
+    assert_eq!(h.worker.db_failures(), 0);
+    assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "{:?}", h.events);
+    let fourth = fire_until(&mut h, Timer::Vacuum, interval + Duration::from_millis(1)).expect("the next check");
+    assert!(has(&fourth, "vacuum"));
 }
 
 // Issue 18: poison values, lock waits, notification floods, leases going back, counts.

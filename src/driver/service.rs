@@ -280,6 +280,11 @@ fn log_event(worker: &WorkerId, event: &Event) {
         Event::GaveUp => tracing::error!(%worker, "too many database failures in a row: shutting down"),
         Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
         Event::Purged { tasks } => tracing::info!(%worker, tasks, "purged finished tasks past their retention"),
+        Event::Vacuumed(tables) => {
+            for t in tables {
+                tracing::debug!(%worker, table = %t.table, dead_before = t.dead_before, dead_after = t.dead_after, "vacuumed");
+            }
+        }
         Event::Drained { abandoned } => tracing::info!(%worker, abandoned, "drained"),
         Event::OutcomeRefused { task, problem } => {
             tracing::warn!(%worker, %task, %problem, "outcome refused: the task fails with WORKER_SERIALIZATION_ERROR")

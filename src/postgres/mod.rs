@@ -13,7 +13,8 @@
 //! - `tasks`: live tasks only (Pending, Claimed, Running), with partial indexes that match the
 //!   claim exactly (`(hashtext(queue), priority, run_at, id) WHERE state = 'PENDING'`, and
 //!   in-flight rows by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive
-//!   autovacuum;
+//!   autovacuum, and workers' own vacuum where the server does not keep up (see
+//!   [`DbRequest::Vacuum`](crate::db::DbRequest::Vacuum));
 //! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
 //!   that finishes them, so claims cost the same however much history piles up;
 //! - `attempts`: one row per finished run; `task_keys`: the task each key names (a row's own
@@ -55,6 +56,7 @@ mod schema;
 mod sql;
 mod store;
 mod tcp;
+mod vacuum;
 
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
@@ -65,3 +67,4 @@ pub use schema::{
 };
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, claim_lock_keys, with_session_settings};
 pub use tcp::{pool_options, set_tcp_nodelay, tcp_nodelay};
+pub use vacuum::HOT_TABLES;

@@ -81,6 +81,7 @@ pub struct PgStore {
     schema: PgSchema,
     app: Arc<AppConfig>,
     kept: Arc<KeptConnections>,
+    pub(crate) vacuum: Arc<super::vacuum::VacuumMemory>,
 }
 
 /// Connections kept between statements. sqlx tests every connection that goes back to its pool
@@ -140,7 +141,7 @@ impl PgStore {
     /// database; run [`migrate`](PgStore::migrate) once at startup.
     pub fn new(pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
         let kept = Arc::new(KeptConnections::new(&pool));
-        PgStore { pool, schema, app: Arc::new(app), kept }
+        PgStore { pool, schema, app: Arc::new(app), kept, vacuum: Arc::default() }
     }
 
     /// A connection for a statement: the last one kept, else one from the pool. Hand it back
@@ -360,6 +361,9 @@ impl PgStore {
             }
             DbRequest::Purge { older_than_ms, batch } => {
                 Ok(DbReply::Purged { tasks: self.purge_on(conn, *older_than_ms, *batch).await? })
+            }
+            DbRequest::Vacuum { min_dead_rows } => {
+                Ok(DbReply::Vacuumed { tables: self.vacuum_on(conn, *min_dead_rows).await? })
             }
             DbRequest::RegisterWorker(info) => {
                 sqlx::query(sql.register_worker.clone())

@@ -407,7 +407,10 @@ impl Checker {
                     before.rows.insert(row.id, Facts::of(row));
                 }
             }
-            DbRequest::Purge { .. } | DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_) => {}
+            DbRequest::Purge { .. }
+            | DbRequest::Vacuum { .. }
+            | DbRequest::RegisterWorker(_)
+            | DbRequest::DeregisterWorker(_) => {}
         }
         before
     }
@@ -814,6 +817,7 @@ impl Checker {
             // The simulated apps keep finished tasks (no retention): a purge deletes nothing
             // the checker relies on.
             (DbRequest::Purge { .. }, DbReply::Purged { .. }) => {}
+            (DbRequest::Vacuum { .. }, DbReply::Vacuumed { .. }) => {}
             (request, reply) => return Err(format!("the store answered {} with {reply:?}", request.kind())),
         }
         for id in touched {

@@ -2125,6 +2125,7 @@ fn describe_request(request: &DbRequest) -> String {
         DbRequest::Reap { .. }
         | DbRequest::ReapDead { .. }
         | DbRequest::Purge { .. }
+        | DbRequest::Vacuum { .. }
         | DbRequest::RegisterWorker(_)
         | DbRequest::DeregisterWorker(_) => String::new(),
     }
@@ -2177,6 +2178,7 @@ fn describe_reply(reply: &DbReply) -> String {
             part("dead", ids(&report.dead_workers), report.dead_workers.is_empty());
         }
         DbReply::Purged { tasks } => return format!("purged {tasks}"),
+        DbReply::Vacuumed { tables } => return format!("vacuumed {}", tables.len()),
         DbReply::Done => return "done".to_owned(),
     }
     if parts.is_empty() { "nothing".to_owned() } else { parts.join(" ") }

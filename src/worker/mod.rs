@@ -57,7 +57,7 @@ use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
 use crate::db::{
     ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,
-    WorkerInfo, check_storable, check_storable_error, printable,
+    VacuumedTable, WorkerInfo, check_storable, check_storable_error, printable,
 };
 use crate::rng::Rng;
 
@@ -73,6 +73,10 @@ const SHUTDOWN_DB_FAILURES: u32 = 3;
 
 /// How often a worker purges finished tasks past `recovery.finished_retention_ms`: an hour.
 pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
+
+/// How often a worker checks whether the hot tables need its vacuum
+/// (`recovery.vacuum_dead_rows`): a check is one read of the table statistics.
+pub const VACUUM_CHECK_INTERVAL_MS: u64 = 10_000;
 
 /// How long a worker remembers the token of a claim it abandoned, handing back with every
 /// heartbeat whatever a late commit of that claim left claimed by it: longer than any
@@ -270,6 +274,8 @@ pub enum Event {
         /// How many.
         tasks: u64,
     },
+    /// The worker's vacuum check (`recovery.vacuum_dead_rows`) vacuumed these tables.
+    Vacuumed(Vec<VacuumedTable>),
     /// `db_retry_max_attempts` failures in a row: the worker is shutting down.
     GaveUp,
     /// A claimed task's row held a value the store could not read: the task fails with
@@ -335,6 +341,8 @@ pub enum Timer {
     LivenessCheck,
     /// Delete finished tasks past their retention (only with `recovery.finished_retention_ms`).
     Purge,
+    /// Vacuum the hot tables that need it (only with `recovery.vacuum_dead_rows`).
+    Vacuum,
     /// Try the database again after a failure.
     DbRetry,
     /// The shutdown grace period ends.
@@ -558,6 +566,7 @@ enum Op {
     Reap,
     ReapDead,
     Purge,
+    Vacuum,
     Register,
     Deregister,
 }
@@ -670,6 +679,7 @@ pub struct Worker {
     reap_in_flight: bool,
     reap_dead_in_flight: bool,
     purge_in_flight: bool,
+    vacuum_in_flight: bool,
     listening: bool,
     /// Completions not yet sent.
     completions: VecDeque<Queued>,
@@ -754,6 +764,7 @@ impl Worker {
             reap_in_flight: false,
             reap_dead_in_flight: false,
             purge_in_flight: false,
+            vacuum_in_flight: false,
             listening: false,
             completions: VecDeque::new(),
             busy_streak: 0,
@@ -794,6 +805,13 @@ impl Worker {
             // rows), so retention holds while any worker runs.
             let first_purge = worker.rng.range(PURGE_INTERVAL_MS / 10, PURGE_INTERVAL_MS + 1);
             worker.arm(Timer::Purge, now + Duration::from_millis(first_purge));
+        }
+        if worker.app.recovery.vacuum_dead_rows.is_some() {
+            // Spread by the worker's name rather than its random stream, which the rest of
+            // the machine's choices (and the simulation's recorded seeds) follow.
+            let spread = worker.id.0.bytes().fold(0, |h, b| crate::rng::mix(h ^ u64::from(b)));
+            let first = VACUUM_CHECK_INTERVAL_MS / 10 + spread % (VACUUM_CHECK_INTERVAL_MS * 9 / 10 + 1);
+            worker.arm(Timer::Vacuum, now + Duration::from_millis(first));
         }
         worker.pump(now);
         Ok(worker)
@@ -948,6 +966,10 @@ impl Worker {
                 Timer::Purge => {
                     self.send_purge();
                     self.arm(Timer::Purge, now + Duration::from_millis(PURGE_INTERVAL_MS));
+                }
+                Timer::Vacuum => {
+                    self.send_vacuum();
+                    self.arm(Timer::Vacuum, now + Duration::from_millis(VACUUM_CHECK_INTERVAL_MS));
                 }
                 Timer::DbRetry => self.db_down = false,
                 Timer::ShutdownGrace => self.end_grace(),
@@ -1424,6 +1446,17 @@ impl Worker {
         self.send(DbRequest::Purge { older_than_ms, batch: DEFAULT_PURGE_BATCH }, Op::Purge);
     }
 
+    /// Skipped (until the next interval) while a vacuum is in flight, the database is down or
+    /// the worker drains.
+    fn send_vacuum(&mut self) {
+        let Some(min_dead_rows) = self.app.recovery.vacuum_dead_rows else { return };
+        if self.vacuum_in_flight || self.db_down || self.phase != Phase::Running {
+            return;
+        }
+        self.vacuum_in_flight = true;
+        self.send(DbRequest::Vacuum { min_dead_rows }, Op::Vacuum);
+    }
+
     fn on_notified(&mut self, queue: &str, priority: Option<i16>) {
         if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
             return;
@@ -1681,6 +1714,12 @@ impl Worker {
                 self.purge_in_flight = false;
                 if tasks > 0 {
                     self.events.push_back(Event::Purged { tasks });
+                }
+            }
+            (Op::Vacuum, DbReply::Vacuumed { tables }) => {
+                self.vacuum_in_flight = false;
+                if !tables.is_empty() {
+                    self.events.push_back(Event::Vacuumed(tables));
                 }
             }
             (Op::Register, DbReply::Done) => {
@@ -2066,6 +2105,12 @@ impl Worker {
             }
             Op::Release(tasks) => self.releases.extend(tasks),
             Op::Abandon(token) => self.abandons.push(token),
+            Op::Vacuum => {
+                // Upkeep, whatever stopped it (a lock, its statement timeout on a bloated
+                // table): the next check tries again, and an outage shows in the work itself.
+                self.vacuum_in_flight = false;
+                return;
+            }
             Op::Reap | Op::ReapDead | Op::Purge if lock => {
                 // The next interval tries again; nothing waits for it.
                 self.reap_in_flight &= !matches!(op, Op::Reap);
@@ -2275,7 +2320,7 @@ impl Worker {
             && self.lone.is_empty()
             && self.releases.is_empty()
             && self.abandons.is_empty()
-            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap | Op::ReapDead));
+            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap | Op::ReapDead | Op::Vacuum));
         if idle && !self.deregister_sent && !self.db_down {
             self.deregister_sent = true;
             self.send(DbRequest::DeregisterWorker(self.id.clone()), Op::Deregister);
@@ -2309,6 +2354,7 @@ fn reply_kind(reply: &DbReply) -> &'static str {
         DbReply::Released { .. } => "released",
         DbReply::Reaped(_) => "reaped",
         DbReply::Purged { .. } => "purged",
+        DbReply::Vacuumed { .. } => "vacuumed",
         DbReply::Done => "done",
     }
 }
