@@ -21,7 +21,13 @@
 //! - `latency-under-load`: `--tasks` no-op tasks committed at once to a worker in this process,
 //!   and a task of priority −1 every `--interval-ms` until they are done: the drain's rate,
 //!   and each urgent task's enqueue commit to handler start (no raw baseline);
-//! - `history`: the drain again with `--history-tasks` finished tasks already stored.
+//! - `history`: the drain again with `--history-tasks` finished tasks already stored;
+//! - `held-xmin` and `no-vacuum` (minutes each, so not in `all`): `--rate` tasks/s offered one
+//!   by one for `--duration-s` to an idle worker (in this process) or to the raw `LISTEN` loop,
+//!   with pickup latency (enqueue commit to start) and the live table's size and dead rows per
+//!   `--window-s`; `held-xmin` while another session holds the xmin (`REPEATABLE READ` and a
+//!   transaction id) from 20 s on for `--hold-s`, `no-vacuum` with autovacuum off on every
+//!   table of the schema (see `steady`).
 //!
 //! The raw baseline uses one table `jobs (id bigserial, state, payload jsonb, result jsonb, …)`
 //! with a partial index on pending ids: enqueue is `INSERT … RETURNING id` (`unnest` for bulk)
