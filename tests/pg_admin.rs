@@ -15,7 +15,7 @@ use canter::db::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask,
 use canter::memory::{AdminError, Cancelled, KeyRemoval, PausedQueue};
 use canter::postgres::{PgAdminError, PgStore};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
-use pg::{TestDb, pin_clock};
+use pg::{TestDb, dead_rows, pin_clock};
 use serde_json::{Value, json};
 use sqlx::AssertSqlSafe;
 use sqlx::postgres::PgListener;
@@ -433,21 +433,6 @@ async fn the_reaper_prunes_long_dead_workers_that_hold_nothing() {
     assert_eq!(report.workers_pruned, 1);
     let left: Vec<String> = store.workers().await.unwrap().into_iter().map(|r| r.info.worker.0).collect();
     assert_eq!(left, ["holding", "recent"]);
-}
-
-/// Dead rows of `table` as the statistics count them, once they count at least `at_least`
-/// (each backend reports its counts within a second or so of its transaction's end).
-async fn dead_rows(store: &PgStore, table: &str, at_least: i64) -> i64 {
-    let sql = "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2";
-    for _ in 0..100 {
-        let dead: i64 =
-            sqlx::query_scalar(sql).bind(store.schema().name()).bind(table).fetch_one(store.pool()).await.unwrap();
-        if dead >= at_least {
-            return dead;
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    panic!("{table} never counted {at_least} dead rows");
 }
 
 async fn vacuum(store: &PgStore, min_dead_rows: u64) -> Vec<canter::db::VacuumedTable> {

@@ -15,7 +15,7 @@ use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishO
 use canter::memory::TaskFilter;
 use canter::postgres::{PgSchema, PgStore, claim_lock_keys, with_session_settings};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
-use pg::TestDb;
+use pg::{TestDb, dead_rows};
 use serde_json::{Value, json};
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
@@ -525,6 +525,39 @@ async fn a_role_that_may_only_read_can_stall_neither_claims_nor_the_reaper() {
 
     reader.close().await.unwrap();
     drop(reader_role);
+}
+
+/// Only a table's owner (or a superuser) may vacuum it, and PostgreSQL skips the other tables
+/// with a warning, which would pass for a vacuum that removed nothing: a worker whose role has
+/// only the README's grants does not try (issue 19: Canter's own vacuum).
+#[tokio::test]
+async fn a_worker_that_does_not_own_the_tables_leaves_their_vacuum_to_the_server() {
+    let db = TestDb::new().await;
+    let owner = db.store(AppConfig::default(), 2).await;
+    let role = RoleGuard { url: db.url.clone(), name: format!("{}_dml", db.schema.name()) };
+    let name = role.name.clone();
+    let setup = format!(
+        "CREATE ROLE \"{name}\" LOGIN PASSWORD 'canter'; GRANT USAGE ON SCHEMA {{s}} TO \"{name}\"; \
+         GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA {{s}} TO \"{name}\"; \
+         ALTER TABLE {{s}}.tasks SET (autovacuum_enabled = off)"
+    );
+    sqlx::raw_sql(on(&db.schema, &setup)).execute(owner.pool()).await.unwrap();
+    owner.enqueue_many((0..200).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
+    sqlx::raw_sql(on(&db.schema, "DELETE FROM {s}.tasks")).execute(owner.pool()).await.unwrap();
+    dead_rows(&owner, "tasks", 200).await;
+
+    let options = options(&db).username(&name).password("canter");
+    let pool = canter::postgres::pool_options(&options).max_connections(1).connect_with(options).await.unwrap();
+    let worker = PgStore::new(pool, db.schema.clone(), AppConfig::default());
+    let vacuum = DbRequest::Vacuum { min_dead_rows: 100 };
+    let reply = worker.execute(&vacuum).await.unwrap();
+    assert_eq!(reply, DbReply::Vacuumed { tables: vec![] });
+    match owner.execute(&vacuum).await.unwrap() {
+        DbReply::Vacuumed { tables } => assert!(tables.iter().any(|t| t.table == "tasks"), "{tables:?}"),
+        other => panic!("unexpected {other:?}"),
+    }
+    worker.pool().close().await;
+    drop(role);
 }
 
 /// A role of a test's, dropped (with its privileges) when the test ends, failed or not.

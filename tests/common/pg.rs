@@ -220,3 +220,19 @@ pub fn claim_call(schema: &PgSchema, hard: bool) -> String {
         schema.quoted()
     )
 }
+
+/// Dead rows of `table` as the statistics count them, once they count at least `at_least`
+/// (each backend reports its counts within a second or so of its transaction's end).
+#[allow(dead_code)]
+pub async fn dead_rows(store: &PgStore, table: &str, at_least: i64) -> i64 {
+    let sql = "SELECT coalesce(max(n_dead_tup), 0) FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2";
+    for _ in 0..100 {
+        let dead: i64 =
+            sqlx::query_scalar(sql).bind(store.schema().name()).bind(table).fetch_one(store.pool()).await.unwrap();
+        if dead >= at_least {
+            return dead;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("{table} never counted {at_least} dead rows");
+}
