@@ -1458,11 +1458,9 @@ fn an_announced_urgent_task_is_claimed_at_once_and_starts_first() {
     assert_eq!(spawns(&after).iter().map(|r| r.id).collect::<Vec<_>>(), vec![TaskId(9)]);
 }
 
-/// Sim seed 10198: lock hold-ups long before, then an outage through the grace period. When the
-/// database answers again nothing is held up by a lock: the finish goes out and lands, and
-/// nothing is given up on.
-#[test]
-fn hold_ups_before_an_outage_do_not_make_shutdown_give_up_after_it() {
+/// A worker of one slot (grace period 2 s) whose running task 1 was held up by a lock in three
+/// heartbeats in a row, then finished: the harness and the finish's op.
+fn finishing_after_three_hold_ups() -> (Harness, OpId) {
     let mut app = app();
     app.recovery.runner_heartbeat_interval_ms = 10_000;
     let config = WorkerConfig {
@@ -1480,6 +1478,15 @@ fn hold_ups_before_an_outage_do_not_make_shutdown_give_up_after_it() {
         h.reply(op, DbReply::Heartbeat { lost: vec![], busy: vec![TaskId(1)], handed_back: vec![] });
     }
     let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish_and_claim");
+    (h, finish)
+}
+
+/// Sim seed 10198: lock hold-ups long before, then an outage through the grace period. When the
+/// database answers again nothing is held up by a lock: the finish goes out and lands, and
+/// nothing is given up on.
+#[test]
+fn hold_ups_before_an_outage_do_not_make_shutdown_give_up_after_it() {
+    let (mut h, finish) = finishing_after_three_hold_ups();
     h.fail(finish, DbFailure::Unavailable("down".into()));
     h.input(Input::Shutdown);
     // The finish goes out again after the outage and is answered only after the grace period.
@@ -1531,23 +1538,7 @@ fn a_late_answer_of_a_claim_applied_before_the_other_one_out_is_ignored() {
 /// do not count: the finish is tried again, lands, and nothing is given up on.
 #[test]
 fn hold_ups_before_the_grace_period_ends_do_not_make_shutdown_give_up() {
-    let mut app = app();
-    app.recovery.runner_heartbeat_interval_ms = 10_000;
-    let config = WorkerConfig {
-        concurrency: 1,
-        shutdown_grace_ms: 2_000,
-        handler_timeout_ms: None,
-        seed: Some(1),
-        ..WorkerConfig::default()
-    };
-    let (mut h, first) = Harness::new(app, config);
-    let runs = spawns(&start(&mut h, &first, vec![task(1, true)], false));
-    for _ in 0..3 {
-        let op =
-            find(&fire_until_sent(&mut h, "heartbeat", Duration::from_secs(11)).expect("a heartbeat"), "heartbeat");
-        h.reply(op, DbReply::Heartbeat { lost: vec![], busy: vec![TaskId(1)], handed_back: vec![] });
-    }
-    let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish_and_claim");
+    let (mut h, finish) = finishing_after_three_hold_ups();
     h.input(Input::Shutdown);
     fire_until(&mut h, Timer::ShutdownGrace, Duration::from_secs(3)).expect("the grace period ends");
     h.fail(finish, DbFailure::LockTimeout("canceling statement due to lock timeout".into()));

@@ -528,10 +528,7 @@ async fn steady(
     store: &PgStore,
     plan: steady::Plan,
 ) -> Result<Sample, BenchError> {
-    if plan.no_autovacuum {
-        steady::disable_autovacuum(&scratch.pool, scratch).await?;
-    }
-    let stamps = steady::stamps_for(&plan);
+    let stamps = steady::prepare(&plan, scratch).await?;
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
     let worker = InProcessWorker::start(options, scratch, store, registry).await?;

@@ -387,10 +387,7 @@ async fn steady(
     sql: &Sql,
     plan: steady::Plan,
 ) -> Result<Sample, BenchError> {
-    if plan.no_autovacuum {
-        steady::disable_autovacuum(&scratch.pool, scratch).await?;
-    }
-    let stamps = steady::stamps_for(&plan);
+    let stamps = steady::prepare(&plan, scratch).await?;
     let worker = RawListener::start(options, scratch, sql, &stamps).await?;
     let result = async {
         let mut conn = pool.acquire().await.map_err(|e| failed("connect", e))?;

@@ -100,7 +100,7 @@ impl Window {
 }
 
 /// Turns autovacuum off on every table of the scratch schema.
-pub(super) async fn disable_autovacuum(pool: &PgPool, scratch: &Scratch) -> Result<(), BenchError> {
+async fn disable_autovacuum(pool: &PgPool, scratch: &Scratch) -> Result<(), BenchError> {
     let tables: Vec<String> = sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
         .bind(&scratch.name)
         .fetch_all(pool)
@@ -243,7 +243,16 @@ async fn live_size(pool: &PgPool, scratch: &Scratch, table: &str) -> Result<(f64
 }
 
 /// Stamps enough for `plan` at its rate (and some more: ticks come late, never early).
-pub(super) fn stamps_for(plan: &Plan) -> Arc<Mutex<Vec<Option<Instant>>>> {
+/// What both modes do before the load starts: autovacuum off when the plan says so, and the
+/// start stamps for every task the plan can enqueue.
+pub(super) async fn prepare(plan: &Plan, scratch: &Scratch) -> Result<Arc<Mutex<Vec<Option<Instant>>>>, BenchError> {
+    if plan.no_autovacuum {
+        disable_autovacuum(&scratch.pool, scratch).await?;
+    }
+    Ok(stamps_for(plan))
+}
+
+fn stamps_for(plan: &Plan) -> Arc<Mutex<Vec<Option<Instant>>>> {
     let most = (u64::from(plan.rate) * plan.duration.as_secs() + u64::from(plan.rate) * 2 + 100) as usize;
     Arc::new(Mutex::new(vec![None; most]))
 }
