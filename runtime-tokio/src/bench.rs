@@ -27,7 +27,11 @@
 //!   with pickup latency (enqueue commit to start) and the live table's size and dead rows per
 //!   `--window-s`; `held-xmin` while another session holds the xmin (`REPEATABLE READ` and a
 //!   transaction id) from 20 s on for `--hold-s`, `no-vacuum` with autovacuum off on every
-//!   table of the schema (see `steady`).
+//!   table of the schema (see `steady`);
+//! - `backend-kills` (not in `all`, no raw baseline): the steady load for a minute while every
+//!   session of the bench but the killer's (the worker's, the producer's, the listener's and
+//!   the liveness token's) is terminated with `pg_terminate_backend` every `--kill-every-ms`
+//!   from 10 s to 50 s: pickup latency per window, and enqueues that failed.
 //!
 //! The raw baseline uses one table `jobs (id bigserial, state, payload jsonb, result jsonb, …)`
 //! with a partial index on pending ids: enqueue is `INSERT … RETURNING id` (`unnest` for bulk)
@@ -87,12 +91,13 @@ fn failed(what: &str, error: impl std::fmt::Display) -> BenchError {
 pub const HELP: &str = "\
 usage: canter bench [--database-url URL]
                     [--workload enqueue|drain|latency|latency-under-load|history|
-                                held-xmin|no-vacuum|all]
+                                held-xmin|no-vacuum|backend-kills|all]
                     [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
                     [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
                     [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
                     [--workers N] [--rate N] [--hold-s S] [--duration-s S] [--window-s S]
+                    [--kill-every-ms MS]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -110,7 +115,9 @@ processes (and the raw baseline with N times its loops).
 held-xmin and no-vacuum (not in all: minutes each) offer --rate tasks/s (1000) to an idle
 worker for --duration-s and report pickup latency and the live table's size per --window-s:
 held-xmin while another session holds the xmin from 20 s for --hold-s (90; 160 s in all,
-windows of 10 s), no-vacuum with autovacuum off on the schema's tables (600 s, windows of 60 s).";
+windows of 10 s), no-vacuum with autovacuum off on the schema's tables (600 s, windows of 60 s),
+backend-kills (canter only) while every session of the bench is terminated every
+--kill-every-ms (500) from 10 s to 50 s (60 s, windows of 10 s).";
 
 /// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
 /// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
@@ -135,6 +142,9 @@ enum Workload {
     HeldXmin,
     /// A steady load with autovacuum off (see [`steady`]).
     NoVacuum,
+    /// A steady load while every session of the bench is terminated again and again (see
+    /// [`steady`]; no raw baseline).
+    BackendKills,
 }
 
 impl Workload {
@@ -148,6 +158,7 @@ impl Workload {
             Workload::History => "history",
             Workload::HeldXmin => "held_xmin",
             Workload::NoVacuum => "no_vacuum",
+            Workload::BackendKills => "backend_kills",
         }
     }
 }
@@ -217,6 +228,8 @@ struct Options {
     duration_s: Option<u64>,
     /// A steady workload's windows, in seconds (`None`: its default).
     window_s: Option<u64>,
+    /// How often `backend-kills` terminates the bench's sessions.
+    kill_every: Duration,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -238,6 +251,7 @@ const VALUES: &[&str] = &[
     "raw-loops",
     "worker-args",
     "worker-bin",
+    "kill-every-ms",
     "payload-bytes",
     "workers",
     "rate",
@@ -284,6 +298,7 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         "history" => vec![Workload::History],
         "held-xmin" => vec![Workload::HeldXmin],
         "no-vacuum" => vec![Workload::NoVacuum],
+        "backend-kills" => vec![Workload::BackendKills],
         other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
     };
     let tls = args.switch("tls");
@@ -332,6 +347,7 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         hold_s: optional("hold-s", 1, 3_600)?,
         duration_s: optional("duration-s", 1, 86_400)?,
         window_s: optional("window-s", 1, 3_600)?,
+        kill_every: Duration::from_millis(number("kill-every-ms", 500, 10, 60_000)? as u64),
         config,
         worker_bin,
     })
@@ -599,13 +615,19 @@ fn task_args(options: &Options, i: usize) -> Value {
     json!({ "i": i, "pad": "x".repeat(options.payload_bytes) })
 }
 
-/// A lazily connecting pool of at most `size` for the benchmark's own work, without notices
-/// (`DROP SCHEMA IF EXISTS` and cascades would log them).
+/// A lazily connecting pool of at most `size` for the system under test, without notices
+/// (`DROP SCHEMA IF EXISTS` and cascades would log them), its sessions named `canter-bench`.
 fn connect(url: &str, size: u32) -> Result<PgPool, BenchError> {
+    connect_as(url, size, "canter-bench")
+}
+
+/// [`connect`] with sessions named `name`: the bench's own pool (schemas, sizes, the sessions
+/// `backend-kills` terminates) is `canter-bench-admin`, and survives the kills.
+fn connect_as(url: &str, size: u32, name: &str) -> Result<PgPool, BenchError> {
     let options: sqlx::postgres::PgConnectOptions =
         url.parse().map_err(|e| BenchError::Usage(format!("invalid database url: {e}")))?;
     let options = sqlx::ConnectOptions::disable_statement_logging(
-        options.options([("client_min_messages", "warning")]).application_name("canter-bench"),
+        options.options([("client_min_messages", "warning")]).application_name(name),
     );
     // TCP_NODELAY as canter's own connections have it: both modes alike.
     Ok(canter::postgres::pool_options(&options)
@@ -625,7 +647,7 @@ async fn checkpoint(pool: &PgPool) {
 /// Runs the benchmark with the command line's arguments.
 pub async fn run(raw: &[String]) -> Result<(), BenchError> {
     let options = options(raw)?;
-    let pool = connect(&options.url, 4)?;
+    let pool = connect_as(&options.url, 4, "canter-bench-admin")?;
     let version: String = sqlx::query_scalar("SELECT version()")
         .fetch_one(&pool)
         .await
@@ -931,7 +953,7 @@ fn table(samples: &[Sample], options: &Options) -> String {
     if options.tls {
         tls_rows(&mut out, &medians);
     }
-    for workload in [Workload::HeldXmin, Workload::NoVacuum] {
+    for workload in [Workload::HeldXmin, Workload::NoVacuum, Workload::BackendKills] {
         steady_rows(&mut out, &medians, workload);
     }
     let commits: Vec<f64> = samples.iter().filter_map(|s| s.commit_ms).collect();

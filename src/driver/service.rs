@@ -19,6 +19,7 @@ use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ConfigError, ResilienceConfig, WorkerConfig};
+use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::{Rng, mix};
 use crate::schedule::SchedulerError;
@@ -328,30 +329,48 @@ async fn listen<R: Runtime>(
     let channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
     let mut backoff = DbBackoff::new();
     let mut rng = Rng::new(seed);
+    // Sessions the server ended as they started to listen, in a row.
+    let mut ended_in_a_row = 0;
     loop {
-        if let Ok(mut listener) = PgListener::connect_with(store.pool()).await {
-            if listener.listen_all(channels.iter().map(String::as_str)).await.is_ok() {
-                backoff.on_success();
-                let _ = control.unbounded_send(Input::Listener { connected: true });
-                // Tasks may have arrived unannounced while deaf: one wake-up per queue.
-                for queue in &queues {
-                    let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
+        // A session that listened and was lost, or that the server ended as it started (a
+        // terminated backend), is not an outage: listen again at once, up to a few times in a
+        // row. Failing to connect is, and backs off.
+        let mut at_once = false;
+        let listening = match PgListener::connect_with(store.pool()).await {
+            Ok(mut listener) => match listener.listen_all(channels.iter().map(String::as_str)).await {
+                Ok(()) => Some(listener),
+                Err(error) => {
+                    ended_in_a_row += 1;
+                    at_once = session_ended(&error) && ended_in_a_row <= 3;
+                    None
                 }
-                // A full channel drops the note: wake-ups coalesce anyway.
-                while let Ok(Some(note)) = listener.try_recv().await {
-                    if let Some(queue) = note.channel().strip_prefix(&prefix) {
-                        // Enqueues announce the most urgent priority they wrote (anything else,
-                        // an empty payload included, announces none).
-                        let priority = note.payload().parse::<i16>().ok();
-                        tracing::trace!(target: "canter::listen", queue, ?priority, "notified");
-                        let _ = notes.try_send(Input::Notified { queue: queue.to_owned(), priority });
-                    }
+            },
+            Err(_) => None,
+        };
+        if let Some(mut listener) = listening {
+            (at_once, ended_in_a_row) = (true, 0);
+            backoff.on_success();
+            let _ = control.unbounded_send(Input::Listener { connected: true });
+            // Tasks may have arrived unannounced while deaf: one wake-up per queue.
+            for queue in &queues {
+                let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
+            }
+            // A full channel drops the note: wake-ups coalesce anyway.
+            while let Ok(Some(note)) = listener.try_recv().await {
+                if let Some(queue) = note.channel().strip_prefix(&prefix) {
+                    // Enqueues announce the most urgent priority they wrote (anything else, an
+                    // empty payload included, announces none).
+                    let priority = note.payload().parse::<i16>().ok();
+                    tracing::trace!(target: "canter::listen", queue, ?priority, "notified");
+                    let _ = notes.try_send(Input::Notified { queue: queue.to_owned(), priority });
                 }
             }
         }
         let _ = control.unbounded_send(Input::Listener { connected: false });
-        let delay = backoff.on_failure(&resilience, &mut rng);
-        runtime.sleep_until(runtime.now() + delay).await;
+        if !at_once {
+            let delay = backoff.on_failure(&resilience, &mut rng);
+            runtime.sleep_until(runtime.now() + delay).await;
+        }
     }
 }
 

@@ -20,14 +20,13 @@
 //! its [`KeyMode`] says; enqueuers of one key take turns on an advisory lock of the key, so
 //! concurrent enqueuers never make two live tasks of one key.
 //!
-//! [`KeyMode`]: crate::db::KeyMode
-//! [`KeyMode::Idempotent`]: crate::db::KeyMode::Idempotent
 
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
-use crate::db::{BatchKeys, DbTime, EnqueueError, NewTask, RunAt, check_new_task, normalized_flags};
+use crate::db::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task, normalized_flags};
+use crate::postgres::replay::{Replay, ReplayError, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration};
 use crate::task::{ErrorCode, TaskId};
@@ -38,9 +37,16 @@ pub enum PgEnqueueError {
     /// The task breaks a rule every store checks (see [`EnqueueError`]).
     #[error(transparent)]
     Invalid(#[from] EnqueueError),
-    /// The database failed; the enqueue may be retried.
+    /// The database failed before anything was written; the enqueue may be sent again.
     #[error("enqueue failed: {0}")]
     Database(#[from] sqlx::Error),
+    /// The connection broke after the enqueue was sent, with no reply: it may or may not have
+    /// committed. Enqueues whose keys deduplicate are sent again instead, so only others end
+    /// this way.
+    #[error(
+        "enqueue may or may not have committed: the connection broke before its reply ({0}); give tasks idempotency keys to send them again safely"
+    )]
+    OutcomeUnknown(sqlx::Error),
 }
 
 impl PgEnqueueError {
@@ -49,7 +55,28 @@ impl PgEnqueueError {
     pub fn code(&self) -> ErrorCode {
         match self {
             PgEnqueueError::Invalid(e) => e.code(),
-            PgEnqueueError::Database(_) => ErrorCode::BrokerError,
+            PgEnqueueError::Database(_) | PgEnqueueError::OutcomeUnknown(_) => ErrorCode::BrokerError,
+        }
+    }
+
+    /// Whether the tasks may exist although the call failed ([`PgEnqueueError::OutcomeUnknown`]).
+    pub fn may_have_committed(&self) -> bool {
+        matches!(self, PgEnqueueError::OutcomeUnknown(_))
+    }
+}
+
+impl ReplayError for PgEnqueueError {
+    fn database(&self) -> Option<&sqlx::Error> {
+        match self {
+            PgEnqueueError::Database(error) => Some(error),
+            PgEnqueueError::Invalid(_) | PgEnqueueError::OutcomeUnknown(_) => None,
+        }
+    }
+
+    fn unknown_outcome(self) -> Self {
+        match self {
+            PgEnqueueError::Database(error) => PgEnqueueError::OutcomeUnknown(error),
+            other => other,
         }
     }
 }
@@ -57,19 +84,25 @@ impl PgEnqueueError {
 impl PgStore {
     /// Enqueues one task and returns its id (an existing task's id for a known idempotency key
     /// with the same arguments).
+    ///
+    /// When its connection dies under it, it is sent again on another one if the server said it
+    /// did not apply it, or if its key deduplicates ([`KeyMode::Idempotent`],
+    /// [`KeyMode::UnsafeDedupe`]); otherwise it fails with [`PgEnqueueError::OutcomeUnknown`].
     pub async fn enqueue(&self, task: NewTask) -> Result<TaskId, PgEnqueueError> {
-        let mut conn = self.connection().await?;
-        let id = enqueue_in(&mut *conn, self.schema(), self.app(), task).await?;
-        self.keep(conn);
-        Ok(id)
+        let ids = self.enqueue_many(vec![task]).await?;
+        ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
     }
 
     /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
+    /// A dead connection is handled as [`enqueue`](PgStore::enqueue) says (a batch is sent
+    /// again after a lost reply only when every task's key deduplicates).
     pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
-        let mut conn = self.connection().await?;
-        let ids = enqueue_many_in(&mut *conn, self.schema(), self.app(), tasks).await?;
-        self.keep(conn);
-        Ok(ids)
+        // A task whose key deduplicates is applied once however often it is sent (a replacing
+        // key could make a second task if a worker claimed the first in between).
+        let dedupes =
+            |task: &NewTask| task.key.is_some() && matches!(task.key_mode, KeyMode::Idempotent | KeyMode::UnsafeDedupe);
+        let replay = if tasks.iter().all(dedupes) { Replay::Safe } else { Replay::IfNotApplied };
+        replayed!(self, replay, |conn| enqueue_tasks(conn, self.schema(), self.app(), &tasks))
     }
 }
 
@@ -93,6 +126,16 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     schema: &PgSchema,
     app: &AppConfig,
     tasks: Vec<NewTask>,
+) -> Result<Vec<TaskId>, PgEnqueueError> {
+    enqueue_tasks(executor, schema, app, &tasks).await
+}
+
+/// [`enqueue_many_in`] of borrowed tasks (so that a retry can send them again).
+async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
+    executor: E,
+    schema: &PgSchema,
+    app: &AppConfig,
+    tasks: &[NewTask],
 ) -> Result<Vec<TaskId>, PgEnqueueError> {
     // The checks that need no clock, in order. The database checks the tasks before the first
     // refused one (without writing), so a problem it finds earlier in the batch still wins.

@@ -50,6 +50,7 @@
 //! ```
 
 mod enqueue;
+pub(crate) mod replay;
 mod results;
 mod schedules;
 mod schema;

@@ -32,6 +32,7 @@ use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
 use crate::memory::{
     AdminError, Cancelled, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
 };
+use crate::postgres::replay::{Replay, ReplayError, replayed};
 use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, leniently, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
@@ -44,9 +45,29 @@ pub enum PgAdminError {
     /// The task is missing or in a state the action does not apply to; nothing changed.
     #[error(transparent)]
     Refused(#[from] AdminError),
-    /// The database failed.
+    /// The database failed; nothing changed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// The connection broke after the action was sent, with no reply: it may or may not have
+    /// been applied (read the task to know).
+    #[error("action may or may not have been applied: the connection broke before its reply ({0})")]
+    OutcomeUnknown(sqlx::Error),
+}
+
+impl ReplayError for PgAdminError {
+    fn database(&self) -> Option<&sqlx::Error> {
+        match self {
+            PgAdminError::Database(error) => Some(error),
+            PgAdminError::Refused(_) | PgAdminError::OutcomeUnknown(_) => None,
+        }
+    }
+
+    fn unknown_outcome(self) -> Self {
+        match self {
+            PgAdminError::Database(error) => PgAdminError::OutcomeUnknown(error),
+            other => other,
+        }
+    }
 }
 
 /// Why waiting for a result ended without one.
@@ -77,14 +98,18 @@ impl WaitError {
 impl PgStore {
     /// The task with this id, live or finished.
     pub async fn get(&self, id: TaskId) -> Result<Option<TaskRecord>, sqlx::Error> {
-        let row = sqlx::query(self.schema().sql().get.clone()).bind(id.0).fetch_optional(self.pool()).await?;
+        let row = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().get.clone())
+            .bind(id.0)
+            .fetch_optional(conn))?;
         row.map(|row| record(&row)).transpose()
     }
 
     /// The attempts history of a task, oldest first (empty for an unknown id).
     pub async fn attempts(&self, id: TaskId) -> Result<Vec<AttemptRecord>, sqlx::Error> {
         let rows: Vec<AttemptRow> =
-            sqlx::query_as(self.schema().sql().attempts.clone()).bind(id.0).fetch_all(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().attempts.clone())
+                .bind(id.0)
+                .fetch_all(conn))?;
         rows.into_iter()
             .map(|(task, attempt, worker, outcome, error, finished_at)| {
                 Ok(AttemptRecord {
@@ -102,19 +127,18 @@ impl PgStore {
     /// The tasks `filter` selects, live and finished together, by id.
     pub async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, sqlx::Error> {
         let limit = filter.limit.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
-        let rows = sqlx::query(self.schema().sql().list.clone())
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().list.clone())
             .bind(filter.queue.as_deref())
             .bind(filter.state.map(TaskState::as_str))
             .bind(limit)
-            .fetch_all(self.pool())
-            .await?;
+            .fetch_all(conn))?;
         rows.iter().map(record).collect()
     }
 
     /// How many tasks each queue has in each state (pairs with none are left out).
     pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, sqlx::Error> {
         let rows: Vec<(String, String, i64)> =
-            sqlx::query_as(self.schema().sql().counts.clone()).fetch_all(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().counts.clone()).fetch_all(conn))?;
         let mut counts = BTreeMap::new();
         for (queue, state, n) in rows {
             *counts.entry((queue, parse_state(&state)?)).or_insert(0) += u64::try_from(n).unwrap_or(0);
@@ -125,7 +149,7 @@ impl PgStore {
     /// The worker registry, by worker id.
     pub async fn workers(&self) -> Result<Vec<WorkerRecord>, sqlx::Error> {
         let rows: Vec<(String, Vec<String>, i32, i64, bool)> =
-            sqlx::query_as(self.schema().sql().workers.clone()).fetch_all(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().workers.clone()).fetch_all(conn))?;
         Ok(rows
             .into_iter()
             .map(|(id, queues, concurrency, last_seen, stopped)| WorkerRecord {
@@ -141,12 +165,15 @@ impl PgStore {
     pub async fn cancel(&self, id: TaskId) -> Result<Cancelled, PgAdminError> {
         let sql = self.schema().sql();
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
-        let done: Option<(i64, String, Option<String>)> = sqlx::query_as(sql.cancel.clone())
-            .bind(id.0)
-            .bind(error)
-            .bind(self.schema().done_channel())
-            .fetch_optional(self.pool())
-            .await?;
+        let done: Option<(i64, String, Option<String>)> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            sqlx::query_as(sql.cancel.clone())
+                .bind(id.0)
+                .bind(&error)
+                .bind(self.schema().done_channel())
+                .fetch_optional(conn)
+                .await
+                .map_err(PgAdminError::from)
+        })?;
         if let Some((_, state, holder)) = done {
             return Ok(Cancelled::of(parse_state(&state)?, holder.map(WorkerId)));
         }
@@ -156,11 +183,14 @@ impl PgStore {
     /// Puts a Failed task back to Pending, claimable at once, with its retries reset to 0; its
     /// attempts, history and last error are kept.
     pub async fn requeue_failed(&self, id: TaskId) -> Result<(), PgAdminError> {
-        let done: Option<i64> = sqlx::query_scalar(self.schema().sql().requeue_failed.clone())
-            .bind(id.0)
-            .bind(self.schema().queue_channel_prefix())
-            .fetch_optional(self.pool())
-            .await?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            sqlx::query_scalar(self.schema().sql().requeue_failed.clone())
+                .bind(id.0)
+                .bind(self.schema().queue_channel_prefix())
+                .fetch_optional(conn)
+                .await
+                .map_err(PgAdminError::from)
+        })?;
         if done.is_some() {
             return Ok(());
         }
@@ -177,16 +207,19 @@ impl PgStore {
             Some(RunAt::DelayMs(ms)) => (Some(duration(ms)), None),
             Some(RunAt::At(at)) => (None, Some(db_time(at))),
         };
-        let row: Option<(String, i64, Option<i64>, bool)> = sqlx::query_as(self.schema().sql().reschedule.clone())
-            .bind(id.0)
-            .bind(change.run_at.is_some())
-            .bind(delay)
-            .bind(at)
-            .bind(change.priority)
-            .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
-            .bind(self.schema().queue_channel_prefix())
-            .fetch_optional(self.pool())
-            .await?;
+        let row: Option<(String, i64, Option<i64>, bool)> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            sqlx::query_as(self.schema().sql().reschedule.clone())
+                .bind(id.0)
+                .bind(change.run_at.is_some())
+                .bind(delay)
+                .bind(at)
+                .bind(change.priority)
+                .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
+                .bind(self.schema().queue_channel_prefix())
+                .fetch_optional(conn)
+                .await
+                .map_err(PgAdminError::from)
+        })?;
         match row {
             Some((_, _, _, true)) => Ok(()),
             Some((state, run_at, good_until, false)) => match parse_state(&state)? {
@@ -223,14 +256,17 @@ impl PgStore {
         error: Option<Value>,
         result: Option<Value>,
     ) -> Result<(), PgAdminError> {
-        let done: Option<i64> = sqlx::query_scalar(self.schema().sql().finish_by_hand.clone())
-            .bind(id.0)
-            .bind(state.as_str())
-            .bind(error)
-            .bind(result)
-            .bind(self.schema().done_channel())
-            .fetch_optional(self.pool())
-            .await?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            sqlx::query_scalar(self.schema().sql().finish_by_hand.clone())
+                .bind(id.0)
+                .bind(state.as_str())
+                .bind(&error)
+                .bind(&result)
+                .bind(self.schema().done_channel())
+                .fetch_optional(conn)
+                .await
+                .map_err(PgAdminError::from)
+        })?;
         if done.is_some() {
             return Ok(());
         }
@@ -243,11 +279,11 @@ impl PgStore {
     /// them are marked stopped. Returns how many tasks went back.
     pub async fn force_unlock(&self, workers: &[WorkerId]) -> Result<u64, sqlx::Error> {
         let ids: Vec<&str> = workers.iter().map(|w| w.0.as_str()).collect();
-        let n: i64 = sqlx::query_scalar(self.schema().sql().force_unlock.clone())
-            .bind(ids)
-            .bind(self.schema().queue_channel_prefix())
-            .fetch_one(self.pool())
-            .await?;
+        let n: i64 =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().force_unlock.clone())
+                .bind(&ids)
+                .bind(self.schema().queue_channel_prefix())
+                .fetch_one(conn))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
@@ -258,13 +294,16 @@ impl PgStore {
     /// rows, in their order), so the two never deadlock.
     pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
-        let row: Option<(i64, String)> = sqlx::query_as(self.schema().sql().remove_key.clone())
-            .bind(key)
-            .bind(error)
-            .bind(self.schema().done_channel())
-            .bind(self.schema().key_lock_prefix())
-            .fetch_optional(self.pool())
-            .await?;
+        let row: Option<(i64, String)> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            sqlx::query_as(self.schema().sql().remove_key.clone())
+                .bind(key)
+                .bind(&error)
+                .bind(self.schema().done_channel())
+                .bind(self.schema().key_lock_prefix())
+                .fetch_optional(conn)
+                .await
+                .map_err(PgAdminError::from)
+        })?;
         let Some((id, action)) = row else {
             return Err(AdminError::KeyNotFound(key.to_owned()).into());
         };
@@ -282,8 +321,8 @@ impl PgStore {
     /// short. Returns how many. A `batch` of 0 is taken as 1. Tasks that hold an idempotency
     /// key stay for the store's `recovery.idempotency_retention_ms` (forever by default).
     pub async fn purge_finished(&self, retention_ms: u64, batch: u32) -> Result<u64, sqlx::Error> {
-        let mut conn = self.pool().acquire().await?;
-        self.purge_on(&mut conn, retention_ms, batch).await
+        // Deleting what is deleted already deletes nothing (the count then leaves it out).
+        replayed!(self, Replay::Safe, |conn| self.purge_on(conn, retention_ms, batch))
     }
 
     /// Pauses `queue`: from the next claim on, no worker takes its Pending tasks (its Claimed
@@ -294,7 +333,9 @@ impl PgStore {
             return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
         }
         let row: Option<String> =
-            sqlx::query_scalar(self.schema().sql().pause_queue.clone()).bind(queue).fetch_optional(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().pause_queue.clone())
+                .bind(queue)
+                .fetch_optional(conn))?;
         Ok(row.is_some())
     }
 
@@ -304,25 +345,28 @@ impl PgStore {
         if !is_valid_queue_name(queue) {
             return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
         }
-        let row: Option<String> = sqlx::query_scalar(self.schema().sql().resume_queue.clone())
-            .bind(queue)
-            .bind(self.schema().queue_channel_prefix())
-            .fetch_optional(self.pool())
-            .await?;
+        let row: Option<String> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().resume_queue.clone())
+                .bind(queue)
+                .bind(self.schema().queue_channel_prefix())
+                .fetch_optional(conn))?;
         Ok(row.is_some())
     }
 
     /// The paused queues, by name.
     pub async fn paused_queues(&self) -> Result<Vec<PausedQueue>, sqlx::Error> {
         let rows: Vec<(String, i64)> =
-            sqlx::query_as(self.schema().sql().paused_queues.clone()).fetch_all(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().paused_queues.clone())
+                .fetch_all(conn))?;
         Ok(rows.into_iter().map(|(queue, at)| PausedQueue { queue, paused_at: DbTime(at) }).collect())
     }
 
     /// Why an action found nothing to change: the task is missing or in another state.
     async fn refusal(&self, id: TaskId, expected: &'static str) -> Result<AdminError, sqlx::Error> {
         let state: Option<String> =
-            sqlx::query_scalar(self.schema().sql().state_of.clone()).bind(id.0).fetch_optional(self.pool()).await?;
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().state_of.clone())
+                .bind(id.0)
+                .fetch_optional(conn))?;
         Ok(match state {
             None => AdminError::NotFound(id),
             Some(state) => AdminError::WrongState { task: id, state: parse_state(&state)?, expected },

@@ -19,6 +19,10 @@
 //!   exhausted resources (SQLSTATE classes 08, 40, 53, 57P) → `Unavailable` (the transaction was
 //!   rolled back, retrying is right); any other SQLSTATE → `Rejected` (a bug or a schema
 //!   mismatch; nothing was applied).
+//!
+//! Before any of that, a request whose session the server ended under it (a `FATAL` error: a
+//! terminated backend, a restart) is sent again at once on another connection (module
+//! `replay`): it was not applied, and a lost session is not an outage.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
@@ -33,6 +37,7 @@ use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, RetryPolicy};
 use crate::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, ReapReport};
 use crate::memory::{TASK_EXPIRED_MESSAGE, WORKER_CRASHED_MESSAGE};
+use crate::postgres::replay::{Replay, ReplayError, replayed};
 use crate::postgres::schema::{MigrateSchemaError, PgSchema, migrate};
 use crate::rng::mix;
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
@@ -144,6 +149,11 @@ impl PgStore {
         PgStore { pool, schema, app: Arc::new(app), kept, vacuum: Arc::default() }
     }
 
+    /// How many connections the store may hold at once: the pool's and the kept ones.
+    pub(crate) fn max_connections(&self) -> u32 {
+        self.pool.options().get_max_connections().saturating_add(self.kept.cap as u32)
+    }
+
     /// A connection for a statement: the last one kept, else one from the pool. Hand it back
     /// with [`keep`](PgStore::keep) once its statement succeeded.
     pub(crate) async fn connection(&self) -> Result<StoreConnection, sqlx::Error> {
@@ -208,10 +218,16 @@ impl PgStore {
     /// Runs one request of the worker machine and returns its reply, with the semantics
     /// [`DbRequest`] documents. See the module docs for how failures map.
     pub async fn execute(&self, request: &DbRequest) -> Result<DbReply, DbFailure> {
-        let mut conn = self.connection().await.map_err(|e| DbFailure::Unavailable(e.to_string()))?;
-        let reply = self.run(&mut conn, request).await.map_err(failure)?;
-        self.keep(conn);
-        Ok(reply)
+        // Sent again on another connection when its session ended before it was applied (see
+        // `replay`): a terminated backend is not an outage. A lost reply is `Unknown`, which the
+        // machine resolves with its fencing.
+        let reply: Result<DbReply, RequestError> = replayed!(self, Replay::IfNotApplied, |conn| async {
+            self.run(conn, request).await.map_err(RequestError::Sent)
+        });
+        reply.map_err(|error| match error {
+            RequestError::Unsent(e) => DbFailure::Unavailable(e.to_string()),
+            RequestError::Sent(e) => failure(e),
+        })
     }
 
     async fn run(&self, conn: &mut PgConnection, request: &DbRequest) -> Result<DbReply, sqlx::Error> {
@@ -750,6 +766,28 @@ pub fn claim_lock_keys(schema: &PgSchema, policy: &ClaimPolicy) -> Vec<i64> {
     keys.sort_unstable();
     keys.dedup();
     keys
+}
+
+/// A worker request's failure: getting a connection, or once it was sent.
+enum RequestError {
+    Unsent(sqlx::Error),
+    Sent(sqlx::Error),
+}
+
+impl From<sqlx::Error> for RequestError {
+    /// What arrives by `?` is getting a connection's failure: nothing was sent.
+    fn from(error: sqlx::Error) -> Self {
+        RequestError::Unsent(error)
+    }
+}
+
+impl ReplayError for RequestError {
+    fn database(&self) -> Option<&sqlx::Error> {
+        match self {
+            RequestError::Unsent(_) => None,
+            RequestError::Sent(error) => Some(error),
+        }
+    }
 }
 
 /// How a sqlx error of a request that had its connection maps onto the protocol.

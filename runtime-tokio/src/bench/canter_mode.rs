@@ -36,7 +36,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         }
         Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
-        Workload::HeldXmin | Workload::NoVacuum => {
+        Workload::HeldXmin | Workload::NoVacuum | Workload::BackendKills => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
             steady(options, scratch, &store, plan).await.map(|s| vec![s])
         }
@@ -534,7 +534,11 @@ async fn steady(
     let worker = InProcessWorker::start(options, scratch, store, registry).await?;
     let result = steady::run(plan, scratch, "tasks", &stamps, async |range: Range<usize>| {
         let tasks = range.map(|i| NewTask::new("stamp", task_args(options, i))).collect();
-        store.enqueue_many(tasks).await.map(|_| ()).map_err(|e| failed("enqueue", e))
+        match store.enqueue_many(tasks).await {
+            Ok(_) => Ok(true),
+            Err(e) if e.may_have_committed() => Ok(false),
+            Err(e) => Err(failed("enqueue", e)),
+        }
     })
     .await;
     worker.stop().await;

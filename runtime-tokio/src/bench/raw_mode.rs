@@ -86,6 +86,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::Latency => latency(options, scratch, &pool, &sql).await.map(|s| vec![s]),
         // No baseline: the raw loop has no priorities to honour beside a backlog.
         Workload::LatencyUnderLoad => Ok(Vec::new()),
+        // No baseline: the raw loop has no reconnects to measure.
+        Workload::BackendKills => Ok(Vec::new()),
         Workload::HeldXmin | Workload::NoVacuum => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
             steady(options, scratch, &pool, &sql, plan).await.map(|s| vec![s])
@@ -398,7 +400,7 @@ async fn steady(
                 .bind(&sql.channel)
                 .fetch_all(&mut *conn)
                 .await
-                .map(|_| ())
+                .map(|_| true)
                 .map_err(|e| failed("insert", e))
         })
         .await

@@ -8,7 +8,11 @@
 //!   updates in that time can be vacuumed or pruned, and index entries of dead rows stay;
 //! - `no-vacuum`: autovacuum disabled on every table of the schema (as on a server running
 //!   without it), 10 minutes in windows of a minute: how the live table grows, and latency
-//!   with it.
+//!   with it;
+//! - `backend-kills`: from 10 s to 50 s of a minute, every `--kill-every-ms` every other
+//!   session of the bench (`application_name` `canter-bench`) is ended with
+//!   `pg_terminate_backend`. An enqueue that may or may not have committed is counted and its
+//!   tasks left out of the latencies.
 
 use std::ops::Range;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -24,6 +28,9 @@ use super::{BenchError, Options, Sample, Scratch, Workload, failed, latency_summ
 /// When the xmin is held in `held-xmin`: from this far into the run.
 const HOLD_FROM: Duration = Duration::from_secs(20);
 
+/// When `backend-kills` ends sessions: from and until this far into the run.
+const KILLS: (Duration, Duration) = (Duration::from_secs(10), Duration::from_secs(50));
+
 /// How long a steady workload runs and what it does meanwhile.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Plan {
@@ -36,6 +43,9 @@ pub(super) struct Plan {
     pub hold: Option<(Duration, Duration)>,
     /// Autovacuum off on every table of the schema.
     pub no_autovacuum: bool,
+    /// From and until when (since the start), and how often, the bench's other sessions are
+    /// terminated.
+    pub kills: Option<(Duration, Duration, Duration)>,
 }
 
 impl Plan {
@@ -53,6 +63,7 @@ impl Plan {
                     window: seconds(options.window_s, 10),
                     hold: Some((HOLD_FROM, HOLD_FROM + hold)),
                     no_autovacuum: false,
+                    kills: None,
                 })
             }
             Workload::NoVacuum => Some(Plan {
@@ -62,6 +73,16 @@ impl Plan {
                 window: seconds(options.window_s, 60),
                 hold: None,
                 no_autovacuum: true,
+                kills: None,
+            }),
+            Workload::BackendKills => Some(Plan {
+                workload,
+                rate: options.rate,
+                duration: seconds(options.duration_s, 60),
+                window: seconds(options.window_s, 10),
+                hold: None,
+                no_autovacuum: false,
+                kills: Some((KILLS.0, KILLS.1, options.kill_every)),
             }),
             _ => None,
         }
@@ -83,6 +104,10 @@ pub(super) struct Window {
     pub live_mib: f64,
     /// Its dead rows then, as the statistics have them.
     pub dead_rows: i64,
+    /// Sessions terminated in the window.
+    pub kills: u64,
+    /// Tasks whose enqueue may or may not have committed (left out of the latencies).
+    pub unsure: usize,
 }
 
 impl Window {
@@ -95,6 +120,8 @@ impl Window {
             "max_ms": round(self.latency[3], 3),
             "live_mib": round(self.live_mib, 2),
             "dead_rows": self.dead_rows,
+            "kills": self.kills,
+            "unsure_enqueues": self.unsure,
         })
     }
 }
@@ -118,8 +145,8 @@ async fn disable_autovacuum(pool: &PgPool, scratch: &Scratch) -> Result<(), Benc
 }
 
 /// Runs `plan` against a worker already waiting: `enqueue(range)` enqueues tasks `range` (whose
-/// handlers stamp `stamps[i]` when they start), and `live_table` is the mode's table of live
-/// tasks in the scratch schema.
+/// handlers stamp `stamps[i]` when they start; `Ok(false)`: the enqueue may or may not have
+/// committed), and `live_table` is the mode's table of live tasks in the scratch schema.
 pub(super) async fn run<E>(
     plan: Plan,
     scratch: &Scratch,
@@ -128,7 +155,7 @@ pub(super) async fn run<E>(
     mut enqueue: E,
 ) -> Result<Sample, BenchError>
 where
-    E: AsyncFnMut(Range<usize>) -> Result<(), BenchError>,
+    E: AsyncFnMut(Range<usize>) -> Result<bool, BenchError>,
 {
     let (tick, per_tick) = if plan.rate >= 100 {
         (Duration::from_millis(10), (plan.rate / 100) as usize)
@@ -139,8 +166,11 @@ where
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let began = Instant::now();
-    let mut committed: Vec<Instant> = Vec::with_capacity(most);
+    // When each task's enqueue committed (`None`: it may not have).
+    let mut committed: Vec<(Instant, bool)> = Vec::with_capacity(most);
     let mut sizes: Vec<(f64, i64)> = Vec::with_capacity(plan.windows());
+    let mut kills: Vec<u64> = vec![0; plan.windows() + 1];
+    let mut next_kill = plan.kills.map(|(from, _, _)| from);
     let mut holder: Option<PoolConnection<sqlx::Postgres>> = None;
     let mut held = false;
     let result = async {
@@ -164,14 +194,21 @@ where
                     sqlx::raw_sql("ROLLBACK").execute(&mut *conn).await.map_err(|e| failed("end the hold", e))?;
                 }
             }
+            if let (Some((_, until, every)), Some(at)) = (plan.kills, next_kill)
+                && elapsed >= at
+            {
+                let window = (elapsed.as_millis() / plan.window.as_millis().max(1)) as usize;
+                kills[window.min(kills.len() - 1)] += terminate_others(&scratch.pool).await?;
+                next_kill = Some(at + every).filter(|next| *next < until);
+            }
             let from = committed.len();
             let to = (from + per_tick).min(most);
             if from == to {
                 return Err(BenchError::Failed(format!("more than {most} tasks offered")));
             }
-            enqueue(from..to).await?;
+            let sure = enqueue(from..to).await?;
             let now = Instant::now();
-            committed.extend(std::iter::repeat_n(now, to - from));
+            committed.extend(std::iter::repeat_n((now, sure), to - from));
         }
         Ok(())
     }
@@ -183,39 +220,56 @@ where
     let n = committed.len();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let started =
-            stamps.lock().unwrap_or_else(PoisonError::into_inner).iter().take(n).filter(|s| s.is_some()).count();
-        if started >= n {
+        let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
+        let waiting = committed.iter().zip(stamps.iter()).filter(|((_, sure), s)| *sure && s.is_none()).count();
+        drop(stamps);
+        if waiting == 0 {
             break;
         }
         if Instant::now() > deadline {
-            return Err(BenchError::Failed(format!("only {started} of {n} tasks started within 120 s of the last")));
+            return Err(BenchError::Failed(format!("{waiting} of {n} tasks did not start within 120 s of the last")));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
     let latency_ms =
-        |i: usize| stamps[i].map_or(f64::NAN, |s| s.saturating_duration_since(committed[i]).as_secs_f64() * 1e3);
+        |i: usize| stamps[i].map_or(f64::NAN, |s| s.saturating_duration_since(committed[i].0).as_secs_f64() * 1e3);
     let last = sizes.len().max(1) - 1;
-    let mut by_window: Vec<Vec<f64>> = vec![Vec::new(); last + 1];
-    for (i, at) in committed.iter().enumerate() {
-        let w = ((*at - began).as_millis() / plan.window.as_millis().max(1)) as usize;
-        by_window[w.min(last)].push(latency_ms(i));
+    let mut by_window: Vec<(Vec<f64>, usize)> = vec![(Vec::new(), 0); last + 1];
+    for (i, (at, sure)) in committed.iter().enumerate() {
+        let w = &mut by_window[(((*at - began).as_millis() / plan.window.as_millis().max(1)) as usize).min(last)];
+        if *sure { w.0.push(latency_ms(i)) } else { w.1 += 1 }
     }
     let windows = by_window
         .into_iter()
         .zip(sizes.iter().copied().chain(std::iter::repeat((f64::NAN, 0))))
-        .map(|(ms, (live_mib, dead_rows))| Window {
+        .zip(kills)
+        .map(|(((ms, unsure), (live_mib, dead_rows)), kills)| Window {
             tasks: ms.len(),
             latency: latency_summary(ms),
             live_mib,
             dead_rows,
+            kills,
+            unsure,
         })
         .collect();
     let mut sample = Sample::new(plan.workload.name(), scratch.mode, n, plan.duration.as_secs_f64());
-    sample.latency = Some(latency_summary((0..n).map(latency_ms).collect()));
+    sample.latency = Some(latency_summary((0..n).filter(|&i| committed[i].1).map(latency_ms).collect()));
     sample.windows = Some((plan, windows));
     Ok(sample)
+}
+
+/// Terminates every session of the system under test (not the bench's own, `canter-bench-admin`);
+/// how many it ended.
+async fn terminate_others(pool: &PgPool) -> Result<u64, BenchError> {
+    let ended: i64 = sqlx::query_scalar(
+        "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE application_name = 'canter-bench'",
+    )
+    .fetch_one(pool)
+    .await
+    .map_err(|e| failed("terminate the other sessions", e))?;
+    Ok(ended.max(0) as u64)
 }
 
 /// A transaction of its own holding the xmin (a snapshot and an xid), idle until rolled back.

@@ -1,0 +1,150 @@
+//! Statements whose connection died: sent again on another connection when that is safe.
+//!
+//! A session can end under a statement: an operator or a pooler ran `pg_terminate_backend`,
+//! the server restarted, a failover moved the primary, a connection sat idle past a firewall's
+//! timeout. What the client then knows decides what may be done:
+//!
+//! - the server said so (a `FATAL` error in place of the reply, such as 57P01 `terminating
+//!   connection due to administrator command`): the statement did not commit. PostgreSQL ends a
+//!   session only between commands or by aborting the one it runs, and after a commit it sends
+//!   the reply before it would send the error (when it cannot, during a synchronous-replication
+//!   wait, it closes without one: a lost reply). Any statement is sent again;
+//! - the connection broke with no word from the server (end of stream, reset, a TLS failure):
+//!   the reply is lost and the statement may or may not have committed. Only a [`Replay::Safe`]
+//!   statement is sent again; any other fails as [`ReplayError::unknown_outcome`] says.
+//!
+//! Each try takes another connection, and the dead one is closed rather than handed back to
+//! the pool: connections that sat idle in the pool when their sessions were ended fail at once
+//! (the server's error is already waiting in the socket), so there are at most as many retries
+//! as the store holds connections (the pool's and the kept ones), and one more. None waits: a session that ended is not an outage,
+//! and when the server is really gone, getting a connection is what fails (and what the
+//! caller's backoff is for).
+
+use sqlx::postgres::{PgDatabaseError, PgSeverity};
+
+use crate::postgres::store::{PgStore, StoreConnection};
+
+/// Whether a statement may be sent again after its reply was lost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Replay {
+    /// A read, or a write whose effect is the same applied twice (an idempotency key, a pause):
+    /// sent again after a lost reply too.
+    Safe,
+    /// Any other write: sent again only when the server said it did not apply it; after a lost
+    /// reply it fails with an error saying it may or may not have committed.
+    IfNotApplied,
+}
+
+/// An error a statement can fail with, as the replay reads it.
+pub(crate) trait ReplayError: From<sqlx::Error> {
+    /// The database's error inside it, if the database (or the connection) failed.
+    fn database(&self) -> Option<&sqlx::Error>;
+
+    /// The error to return when the reply of a write that is not [`Replay::Safe`] was lost: by
+    /// default itself (the caller maps a lost reply on its own).
+    fn unknown_outcome(self) -> Self {
+        self
+    }
+}
+
+impl ReplayError for sqlx::Error {
+    fn database(&self) -> Option<&sqlx::Error> {
+        Some(self)
+    }
+}
+
+/// Whether the server ended the session in place of a reply (a `FATAL` error): the statement did
+/// not commit, and the connection is gone.
+pub(crate) fn session_ended(error: &sqlx::Error) -> bool {
+    let sqlx::Error::Database(error) = error else { return false };
+    error
+        .try_downcast_ref::<PgDatabaseError>()
+        .is_some_and(|error| matches!(error.severity(), PgSeverity::Fatal | PgSeverity::Panic))
+}
+
+/// Whether the connection failed after the statement was handed to it, with no word from the
+/// server: the statement may or may not have been applied.
+pub(crate) fn reply_lost(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed)
+}
+
+/// Sends `$statement`, a future of a statement on the connection `$conn`, on a connection of
+/// `$store` (kept for the next statement when it succeeds); again on another one when its
+/// session ended before it was applied, or when its reply was lost and the [`Replay`] is
+/// [`Replay::Safe`] (see the module docs). Evaluates to the statement's `Result`; a failure to
+/// get a connection converts into its error type. (A macro rather than a function taking an
+/// async closure: the futures of those cannot be shown to be `Send`.)
+macro_rules! replayed {
+    ($store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
+        let store: &$crate::postgres::PgStore = $store;
+        let mut tries = $crate::postgres::replay::Tries::new(store, $replay);
+        loop {
+            let mut held = match store.connection().await {
+                Ok(held) => held,
+                Err(error) => break Err(error.into()),
+            };
+            let result = {
+                let $conn: &mut sqlx::PgConnection = &mut held;
+                $statement.await
+            };
+            match tries.settle(store, held, result) {
+                Ok(Some(done)) => break Ok(done),
+                Ok(None) => continue,
+                Err(error) => break Err(error),
+            }
+        }
+    }};
+}
+pub(crate) use replayed;
+
+/// The tries of one statement under [`replayed`].
+pub(crate) struct Tries {
+    replay: Replay,
+    left: u32,
+}
+
+impl Tries {
+    /// As many tries as `store` holds connections, and one more.
+    pub(crate) fn new(store: &PgStore, replay: Replay) -> Tries {
+        Tries { replay, left: store.max_connections().saturating_add(1) }
+    }
+
+    /// What comes of a try that had `conn`: `Some` answer (and `conn` kept), `None` to try again
+    /// on another connection (and `conn` closed), or the error to return.
+    pub(crate) fn settle<T, E: ReplayError>(
+        &mut self,
+        store: &PgStore,
+        conn: StoreConnection,
+        result: Result<T, E>,
+    ) -> Result<Option<T>, E> {
+        let error = match result {
+            Ok(done) => {
+                store.keep(conn);
+                return Ok(Some(done));
+            }
+            Err(error) => error,
+        };
+        let (ended, lost) = error.database().map_or((false, false), |e| (session_ended(e), reply_lost(e)));
+        if !(ended || lost) {
+            return Err(error);
+        }
+        // Closed, not handed back: the next try takes another connection.
+        close_dead(conn);
+        if lost && self.replay == Replay::IfNotApplied {
+            return Err(error.unknown_outcome());
+        }
+        self.left = self.left.saturating_sub(1);
+        if self.left == 0 {
+            return Err(error);
+        }
+        Ok(None)
+    }
+}
+
+/// Closes a connection whose session is gone instead of handing it back to the pool.
+fn close_dead(conn: StoreConnection) {
+    match conn {
+        StoreConnection::Kept(conn) => drop(conn),
+        StoreConnection::Pooled(conn) => drop(conn.detach()),
+    }
+}
