@@ -86,7 +86,7 @@ fn scans(plan: &Value) -> Vec<(String, String)> {
 fn refused(error: PgAdminError) -> AdminError {
     match error {
         PgAdminError::Refused(refusal) => refusal,
-        PgAdminError::Database(error) => panic!("database error: {error}"),
+        PgAdminError::Database(error) | PgAdminError::OutcomeUnknown(error) => panic!("database error: {error}"),
     }
 }
 

@@ -510,7 +510,7 @@ fn failure_kind(failure: DbFailure) -> &'static str {
 fn admin(error: PgAdminError) -> AdminError {
     match error {
         PgAdminError::Refused(e) => e,
-        PgAdminError::Database(e) => panic!("database error: {e}"),
+        PgAdminError::Database(e) | PgAdminError::OutcomeUnknown(e) => panic!("database error: {e}"),
     }
 }
 

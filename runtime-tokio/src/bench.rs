@@ -607,6 +607,13 @@ fn mode_url(options: &Options, mode: Mode) -> String {
     format!("{}{separator}sslmode={sslmode}", options.url)
 }
 
+/// `url` with its sessions named `canter-bench`, as [`connect`]'s are: for pools the bench does
+/// not build itself (the in-process worker's), so that `backend-kills` finds them.
+fn named_url(url: &str) -> String {
+    let separator = if url.contains('?') { '&' } else { '?' };
+    format!("{url}{separator}application_name=canter-bench")
+}
+
 /// The arguments of the benchmark's task `i`: its number, and `--payload-bytes` of padding.
 fn task_args(options: &Options, i: usize) -> Value {
     if options.payload_bytes == 0 {

@@ -367,7 +367,7 @@ impl InProcessWorker {
             WorkerService::new(app, config.clone(), Arc::new(registry), id).map_err(|e| failed("worker", e))?;
         service.schema = store.schema().clone();
         service.migrate = false;
-        let url = scratch.url.clone();
+        let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
             let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
             let stop = async move {

@@ -197,8 +197,10 @@ where
             if let (Some((_, until, every)), Some(at)) = (plan.kills, next_kill)
                 && elapsed >= at
             {
+                let ended = terminate_others(&scratch.pool).await?;
                 let window = (elapsed.as_millis() / plan.window.as_millis().max(1)) as usize;
-                kills[window.min(kills.len() - 1)] += terminate_others(&scratch.pool).await?;
+                let last = kills.len() - 1;
+                kills[window.min(last)] += ended;
                 next_kill = Some(at + every).filter(|next| *next < until);
             }
             let from = committed.len();
@@ -220,9 +222,10 @@ where
     let n = committed.len();
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
-        let waiting = committed.iter().zip(stamps.iter()).filter(|((_, sure), s)| *sure && s.is_none()).count();
-        drop(stamps);
+        let waiting = {
+            let stamps = stamps.lock().unwrap_or_else(PoisonError::into_inner);
+            committed.iter().zip(stamps.iter()).filter(|((_, sure), s)| *sure && s.is_none()).count()
+        };
         if waiting == 0 {
             break;
         }
