@@ -97,7 +97,7 @@ usage: canter bench [--database-url URL]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
                     [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
                     [--workers N] [--rate N] [--hold-s S] [--duration-s S] [--window-s S]
-                    [--kill-every-ms MS]
+                    [--kill-every-ms MS] [--producers N] [--raw-no-notify]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -111,7 +111,9 @@ the drain's worker is `canter worker` as a child process (this program, or --wor
 server must offer it), with no raw baseline unless --baseline says so, and reports TLS/plain
 ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default 0 without
 --tls), so that a bulk call crosses many TLS records. --workers N drains with N worker
-processes (and the raw baseline with N times its loops).
+processes (and the raw baseline with N times its loops). --producers N enqueues from N
+concurrent producers, each block split among them; --raw-no-notify drops the raw baseline's
+pg_notify (what a NOTIFY per commit costs).
 held-xmin and no-vacuum (not in all: minutes each) offer --rate tasks/s (1000) to an idle
 worker for --duration-s and report pickup latency and the live table's size per --window-s:
 held-xmin while another session holds the xmin from 20 s for --hold-s (90; 160 s in all,
@@ -230,6 +232,10 @@ struct Options {
     window_s: Option<u64>,
     /// How often `backend-kills` terminates the bench's sessions.
     kill_every: Duration,
+    /// Concurrent producers of the enqueue workloads, each on a connection of its own.
+    producers: usize,
+    /// The raw baseline enqueues without `pg_notify`.
+    raw_quiet: bool,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -252,6 +258,7 @@ const VALUES: &[&str] = &[
     "worker-args",
     "worker-bin",
     "kill-every-ms",
+    "producers",
     "payload-bytes",
     "workers",
     "rate",
@@ -262,7 +269,7 @@ const VALUES: &[&str] = &[
 
 fn options(raw: &[String]) -> Result<Options, BenchError> {
     let usage = |e: crate::cli::UsageError| BenchError::Usage(e.0);
-    let args = Args::parse(raw, VALUES, &["json-only", "tls"], false).map_err(usage)?;
+    let args = Args::parse(raw, VALUES, &["json-only", "tls", "raw-no-notify"], false).map_err(usage)?;
     if let Some(extra) = args.positional.first() {
         return Err(BenchError::Usage(format!("unexpected argument {extra:?}")));
     }
@@ -348,6 +355,8 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         duration_s: optional("duration-s", 1, 86_400)?,
         window_s: optional("window-s", 1, 3_600)?,
         kill_every: Duration::from_millis(number("kill-every-ms", 500, 10, 60_000)? as u64),
+        producers: number("producers", 1, 1, 64)?,
+        raw_quiet: args.switch("raw-no-notify"),
         config,
         worker_bin,
     })
@@ -679,6 +688,10 @@ pub async fn run(raw: &[String]) -> Result<(), BenchError> {
             options.raw_loops,
             options.raw_batch
         );
+        if options.producers > 1 || options.raw_quiet {
+            let quiet = if options.raw_quiet { "; raw enqueues send no pg_notify" } else { "" };
+            outln!("enqueues from {} concurrent producers{quiet}", options.producers);
+        }
         outln!("worker config: {}", serde_json::to_string(&options.config).map_err(|e| failed("config", e))?);
     }
     let mut samples = Vec::new();
@@ -748,6 +761,12 @@ async fn run_one(
         sample.commit_ms = Some(commit_ms);
     }
     Ok(samples)
+}
+
+/// `range` cut into `n` consecutive parts as even as can be (empty ones left out).
+fn split_range(range: std::ops::Range<usize>, n: usize) -> Vec<std::ops::Range<usize>> {
+    let (len, n) = (range.len(), n.max(1));
+    (0..n).map(|k| range.start + len * k / n..range.start + len * (k + 1) / n).filter(|part| !part.is_empty()).collect()
 }
 
 /// Tasks a mode enqueues one by one before the other mode takes its turn.

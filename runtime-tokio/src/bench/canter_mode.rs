@@ -58,24 +58,29 @@ pub(super) struct CanterEnqueuer {
 impl CanterEnqueuer {
     /// Migrates the schema and connects (before any clock starts).
     pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<CanterEnqueuer, BenchError> {
-        let store = PgStore::new(connect(&scratch.url, 2)?, scratch.schema()?, options.config.app.clone());
+        let size = options.producers as u32 + 1;
+        let store = PgStore::new(connect(&scratch.url, size)?, scratch.schema()?, options.config.app.clone());
         store.migrate().await.map_err(|e| failed("migrate", e))?;
         store.now().await.map_err(|e| failed("connect", e))?;
         Ok(CanterEnqueuer { store, options: options.clone() })
     }
 
-    /// Enqueues tasks `range`: one call each, or all in one when `bulk`.
+    /// Enqueues tasks `range` from `--producers` concurrent producers (a part of it each): one
+    /// call per task, or one per part when `bulk`.
     pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
-        if bulk {
-            self.store
-                .enqueue_many(range.map(|i| noop(&self.options, i)).collect())
-                .await
-                .map_err(|e| failed("enqueue_many", e))?;
-            return Ok(());
-        }
-        for i in range {
-            self.store.enqueue(noop(&self.options, i)).await.map_err(|e| failed("enqueue", e))?;
-        }
+        let (store, options) = (&self.store, &self.options);
+        let parts = super::split_range(range, options.producers).into_iter().map(|part| async move {
+            if bulk {
+                let tasks = part.map(|i| noop(options, i)).collect();
+                store.enqueue_many(tasks).await.map_err(|e| failed("enqueue_many", e))?;
+                return Ok(());
+            }
+            for i in part {
+                store.enqueue(noop(options, i)).await.map_err(|e| failed("enqueue", e))?;
+            }
+            Ok::<_, BenchError>(())
+        });
+        futures::future::try_join_all(parts).await?;
         Ok(())
     }
 

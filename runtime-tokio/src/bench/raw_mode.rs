@@ -97,54 +97,71 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     result
 }
 
-/// The enqueue workloads' client: the jobs table in a fresh schema and one connection.
+/// The enqueue workloads' client: the jobs table in a fresh schema and a connection per
+/// producer.
 pub(super) struct RawEnqueuer {
     options: Options,
     pool: PgPool,
-    conn: PoolConnection<Postgres>,
+    conns: Vec<PoolConnection<Postgres>>,
     sql: Sql,
 }
 
 impl RawEnqueuer {
     /// Creates the table and connects (before any clock starts).
     pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<RawEnqueuer, BenchError> {
-        let pool = connect(&scratch.url, 2)?;
+        let pool = connect(&scratch.url, options.producers as u32 + 1)?;
         let create = CREATE.replace("{s}", &scratch.quoted());
         sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
-        let conn = pool.acquire().await.map_err(|e| failed("connect", e))?;
-        Ok(RawEnqueuer { options: options.clone(), pool, conn, sql: Sql::new(scratch) })
+        let mut conns = Vec::with_capacity(options.producers);
+        for _ in 0..options.producers {
+            conns.push(pool.acquire().await.map_err(|e| failed("connect", e))?);
+        }
+        let mut sql = Sql::new(scratch);
+        if options.raw_quiet {
+            for statement in [&mut sql.enqueue_one, &mut sql.enqueue_many] {
+                *statement = statement.replace("(SELECT pg_notify($2, '')) n", "(SELECT $2::text) n");
+            }
+        }
+        Ok(RawEnqueuer { options: options.clone(), pool, conns, sql })
     }
 
-    /// Inserts jobs `range`: one statement each, or all in one when `bulk`.
+    /// Inserts jobs `range` from `--producers` concurrent connections (a part of it each): one
+    /// statement per job, or one per part when `bulk`.
     pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
-        if bulk {
-            let payloads: Vec<Value> = range.map(|i| task_args(&self.options, i)).collect();
-            let rows = q(&self.sql.enqueue_many)
-                .bind(payloads)
-                .bind(&self.sql.channel)
-                .fetch_all(&mut *self.conn)
-                .await
-                .map_err(|e| failed("insert", e))?;
-            let _ids: Vec<i64> =
-                rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
-            return Ok(());
-        }
-        for i in range {
-            let _id: i64 = q(&self.sql.enqueue_one)
-                .bind(task_args(&self.options, i))
-                .bind(&self.sql.channel)
-                .fetch_one(&mut *self.conn)
-                .await
-                .map_err(|e| failed("insert", e))?
-                .try_get(0)
-                .map_err(|e| failed("insert", e))?;
-        }
+        let (options, sql) = (&self.options, &self.sql);
+        let parts = super::split_range(range, options.producers);
+        let work = self.conns.iter_mut().zip(parts).map(|(conn, part)| async move {
+            if bulk {
+                let payloads: Vec<Value> = part.map(|i| task_args(options, i)).collect();
+                let rows = q(&sql.enqueue_many)
+                    .bind(payloads)
+                    .bind(&sql.channel)
+                    .fetch_all(&mut **conn)
+                    .await
+                    .map_err(|e| failed("insert", e))?;
+                let _ids: Vec<i64> =
+                    rows.iter().map(|r| r.try_get(0)).collect::<Result<_, _>>().map_err(|e| failed("ids", e))?;
+                return Ok(());
+            }
+            for i in part {
+                let _id: i64 = q(&sql.enqueue_one)
+                    .bind(task_args(options, i))
+                    .bind(&sql.channel)
+                    .fetch_one(&mut **conn)
+                    .await
+                    .map_err(|e| failed("insert", e))?
+                    .try_get(0)
+                    .map_err(|e| failed("insert", e))?;
+            }
+            Ok::<_, BenchError>(())
+        });
+        futures::future::try_join_all(work).await?;
         Ok(())
     }
 
-    /// Closes the connection and pool.
+    /// Closes the connections and pool.
     pub(super) async fn close(self) {
-        drop(self.conn);
+        drop(self.conns);
         self.pool.close().await;
     }
 }
