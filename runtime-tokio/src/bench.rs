@@ -5,7 +5,9 @@
 //! Workloads (each run in a fresh schema of its own, dropped afterwards; the two modes of a run
 //! back to back, or taking turns for the enqueue workloads, the first alternating by run):
 //!
-//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`), then, in
+//! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`; with
+//!   `--producers N`, each turn's tasks split among N concurrent producers of one client, on a
+//!   connection each; `--raw-no-notify` takes `pg_notify` out of the raw inserts), then, in
 //!   fresh schemas, the same number in calls of `--bulk-size` (`enqueue_bulk`), after a
 //!   `CHECKPOINT` (so no commit waits behind the WAL of a schema's creation). The two modes take
 //!   turns, 100 tasks one by one or one bulk call at a time, and each one's time is the sum of
