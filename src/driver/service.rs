@@ -329,10 +329,10 @@ async fn listen<R: Runtime>(
     let channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
     let mut backoff = DbBackoff::new();
     let mut rng = Rng::new(seed);
-    // Sessions the server ended as they started to listen, in a row.
-    let mut ended_in_a_row = 0;
+    // Sessions lost as they started to listen or soon after, in a row.
+    let mut lost_in_a_row = 0;
     loop {
-        // A session that listened and was lost, or that the server ended as it started (a
+        // A session that listened for a while and was lost, or that the server ended (a
         // terminated backend), is not an outage: listen again at once, up to a few times in a
         // row. Failing to connect is, and backs off.
         let mut at_once = false;
@@ -340,15 +340,17 @@ async fn listen<R: Runtime>(
             Ok(mut listener) => match listener.listen_all(channels.iter().map(String::as_str)).await {
                 Ok(()) => Some(listener),
                 Err(error) => {
-                    ended_in_a_row += 1;
-                    at_once = session_ended(&error) && ended_in_a_row <= 3;
+                    lost_in_a_row += 1;
+                    at_once = session_ended(&error) && lost_in_a_row <= 3;
                     None
                 }
             },
             Err(_) => None,
         };
         if let Some(mut listener) = listening {
-            (at_once, ended_in_a_row) = (true, 0);
+            // A lost connection ends this loop, which connects again itself.
+            listener.eager_reconnect(false);
+            let since = runtime.now();
             backoff.on_success();
             let _ = control.unbounded_send(Input::Listener { connected: true });
             // Tasks may have arrived unannounced while deaf: one wake-up per queue.
@@ -365,6 +367,8 @@ async fn listen<R: Runtime>(
                     let _ = notes.try_send(Input::Notified { queue: queue.to_owned(), priority });
                 }
             }
+            lost_in_a_row = if runtime.now() >= since + LISTENED_A_WHILE { 0 } else { lost_in_a_row + 1 };
+            at_once = lost_in_a_row <= 3;
         }
         let _ = control.unbounded_send(Input::Listener { connected: false });
         if !at_once {
@@ -373,6 +377,10 @@ async fn listen<R: Runtime>(
         }
     }
 }
+
+/// How long a listening session must have lived for its loss to be followed by a new one at
+/// once however often it happens (shorter ones count as failures in a row).
+const LISTENED_A_WHILE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long a starting worker waits for its liveness token before it claims without it (its
 /// keeper goes on trying).

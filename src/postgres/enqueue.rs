@@ -37,11 +37,12 @@ pub enum PgEnqueueError {
     /// The task breaks a rule every store checks (see [`EnqueueError`]).
     #[error(transparent)]
     Invalid(#[from] EnqueueError),
-    /// The database failed before anything was written; the enqueue may be sent again.
+    /// The database failed; nothing was written (but see [`PgEnqueueError::OutcomeUnknown`] for
+    /// a lost reply, and idempotent enqueues, whose last try's error this is).
     #[error("enqueue failed: {0}")]
     Database(#[from] sqlx::Error),
     /// The connection broke after the enqueue was sent, with no reply: it may or may not have
-    /// committed. Enqueues whose keys deduplicate are sent again instead, so only others end
+    /// committed. Enqueues with idempotency keys are sent again instead, so only others end
     /// this way.
     #[error(
         "enqueue may or may not have committed: the connection broke before its reply ({0}); give tasks idempotency keys to send them again safely"
@@ -86,8 +87,8 @@ impl PgStore {
     /// with the same arguments).
     ///
     /// When its connection dies under it, it is sent again on another one if the server said it
-    /// did not apply it, or if its key deduplicates ([`KeyMode::Idempotent`],
-    /// [`KeyMode::UnsafeDedupe`]); otherwise it fails with [`PgEnqueueError::OutcomeUnknown`].
+    /// did not apply it, or if it has an idempotency key ([`KeyMode::Idempotent`]); otherwise it
+    /// fails with [`PgEnqueueError::OutcomeUnknown`].
     pub async fn enqueue(&self, task: NewTask) -> Result<TaskId, PgEnqueueError> {
         let ids = self.enqueue_many(vec![task]).await?;
         ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
@@ -95,13 +96,12 @@ impl PgStore {
 
     /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
     /// A dead connection is handled as [`enqueue`](PgStore::enqueue) says (a batch is sent
-    /// again after a lost reply only when every task's key deduplicates).
+    /// again after a lost reply only when every task has an idempotency key).
     pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
-        // A task whose key deduplicates is applied once however often it is sent (a replacing
-        // key could make a second task if a worker claimed the first in between).
-        let dedupes =
-            |task: &NewTask| task.key.is_some() && matches!(task.key_mode, KeyMode::Idempotent | KeyMode::UnsafeDedupe);
-        let replay = if tasks.iter().all(dedupes) { Replay::Safe } else { Replay::IfNotApplied };
+        // A task with an idempotency key is applied once however often it is sent (other keys
+        // deduplicate against live tasks only: the first could have run and finished between).
+        let idempotent = |task: &NewTask| task.key.is_some() && task.key_mode == KeyMode::Idempotent;
+        let replay = if tasks.iter().all(idempotent) { Replay::Safe } else { Replay::IfNotApplied };
         replayed!(self, replay, |conn| enqueue_tasks(conn, self.schema(), self.app(), &tasks))
     }
 }

@@ -15,8 +15,13 @@
 //!
 //! Each try takes another connection, and the dead one is closed rather than handed back to
 //! the pool: connections that sat idle in the pool when their sessions were ended fail at once
-//! (the server's error is already waiting in the socket), so there are at most as many retries
-//! as the store holds connections (the pool's and the kept ones), and one more. None waits: a session that ended is not an outage,
+//! (the server's error is already waiting in the socket), so there are at most as many tries as
+//! the store holds connections (the pool's and the kept ones), and one more.
+//!
+//! A write sent again after a lost reply has its effect once, but its answer is the second
+//! try's: a pause that had paused says the queue was paused already, a force-unlock or purge
+//! counts only what the second try did. When no try gets an answer, a safe write's error is
+//! the last try's, and the first may have committed. None waits: a session that ended is not an outage,
 //! and when the server is really gone, getting a connection is what fails (and what the
 //! caller's backoff is for).
 
@@ -28,7 +33,7 @@ use crate::postgres::store::{PgStore, StoreConnection};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Replay {
     /// A read, or a write whose effect is the same applied twice (an idempotency key, a pause):
-    /// sent again after a lost reply too.
+    /// sent again after a lost reply too (see the module docs for what it then answers).
     Safe,
     /// Any other write: sent again only when the server said it did not apply it; after a lost
     /// reply it fails with an error saying it may or may not have committed.
@@ -54,18 +59,18 @@ impl ReplayError for sqlx::Error {
 }
 
 /// Whether the server ended the session in place of a reply (a `FATAL` error): the statement did
-/// not commit, and the connection is gone.
+/// not commit, and the connection is gone. (A `PANIC` is not counted: crash recovery may find
+/// the commit; it is followed by a broken connection, a lost reply.)
 pub(crate) fn session_ended(error: &sqlx::Error) -> bool {
     let sqlx::Error::Database(error) = error else { return false };
-    error
-        .try_downcast_ref::<PgDatabaseError>()
-        .is_some_and(|error| matches!(error.severity(), PgSeverity::Fatal | PgSeverity::Panic))
+    error.try_downcast_ref::<PgDatabaseError>().is_some_and(|error| error.severity() == PgSeverity::Fatal)
 }
 
 /// Whether the connection failed after the statement was handed to it, with no word from the
 /// server: the statement may or may not have been applied.
+/// (`Protocol` is not counted: the store raises it itself for replies it cannot use.)
 pub(crate) fn reply_lost(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed)
+    matches!(error, sqlx::Error::Io(_) | sqlx::Error::Tls(_) | sqlx::Error::WorkerCrashed)
 }
 
 /// Sends `$statement`, a future of a statement on the connection `$conn`, on a connection of

@@ -45,7 +45,8 @@ pub enum PgAdminError {
     /// The task is missing or in a state the action does not apply to; nothing changed.
     #[error(transparent)]
     Refused(#[from] AdminError),
-    /// The database failed; nothing changed.
+    /// The database failed; nothing changed, unless the action is one sent again after a lost
+    /// reply (a pause, a resume, a force-unlock), whose first try may have.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
     /// The connection broke after the action was sent, with no reply: it may or may not have

@@ -77,9 +77,10 @@ pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx:
 /// ([`get`](PgStore::get), [`wait_result`](PgStore::wait_result)).
 ///
 /// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s. Clones
-/// share the few connections the store keeps between the worker's requests and enqueues (at
-/// most 3, at most half the pool's size, beside the pool's own): sqlx tests a connection with
-/// a round trip every time it goes back to its pool.
+/// share the connections the store keeps between statements (up to one less than the pool's
+/// size, detached from it): sqlx tests a connection with a round trip every time it goes back
+/// to its pool. The pool may open others in place of detached ones, so a store holds about as
+/// many connections as it has concurrent callers, and fewer than twice its pool's size.
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pool: PgPool,

@@ -166,10 +166,11 @@ where
     let mut ticks = tokio::time::interval(tick);
     ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let began = Instant::now();
-    // When each task's enqueue committed (`None`: it may not have).
+    // When each task's enqueue returned, and whether it surely committed.
     let mut committed: Vec<(Instant, bool)> = Vec::with_capacity(most);
     let mut sizes: Vec<(f64, i64)> = Vec::with_capacity(plan.windows());
-    let mut kills: Vec<u64> = vec![0; plan.windows() + 1];
+    // When sessions were terminated, and how many.
+    let mut kills: Vec<(Instant, u64)> = Vec::new();
     let mut next_kill = plan.kills.map(|(from, _, _)| from);
     let mut holder: Option<PoolConnection<sqlx::Postgres>> = None;
     let mut held = false;
@@ -197,11 +198,9 @@ where
             if let (Some((_, until, every)), Some(at)) = (plan.kills, next_kill)
                 && elapsed >= at
             {
-                let ended = terminate_others(&scratch.pool).await?;
-                let window = (elapsed.as_millis() / plan.window.as_millis().max(1)) as usize;
-                let last = kills.len() - 1;
-                kills[window.min(last)] += ended;
-                next_kill = Some(at + every).filter(|next| *next < until);
+                kills.push((Instant::now(), terminate_others(&scratch.pool).await?));
+                // After a stall, the next kill is `every` from now, not a burst catching up.
+                next_kill = Some((at + every).max(elapsed)).filter(|next| *next < until);
             }
             let from = committed.len();
             let to = (from + per_tick).min(most);
@@ -238,15 +237,20 @@ where
     let latency_ms =
         |i: usize| stamps[i].map_or(f64::NAN, |s| s.saturating_duration_since(committed[i].0).as_secs_f64() * 1e3);
     let last = sizes.len().max(1) - 1;
+    let window_of = |at: Instant| (((at - began).as_millis() / plan.window.as_millis().max(1)) as usize).min(last);
     let mut by_window: Vec<(Vec<f64>, usize)> = vec![(Vec::new(), 0); last + 1];
     for (i, (at, sure)) in committed.iter().enumerate() {
-        let w = &mut by_window[(((*at - began).as_millis() / plan.window.as_millis().max(1)) as usize).min(last)];
+        let w = &mut by_window[window_of(*at)];
         if *sure { w.0.push(latency_ms(i)) } else { w.1 += 1 }
+    }
+    let mut kills_by_window = vec![0; last + 1];
+    for (at, ended) in kills {
+        kills_by_window[window_of(at)] += ended;
     }
     let windows = by_window
         .into_iter()
         .zip(sizes.iter().copied().chain(std::iter::repeat((f64::NAN, 0))))
-        .zip(kills)
+        .zip(kills_by_window)
         .map(|(((ms, unsure), (live_mib, dead_rows)), kills)| Window {
             tasks: ms.len(),
             latency: latency_summary(ms),
