@@ -379,8 +379,10 @@ async fn listen<R: Runtime>(
 }
 
 /// How long a listening session must have lived for its loss to be followed by a new one at
-/// once however often it happens (shorter ones count as failures in a row).
-const LISTENED_A_WHILE: std::time::Duration = std::time::Duration::from_secs(1);
+/// once however often it happens (shorter ones count as failures in a row): long enough that
+/// a loop of sessions lost as soon as they listen backs off, short enough that sessions
+/// terminated every few hundred milliseconds do not (`canter bench --workload backend-kills`).
+const LISTENED_A_WHILE: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// How long a starting worker waits for its liveness token before it claims without it (its
 /// keeper goes on trying).
