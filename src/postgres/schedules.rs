@@ -17,6 +17,7 @@ use sqlx::Row;
 
 use crate::db::DbTime;
 use crate::postgres::enqueue::{PgEnqueueError, enqueue_many_in};
+use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::store::{PgStore, db_time};
 use crate::schedule::{Plan, ScheduleRecord, ScheduleWrite, Scheduler};
 use crate::task::TaskId;
@@ -84,7 +85,9 @@ impl PgStore {
         if names.is_empty() {
             return Ok((self.now().await?, Vec::new()));
         }
-        let rows = sqlx::query(self.schema().sql().schedule_states.clone()).bind(names).fetch_all(self.pool()).await?;
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().schedule_states.clone())
+            .bind(names)
+            .fetch_all(conn))?;
         let mut now = None;
         let mut records = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -103,7 +106,8 @@ impl PgStore {
 
     /// Every schedule record, configured or not, by name.
     pub async fn schedule_records(&self) -> Result<Vec<ScheduleRecord>, sqlx::Error> {
-        let rows = sqlx::query(self.schema().sql().schedule_records.clone()).fetch_all(self.pool()).await?;
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().schedule_records.clone())
+            .fetch_all(conn))?;
         rows.iter().map(record).collect()
     }
 

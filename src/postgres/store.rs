@@ -220,7 +220,8 @@ impl PgStore {
 
     /// The database's clock.
     pub async fn now(&self) -> Result<DbTime, sqlx::Error> {
-        let ms: i64 = sqlx::query_scalar(self.schema.sql().now.clone()).fetch_one(&self.pool).await?;
+        let ms: i64 =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema.sql().now.clone()).fetch_one(conn))?;
         Ok(DbTime(ms))
     }
 
