@@ -7,7 +7,7 @@ use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, VacuumedTable};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
-use canter::worker::{Command, Event, Input, TaskOutcome, Timer, Worker};
+use canter::worker::{Command, DEAF_FAST_POLL_FOR, DEAF_POLL_INTERVAL, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
 
 /// The default app without the liveness check's timer (its own tests turn it on), so that the
@@ -200,6 +200,49 @@ fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_
     assert_ne!(h.worker.poll_timeout().unwrap().1, Timer::Poll);
     h.input(Input::Listener { connected: false });
     assert_eq!(h.worker.poll_timeout().unwrap().1, Timer::Poll, "deaf: falls back to polling");
+}
+
+/// Issue 19, item 8: notifications sent while the listener reconnects are gone, and the
+/// reconnect can take a TLS handshake's delayed ACKs: the worker polls every 20 ms for 2 s after
+/// losing it, then at its own interval, and listening again ends it.
+#[test]
+fn a_worker_whose_listener_was_lost_polls_soon_until_it_listens_again() {
+    let config = WorkerConfig { poll_interval_ms: 5_000, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(app(), config);
+    h.input(Input::Listener { connected: true });
+    let next = start(&mut h, &first, vec![], false);
+    // The catch-up pass the listener asked for.
+    h.reply(find(&next, "claim"), DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None });
+    let idle = h.worker.poll_timeout().unwrap();
+    assert_eq!(idle, (h.now + Duration::from_secs(5), Timer::Poll), "listening and idle: the usual poll");
+
+    h.input(Input::Listener { connected: false });
+    let lost = h.now;
+    assert_eq!(h.worker.poll_timeout().unwrap(), (lost + DEAF_POLL_INTERVAL, Timer::Poll));
+    let (_, commands) = h.fire();
+    let claim = find(&commands, "claim");
+    h.reply(claim, DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None });
+    assert_eq!(h.worker.poll_timeout().unwrap(), (h.now + DEAF_POLL_INTERVAL, Timer::Poll), "and again");
+
+    // Still deaf after 2 s: an outage, the usual interval (other timers fire meanwhile).
+    let empty = || DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None };
+    while h.now < lost + DEAF_FAST_POLL_FOR {
+        let (timer, commands) = h.fire();
+        if timer == Timer::Poll {
+            h.reply(find(&commands, "claim"), empty());
+        }
+    }
+    let next_poll = |h: &Harness| h.worker.timer(Timer::Poll);
+    assert_eq!(next_poll(&h), Some(h.now + Duration::from_secs(5)));
+
+    // Lost again after listening again: soon again; listening ends it (after the catch-up pass).
+    let commands = h.input(Input::Listener { connected: true });
+    h.reply(find(&commands, "claim"), empty());
+    h.input(Input::Listener { connected: false });
+    assert_eq!(next_poll(&h), Some(h.now + DEAF_POLL_INTERVAL));
+    let commands = h.input(Input::Listener { connected: true });
+    h.reply(find(&commands, "claim"), empty());
+    assert_eq!(next_poll(&h), Some(h.now + Duration::from_secs(5)));
 }
 
 #[test]

@@ -78,6 +78,15 @@ pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
 /// (`recovery.vacuum_dead_rows`): a check is one read of the table statistics.
 pub const VACUUM_CHECK_INTERVAL_MS: u64 = 10_000;
 
+/// How often a worker whose listener was lost polls while it reconnects (at most its
+/// `poll_interval_ms`): notifications sent meanwhile are gone, and a reconnect can take a TLS
+/// handshake's delayed ACKs (about 100 ms). Only for [`DEAF_FAST_POLL_FOR`] after the loss: a
+/// listener that stays down is an outage, and the usual interval applies.
+pub const DEAF_POLL_INTERVAL: Duration = Duration::from_millis(20);
+
+/// How long after losing its listener a worker polls every [`DEAF_POLL_INTERVAL`].
+pub const DEAF_FAST_POLL_FOR: Duration = Duration::from_secs(2);
+
 /// How long a worker remembers the token of a claim it abandoned, handing back with every
 /// heartbeat whatever a late commit of that claim left claimed by it: longer than any
 /// statement can wait to reach the server or run there (sessions carry `statement_timeout`),
@@ -681,6 +690,8 @@ pub struct Worker {
     purge_in_flight: bool,
     vacuum_in_flight: bool,
     listening: bool,
+    /// When the listener was lost, while it is down.
+    deaf_since: Option<Instant>,
     /// Completions not yet sent.
     completions: VecDeque<Queued>,
     /// Hold-ups by other transactions' locks in a row: the backoff of trying again.
@@ -766,6 +777,7 @@ impl Worker {
             purge_in_flight: false,
             vacuum_in_flight: false,
             listening: false,
+            deaf_since: None,
             completions: VecDeque::new(),
             busy_streak: 0,
             lock_blocked: false,
@@ -913,12 +925,20 @@ impl Worker {
                     self.want_pass();
                     self.cap_blocked = false;
                 }
+                if !connected && self.listening {
+                    self.deaf_since = Some(now);
+                } else if connected {
+                    self.deaf_since = None;
+                }
                 self.listening = connected;
                 if !self.polls() {
                     self.timers.remove(&Timer::Poll);
-                } else if !self.timers.contains_key(&Timer::Poll) && self.phase == Phase::Running {
-                    // Deaf in event-driven mode: fall back to polling until the listener is back.
-                    self.arm(Timer::Poll, now + self.poll_interval());
+                } else if self.phase == Phase::Running {
+                    // Deaf: poll (soon, if the listener was just lost) until it is back.
+                    let at = now + self.poll_interval(now);
+                    if self.timers.get(&Timer::Poll).is_none_or(|&armed| armed > at) {
+                        self.arm(Timer::Poll, at);
+                    }
                 }
             }
             Input::Shutdown => self.begin_shutdown(now),
@@ -940,7 +960,7 @@ impl Worker {
                     self.cap_blocked = false;
                     self.start_blocked = false;
                     if self.polls() {
-                        self.arm(Timer::Poll, now + self.poll_interval());
+                        self.arm(Timer::Poll, now + self.poll_interval(now));
                     }
                 }
                 Timer::Wake => {
@@ -994,6 +1014,11 @@ impl Worker {
         self.timers.iter().map(|(timer, at)| (*at, *timer)).min()
     }
 
+    /// When `timer` is due, if it is armed (for drivers' diagnostics and tests).
+    pub fn timer(&self, timer: Timer) -> Option<Instant> {
+        self.timers.get(&timer).copied()
+    }
+
     /// The next command for the driver.
     #[must_use]
     pub fn poll_command(&mut self) -> Option<Command> {
@@ -1022,8 +1047,15 @@ impl Worker {
         Duration::from_millis(r.claimer_heartbeat_interval_ms.min(r.runner_heartbeat_interval_ms))
     }
 
-    fn poll_interval(&self) -> Duration {
-        Duration::from_millis(self.config.poll_interval_ms)
+    /// The poll interval at `now`: [`DEAF_POLL_INTERVAL`] for a while after the listener was lost.
+    fn poll_interval(&self, now: Instant) -> Duration {
+        let configured = Duration::from_millis(self.config.poll_interval_ms);
+        match self.deaf_since {
+            Some(since) if now.saturating_duration_since(since) < DEAF_FAST_POLL_FOR => {
+                configured.min(DEAF_POLL_INTERVAL)
+            }
+            _ => configured,
+        }
     }
 
     /// Whether the poll timer runs: always but in event-driven mode with a live listener.
@@ -1287,7 +1319,7 @@ impl Worker {
             self.pass_budget.tokens = self.pass_budget.tokens.saturating_sub(1);
         }
         if self.polls() {
-            self.arm(Timer::Poll, now + self.poll_interval());
+            self.arm(Timer::Poll, now + self.poll_interval(now));
         }
         Some(ClaimPass { token, notified, running, claimed, start_now, policy })
     }
@@ -1863,7 +1895,7 @@ impl Worker {
     /// comes with no notification, so a blocked worker polls even in event-driven mode.
     fn poll_while_blocked(&mut self) {
         if self.phase == Phase::Running && !self.timers.contains_key(&Timer::Poll) {
-            let at = self.now + self.poll_interval();
+            let at = self.now + self.poll_interval(self.now);
             self.arm(Timer::Poll, at);
         }
     }
