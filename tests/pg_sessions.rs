@@ -140,6 +140,29 @@ async fn waiting_for_a_lock(db: &TestDb, conn: &mut PgConnection, n: i64) {
     panic!("no statement of the store waited for the lock");
 }
 
+/// Runs `call` (a statement of a store behind `proxy`) while `holder` locks `tasks`: once the
+/// statement waits for the lock, the proxy cuts its connection; with `resent`, it waits until
+/// the statement waits again, sent again on a new connection; then the lock goes. What the
+/// call returned.
+async fn cut_while_it_waits<T: Send + 'static>(
+    db: &TestDb,
+    proxy: &Proxy,
+    (holder, observer): (&mut PgConnection, &mut PgConnection),
+    resent: bool,
+    call: impl Future<Output = T> + Send + 'static,
+) -> T {
+    lock_tasks(db, holder).await;
+    let call = tokio::spawn(call);
+    waiting_for_a_lock(db, observer, 1).await;
+    proxy.cut();
+    if resent {
+        // The first statement's backend still waits beside the one sent again.
+        waiting_for_a_lock(db, observer, 2).await;
+    }
+    sqlx::raw_sql("COMMIT").execute(holder).await.expect("release the lock");
+    call.await.expect("the call's task")
+}
+
 #[tokio::test]
 async fn worker_requests_enqueues_and_operator_calls_are_sent_again_when_their_sessions_were_ended() {
     let db = TestDb::new().await;
@@ -191,15 +214,12 @@ async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
     // Prepared on the kept connection first, so that the enqueue waits at its execution (a
     // statement still to be prepared waits while being parsed, and never runs).
     store.enqueue(NewTask::new("t", json!(0))).await.expect("the first enqueue");
-    lock_tasks(&db, &mut holder).await;
-    let enqueue = tokio::spawn({
+    let enqueue = {
         let store = store.clone();
         async move { store.enqueue(NewTask::new("t", json!(1))).await }
-    });
-    waiting_for_a_lock(&db, &mut observer, 1).await;
-    proxy.cut();
-    sqlx::raw_sql("COMMIT").execute(&mut holder).await.expect("release the lock");
-    let error = enqueue.await.expect("the enqueue's task").expect_err("the reply was lost");
+    };
+    let enqueued = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), false, enqueue).await;
+    let error = enqueued.expect_err("the reply was lost");
     assert!(matches!(error, PgEnqueueError::OutcomeUnknown(_)), "{error:?}");
     assert!(error.may_have_committed());
     assert!(error.to_string().contains("may or may not have committed"), "{error}");
@@ -216,15 +236,12 @@ async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
 
     // An operator write alike.
     let id = store.list(&Default::default()).await.expect("list")[0].id;
-    lock_tasks(&db, &mut holder).await;
-    let cancel = tokio::spawn({
+    let cancel = {
         let store = store.clone();
         async move { store.cancel(id).await }
-    });
-    waiting_for_a_lock(&db, &mut observer, 1).await;
-    proxy.cut();
-    sqlx::raw_sql("COMMIT").execute(&mut holder).await.expect("release the lock");
-    let error = cancel.await.expect("the cancel's task").expect_err("the reply was lost");
+    };
+    let cancelled = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), false, cancel).await;
+    let error = cancelled.expect_err("the reply was lost");
     assert!(matches!(error, PgAdminError::OutcomeUnknown(_)), "{error:?}");
 }
 
@@ -237,29 +254,20 @@ async fn reads_and_deduplicating_enqueues_whose_replies_were_lost_are_sent_again
     let mut observer = session(&db).await;
     let keyed = || NewTask::new("t", json!({"order": 7})).idempotency_key("order-7");
 
-    lock_tasks(&db, &mut holder).await;
-    let enqueue = tokio::spawn({
+    let enqueue = {
         let store = store.clone();
         async move { store.enqueue(keyed()).await }
-    });
-    waiting_for_a_lock(&db, &mut observer, 1).await;
-    proxy.cut();
-    // The enqueue is sent again on a new connection, and waits for the lock beside the first.
-    waiting_for_a_lock(&db, &mut observer, 2).await;
-    sqlx::raw_sql("COMMIT").execute(&mut holder).await.expect("release the lock");
-    let id: TaskId = enqueue.await.expect("the enqueue's task").expect("sent again");
+    };
+    let enqueued = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), true, enqueue).await;
+    let id: TaskId = enqueued.expect("sent again");
     assert_eq!(live_tasks(&db, &mut observer).await, 1, "applied once, though sent twice");
     assert_eq!(store.enqueue(keyed()).await.expect("the key names it"), id);
 
-    lock_tasks(&db, &mut holder).await;
-    let read = tokio::spawn({
+    let read = {
         let store = store.clone();
         async move { store.get(id).await }
-    });
-    waiting_for_a_lock(&db, &mut observer, 1).await;
-    proxy.cut();
-    waiting_for_a_lock(&db, &mut observer, 2).await;
-    sqlx::raw_sql("COMMIT").execute(&mut holder).await.expect("release the lock");
-    let record = read.await.expect("the read's task").expect("read again").expect("the task");
+    };
+    let record = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), true, read).await;
+    let record = record.expect("read again").expect("the task");
     assert_eq!(record.id, id);
 }

@@ -26,7 +26,7 @@ use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
 use crate::db::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task, normalized_flags};
-use crate::postgres::replay::{Replay, ReplayError, replayed};
+use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration};
 use crate::task::{ErrorCode, TaskId};
@@ -66,21 +66,7 @@ impl PgEnqueueError {
     }
 }
 
-impl ReplayError for PgEnqueueError {
-    fn database(&self) -> Option<&sqlx::Error> {
-        match self {
-            PgEnqueueError::Database(error) => Some(error),
-            PgEnqueueError::Invalid(_) | PgEnqueueError::OutcomeUnknown(_) => None,
-        }
-    }
-
-    fn unknown_outcome(self) -> Self {
-        match self {
-            PgEnqueueError::Database(error) => PgEnqueueError::OutcomeUnknown(error),
-            other => other,
-        }
-    }
-}
+replay_error_with_unknown_outcome!(PgEnqueueError);
 
 impl PgStore {
     /// Enqueues one task and returns its id (an existing task's id for a known idempotency key
@@ -90,8 +76,7 @@ impl PgStore {
     /// did not apply it, or if it has an idempotency key ([`KeyMode::Idempotent`]); otherwise it
     /// fails with [`PgEnqueueError::OutcomeUnknown`].
     pub async fn enqueue(&self, task: NewTask) -> Result<TaskId, PgEnqueueError> {
-        let ids = self.enqueue_many(vec![task]).await?;
-        ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
+        only_id(self.enqueue_many(vec![task]).await?)
     }
 
     /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
@@ -115,7 +100,11 @@ pub async fn enqueue_in<'e, E: PgExecutor<'e>>(
     app: &AppConfig,
     task: NewTask,
 ) -> Result<TaskId, PgEnqueueError> {
-    let ids = enqueue_many_in(executor, schema, app, vec![task]).await?;
+    only_id(enqueue_many_in(executor, schema, app, vec![task]).await?)
+}
+
+/// The id of a one-task enqueue.
+fn only_id(ids: Vec<TaskId>) -> Result<TaskId, PgEnqueueError> {
     ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
 }
 

@@ -58,6 +58,29 @@ impl ReplayError for sqlx::Error {
     }
 }
 
+/// [`ReplayError`] for an error enum with a `Database(sqlx::Error)` variant, what a replay reads,
+/// and an `OutcomeUnknown(sqlx::Error)` one, what a lost reply of a write becomes.
+macro_rules! replay_error_with_unknown_outcome {
+    ($error:ident) => {
+        impl $crate::postgres::replay::ReplayError for $error {
+            fn database(&self) -> Option<&sqlx::Error> {
+                match self {
+                    $error::Database(error) => Some(error),
+                    _ => None,
+                }
+            }
+
+            fn unknown_outcome(self) -> Self {
+                match self {
+                    $error::Database(error) => $error::OutcomeUnknown(error),
+                    other => other,
+                }
+            }
+        }
+    };
+}
+pub(crate) use replay_error_with_unknown_outcome;
+
 /// Whether the server ended the session in place of a reply (a `FATAL` error): the statement did
 /// not commit, and the connection is gone. (A `PANIC` is not counted: crash recovery may find
 /// the commit; it is followed by a broken connection, a lost reply.)
@@ -77,9 +100,13 @@ pub(crate) fn reply_lost(error: &sqlx::Error) -> bool {
 /// `$store` (kept for the next statement when it succeeds); again on another one when its
 /// session ended before it was applied, or when its reply was lost and the [`Replay`] is
 /// [`Replay::Safe`] (see the module docs). Evaluates to the statement's `Result`; a failure to
-/// get a connection converts into its error type. (A macro rather than a function taking an
+/// get a connection converts into its error type. With an error type after the [`Replay`], the
+/// statement's `sqlx::Error` converts into it first. (A macro rather than a function taking an
 /// async closure: the futures of those cannot be shown to be `Send`.)
 macro_rules! replayed {
+    ($store:expr, $replay:expr, $error:ty, |$conn:ident| $statement:expr) => {
+        $crate::postgres::replay::replayed!($store, $replay, |$conn| async { $statement.await.map_err(<$error>::from) })
+    };
     ($store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
         let store: &$crate::postgres::PgStore = $store;
         let mut tries = $crate::postgres::replay::Tries::new(store, $replay);

@@ -32,7 +32,7 @@ use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
 use crate::memory::{
     AdminError, Cancelled, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
 };
-use crate::postgres::replay::{Replay, ReplayError, replayed};
+use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, leniently, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
@@ -55,21 +55,7 @@ pub enum PgAdminError {
     OutcomeUnknown(sqlx::Error),
 }
 
-impl ReplayError for PgAdminError {
-    fn database(&self) -> Option<&sqlx::Error> {
-        match self {
-            PgAdminError::Database(error) => Some(error),
-            PgAdminError::Refused(_) | PgAdminError::OutcomeUnknown(_) => None,
-        }
-    }
-
-    fn unknown_outcome(self) -> Self {
-        match self {
-            PgAdminError::Database(error) => PgAdminError::OutcomeUnknown(error),
-            other => other,
-        }
-    }
-}
+replay_error_with_unknown_outcome!(PgAdminError);
 
 /// Why waiting for a result ended without one.
 #[derive(Debug, thiserror::Error)]
@@ -166,15 +152,12 @@ impl PgStore {
     pub async fn cancel(&self, id: TaskId) -> Result<Cancelled, PgAdminError> {
         let sql = self.schema().sql();
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
-        let done: Option<(i64, String, Option<String>)> = replayed!(self, Replay::IfNotApplied, |conn| async {
-            sqlx::query_as(sql.cancel.clone())
+        let done: Option<(i64, String, Option<String>)> =
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.cancel.clone())
                 .bind(id.0)
                 .bind(&error)
                 .bind(self.schema().done_channel())
-                .fetch_optional(conn)
-                .await
-                .map_err(PgAdminError::from)
-        })?;
+                .fetch_optional(conn))?;
         if let Some((_, state, holder)) = done {
             return Ok(Cancelled::of(parse_state(&state)?, holder.map(WorkerId)));
         }
@@ -184,14 +167,12 @@ impl PgStore {
     /// Puts a Failed task back to Pending, claimable at once, with its retries reset to 0; its
     /// attempts, history and last error are kept.
     pub async fn requeue_failed(&self, id: TaskId) -> Result<(), PgAdminError> {
-        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, |conn| async {
-            sqlx::query_scalar(self.schema().sql().requeue_failed.clone())
+        let sql = self.schema().sql();
+        let done: Option<i64> =
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(sql.requeue_failed.clone())
                 .bind(id.0)
                 .bind(self.schema().queue_channel_prefix())
-                .fetch_optional(conn)
-                .await
-                .map_err(PgAdminError::from)
-        })?;
+                .fetch_optional(conn))?;
         if done.is_some() {
             return Ok(());
         }
@@ -208,8 +189,9 @@ impl PgStore {
             Some(RunAt::DelayMs(ms)) => (Some(duration(ms)), None),
             Some(RunAt::At(at)) => (None, Some(db_time(at))),
         };
-        let row: Option<(String, i64, Option<i64>, bool)> = replayed!(self, Replay::IfNotApplied, |conn| async {
-            sqlx::query_as(self.schema().sql().reschedule.clone())
+        let sql = self.schema().sql();
+        let row: Option<(String, i64, Option<i64>, bool)> =
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.reschedule.clone())
                 .bind(id.0)
                 .bind(change.run_at.is_some())
                 .bind(delay)
@@ -217,10 +199,7 @@ impl PgStore {
                 .bind(change.priority)
                 .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
                 .bind(self.schema().queue_channel_prefix())
-                .fetch_optional(conn)
-                .await
-                .map_err(PgAdminError::from)
-        })?;
+                .fetch_optional(conn))?;
         match row {
             Some((_, _, _, true)) => Ok(()),
             Some((state, run_at, good_until, false)) => match parse_state(&state)? {
@@ -257,17 +236,15 @@ impl PgStore {
         error: Option<Value>,
         result: Option<Value>,
     ) -> Result<(), PgAdminError> {
-        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, |conn| async {
-            sqlx::query_scalar(self.schema().sql().finish_by_hand.clone())
+        let sql = self.schema().sql();
+        let done: Option<i64> =
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(sql.finish_by_hand.clone())
                 .bind(id.0)
                 .bind(state.as_str())
                 .bind(&error)
                 .bind(&result)
                 .bind(self.schema().done_channel())
-                .fetch_optional(conn)
-                .await
-                .map_err(PgAdminError::from)
-        })?;
+                .fetch_optional(conn))?;
         if done.is_some() {
             return Ok(());
         }
@@ -295,16 +272,14 @@ impl PgStore {
     /// rows, in their order), so the two never deadlock.
     pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
-        let row: Option<(i64, String)> = replayed!(self, Replay::IfNotApplied, |conn| async {
-            sqlx::query_as(self.schema().sql().remove_key.clone())
+        let sql = self.schema().sql();
+        let row: Option<(i64, String)> =
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.remove_key.clone())
                 .bind(key)
                 .bind(&error)
                 .bind(self.schema().done_channel())
                 .bind(self.schema().key_lock_prefix())
-                .fetch_optional(conn)
-                .await
-                .map_err(PgAdminError::from)
-        })?;
+                .fetch_optional(conn))?;
         let Some((id, action)) = row else {
             return Err(AdminError::KeyNotFound(key.to_owned()).into());
         };

@@ -98,11 +98,11 @@ pub struct PgStore {
 /// one unused for [`KeptConnections::MAX_IDLE`] is closed rather than trusted.
 ///
 /// Up to one less than the pool's size are kept, so that about as many concurrent callers as
-/// the pool serves skip the ping: with 8 producers enqueueing one task at a time, keeping 3 (as before) gave
-/// 4,166 tasks/s and keeping them all 11,633/s, raw SQL 12,658/s (`canter bench --workload
-/// enqueue --producers 8`). Detached connections no longer count in the pool, which may open
-/// others in their place: a store holds about as many connections as it has concurrent
-/// callers, and fewer than twice its pool's size.
+/// the pool serves skip the ping: with 8 producers enqueueing one task at a time on a pool of
+/// 9, keeping 3 (as before) gave 4,166 tasks/s and keeping 8 11,455/s, raw SQL 12,894/s
+/// (`canter bench --workload enqueue --producers 8`). Detached connections no longer count in
+/// the pool, which may open others in their place: a store holds about as many connections as
+/// it has concurrent callers, and fewer than twice its pool's size.
 #[derive(Debug)]
 pub(crate) struct KeptConnections {
     idle: Mutex<Vec<(PgConnection, Instant)>>,
