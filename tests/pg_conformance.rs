@@ -119,6 +119,8 @@ impl Pair {
         for channel in &channels {
             listener.listen(channel).await.unwrap();
         }
+        // A registered listener, so the server notifies what the memory store announces.
+        canter::postgres::register_listener(&mut listener, &db.schema, &channels).await.unwrap();
         Pair {
             memory: MemoryStore::new(app),
             pg,

@@ -10,7 +10,9 @@ use std::time::Duration;
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
 use canter::db::{Completion, DbFailure, DbReply, DbRequest, EnqueueError, FinishOutcome, NewTask, RunAt};
-use canter::postgres::{DoneRouter, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in, migrate};
+use canter::postgres::{
+    DoneRouter, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in, migrate, register_listener,
+};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;
@@ -69,9 +71,9 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         .await
         .unwrap();
     assert_eq!(
-        tables, 11,
+        tables, 12,
         "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, claim_locks, reaper_lock, \
-         _sqlx_migrations, schema_versions"
+         _sqlx_migrations, schema_versions, listeners"
     );
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", other.quoted()))).execute(&pool).await.unwrap();
 }
@@ -180,6 +182,7 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
     {
         listener.listen(&channel).await.unwrap();
     }
+    register_listener(&mut listener, store.schema(), &[store.schema().done_channel()]).await.unwrap();
     let batch = (0..10).map(|i| NewTask::new("t", json!(i)).queue(if i < 7 { "a" } else { "b" })).collect();
     store.enqueue_many(batch).await.unwrap();
     let mut channels = vec![next(&mut listener).await.0, next(&mut listener).await.0];
@@ -200,6 +203,108 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
     expected.sort();
     assert_eq!(got, expected, "one notification names the whole batch");
     assert!(tokio::time::timeout(Duration::from_millis(200), listener.recv()).await.is_err(), "nothing more");
+}
+
+/// Finishes the next Pending task as worker `w`.
+async fn finish_one(store: &PgStore) -> TaskId {
+    let held = claim_and_start(store, "w", 1).await;
+    let completions = vec![Completion { task: held[0], outcome: FinishOutcome::Completed(json!(1)), args: None }];
+    let request = DbRequest::Finish { worker: WorkerId("w".into()), completions };
+    assert!(matches!(store.execute(&request).await.unwrap(), DbReply::Finished { applied, .. } if applied.len() == 1));
+    held[0].task
+}
+
+async fn nothing_heard(listener: &mut PgListener) -> bool {
+    tokio::time::timeout(Duration::from_millis(300), listener.recv()).await.is_err()
+}
+
+#[tokio::test]
+async fn finishes_notify_the_done_channel_only_while_a_waiter_is_registered() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    store.enqueue_many((0..3).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
+    let done = [store.schema().done_channel()];
+    // A session that listens without registering hears no finish.
+    let mut unregistered = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    unregistered.listen(&done[0]).await.unwrap();
+    finish_one(&store).await;
+    assert!(nothing_heard(&mut unregistered).await, "a finish notified with no waiter registered");
+    // While one is registered, every listener hears.
+    let mut waiter = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    waiter.listen(&done[0]).await.unwrap();
+    register_listener(&mut waiter, store.schema(), &done).await.unwrap();
+    let id = finish_one(&store).await;
+    assert_eq!(next(&mut unregistered).await, (done[0].clone(), id.0.to_string()));
+    assert_eq!(next(&mut waiter).await, (done[0].clone(), id.0.to_string()));
+    // A registration whose session ended goes with the next registration of anyone.
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()").fetch_one(&mut waiter).await.unwrap();
+    drop(waiter);
+    let killer = db.pool(1).await;
+    sqlx::query("SELECT pg_terminate_backend($1)").bind(pid).execute(&killer).await.unwrap();
+    let mut other = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let registrations = format!("SELECT count(*) FROM {}.listeners", store.schema().quoted());
+    loop {
+        register_listener(&mut other, store.schema(), &[store.schema().queue_channel("x")]).await.unwrap();
+        let n: i64 =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(registrations.clone())).fetch_one(&mut other).await.unwrap();
+        if n == 1 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the ended session's registration stayed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    finish_one(&store).await;
+    assert!(nothing_heard(&mut unregistered).await, "a finish notified for a registration whose session ended");
+}
+
+/// The race the registration closes: a finish that read no registration must commit before the
+/// registration does (so the waiter's first read sees it), and one that reads after must notify.
+#[tokio::test]
+async fn a_registration_waits_for_statements_in_flight_and_later_ones_see_it() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    store.enqueue_many((0..2).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
+    let done = [store.schema().done_channel()];
+    let s = store.schema().quoted().to_owned();
+    // A statement in flight that read no registration (the lock a finishing statement holds).
+    let mut in_flight = db.pool(1).await.begin().await.unwrap();
+    let seen: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {s}.listeners")))
+        .fetch_one(&mut *in_flight)
+        .await
+        .unwrap();
+    assert_eq!(seen, 0);
+    let mut waiter = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    waiter.listen(&done[0]).await.unwrap();
+    let registering = tokio::spawn({
+        let schema = store.schema().clone();
+        let done = done.clone();
+        async move {
+            register_listener(&mut waiter, &schema, &done).await.unwrap();
+            waiter
+        }
+    });
+    let watcher = db.pool(1).await;
+    let waiting = format!("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = '{s}.listeners'::regclass");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(waiting.clone())).fetch_one(&watcher).await.unwrap() < 1 {
+        assert!(tokio::time::Instant::now() < deadline, "the registration did not wait for the statement in flight");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!registering.is_finished());
+    // A finish sent now waits behind the registration, then sees it.
+    let finishing = tokio::spawn({
+        let store = store.clone();
+        async move { finish_one(&store).await }
+    });
+    while sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(waiting.clone())).fetch_one(&watcher).await.unwrap() < 2 {
+        assert!(tokio::time::Instant::now() < deadline, "the finish did not queue behind the registration");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    in_flight.commit().await.unwrap();
+    let mut waiter = registering.await.unwrap();
+    let id = finishing.await.unwrap();
+    assert_eq!(next(&mut waiter).await, (done[0].clone(), id.0.to_string()));
 }
 
 async fn next(listener: &mut PgListener) -> (String, String) {

@@ -50,6 +50,7 @@
 //! ```
 
 mod enqueue;
+mod listeners;
 pub(crate) mod replay;
 mod results;
 mod schedules;
@@ -60,6 +61,7 @@ mod tcp;
 mod vacuum;
 
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
+pub use listeners::{register_listener, unregister_listener};
 pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
 pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{

@@ -7,10 +7,11 @@
 //!
 //! Finishing statements notify the schema's done channel
 //! ([`PgSchema::done_channel`](crate::postgres::PgSchema::done_channel)) with the ids they
-//! finished. A waiter reads the task, and re-reads it after every notification naming it (a
-//! notification can arrive before its commit is visible to another connection, so the
-//! notification itself is never trusted), until it is terminal or the caller's timeout future
-//! resolves. Waiting is runtime-agnostic: the timeout is any future (a runtime's sleep).
+//! finished, while a waiter is registered for it (see [`register_listener`]: without waiters,
+//! finishes send nothing). A waiter listens, registers, then reads the task, and re-reads it
+//! after every notification naming it (a notification can arrive before its commit is visible
+//! to another connection, so the notification itself is never trusted), until it is terminal
+//! or the caller's timeout future resolves. Waiting is runtime-agnostic: the timeout is any future (a runtime's sleep).
 //!
 //! [`PgStore::wait_result`] opens a listening connection per call. A process with many waiters
 //! runs one [`DoneRouter`] instead: one listener routes each notification to the waiters of the
@@ -32,6 +33,7 @@ use crate::db::{AttemptRecord, DbTime, RunAt, TaskRecord, WorkerInfo};
 use crate::memory::{
     AdminError, Cancelled, KeyRemoval, PausedQueue, Reschedule, TASK_CANCELLED_MESSAGE, TaskFilter, WorkerRecord,
 };
+use crate::postgres::listeners::{register_listener, unregister_listener};
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::store::{PgStore, count, db_time, duration, error_json, json, leniently, parse_state};
 use crate::task::{Attempt, ErrorCode, TaskError, TaskId, TaskState, WorkerId};
@@ -353,9 +355,12 @@ impl PgStore {
     /// when `timeout` resolves first. Opens its own listening connection for the wait; see
     /// [`wait_result_with`](PgStore::wait_result_with) to share one.
     pub async fn wait_result(&self, id: TaskId, timeout: impl Future<Output = ()>) -> Result<TaskRecord, WaitError> {
+        let channels = [self.schema().done_channel()];
+        let mut listener = None;
         let wait = async {
-            let mut listener = PgListener::connect_with(self.pool()).await?;
-            listener.listen(&self.schema().done_channel()).await?;
+            let listener = listener.insert(PgListener::connect_with(self.pool()).await?);
+            listener.listen(&channels[0]).await?;
+            register_listener(listener, self.schema(), &channels).await?;
             loop {
                 // Read after listening, so a finish between the two is not missed.
                 if let Some(record) = self.terminal(id).await? {
@@ -363,16 +368,26 @@ impl PgStore {
                 }
                 loop {
                     match listener.try_recv().await? {
-                        // The connection was lost and re-established: notifications may have
-                        // been missed, so read again.
-                        None => break,
+                        // The connection was lost and re-established (a new session, to
+                        // register again): notifications may have been missed, so read again.
+                        None => {
+                            register_listener(listener, self.schema(), &channels).await?;
+                            break;
+                        }
                         Some(note) if names(note.payload(), id) => break,
                         Some(_) => {}
                     }
                 }
             }
         };
-        race(wait, timeout, id).await
+        let outcome = race(wait, timeout, id).await;
+        // The session goes back to the pool: its registration must not stay behind it, or
+        // every finish would notify for nobody. (Best effort: a session that cannot be reached
+        // takes its registration with it when it ends.)
+        if let Some(mut listener) = listener {
+            let _ = unregister_listener(&mut listener, self.schema()).await;
+        }
+        outcome
     }
 
     /// Waits like [`wait_result`](PgStore::wait_result), through a shared [`DoneRouter`]
@@ -518,14 +533,19 @@ impl DoneRouter {
     /// Listens on `store`'s done channel and routes notifications until the listener fails
     /// for good (it reconnects by itself on a lost connection, waking every waiter).
     pub async fn run(&self, store: &PgStore) -> Result<(), sqlx::Error> {
+        let channels = [store.schema().done_channel()];
         let mut listener = PgListener::connect_with(store.pool()).await?;
-        listener.listen(&store.schema().done_channel()).await?;
+        listener.listen(&channels[0]).await?;
+        register_listener(&mut listener, store.schema(), &channels).await?;
         // Waiters that subscribed before the listener was up re-read now.
         self.wake_all();
         loop {
             match listener.try_recv().await? {
                 Some(note) => self.deliver(note.payload()),
-                None => self.wake_all(),
+                None => {
+                    register_listener(&mut listener, store.schema(), &channels).await?;
+                    self.wake_all();
+                }
             }
         }
     }

@@ -66,7 +66,7 @@ pub const MIGRATE_LOCK_WAIT: Duration = Duration::from_secs(60);
 const INSUFFICIENT_PRIVILEGE: &str = "42501";
 
 /// The SQLSTATE of "lock not available" (a `lock_timeout` ran out).
-const LOCK_NOT_AVAILABLE: &str = "55P03";
+pub(crate) const LOCK_NOT_AVAILABLE: &str = "55P03";
 
 /// The schema version of this binary: the newest migration it embeds.
 pub fn code_schema_version() -> i64 {
@@ -273,7 +273,7 @@ fn denied<'a>(
     }
 }
 
-fn sqlstate(error: &sqlx::Error) -> Option<String> {
+pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
     match error {
         sqlx::Error::Database(e) => e.code().map(|code| code.into_owned()),
         _ => None,
@@ -751,6 +751,7 @@ mod tests {
         (5, "5c407c93aca6f2a3d69279ff06ef20356f334bd13b66b3945c0f08ae7b68a76930668146e7e1f6f56a8ae2fe9b4c8acc"),
         (6, "8637aa029ee4bee0d6dd6db1f6906674401df2245746312961831b36eb913500b208eaadc1d1fe9fdf32b7cb65419caa"),
         (7, "2b38b84367b7f67a59cf61c25bbff6084ba0959fc932744eb5ab4d22b5c1a51b9dde9d515758356033362e8ebe2e57cd"),
+        (8, "2f1b63d26377858ead50618fee73b82f463b34f8aed9dacf6bd0cd71ae8a017b0f5046d943281a768ddf391b06f20f45"),
     ];
 
     fn hex(bytes: &[u8]) -> String {

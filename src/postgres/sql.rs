@@ -123,7 +123,7 @@ history AS (
     FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
-    SELECT count(pg_notify($8, n.ids)) AS n FROM ({id_chunks_of_moved}) n
+    SELECT count(pg_notify($8, n.ids)) AS n FROM ({id_chunks_of_moved}) n WHERE {heard:$8}
 ),
 -- A retry is work that becomes ready later: listeners claim and learn when (the wake-up hint).
 ready AS (
@@ -426,7 +426,7 @@ history AS (
     SELECT c.id, c.attempts, c.claimed_by, c.state, $4, {s}.db_now() FROM chosen c WHERE c.state = 'PENDING'
 ),
 notified AS (
-    SELECT count(pg_notify($5, n.ids)) AS n FROM ({id_chunks_of_moved}) n
+    SELECT count(pg_notify($5, n.ids)) AS n FROM ({id_chunks_of_moved}) n WHERE {heard:$5}
 )
 SELECT c.id, c.state FROM chosen c CROSS JOIN notified CROSS JOIN ready ORDER BY c.id";
 
@@ -446,7 +446,7 @@ finished AS (
     FROM expired m
 ),
 notified AS (
-    SELECT count(pg_notify($2, n.ids)) AS n FROM ({id_chunks_of_expired}) n
+    SELECT count(pg_notify($2, n.ids)) AS n FROM ({id_chunks_of_expired}) n WHERE {heard:$2}
 )
 SELECT e.id FROM expired e CROSS JOIN notified ORDER BY e.id";
 
@@ -610,6 +610,12 @@ SELECT queue, state, count(*) FROM {s}.finished_tasks GROUP BY queue, state";
 const WORKERS: &str = "\
 SELECT id, queues, concurrency, {s}.ms(last_seen), stopped_at IS NOT NULL FROM {s}.workers ORDER BY id COLLATE \"C\"";
 
+/// Registers the session as a listener of the channels `$1` (see migration 0008).
+const REGISTER_LISTENER: &str = "SELECT {s}.register_listener($1)";
+
+/// Deletes the session's registrations as a listener.
+const UNREGISTER_LISTENER: &str = "DELETE FROM {s}.listeners WHERE pid = pg_backend_pid()";
+
 const CANCEL: &str = "\
 WITH gone AS (
     DELETE FROM {s}.tasks t WHERE t.id = $1 AND t.state IN ('PENDING', 'CLAIMED') RETURNING t.*
@@ -620,7 +626,7 @@ finished AS (
     FROM gone m
 ),
 notified AS (
-    SELECT count(pg_notify($3, g.id::text)) AS n FROM gone g
+    SELECT count(pg_notify($3, g.id::text)) AS n FROM gone g WHERE {heard:$3}
 )
 SELECT g.id, g.state, g.claimed_by FROM gone g CROSS JOIN notified";
 
@@ -687,7 +693,7 @@ finished AS (
     FROM gone m
 ),
 notified AS (
-    SELECT count(pg_notify($5, g.id::text)) AS n FROM gone g
+    SELECT count(pg_notify($5, g.id::text)) AS n FROM gone g WHERE {heard:$5}
 )
 SELECT g.id FROM gone g CROSS JOIN notified";
 
@@ -873,6 +879,28 @@ pub(crate) struct Statements {
     pub(crate) fire_schedule: SqlStr,
     pub(crate) schedule_last_task: SqlStr,
     pub(crate) now: SqlStr,
+    pub(crate) register_listener: SqlStr,
+    pub(crate) unregister_listener: SqlStr,
+}
+
+/// Expands every `{heard:$N}` of a statement: whether a listener of the channel in parameter
+/// `$N` is registered (migration 0008). Written into the statement's own text, never behind a
+/// function, so the statement locks `listeners` before it takes its snapshot: a registration
+/// either waited for it or is seen by it.
+fn heard(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text;
+    while let Some(at) = rest.find("{heard:") {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + "{heard:".len()..];
+        let end = after.find('}').expect("a {heard:$N} placeholder is closed");
+        out.push_str("EXISTS (SELECT FROM {s}.listeners l WHERE l.channel = ");
+        out.push_str(&after[..end]);
+        out.push(')');
+        rest = &after[end + 1..];
+    }
+    out.push_str(rest);
+    out
 }
 
 impl Statements {
@@ -887,8 +915,8 @@ impl Statements {
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
-                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
-                .replace("{s}", quoted);
+                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"));
+            let text = heard(&text).replace("{s}", quoted);
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };
         let record = |live: &str, finished: &str| RECORD.replace("{live}", live).replace("{finished}", finished);
@@ -945,6 +973,8 @@ impl Statements {
             fire_schedule: fill(FIRE_SCHEDULE),
             schedule_last_task: fill(SCHEDULE_LAST_TASK),
             now: fill(NOW),
+            register_listener: fill(REGISTER_LISTENER),
+            unregister_listener: fill(UNREGISTER_LISTENER),
         }
     }
 }
