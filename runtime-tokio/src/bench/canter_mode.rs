@@ -9,7 +9,7 @@ use std::time::Duration;
 use canter::config::AppConfig;
 use canter::db::NewTask;
 use canter::driver::{Registry, WorkerService};
-use canter::postgres::{PgSchema, PgStore, enqueue_many_in};
+use canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener};
 use canter::task::{TaskError, WorkerId};
 use serde::Deserialize;
 use serde_json::Value;
@@ -261,6 +261,8 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
 
     let mut listener = PgListener::connect_with(pool).await.map_err(|e| failed("listen", e))?;
     listener.listen(&schema.done_channel()).await.map_err(|e| failed("listen", e))?;
+    // A registered waiter (schema 8): finishes notify only while one is.
+    register_listener(&mut listener, &schema, &[schema.done_channel()]).await.map_err(|e| failed("listen", e))?;
     let n = options.tasks;
     let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
     let mut done = 0;
