@@ -531,7 +531,10 @@ impl DoneRouter {
     }
 
     /// Listens on `store`'s done channel and routes notifications until the listener fails
-    /// for good (it reconnects by itself on a lost connection, waking every waiter).
+    /// for good (it reconnects by itself on a lost connection, waking every waiter). Its
+    /// session registers as a waiter (see [`register_listener`]) and stays registered until
+    /// that session ends, even when this future is dropped and the session goes back to the
+    /// pool: finishes then notify for nobody, as they all did before schema 8.
     pub async fn run(&self, store: &PgStore) -> Result<(), sqlx::Error> {
         let channels = [store.schema().done_channel()];
         let mut listener = PgListener::connect_with(store.pool()).await?;
