@@ -17,7 +17,7 @@
 --
 -- Processes of earlier releases listen without registering: see the README's upgrade notes.
 --
--- Online-safe: a new table and a new function.
+-- Online-safe: a new table and new functions.
 SET lock_timeout = '5s';
 
 INSERT INTO schema_versions (version, min_code_version, description) VALUES
@@ -34,8 +34,10 @@ CREATE TABLE listeners (
 -- registration) once every statement that read `listeners` before it has ended, and deletes
 -- the registrations of sessions that ended. A registration waits at most 250 ms for the table:
 -- meanwhile, notifying statements wait behind it, so the caller retries later instead.
+-- SECURITY DEFINER: any role that may wait for results (a reader's `canter result --wait`
+-- too) registers without rights on the table, and its own registration is all it can write.
 CREATE FUNCTION register_listener(p_channels text[]) RETURNS void
-LANGUAGE plpgsql VOLATILE
+LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path FROM CURRENT
 SET lock_timeout = '250ms'
 AS $$
@@ -46,4 +48,13 @@ BEGIN
     INSERT INTO listeners (channel, pid, listened_at)
     SELECT DISTINCT c.channel, pg_backend_pid(), clock_timestamp() FROM unnest(p_channels) AS c(channel);
 END;
+$$;
+
+-- Deletes the calling session's registrations (before its connection goes back to a pool).
+-- No lock: a statement that still sees them only notifies for nobody.
+CREATE FUNCTION unregister_listener() RETURNS void
+LANGUAGE sql VOLATILE SECURITY DEFINER
+SET search_path FROM CURRENT
+AS $$
+    DELETE FROM listeners WHERE pid = pg_backend_pid();
 $$;

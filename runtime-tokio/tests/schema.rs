@@ -16,7 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use canter_tokio::canter::postgres::{
-    MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, SchemaStatus, code_schema_version, migrate, schema_status,
+    MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, SchemaStatus, code_schema_version, migrate,
+    register_listener, schema_status, unregister_listener,
 };
 use canter_tokio::{AppConfig, Client, NewTask, ServeError, TaskState, TokioRuntime, Worker, WorkerConfig, builtins};
 use serde_json::json;
@@ -426,6 +427,14 @@ async fn the_readme_grants_are_enough_for_each_role() {
         // `result` of a pending task fails by design, after reading it.
         let ok = output.status.success() || (args[0] == "result" && text(&output).contains("no result yet"));
         assert!(ok, "reader {args:?}: {}", text(&output));
+    }
+    // Any role may wait for results, so any may register as a waiter (`result --wait`).
+    for role in names {
+        let mut listener = sqlx::postgres::PgListener::connect_with(&roles.pool(role).await).await.unwrap();
+        listener.listen(&db.schema.done_channel()).await.unwrap();
+        let registered = register_listener(&mut listener, &db.schema, &[db.schema.done_channel()]).await;
+        assert!(registered.is_ok(), "{role} registers as a waiter: {registered:?}");
+        unregister_listener(&mut listener, &db.schema).await.unwrap();
     }
     for (role, args) in [
         ("reader", &["cancel", &a][..]),

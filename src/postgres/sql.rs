@@ -614,7 +614,7 @@ SELECT id, queues, concurrency, {s}.ms(last_seen), stopped_at IS NOT NULL FROM {
 const REGISTER_LISTENER: &str = "SELECT {s}.register_listener($1)";
 
 /// Deletes the session's registrations as a listener.
-const UNREGISTER_LISTENER: &str = "DELETE FROM {s}.listeners WHERE pid = pg_backend_pid()";
+const UNREGISTER_LISTENER: &str = "SELECT {s}.unregister_listener()";
 
 const CANCEL: &str = "\
 WITH gone AS (
