@@ -140,27 +140,49 @@ async fn waiting_for_a_lock(db: &TestDb, conn: &mut PgConnection, n: i64) {
     panic!("no statement of the store waited for the lock");
 }
 
-/// Runs `call` (a statement of a store behind `proxy`) while `holder` locks `tasks`: once the
-/// statement waits for the lock, the proxy cuts its connection; with `resent`, it waits until
-/// the statement waits again, sent again on a new connection; then the lock goes. What the
-/// call returned.
-async fn cut_while_it_waits<T: Send + 'static>(
-    db: &TestDb,
-    proxy: &Proxy,
-    (holder, observer): (&mut PgConnection, &mut PgConnection),
-    resent: bool,
-    call: impl Future<Output = T> + Send + 'static,
-) -> T {
-    lock_tasks(db, holder).await;
-    let call = tokio::spawn(call);
-    waiting_for_a_lock(db, observer, 1).await;
-    proxy.cut();
-    if resent {
-        // The first statement's backend still waits beside the one sent again.
-        waiting_for_a_lock(db, observer, 2).await;
+/// A store behind a proxy that can cut its connections, and two sessions of the test's own:
+/// one to hold a lock, one to watch.
+struct Cuttable {
+    db: TestDb,
+    proxy: Proxy,
+    store: PgStore,
+    holder: PgConnection,
+    observer: PgConnection,
+}
+
+impl Cuttable {
+    async fn new() -> Cuttable {
+        let db = TestDb::new().await;
+        let proxy = Proxy::start(&options(&db)).await;
+        let store = store_through(&db, &proxy).await;
+        let (holder, observer) = (session(&db).await, session(&db).await);
+        Cuttable { db, proxy, store, holder, observer }
     }
-    sqlx::raw_sql("COMMIT").execute(holder).await.expect("release the lock");
-    call.await.expect("the call's task")
+
+    /// Runs `call` (a statement of the store) while `holder` locks `tasks`: once the statement
+    /// waits for the lock, the proxy cuts its connection; with `resent`, it waits until the
+    /// statement waits again, sent again on a new connection; then the lock goes. What the
+    /// call returned.
+    async fn cut_while_it_waits<T: Send + 'static>(
+        &mut self,
+        resent: bool,
+        call: impl Future<Output = T> + Send + 'static,
+    ) -> T {
+        lock_tasks(&self.db, &mut self.holder).await;
+        let call = tokio::spawn(call);
+        waiting_for_a_lock(&self.db, &mut self.observer, 1).await;
+        self.proxy.cut();
+        if resent {
+            // The first statement's backend still waits beside the one sent again.
+            waiting_for_a_lock(&self.db, &mut self.observer, 2).await;
+        }
+        sqlx::raw_sql("COMMIT").execute(&mut self.holder).await.expect("release the lock");
+        call.await.expect("the call's task")
+    }
+
+    async fn live_tasks(&mut self) -> i64 {
+        live_tasks(&self.db, &mut self.observer).await
+    }
 }
 
 #[tokio::test]
@@ -205,11 +227,8 @@ async fn worker_requests_enqueues_and_operator_calls_are_sent_again_when_their_s
 
 #[tokio::test]
 async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
-    let db = TestDb::new().await;
-    let proxy = Proxy::start(&options(&db)).await;
-    let store = store_through(&db, &proxy).await;
-    let mut holder = session(&db).await;
-    let mut observer = session(&db).await;
+    let mut cut = Cuttable::new().await;
+    let store = cut.store.clone();
 
     // Prepared on the kept connection first, so that the enqueue waits at its execution (a
     // statement still to be prepared waits while being parsed, and never runs).
@@ -218,7 +237,7 @@ async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
         let store = store.clone();
         async move { store.enqueue(NewTask::new("t", json!(1))).await }
     };
-    let enqueued = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), false, enqueue).await;
+    let enqueued = cut.cut_while_it_waits(false, enqueue).await;
     let error = enqueued.expect_err("the reply was lost");
     assert!(matches!(error, PgEnqueueError::OutcomeUnknown(_)), "{error:?}");
     assert!(error.may_have_committed());
@@ -226,7 +245,7 @@ async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
     // And it had: the server applied it after the client was gone.
     let mut written = 0;
     for _ in 0..200 {
-        written = live_tasks(&db, &mut observer).await;
+        written = cut.live_tasks().await;
         if written == 2 {
             break;
         }
@@ -240,34 +259,31 @@ async fn a_write_whose_reply_was_lost_may_have_committed_and_says_so() {
         let store = store.clone();
         async move { store.cancel(id).await }
     };
-    let cancelled = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), false, cancel).await;
+    let cancelled = cut.cut_while_it_waits(false, cancel).await;
     let error = cancelled.expect_err("the reply was lost");
     assert!(matches!(error, PgAdminError::OutcomeUnknown(_)), "{error:?}");
 }
 
 #[tokio::test]
 async fn reads_and_deduplicating_enqueues_whose_replies_were_lost_are_sent_again() {
-    let db = TestDb::new().await;
-    let proxy = Proxy::start(&options(&db)).await;
-    let store = store_through(&db, &proxy).await;
-    let mut holder = session(&db).await;
-    let mut observer = session(&db).await;
+    let mut cut = Cuttable::new().await;
+    let store = cut.store.clone();
     let keyed = || NewTask::new("t", json!({"order": 7})).idempotency_key("order-7");
 
     let enqueue = {
         let store = store.clone();
         async move { store.enqueue(keyed()).await }
     };
-    let enqueued = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), true, enqueue).await;
+    let enqueued = cut.cut_while_it_waits(true, enqueue).await;
     let id: TaskId = enqueued.expect("sent again");
-    assert_eq!(live_tasks(&db, &mut observer).await, 1, "applied once, though sent twice");
+    assert_eq!(cut.live_tasks().await, 1, "applied once, though sent twice");
     assert_eq!(store.enqueue(keyed()).await.expect("the key names it"), id);
 
     let read = {
         let store = store.clone();
         async move { store.get(id).await }
     };
-    let record = cut_while_it_waits(&db, &proxy, (&mut holder, &mut observer), true, read).await;
+    let record = cut.cut_while_it_waits(true, read).await;
     let record = record.expect("read again").expect("the task");
     assert_eq!(record.id, id);
 }

@@ -207,11 +207,22 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
 
 /// Finishes the next Pending task as worker `w`.
 async fn finish_one(store: &PgStore) -> TaskId {
-    let held = claim_and_start(store, "w", 1).await;
-    let completions = vec![Completion { task: held[0], outcome: FinishOutcome::Completed(json!(1)), args: None }];
+    finish(store, claim_and_start(store, "w", 1).await[0]).await
+}
+
+/// Completes `task`, held by worker `w`.
+async fn finish(store: &PgStore, task: TaskLease) -> TaskId {
+    let completions = vec![Completion { task, outcome: FinishOutcome::Completed(json!(1)), args: None }];
     let request = DbRequest::Finish { worker: WorkerId("w".into()), completions };
     assert!(matches!(store.execute(&request).await.unwrap(), DbReply::Finished { applied, .. } if applied.len() == 1));
-    held[0].task
+    task.task
+}
+
+/// A session of `db` (a pool of its own) listening on `channel`, not registered.
+async fn listening(db: &TestDb, channel: &str) -> PgListener {
+    let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
+    listener.listen(channel).await.unwrap();
+    listener
 }
 
 async fn nothing_heard(listener: &mut PgListener) -> bool {
@@ -225,13 +236,11 @@ async fn finishes_notify_the_done_channel_only_while_a_waiter_is_registered() {
     store.enqueue_many((0..3).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
     let done = [store.schema().done_channel()];
     // A session that listens without registering hears no finish.
-    let mut unregistered = PgListener::connect_with(&db.pool(1).await).await.unwrap();
-    unregistered.listen(&done[0]).await.unwrap();
+    let mut unregistered = listening(&db, &done[0]).await;
     finish_one(&store).await;
     assert!(nothing_heard(&mut unregistered).await, "a finish notified with no waiter registered");
     // While one is registered, every listener hears.
-    let mut waiter = PgListener::connect_with(&db.pool(1).await).await.unwrap();
-    waiter.listen(&done[0]).await.unwrap();
+    let mut waiter = listening(&db, &done[0]).await;
     register_listener(&mut waiter, store.schema(), &done).await.unwrap();
     let id = finish_one(&store).await;
     assert_eq!(next(&mut unregistered).await, (done[0].clone(), id.0.to_string()));
@@ -274,8 +283,10 @@ async fn a_registration_waits_for_statements_in_flight_and_later_ones_see_it() {
         .await
         .unwrap();
     assert_eq!(seen, 0);
-    let mut waiter = PgListener::connect_with(&db.pool(1).await).await.unwrap();
-    waiter.listen(&done[0]).await.unwrap();
+    // Claimed beforehand, so that the finish below reaches the registration's lock at once
+    // (the registration gives up after 250 ms, and tries again).
+    let held = claim_and_start(&store, "w", 1).await[0];
+    let mut waiter = listening(&db, &done[0]).await;
     let registering = tokio::spawn({
         let schema = store.schema().clone();
         let done = done.clone();
@@ -295,7 +306,7 @@ async fn a_registration_waits_for_statements_in_flight_and_later_ones_see_it() {
     // A finish sent now waits behind the registration, then sees it.
     let finishing = tokio::spawn({
         let store = store.clone();
-        async move { finish_one(&store).await }
+        async move { finish(&store, held).await }
     });
     while sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(waiting.clone())).fetch_one(&watcher).await.unwrap() < 2 {
         assert!(tokio::time::Instant::now() < deadline, "the finish did not queue behind the registration");

@@ -341,7 +341,7 @@ async fn listen<R: Runtime>(
                 Ok(()) => Some(listener),
                 Err(error) => {
                     lost_in_a_row += 1;
-                    at_once = session_ended(&error) && lost_in_a_row <= 3;
+                    at_once = session_ended(&error) && lost_in_a_row <= LOST_AT_ONCE_IN_A_ROW;
                     None
                 }
             },
@@ -368,7 +368,7 @@ async fn listen<R: Runtime>(
                 }
             }
             lost_in_a_row = if runtime.now() >= since + LISTENED_A_WHILE { 0 } else { lost_in_a_row + 1 };
-            at_once = lost_in_a_row <= 3;
+            at_once = lost_in_a_row <= LOST_AT_ONCE_IN_A_ROW;
         }
         let _ = control.unbounded_send(Input::Listener { connected: false });
         if !at_once {
@@ -383,6 +383,10 @@ async fn listen<R: Runtime>(
 /// a loop of sessions lost as soon as they listen backs off, short enough that sessions
 /// terminated every few hundred milliseconds do not (`canter bench --workload backend-kills`).
 const LISTENED_A_WHILE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// How many listening sessions lost soon after they listened are followed by a new one at once,
+/// in a row, before the listener backs off.
+const LOST_AT_ONCE_IN_A_ROW: u32 = 3;
 
 /// How long a starting worker waits for its liveness token before it claims without it (its
 /// keeper goes on trying).

@@ -19,7 +19,6 @@
 //! values (so `1` and `1.0` are the same arguments). Keyed tasks then apply in order, each as
 //! its [`KeyMode`] says; enqueuers of one key take turns on an advisory lock of the key, so
 //! concurrent enqueuers never make two live tasks of one key.
-//!
 
 use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};

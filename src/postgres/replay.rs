@@ -21,9 +21,9 @@
 //! A write sent again after a lost reply has its effect once, but its answer is the second
 //! try's: a pause that had paused says the queue was paused already, a force-unlock or purge
 //! counts only what the second try did. When no try gets an answer, a safe write's error is
-//! the last try's, and the first may have committed. None waits: a session that ended is not an outage,
-//! and when the server is really gone, getting a connection is what fails (and what the
-//! caller's backoff is for).
+//! the last try's, and the first may have committed. No try waits before it is sent: a session
+//! that ended is not an outage, and when the server is really gone, getting a connection is
+//! what fails (and what the caller's backoff is for).
 
 use sqlx::postgres::{PgDatabaseError, PgSeverity};
 

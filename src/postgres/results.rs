@@ -11,7 +11,8 @@
 //! finishes send nothing). A waiter listens, registers, then reads the task, and re-reads it
 //! after every notification naming it (a notification can arrive before its commit is visible
 //! to another connection, so the notification itself is never trusted), until it is terminal
-//! or the caller's timeout future resolves. Waiting is runtime-agnostic: the timeout is any future (a runtime's sleep).
+//! or the caller's timeout future resolves. Waiting is runtime-agnostic: the timeout is any
+//! future (a runtime's sleep).
 //!
 //! [`PgStore::wait_result`] opens a listening connection per call. A process with many waiters
 //! runs one [`DoneRouter`] instead: one listener routes each notification to the waiters of the
@@ -352,42 +353,53 @@ impl PgStore {
     }
 
     /// Waits until the task is terminal and returns it, or fails with [`WaitError::Timeout`]
-    /// when `timeout` resolves first. Opens its own listening connection for the wait; see
-    /// [`wait_result_with`](PgStore::wait_result_with) to share one.
+    /// when `timeout` resolves first. Opens its own listening connection for the wait, which
+    /// registers as a waiter (a moment's exclusive lock that finishing statements wait
+    /// behind); see [`wait_result_with`](PgStore::wait_result_with) to share one.
+    ///
+    /// A wait that ends by itself deletes its registration before the connection goes back to
+    /// the pool; one cut short by `timeout` leaves it until that session ends or registers
+    /// again (finishes meanwhile notify for nobody, the cost of every finish before schema 8),
+    /// since nothing may wait after the caller's timeout.
     pub async fn wait_result(&self, id: TaskId, timeout: impl Future<Output = ()>) -> Result<TaskRecord, WaitError> {
-        let channels = [self.schema().done_channel()];
-        let mut listener = None;
         let wait = async {
-            let listener = listener.insert(PgListener::connect_with(self.pool()).await?);
+            let channels = [self.schema().done_channel()];
+            let mut listener = PgListener::connect_with(self.pool()).await?;
             listener.listen(&channels[0]).await?;
-            register_listener(listener, self.schema(), &channels).await?;
+            register_listener(&mut listener, self.schema(), &channels).await?;
+            let found = self.wait_listening(&mut listener, &channels, id).await;
+            // Best effort: a session that cannot be reached takes its registration with it.
+            let _ = unregister_listener(&mut listener, self.schema()).await;
+            found
+        };
+        race(wait, timeout, id).await
+    }
+
+    /// Reads the task until it is terminal, again after every notification naming it and
+    /// after every reconnect of `listener` (a new session, registered again: notifications may
+    /// have been missed).
+    async fn wait_listening(
+        &self,
+        listener: &mut PgListener,
+        channels: &[String],
+        id: TaskId,
+    ) -> Result<TaskRecord, WaitError> {
+        loop {
+            // Read after listening, so a finish between the two is not missed.
+            if let Some(record) = self.terminal(id).await? {
+                return Ok(record);
+            }
             loop {
-                // Read after listening, so a finish between the two is not missed.
-                if let Some(record) = self.terminal(id).await? {
-                    return Ok(record);
-                }
-                loop {
-                    match listener.try_recv().await? {
-                        // The connection was lost and re-established (a new session, to
-                        // register again): notifications may have been missed, so read again.
-                        None => {
-                            register_listener(listener, self.schema(), &channels).await?;
-                            break;
-                        }
-                        Some(note) if names(note.payload(), id) => break,
-                        Some(_) => {}
+                match listener.try_recv().await? {
+                    None => {
+                        register_listener(listener, self.schema(), channels).await?;
+                        break;
                     }
+                    Some(note) if names(note.payload(), id) => break,
+                    Some(_) => {}
                 }
             }
-        };
-        let outcome = race(wait, timeout, id).await;
-        // The session goes back to the pool: its registration must not stay behind it, or
-        // every finish would notify for nobody. (Best effort: a session that cannot be reached
-        // takes its registration with it when it ends.)
-        if let Some(mut listener) = listener {
-            let _ = unregister_listener(&mut listener, self.schema()).await;
         }
-        outcome
     }
 
     /// Waits like [`wait_result`](PgStore::wait_result), through a shared [`DoneRouter`]
