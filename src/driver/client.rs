@@ -304,7 +304,10 @@ impl<R: Runtime> Client<R> {
             let mut backoff = DbBackoff::new();
             let mut rng = Rng::new(0x5EED);
             loop {
-                let _ = router.run(&store).await;
+                if let Err(error) = router.run(&store).await {
+                    // Waiters still re-read at every wake below, only later than notified.
+                    tracing::warn!(target: "canter::client", %error, "result listener failed; listening again");
+                }
                 // Waiters re-read on every wake: wake them so none sleeps through the outage.
                 router.wake_all();
                 let delay = backoff.on_failure(&resilience, &mut rng);
