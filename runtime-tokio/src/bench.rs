@@ -17,7 +17,10 @@
 //!   until the last task is finished (results kept), checked by a count; the worker's peak RSS
 //!   (`VmHWM`) and CPU time are read before it is stopped. The transaction ends with `ANALYZE`
 //!   of the live table, as autovacuum would soon do (a server may run without it), and a
-//!   `CHECKPOINT` comes before it, so no run pays for the previous one's dirty pages;
+//!   `CHECKPOINT` comes before it, so no run pays for the previous one's dirty pages. Its end
+//!   is the done notification of the last task (the bench registers as a result waiter), or
+//!   with `--no-result-waiter` the first read of the live count, every 5 ms, that finds none:
+//!   then no waiter is registered and finishes send no NOTIFY (schema 8);
 //! - `latency`: an idle worker (in this process, on a runtime of its own), `--latency-tasks`
 //!   tasks enqueued one at a time every `--interval-ms`; enqueue commit to handler start;
 //! - `latency-under-load`: `--tasks` no-op tasks committed at once to a worker in this process,
@@ -99,7 +102,7 @@ usage: canter bench [--database-url URL]
                     [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
                     [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
                     [--workers N] [--rate N] [--hold-s S] [--duration-s S] [--window-s S]
-                    [--kill-every-ms MS] [--producers N] [--raw-no-notify]
+                    [--kill-every-ms MS] [--producers N] [--raw-no-notify] [--no-result-waiter]
 
 measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
 schema dropped afterwards, and prints one JSON line per result and a table of medians.
@@ -115,7 +118,9 @@ ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default
 --tls), so that a bulk call crosses many TLS records. --workers N drains with N worker
 processes (and the raw baseline with N times its loops). --producers N enqueues from N
 concurrent producers, each block split among them; --raw-no-notify drops the raw baseline's
-pg_notify (what a NOTIFY per commit costs).
+pg_notify (what a NOTIFY per commit costs). --no-result-waiter times Canter's drains by reading
+the live count every 5 ms instead of by done notifications: no result waiter is registered, so
+finishes send no NOTIFY.
 held-xmin and no-vacuum (not in all: minutes each) offer --rate tasks/s (1000) to an idle
 worker for --duration-s and report pickup latency and the live table's size per --window-s:
 held-xmin while another session holds the xmin from 20 s for --hold-s (90; 160 s in all,
@@ -238,6 +243,8 @@ struct Options {
     producers: usize,
     /// The raw baseline enqueues without `pg_notify`.
     raw_quiet: bool,
+    /// Canter's drains registered no result waiter (timed by reading the live count).
+    no_result_waiter: bool,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -271,7 +278,8 @@ const VALUES: &[&str] = &[
 
 fn options(raw: &[String]) -> Result<Options, BenchError> {
     let usage = |e: crate::cli::UsageError| BenchError::Usage(e.0);
-    let args = Args::parse(raw, VALUES, &["json-only", "tls", "raw-no-notify"], false).map_err(usage)?;
+    let args =
+        Args::parse(raw, VALUES, &["json-only", "tls", "raw-no-notify", "no-result-waiter"], false).map_err(usage)?;
     if let Some(extra) = args.positional.first() {
         return Err(BenchError::Usage(format!("unexpected argument {extra:?}")));
     }
@@ -359,6 +367,7 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         kill_every: Duration::from_millis(number("kill-every-ms", 500, 10, 60_000)? as u64),
         producers: number("producers", 1, 1, 64)?,
         raw_quiet: args.switch("raw-no-notify"),
+        no_result_waiter: args.switch("no-result-waiter"),
         config,
         worker_bin,
     })

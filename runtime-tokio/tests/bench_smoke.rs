@@ -64,3 +64,19 @@ async fn bench_drains_with_several_worker_processes() {
     assert_eq!(lines.len(), 2, "{stdout}");
     assert!(lines.iter().all(|l| l["workers"] == 2 && l["tasks"] == 400), "{stdout}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bench_times_a_drain_without_a_result_waiter() {
+    let url = pg::server_url().await;
+    let output = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["bench", "--database-url", &url, "--workload", "drain", "--runs", "1", "--baseline", "none"])
+        .args(["--tasks", "400", "--concurrency", "2", "--json-only", "--no-result-waiter"])
+        .env("CANTER_LOG", "warn")
+        .output()
+        .expect("run canter bench");
+    let (stdout, stderr) = (String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr));
+    assert!(output.status.success(), "canter bench failed: {stderr}\n{stdout}");
+    let lines: Vec<Value> = stdout.lines().map(|line| serde_json::from_str(line).expect("JSON")).collect();
+    assert_eq!(lines.len(), 1, "{stdout}");
+    assert!(lines[0]["tasks"] == 400 && lines[0]["mode"] == "canter", "{stdout}");
+}

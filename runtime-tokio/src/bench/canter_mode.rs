@@ -259,10 +259,14 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
     checkpoint(pool).await;
     let cpu_before = worker.cpu_seconds();
 
-    let mut listener = PgListener::connect_with(pool).await.map_err(|e| failed("listen", e))?;
-    listener.listen(&schema.done_channel()).await.map_err(|e| failed("listen", e))?;
-    // A registered waiter (schema 8): finishes notify only while one is.
-    register_listener(&mut listener, &schema, &[schema.done_channel()]).await.map_err(|e| failed("listen", e))?;
+    // A registered result waiter (schema 8: finishes notify only while one is), unless the
+    // drain is to be timed without one.
+    let mut listener = None;
+    if !options.no_result_waiter {
+        let waiter = listener.insert(PgListener::connect_with(pool).await.map_err(|e| failed("listen", e))?);
+        waiter.listen(&schema.done_channel()).await.map_err(|e| failed("listen", e))?;
+        register_listener(waiter, &schema, &[schema.done_channel()]).await.map_err(|e| failed("listen", e))?;
+    }
     let n = options.tasks;
     let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
     let mut done = 0;
@@ -281,28 +285,9 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
 
     // Generous: a slow machine makes slow numbers, not a failed run.
     let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
-    let mut finished = 0usize;
-    let end = loop {
-        match tokio::time::timeout(Duration::from_millis(200), listener.recv()).await {
-            Ok(Ok(note)) => {
-                finished += note.payload().split(',').filter(|id| !id.is_empty()).count();
-                if finished >= n {
-                    break Instant::now();
-                }
-            }
-            Ok(Err(e)) => return Err(failed("listen", e)),
-            Err(_quiet) => {
-                worker.check_alive()?;
-                let live = live_tasks(pool, &schema).await?;
-                if live == 0 {
-                    errln!("canter bench: finished-task notifications fell short; the end time is approximate");
-                    break Instant::now();
-                }
-                if start.elapsed() > limit {
-                    return Err(BenchError::Failed(format!("the drain did not finish within {limit:?}: {live} left")));
-                }
-            }
-        }
+    let end = match listener.as_mut() {
+        Some(listener) => drained_as_notified(listener, n, pool, &schema, &mut worker, start, limit).await?,
+        None => drained_as_counted(pool, &schema, &mut worker, start, limit).await?,
     };
     let seconds = (end - start).as_secs_f64();
     let peak = worker.peak_rss_mib();
@@ -332,6 +317,69 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
     sample.worker_cpu_s = cpu;
     sample.workers = Some(options.workers);
     Ok(sample)
+}
+
+/// When the done notifications have named `n` tasks (or, should they fall short, when the
+/// live count read after 200 ms without one is 0).
+async fn drained_as_notified(
+    listener: &mut PgListener,
+    n: usize,
+    pool: &PgPool,
+    schema: &PgSchema,
+    worker: &mut WorkerProcesses,
+    start: Instant,
+    limit: Duration,
+) -> Result<Instant, BenchError> {
+    let mut finished = 0usize;
+    loop {
+        match tokio::time::timeout(Duration::from_millis(200), listener.recv()).await {
+            Ok(Ok(note)) => {
+                finished += note.payload().split(',').filter(|id| !id.is_empty()).count();
+                if finished >= n {
+                    return Ok(Instant::now());
+                }
+            }
+            Ok(Err(e)) => return Err(failed("listen", e)),
+            Err(_quiet) => {
+                if drained(pool, schema, worker, start, limit).await? {
+                    errln!("canter bench: finished-task notifications fell short; the end time is approximate");
+                    return Ok(Instant::now());
+                }
+            }
+        }
+    }
+}
+
+/// When a read of the live count, every 5 ms, finds none (`--no-result-waiter`).
+async fn drained_as_counted(
+    pool: &PgPool,
+    schema: &PgSchema,
+    worker: &mut WorkerProcesses,
+    start: Instant,
+    limit: Duration,
+) -> Result<Instant, BenchError> {
+    loop {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        if drained(pool, schema, worker, start, limit).await? {
+            return Ok(Instant::now());
+        }
+    }
+}
+
+/// Whether no task is live; an error once the workers died or `limit` passed since `start`.
+async fn drained(
+    pool: &PgPool,
+    schema: &PgSchema,
+    worker: &mut WorkerProcesses,
+    start: Instant,
+    limit: Duration,
+) -> Result<bool, BenchError> {
+    worker.check_alive()?;
+    let live = live_tasks(pool, schema).await?;
+    if live > 0 && start.elapsed() > limit {
+        return Err(BenchError::Failed(format!("the drain did not finish within {limit:?}: {live} left")));
+    }
+    Ok(live == 0)
 }
 
 async fn live_tasks(pool: &PgPool, schema: &PgSchema) -> Result<i64, BenchError> {
