@@ -16,9 +16,9 @@ use std::collections::BinaryHeap;
 use std::time::{Duration, Instant};
 
 use canter::config::{AppConfig, WorkerConfig};
-use canter::db::{DbFailure, DbReply, DbRequest, DbTime, NewTask};
 use canter::memory::MemoryStore;
 use canter::postgres::{PgSchema, PgStore};
+use canter::store::{DbFailure, DbReply, DbRequest, DbTime, NewTask};
 use canter::task::{Lease, TaskId, WorkerId};
 use canter::worker::{Command, Input, TaskOutcome, Worker};
 use serde_json::json;

@@ -1,7 +1,7 @@
 //! Backoff: when a failed task runs again, and how long to wait after a database error.
 //!
 //! Both are pure functions of a policy, an attempt number and an entropy value (64 random
-//! bits the caller draws from its seeded [`Rng`](crate::rng::Rng)), so they can be tested
+//! bits the caller draws from its seeded [`Rng`]), so they can be tested
 //! for every entropy and replayed exactly.
 
 use std::time::Duration;

@@ -88,7 +88,7 @@ impl ClaimPolicy {
             max_claim_per_worker: worker.max_claim_per_worker,
             cluster_wide_cap: app.cluster_wide_cap,
             queues: worker.served_queues(app).into_iter().map(QueuePolicy::from).collect(),
-            forbidden_flags: crate::db::normalized_flags(&worker.forbidden_flags),
+            forbidden_flags: crate::task::normalized_flags(&worker.forbidden_flags),
             max_priority: None,
         }
     }

@@ -38,7 +38,7 @@ use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
 use crate::schedule::ScheduleConfig;
-use crate::task::ErrorCode;
+use crate::task::{ErrorCode, is_valid_flag};
 
 /// The claim lease used when [`AppConfig::claim_lease_ms`] is not set: 60 s.
 pub const DEFAULT_CLAIM_LEASE_MS: u64 = 60_000;
@@ -79,13 +79,6 @@ const MAX_RESULT_BYTES: RangeInclusive<u64> = 1_024..=MAX_STORED_VALUE_BYTES;
 /// The largest JSON value PostgreSQL's `jsonb` holds (just under 256 MiB): a bound for
 /// `WorkerConfig::max_result_bytes`.
 pub const MAX_STORED_VALUE_BYTES: u64 = 268_435_455;
-
-/// Whether `flag` is a valid task flag: 1 to 64 bytes of `a-z`, `0-9`, `_`, `-`, `.`, `:`.
-pub fn is_valid_flag(flag: &str) -> bool {
-    !flag.is_empty()
-        && flag.len() <= 64
-        && flag.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-.:".contains(&b))
-}
 
 /// Whether `name` is a valid queue name: 1 to [`MAX_QUEUE_NAME_LEN`] bytes of `a-z`, `0-9`
 /// and `_`.
@@ -222,7 +215,7 @@ pub struct RecoveryConfig {
     /// an hour, in short batches; `None` (the default) keeps them forever.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub finished_retention_ms: Option<u64>,
-    /// How long an idempotency key ([`KeyMode::Idempotent`](crate::db::KeyMode)) keeps its
+    /// How long an idempotency key ([`KeyMode::Idempotent`](crate::store::KeyMode)) keeps its
     /// finished task from that purge, in ms after the key was taken: 60 000 to
     /// 3 153 600 000 000. An idempotent enqueue of the same key within it gives the task's id
     /// instead of running it again. `None` (the default) keeps such tasks forever.
@@ -825,7 +818,7 @@ pub struct WorkerConfig {
     pub completion_batch_max: u32,
     /// The largest result (or error data) a handler may return, as JSON bytes: 1 024 to
     /// 268 435 455 (PostgreSQL's limit), default 8 MiB. A larger one, or one PostgreSQL cannot
-    /// hold (text with U+0000, nesting over [`MAX_JSON_DEPTH`](crate::db::MAX_JSON_DEPTH)), fails
+    /// hold (text with U+0000, nesting over [`MAX_JSON_DEPTH`](crate::store::MAX_JSON_DEPTH)), fails
     /// its own task with `WORKER_SERIALIZATION_ERROR` instead of being written.
     pub max_result_bytes: u64,
     /// The seed of the worker's PRNG (jitter); `None` lets the adapter pick one. In TOML it

@@ -11,14 +11,16 @@
 //!
 //! # Modules
 //!
-//! - [`task`]: task states and the transitions between them, ids, lease tokens, error codes.
+//! - [`task`]: task states and the transitions between them, ids, lease tokens, database
+//!   times, flags, error codes.
 //! - [`config`]: all configuration, validated (every violation reported at once).
 //! - [`budget`]: how many tasks one claim pass may take from which queue, under every cap.
 //! - [`backoff`]: retry delays and database-error backoff as pure functions.
-//! - [`db`]: the protocol between the worker machine and a store.
+//! - [`store`]: the vocabulary every store speaks: the protocol between the worker machine
+//!   and a store, operator actions as data, new tasks and their checks, inspection records.
 //! - [`worker`]: the sans-IO worker machine.
 //! - [`memory`]: an in-memory store with exactly the semantics of the SQL, for tests,
-//!   simulation and running without PostgreSQL.
+//!   simulation and running without PostgreSQL (`postgres` is the other, file for file).
 //! - [`rng`]: a small seeded PRNG.
 //! - [`schedule`]: tasks enqueued on a timetable (cron, intervals, daily, weekly, monthly) in
 //!   a time zone read from TZif bytes, and which ticks fall due.
@@ -48,7 +50,7 @@
 //! ```
 //! use std::time::Instant;
 //! use canter::config::{AppConfig, WorkerConfig};
-//! use canter::db::{DbTime, NewTask};
+//! use canter::store::{DbTime, NewTask};
 //! use canter::memory::MemoryStore;
 //! use canter::task::WorkerId;
 //! use canter::worker::{Command, Input, TaskOutcome, Worker};
@@ -84,10 +86,10 @@
 pub mod backoff;
 pub mod budget;
 pub mod config;
-pub mod db;
 pub mod memory;
 pub mod rng;
 pub mod schedule;
+pub mod store;
 pub mod task;
 pub mod worker;
 

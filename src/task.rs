@@ -392,6 +392,33 @@ impl fmt::Display for TaskError {
 
 impl std::error::Error for TaskError {}
 
+/// A time on the database's clock: milliseconds since the Unix epoch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct DbTime(pub i64);
+
+impl DbTime {
+    /// This time plus `ms` milliseconds (saturating).
+    pub fn plus_ms(self, ms: u64) -> DbTime {
+        DbTime(self.0.saturating_add(i64::try_from(ms).unwrap_or(i64::MAX)))
+    }
+}
+
+/// Flags as stored: sorted, each once.
+pub fn normalized_flags(flags: &[String]) -> Vec<String> {
+    let mut flags = flags.to_vec();
+    flags.sort();
+    flags.dedup();
+    flags
+}
+
+/// Whether `flag` is a valid task flag: 1 to 64 bytes of `a-z`, `0-9`, `_`, `-`, `.`, `:`.
+pub fn is_valid_flag(flag: &str) -> bool {
+    !flag.is_empty()
+        && flag.len() <= 64
+        && flag.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-.:".contains(&b))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

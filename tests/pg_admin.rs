@@ -3,17 +3,20 @@
 //! and workers on other connections, concurrent callers, purges over several batches, and the
 //! purge's index.
 
+#[path = "common/admin.rs"]
+mod admin;
 #[path = "common/pg.rs"]
 mod pg;
 
+use admin::Admin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use canter::db::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, WorkerInfo};
-use canter::memory::{AdminError, Cancelled, KeyRemoval, PausedQueue};
 use canter::postgres::{PgAdminError, PgStore};
+use canter::store::{AdminError, Cancelled, KeyRemoval, PausedQueue};
+use canter::store::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, WorkerInfo};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, dead_rows, pin_clock};
 use serde_json::{Value, json};
@@ -436,7 +439,7 @@ async fn the_reaper_prunes_long_dead_workers_that_hold_nothing() {
     assert_eq!(left, ["holding", "recent"]);
 }
 
-async fn vacuum(store: &PgStore, min_dead_rows: u64) -> Vec<canter::db::VacuumedTable> {
+async fn vacuum(store: &PgStore, min_dead_rows: u64) -> Vec<canter::store::VacuumedTable> {
     match store.execute(&DbRequest::Vacuum { min_dead_rows }).await.unwrap() {
         DbReply::Vacuumed { tables } => tables,
         other => panic!("unexpected {other:?}"),

@@ -3,9 +3,12 @@
 //! enqueues: concurrent enqueuers of a key, an enqueue in an open transaction beside the
 //! worker running the key's holder, and enqueues racing removals of the key.
 
+#[path = "common/admin.rs"]
+mod admin;
 #[path = "common/pg.rs"]
 mod pg;
 
+use admin::Admin;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -13,9 +16,9 @@ use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use canter::db::{ClaimedTask, Completion, DbReply, DbRequest, FinishOutcome, KeyMode, NewTask};
-use canter::memory::{AdminError, KeyRemoval};
 use canter::postgres::{PgAdminError, PgEnqueueError, PgStore, enqueue_in};
+use canter::store::{AdminError, KeyRemoval};
+use canter::store::{ClaimedTask, Completion, DbReply, DbRequest, FinishOutcome, KeyMode, NewTask};
 use canter::task::{TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;

@@ -30,13 +30,14 @@ use std::time::Duration;
 
 use canter::budget::{ClaimPolicy, QueuePolicy};
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy};
-use canter::db::{
+use canter::memory::MemoryStore;
+use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
+use canter::rng::Rng;
+use canter::store::{AdminError, AdminReply, AdminRequest, KeyRemoval, Notification, Reschedule, TaskFilter};
+use canter::store::{
     Completion, DbFailure, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt,
     TaskRecord, WorkerInfo,
 };
-use canter::memory::{AdminError, KeyRemoval, MemoryStore, Notification, Reschedule, TaskFilter};
-use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
-use canter::rng::Rng;
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, pin_clock};
 use serde_json::json;
@@ -50,16 +51,7 @@ const T0: DbTime = DbTime(1_700_000_000_000);
 enum Op {
     Enqueue(Vec<NewTask>),
     Db(DbRequest),
-    Cancel(TaskId),
-    Requeue(TaskId),
-    Reschedule(TaskId, Reschedule),
-    Complete(TaskId, serde_json::Value),
-    Fail(TaskId, String),
-    ForceUnlock(Vec<WorkerId>),
-    RemoveKey(String),
-    Purge(u64),
-    Pause(String),
-    Resume(String),
+    Admin(AdminRequest),
     Advance(u64),
     /// Another transaction locks the row.
     Lock(TaskId),
@@ -263,75 +255,13 @@ impl Pair {
                     .await
                     .unwrap();
             }
-            Op::Cancel(id) => {
-                let memory = self.memory.cancel(*id, self.now);
-                let pg = self.pg.cancel(*id).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: cancel {id}");
-            }
-            Op::Requeue(id) => {
-                let memory = self.memory.requeue_failed(*id, self.now);
-                let pg = self.pg.requeue_failed(*id).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: requeue {id}");
-            }
-            Op::Reschedule(id, change) => {
-                let memory = self.memory.reschedule(*id, *change, self.now);
-                self.see(if memory.is_ok() { "rescheduled" } else { "reschedule refused" });
-                let pg = self.pg.reschedule(*id, *change).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: reschedule {id} {change:?}");
-            }
-            Op::Complete(id, result) => {
-                let memory = self.memory.complete(*id, result.clone(), self.now);
-                self.see(if memory.is_ok() { "completed by hand" } else { "finish by hand refused" });
-                let pg = self.pg.complete(*id, result.clone()).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: complete {id}");
-            }
-            Op::Fail(id, message) => {
-                let memory = self.memory.fail(*id, message, self.now);
-                self.see(if memory.is_ok() { "failed by hand" } else { "finish by hand refused" });
-                let pg = self.pg.fail(*id, message).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: fail {id}");
-            }
-            Op::ForceUnlock(workers) => {
-                let memory = self.memory.force_unlock(workers);
-                if memory > 0 {
-                    self.see("force-unlocked");
+            Op::Admin(request) => {
+                let memory = self.memory.admin(request, self.now);
+                if let Some(seen) = seen_of(request, &memory) {
+                    self.see(seen);
                 }
-                let pg = self.pg.force_unlock(workers).await.unwrap();
-                assert_eq!(pg, memory, "{at}: force-unlock {workers:?}");
-            }
-            Op::RemoveKey(key) => {
-                let memory = self.memory.remove_key(key, self.now);
-                self.see(match memory {
-                    Ok(KeyRemoval::Cancelled(_)) => "key of a pending task",
-                    Ok(KeyRemoval::Detached(_)) => "key of a held task",
-                    Ok(KeyRemoval::Freed(_)) => "key of a finished task",
-                    Err(_) => "unknown key",
-                });
-                let pg = self.pg.remove_key(key).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: remove key {key}");
-            }
-            Op::Purge(retention_ms) => {
-                let memory = self.memory.purge_finished(*retention_ms, self.now);
-                if memory > 0 {
-                    self.see("purged");
-                }
-                // Batches of 2: the loop runs several statements.
-                let pg = self.pg.purge_finished(*retention_ms, 2).await.unwrap();
-                assert_eq!(pg, memory, "{at}: purge {retention_ms}");
-            }
-            Op::Pause(queue) => {
-                let memory = self.memory.pause_queue(queue, self.now);
-                self.see("paused");
-                let pg = self.pg.pause_queue(queue).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: pause {queue}");
-            }
-            Op::Resume(queue) => {
-                let memory = self.memory.resume_queue(queue);
-                if memory == Ok(true) {
-                    self.see("resumed");
-                }
-                let pg = self.pg.resume_queue(queue).await.map_err(admin);
-                assert_eq!(pg, memory, "{at}: resume {queue}");
+                let pg = self.pg.admin(request).await.map_err(admin);
+                assert_eq!(pg, memory, "{at}: {request:?}");
             }
         }
         if std::env::var_os("CANTER_CONFORMANCE_TRACE").is_some() {
@@ -507,6 +437,26 @@ fn failure_kind(failure: DbFailure) -> &'static str {
         DbFailure::Unavailable(_) => "refused: unavailable",
         DbFailure::Unknown(_) => "refused: unknown",
     }
+}
+
+/// What an operator action the memory store applied shows of the suite's reach.
+fn seen_of(request: &AdminRequest, memory: &Result<AdminReply, AdminError>) -> Option<&'static str> {
+    Some(match (request, memory) {
+        (AdminRequest::Reschedule { .. }, Ok(_)) => "rescheduled",
+        (AdminRequest::Reschedule { .. }, Err(_)) => "reschedule refused",
+        (AdminRequest::Complete { .. }, Ok(_)) => "completed by hand",
+        (AdminRequest::Fail { .. }, Ok(_)) => "failed by hand",
+        (AdminRequest::Complete { .. } | AdminRequest::Fail { .. }, Err(_)) => "finish by hand refused",
+        (_, Ok(AdminReply::Released { tasks: 1.. })) => "force-unlocked",
+        (_, Ok(AdminReply::KeyRemoved { removal: KeyRemoval::Cancelled(_) })) => "key of a pending task",
+        (_, Ok(AdminReply::KeyRemoved { removal: KeyRemoval::Detached(_) })) => "key of a held task",
+        (_, Ok(AdminReply::KeyRemoved { removal: KeyRemoval::Freed(_) })) => "key of a finished task",
+        (AdminRequest::RemoveKey { .. }, Err(_)) => "unknown key",
+        (_, Ok(AdminReply::Purged { tasks: 1.. })) => "purged",
+        (AdminRequest::Pause { .. }, _) => "paused",
+        (_, Ok(AdminReply::Resumed { was_paused: true })) => "resumed",
+        _ => return None,
+    })
 }
 
 fn admin(error: PgAdminError) -> AdminError {
@@ -730,12 +680,12 @@ async fn retries_expiry_cancellation_reaping_and_requeue() {
         Op::Advance(1_000),
         claim("a", 2, &p, 1, 60_000),
         finish("a", lease(1, 2), FinishOutcome::Failed(error(ErrorCode::User("NOPE".into())))),
-        Op::Requeue(TaskId(1)),
-        Op::Requeue(TaskId(2)),
-        Op::Cancel(TaskId(4)),
-        Op::Cancel(TaskId(4)),
-        Op::Cancel(TaskId(99)),
-        Op::Cancel(TaskId(5)),
+        Op::Admin(AdminRequest::Retry { task: TaskId(1) }),
+        Op::Admin(AdminRequest::Retry { task: TaskId(2) }),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(4) }),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(4) }),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(99) }),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(5) }),
         Op::Advance(5_000),
         // Task 2 is claimed and now past good-until: starting it expires it.
         Op::Db(DbRequest::Start { worker: w("a"), tasks: vec![lease(2, 1)], policy: Arc::clone(&p) }),
@@ -777,7 +727,7 @@ async fn idempotency_keys_and_refusals() {
             NewTask::new("t", json!(1)).idempotency_key("k1"),
             NewTask::new("t", json!(1)).good_until(T0),
         ]),
-        Op::Cancel(TaskId(1)),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(1) }),
         Op::Enqueue(vec![NewTask::new("t", json!(0)).idempotency_key("k0")]),
         Op::Enqueue(vec![NewTask::new("t", json!(1)).run_at(RunAt::At(DbTime(T0.0 - 5_000)))]),
     ];
@@ -808,60 +758,72 @@ async fn operator_actions() {
         // 1 runs, 2 is claimed (both a's).
         claim("a", 1, &p, 1, 60_000),
         // Due now and first in its queue; notified.
-        Op::Reschedule(TaskId(3), Reschedule { run_at: at(RunAt::Now), priority: Some(-1), retries: None }),
-        Op::Reschedule(TaskId(4), Reschedule { run_at: at(RunAt::DelayMs(20_000)), ..Reschedule::default() }),
-        Op::Reschedule(
-            TaskId(4),
-            Reschedule { run_at: at(RunAt::At(T0.plus_ms(5_000))), priority: Some(3), retries: Some(2) },
-        ),
-        Op::Reschedule(TaskId(6), Reschedule { priority: Some(7), ..Reschedule::default() }),
-        Op::Reschedule(TaskId(1), Reschedule { run_at: at(RunAt::Now), ..Reschedule::default() }),
-        Op::Reschedule(TaskId(99), Reschedule::default()),
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(3),
+            change: Reschedule { run_at: at(RunAt::Now), priority: Some(-1), retries: None },
+        }),
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(4),
+            change: Reschedule { run_at: at(RunAt::DelayMs(20_000)), ..Reschedule::default() },
+        }),
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(4),
+            change: Reschedule { run_at: at(RunAt::At(T0.plus_ms(5_000))), priority: Some(3), retries: Some(2) },
+        }),
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(6),
+            change: Reschedule { priority: Some(7), ..Reschedule::default() },
+        }),
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(1),
+            change: Reschedule { run_at: at(RunAt::Now), ..Reschedule::default() },
+        }),
+        Op::Admin(AdminRequest::Reschedule { task: TaskId(99), change: Reschedule::default() }),
         // b takes 3 and 5; 4 is due in 5 s (the wake-up hint).
         claim("b", 1, &p, 0, 60_000),
         Op::Advance(100),
         // By hand: a's running and claimed tasks, a pending one; the holder's writes are lost.
-        Op::Complete(TaskId(1), json!({"done": "by hand"})),
+        Op::Admin(AdminRequest::Complete { task: TaskId(1), result: json!({"done": "by hand"}) }),
         finish("a", lease(1, 1), FinishOutcome::Completed(json!("late"))),
-        Op::Fail(TaskId(2), "stuck".into()),
+        Op::Admin(AdminRequest::Fail { task: TaskId(2), message: "stuck".into() }),
         Op::Db(DbRequest::Start { worker: w("a"), tasks: vec![lease(2, 1)], policy: Arc::clone(&p) }),
-        Op::Fail(TaskId(4), "not wanted".into()),
-        Op::Complete(TaskId(2), json!(null)),
-        Op::Fail(TaskId(99), "nope".into()),
-        Op::Requeue(TaskId(4)),
+        Op::Admin(AdminRequest::Fail { task: TaskId(4), message: "not wanted".into() }),
+        Op::Admin(AdminRequest::Complete { task: TaskId(2), result: json!(null) }),
+        Op::Admin(AdminRequest::Fail { task: TaskId(99), message: "nope".into() }),
+        Op::Admin(AdminRequest::Retry { task: TaskId(4) }),
         // Keys: held tasks run on without theirs, a pending one is cancelled, a finished one's
         // key is freed; freed keys take new tasks.
-        Op::RemoveKey("k3".into()),
-        Op::RemoveKey("k6".into()),
-        Op::RemoveKey("k1".into()),
-        Op::RemoveKey("k1".into()),
+        Op::Admin(AdminRequest::RemoveKey { key: "k3".into() }),
+        Op::Admin(AdminRequest::RemoveKey { key: "k6".into() }),
+        Op::Admin(AdminRequest::RemoveKey { key: "k1".into() }),
+        Op::Admin(AdminRequest::RemoveKey { key: "k1".into() }),
         Op::Enqueue(vec![
             NewTask::new("t", json!("new")).queue("a").key("k1"),
             NewTask::new("t", json!("new")).queue("a").key("k3"),
         ]),
         // b dies holding a started task and a claimed one: both go back without a retry spent.
         Op::Db(DbRequest::Start { worker: w("b"), tasks: vec![lease(3, 1)], policy: Arc::clone(&p) }),
-        Op::ForceUnlock(vec![w("b"), w("nobody")]),
+        Op::Admin(AdminRequest::ForceUnlock { workers: vec![w("b"), w("nobody")] }),
         finish("b", lease(3, 1), FinishOutcome::Completed(json!("late"))),
-        Op::ForceUnlock(vec![w("b")]),
+        Op::Admin(AdminRequest::ForceUnlock { workers: vec![w("b")] }),
         // Paused: no claim takes a's tasks; resumed: notified and claimed again.
-        Op::Pause("a".into()),
-        Op::Pause("a".into()),
-        Op::Pause("Bad".into()),
+        Op::Admin(AdminRequest::Pause { queue: "a".into() }),
+        Op::Admin(AdminRequest::Pause { queue: "a".into() }),
+        Op::Admin(AdminRequest::Pause { queue: "Bad".into() }),
         claim("c", 1, &p, 1, 60_000),
         Op::Advance(100),
-        Op::Resume("a".into()),
-        Op::Resume("a".into()),
-        Op::Resume("b".into()),
+        Op::Admin(AdminRequest::Resume { queue: "a".into() }),
+        Op::Admin(AdminRequest::Resume { queue: "a".into() }),
+        Op::Admin(AdminRequest::Resume { queue: "b".into() }),
         claim("c", 2, &p, 1, 60_000),
         // Retention: tasks finished 10 s ago and more go, with their histories and keys.
         Op::Advance(10_000),
-        Op::Complete(TaskId(5), json!(5)),
-        Op::Purge(5_000),
+        Op::Admin(AdminRequest::Complete { task: TaskId(5), result: json!(5) }),
+        Op::Admin(AdminRequest::Purge { retention_ms: 5_000, batch: 2 }),
         Op::Enqueue(vec![NewTask::new("t", json!("other")).queue("a").key("k2")]),
         Op::Db(DbRequest::Purge { older_than_ms: 5_000, batch: 2 }),
         Op::Advance(1),
-        Op::Purge(0),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
     ];
     pair.run(&script).await;
 }
@@ -880,13 +842,13 @@ async fn keys_of_held_tasks_and_idempotency_windows() {
         // Both holders run: each key goes to a new task, the runners keep running.
         Op::Enqueue(vec![NewTask::new("t", json!(3)).key("k")]),
         Op::Enqueue(vec![NewTask::new("t", json!(4)).key_with_mode("gone", KeyMode::PreserveRunAt)]),
-        Op::RemoveKey("gone".into()),
+        Op::Admin(AdminRequest::RemoveKey { key: "gone".into() }),
         finish("a", lease(1, 1), FinishOutcome::Completed(json!("one"))),
         finish("a", lease(2, 1), FinishOutcome::Failed(error(ErrorCode::TaskError))),
-        Op::Requeue(TaskId(2)),
+        Op::Admin(AdminRequest::Retry { task: TaskId(2) }),
         Op::Enqueue(vec![NewTask::new("t", json!(5)).key("k")]),
-        Op::RemoveKey("k".into()),
-        Op::Purge(0),
+        Op::Admin(AdminRequest::RemoveKey { key: "k".into() }),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
         Op::Enqueue(vec![NewTask::new("t", json!(6)).key("k"), NewTask::new("t", json!(7)).key("gone")]),
     ];
     pair.run(&script).await;
@@ -896,10 +858,10 @@ async fn keys_of_held_tasks_and_idempotency_windows() {
     let pay = || NewTask::new("pay", json!({"cents": 100})).idempotency_key("p1");
     let script = vec![
         Op::Enqueue(vec![pay(), NewTask::new("t", json!(1)).key("plain")]),
-        Op::Complete(TaskId(1), json!("paid")),
-        Op::Complete(TaskId(2), json!(null)),
+        Op::Admin(AdminRequest::Complete { task: TaskId(1), result: json!("paid") }),
+        Op::Admin(AdminRequest::Complete { task: TaskId(2), result: json!(null) }),
         Op::Advance(3_153_600_000_000),
-        Op::Purge(0),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
         Op::Db(DbRequest::Purge { older_than_ms: 0, batch: 1 }),
         Op::Enqueue(vec![pay()]),
     ];
@@ -917,21 +879,28 @@ async fn keys_of_held_tasks_and_idempotency_windows() {
         finish("a", lease(1, 1), FinishOutcome::Completed(json!("paid"))),
         Op::Advance(30_000),
         Op::Enqueue(vec![NewTask::new("t", json!(2)).idempotency_key("relied")]),
-        Op::Complete(TaskId(2), json!(null)),
-        Op::Complete(TaskId(3), json!(null)),
+        Op::Admin(AdminRequest::Complete { task: TaskId(2), result: json!(null) }),
+        Op::Admin(AdminRequest::Complete { task: TaskId(3), result: json!(null) }),
         Op::Advance(29_999),
-        Op::Purge(0),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
     ];
     pair.run(&script).await;
     assert_eq!(ids(&pair), [1, 3], "the plain key's task went at once");
     let script = vec![Op::Advance(1), Op::Db(DbRequest::Purge { older_than_ms: 0, batch: 2 })];
     pair.run(&script).await;
     assert_eq!(ids(&pair), [3], "the payment went a minute after it was enqueued");
-    let script = vec![Op::Enqueue(vec![pay()]), Op::Advance(29_999), Op::Purge(0)];
+    let script = vec![
+        Op::Enqueue(vec![pay()]),
+        Op::Advance(29_999),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
+    ];
     pair.run(&script).await;
     assert_eq!(ids(&pair), [3, 4]);
-    let script =
-        vec![Op::Advance(1), Op::Purge(0), Op::Enqueue(vec![NewTask::new("t", json!(2)).idempotency_key("relied")])];
+    let script = vec![
+        Op::Advance(1),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 2 }),
+        Op::Enqueue(vec![NewTask::new("t", json!(2)).idempotency_key("relied")]),
+    ];
     pair.run(&script).await;
     assert_eq!(ids(&pair), [4, 5], "a minute after an idempotent enqueue relied on it, the other");
 }
@@ -1134,13 +1103,13 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
         85..=87 => {
             let id = TaskId(rng.range(1, max_id as u64 + 2) as i64);
             // A cancel waits for a locked row (not modelled by the memory store's operator actions).
-            if locked.contains(&id) { Op::Advance(1) } else { Op::Cancel(id) }
+            if locked.contains(&id) { Op::Advance(1) } else { Op::Admin(AdminRequest::Cancel { task: id }) }
         }
         88..=89 => {
             let failed: Vec<TaskId> = memory.tasks().filter(|t| t.state == TaskState::Failed).map(|t| t.id).collect();
             match failed.is_empty() || rng.chance(0.2) {
-                true => Op::Requeue(TaskId(rng.range(1, max_id as u64 + 2) as i64)),
-                false => Op::Requeue(failed[rng.range(0, failed.len() as u64) as usize]),
+                true => Op::Admin(AdminRequest::Retry { task: TaskId(rng.range(1, max_id as u64 + 2) as i64) }),
+                false => Op::Admin(AdminRequest::Retry { task: failed[rng.range(0, failed.len() as u64) as usize] }),
             }
         }
         90 => Op::Db(DbRequest::RegisterWorker(WorkerInfo {
@@ -1165,7 +1134,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             };
             let priority = rng.chance(0.5).then(|| rng.range(0, 5) as i16 - 2);
             let retries = rng.chance(0.4).then(|| rng.range(0, 3) as u32);
-            Op::Reschedule(id, Reschedule { run_at, priority, retries })
+            Op::Admin(AdminRequest::Reschedule { task: id, change: Reschedule { run_at, priority, retries } })
         }
         102 | 103 => {
             let live: Vec<TaskId> = memory.tasks().filter(|t| !t.state.is_terminal()).map(|t| t.id).collect();
@@ -1174,8 +1143,10 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
                 false => live[rng.range(0, live.len() as u64) as usize],
             };
             match roll {
-                102 => Op::Complete(id, json!({"by": "hand", "n": rng.range(0, 9)})),
-                _ => Op::Fail(id, "stop".to_owned()),
+                102 => {
+                    Op::Admin(AdminRequest::Complete { task: id, result: json!({"by": "hand", "n": rng.range(0, 9)}) })
+                }
+                _ => Op::Admin(AdminRequest::Fail { task: id, message: "stop".to_owned() }),
             }
         }
         104 | 105 => {
@@ -1183,7 +1154,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             if rng.chance(0.3) {
                 workers.push(w(WORKERS[rng.range(0, 3) as usize]));
             }
-            Op::ForceUnlock(workers)
+            Op::Admin(AdminRequest::ForceUnlock { workers })
         }
         106 | 107 => {
             // A key a Claimed or Running task holds, one any task holds, or any (k4 is never
@@ -1195,13 +1166,17 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
                 .filter_map(|t| t.key.clone())
                 .collect();
             match keys.is_empty() || choice == 0 {
-                true => Op::RemoveKey(format!("k{}", rng.range(0, 5))),
-                false => Op::RemoveKey(keys[rng.range(0, keys.len() as u64) as usize].clone()),
+                true => Op::Admin(AdminRequest::RemoveKey { key: format!("k{}", rng.range(0, 5)) }),
+                false => {
+                    Op::Admin(AdminRequest::RemoveKey { key: keys[rng.range(0, keys.len() as u64) as usize].clone() })
+                }
             }
         }
-        108 | 109 => Op::Purge(rng.range(0, 3_000)),
-        110 | 111 => Op::Pause(if rng.chance(0.05) { "Bad".to_owned() } else { any_queue(rng) }),
-        112 | 113 => Op::Resume(any_queue(rng)),
+        108 | 109 => Op::Admin(AdminRequest::Purge { retention_ms: rng.range(0, 3_000), batch: 2 }),
+        110 | 111 => {
+            Op::Admin(AdminRequest::Pause { queue: if rng.chance(0.05) { "Bad".to_owned() } else { any_queue(rng) } })
+        }
+        112 | 113 => Op::Admin(AdminRequest::Resume { queue: any_queue(rng) }),
         200..=202 => {
             // Mostly rows in flight, which heartbeats and finishes must get past.
             let live: Vec<(TaskId, TaskState)> = memory
@@ -1409,16 +1384,7 @@ fn kind(op: &Op) -> &'static str {
     match op {
         Op::Enqueue(_) => "enqueue",
         Op::Db(request) => request.kind(),
-        Op::Cancel(_) => "cancel",
-        Op::Requeue(_) => "requeue",
-        Op::Reschedule(..) => "reschedule",
-        Op::Complete(..) => "complete",
-        Op::Fail(..) => "fail",
-        Op::ForceUnlock(_) => "force-unlock",
-        Op::RemoveKey(_) => "remove key",
-        Op::Purge(_) => "purge",
-        Op::Pause(_) => "pause",
-        Op::Resume(_) => "resume",
+        Op::Admin(request) => request.name(),
         Op::Advance(_) => "advance",
         Op::Lock(_) => "lock",
         Op::Unlock(_) => "unlock",

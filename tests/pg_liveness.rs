@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, RetryPolicy, WorkerConfig};
-use canter::db::{ClaimedTask, DbReply, DbRequest, NewTask, ReapReport};
 use canter::postgres::PgStore;
+use canter::store::{ClaimedTask, DbReply, DbRequest, NewTask, ReapReport};
 use canter::task::{ErrorCode, TaskId, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;

@@ -16,8 +16,8 @@ use std::time::{Duration, Instant};
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, WorkerConfig};
-use canter::db::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
 use canter::postgres::PgStore;
+use canter::store::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
 use canter::task::{TaskLease, WorkerId};
 use pg::TestDb;
 use serde_json::{Value, json};

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy, WorkerConfig};
-use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, NewTask};
-use canter::memory::TaskFilter;
 use canter::postgres::{PgSchema, PgStore, claim_lock_keys, with_session_settings};
+use canter::store::TaskFilter;
+use canter::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, NewTask};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use pg::{TestDb, dead_rows};
 use serde_json::{Value, json};

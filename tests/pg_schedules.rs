@@ -10,10 +10,10 @@ mod pg;
 use std::collections::{BTreeMap, BTreeSet};
 
 use canter::config::AppConfig;
-use canter::db::DbTime;
 use canter::postgres::{CheckReport, PgStore};
 use canter::rng::Rng;
 use canter::schedule::{CivilDateTime, ScheduleConfig, Scheduler};
+use canter::store::DbTime;
 use canter::task::TaskId;
 use pg::{TestDb, pin_clock};
 

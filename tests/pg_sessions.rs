@@ -5,17 +5,20 @@
 //! lost the reply: reads and deduplicating writes are sent again, other writes fail saying they
 //! may or may not have committed — and here they did.
 
+#[path = "common/admin.rs"]
+mod admin;
 #[path = "common/pg.rs"]
 mod pg;
 
+use admin::Admin;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, WorkerConfig};
-use canter::db::{DbReply, DbRequest, NewTask};
-use canter::memory::Cancelled;
 use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
+use canter::store::Cancelled;
+use canter::store::{DbReply, DbRequest, NewTask};
 use canter::task::{TaskId, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;

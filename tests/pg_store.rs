@@ -1,18 +1,21 @@
 //! The PostgreSQL store on a real server: migrations, enqueue (single, bulk, in the caller's
 //! transaction, idempotency keys, refusals), notifications, waiting for results, failures.
 
+#[path = "common/admin.rs"]
+mod admin;
 #[path = "common/pg.rs"]
 mod pg;
 
+use admin::Admin;
 use std::sync::Arc;
 use std::time::Duration;
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use canter::db::{Completion, DbFailure, DbReply, DbRequest, EnqueueError, FinishOutcome, NewTask, RunAt};
 use canter::postgres::{
     DoneRouter, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in, migrate, register_listener,
 };
+use canter::store::{Completion, DbFailure, DbReply, DbRequest, EnqueueError, FinishOutcome, NewTask, RunAt};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
 use pg::TestDb;
 use serde_json::json;
@@ -101,7 +104,7 @@ async fn enqueue_one_many_and_in_a_transaction() {
     // A refusal inside the transaction does not abort it.
     let refused = enqueue_in(&mut *tx, store.schema(), store.app(), NewTask::new("t", json!(1)).queue("zzz")).await;
     assert!(matches!(refused, Err(PgEnqueueError::Invalid(EnqueueError::UnknownQueue { .. }))));
-    let late = NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(10_000)).good_until(canter::db::DbTime(0));
+    let late = NewTask::new("t", json!(1)).run_at(RunAt::DelayMs(10_000)).good_until(canter::store::DbTime(0));
     let refused = enqueue_in(&mut *tx, store.schema(), store.app(), late).await;
     assert!(matches!(refused, Err(PgEnqueueError::Invalid(EnqueueError::RunAtAfterGoodUntil { .. }))));
     tx.commit().await.unwrap();

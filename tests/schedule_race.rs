@@ -7,10 +7,10 @@
 use std::collections::{BTreeMap, BTreeSet};
 
 use canter::config::AppConfig;
-use canter::db::DbTime;
 use canter::memory::MemoryStore;
 use canter::rng::Rng;
 use canter::schedule::{Plan, ScheduleConfig, Scheduler};
+use canter::store::DbTime;
 
 fn app() -> AppConfig {
     let mut every = ScheduleConfig::new("every_second", "tick");

@@ -185,9 +185,10 @@ mod scripted {
 
     use canter::budget::ClaimPolicy;
     use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
-    use canter::db::{DbFailure, DbReply, DbRequest, DbTime, NewTask, OpId, RunAt};
-    use canter::memory::{MemoryStore, Notification};
+    use canter::memory::MemoryStore;
     use canter::sim::DB_EPOCH_MS;
+    use canter::store::Notification;
+    use canter::store::{DbFailure, DbReply, DbRequest, DbTime, NewTask, OpId, RunAt};
     use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
     use canter::worker::{Command, Event, Input, TaskOutcome, TaskRun, Worker};
     use serde_json::json;

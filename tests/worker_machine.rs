@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
-use canter::db::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, VacuumedTable};
+use canter::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, VacuumedTable};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Command, DEAF_FAST_POLL_FOR, DEAF_POLL_INTERVAL, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
@@ -651,7 +651,7 @@ fn a_retention_for_finished_tasks_purges_them_hourly() {
     let (mut h, _) = Harness::new(app, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
     let first = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("a purge within the hour");
     let (op, request) = db_ops(&first).into_iter().find(|(_, r)| r.kind() == "purge").expect("a purge request");
-    assert_eq!(request, &DbRequest::Purge { older_than_ms: 86_400_000, batch: canter::db::DEFAULT_PURGE_BATCH });
+    assert_eq!(request, &DbRequest::Purge { older_than_ms: 86_400_000, batch: canter::store::DEFAULT_PURGE_BATCH });
     // Still in flight an hour later: not sent twice.
     let second = fire_until(&mut h, Timer::Purge, hour + Duration::from_secs(1)).expect("the next hour's timer");
     assert!(!has(&second, "purge"), "{second:?}");
@@ -1104,7 +1104,7 @@ fn a_reaper_pass_skipped_for_another_reaper_is_counted() {
     answer_idle(&mut h, commands);
     let commands = fire_until_sent(&mut h, "reap", Duration::from_secs(31)).expect("a reaper pass");
     let reap = find(&commands, "reap");
-    let report = canter::db::ReapReport { skipped: true, ..Default::default() };
+    let report = canter::store::ReapReport { skipped: true, ..Default::default() };
     h.reply(reap, DbReply::Reaped(report));
     assert!(h.events.contains(&Event::ReapSkipped), "{:?}", h.events);
     assert_eq!(h.worker.stats().reaps_skipped, 1);
@@ -1242,7 +1242,7 @@ fn workers_look_for_dead_ones_every_liveness_interval_one_request_at_a_time() {
     // Unanswered, the next interval sends none.
     let again = fire_until(&mut h, Timer::LivenessCheck, Duration::from_secs(2)).expect("the next interval");
     assert!(!has(&again, "reap_dead"), "one at a time");
-    let report = canter::db::ReapReport {
+    let report = canter::store::ReapReport {
         requeued: vec![TaskId(3)],
         dead_workers: vec![WorkerId("gone".into())],
         ..Default::default()

@@ -7,11 +7,11 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter::db::{DbTime, NewTask, RunAt};
 use canter::driver::{self, DriverOptions, MemoryBackend, Runtime, WorkerService};
 use canter::memory::MemoryStore;
 use canter::postgres::PgSchema;
 use canter::rng::Rng;
+use canter::store::{DbTime, NewTask, RunAt};
 use canter::task::{ErrorCode, TaskId, TaskState, WorkerId};
 use canter::worker::{Event, Input, Worker};
 use futures::channel::mpsc;

@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use canter_tokio::TokioRuntime;
 use canter_tokio::canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter_tokio::canter::db::{DbTime, NewTask};
 use canter_tokio::canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
 use canter_tokio::canter::memory::MemoryStore;
+use canter_tokio::canter::store::{DbTime, NewTask};
 use canter_tokio::canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
 use canter_tokio::canter::worker::{Event, Input, Worker};
 use serde_json::json;

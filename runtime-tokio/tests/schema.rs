@@ -19,6 +19,7 @@ use canter_tokio::canter::postgres::{
     MIGRATE_LOCK_KEY, MIGRATOR, MigrateSchemaError, PgSchema, SchemaStatus, code_schema_version, migrate,
     register_listener, schema_status, unregister_listener,
 };
+use canter_tokio::canter::store::AdminRequest;
 use canter_tokio::{AppConfig, Client, NewTask, ServeError, TaskState, TokioRuntime, Worker, WorkerConfig, builtins};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
@@ -399,7 +400,7 @@ async fn the_readme_grants_are_enough_for_each_role() {
     let client = Client::new(Arc::new(TokioRuntime), client_pool.clone(), db.schema.clone(), app());
     let (stop, run) = worker(&worker_pool, &db.schema, true);
     for mode in ["replace", "preserve_run_at", "unsafe_dedupe", "idempotent"] {
-        let mode = canter_tokio::canter::db::KeyMode::parse(mode).unwrap();
+        let mode = canter_tokio::canter::store::KeyMode::parse(mode).unwrap();
         let task = NewTask::new("echo", json!({"k": 1})).key_with_mode(format!("key-{}", mode.as_str()), mode);
         let ids = client.store().enqueue_many(vec![task.clone(), task]).await.unwrap();
         let record = client.wait(ids[0], Duration::from_secs(30)).await.unwrap();
@@ -413,7 +414,7 @@ async fn the_readme_grants_are_enough_for_each_role() {
     let _ = stop.send(());
     run.await.unwrap().unwrap();
     // A client is no operator.
-    assert!(client.cancel(a).await.is_err(), "a client cannot cancel");
+    assert!(client.admin(&AdminRequest::Cancel { task: a }).await.is_err(), "a client cannot cancel");
 
     // The reader sees everything and changes nothing; the operator does every admin action.
     let as_role = |role: &str, args: &[&str]| {

@@ -15,11 +15,12 @@ use sqlx::PgPool;
 use super::{Runtime, TaskHandle, sleep_after};
 use crate::backoff::DbBackoff;
 use crate::config::AppConfig;
-use crate::db::{AttemptRecord, DEFAULT_PURGE_BATCH, NewTask, TaskRecord};
-use crate::memory::{Cancelled, KeyRemoval, PausedQueue, Reschedule, TaskFilter, WorkerRecord};
 use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
 use crate::rng::Rng;
-use crate::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
+use crate::store::{
+    AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, TaskFilter, TaskRecord, WorkerRecord,
+};
+use crate::task::{ErrorCode, TaskError, TaskId, TaskState};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
@@ -195,59 +196,11 @@ impl<R: Runtime> Client<R> {
         Ok(self.inner.store.attempts(id).await?)
     }
 
-    /// Cancels a pending or claimed task.
-    pub async fn cancel(&self, id: TaskId) -> Result<Cancelled, ClientError> {
-        Ok(self.inner.store.cancel(id).await?)
-    }
-
-    /// Puts a failed task back to Pending with a fresh retry budget.
-    pub async fn retry(&self, id: TaskId) -> Result<(), ClientError> {
-        Ok(self.inner.store.requeue_failed(id).await?)
-    }
-
-    /// Changes a pending task's run-at, priority or retries spent.
-    pub async fn reschedule(&self, id: TaskId, change: Reschedule) -> Result<(), ClientError> {
-        Ok(self.inner.store.reschedule(id, change).await?)
-    }
-
-    /// Completes a pending, claimed or running task by hand with `result`; its worker's
-    /// later writes are reported lost.
-    pub async fn complete(&self, id: TaskId, result: serde_json::Value) -> Result<(), ClientError> {
-        Ok(self.inner.store.complete(id, result).await?)
-    }
-
-    /// Fails a pending, claimed or running task by hand (`FAILED_BY_OPERATOR`, no retry).
-    pub async fn fail(&self, id: TaskId, message: &str) -> Result<(), ClientError> {
-        Ok(self.inner.store.fail(id, message).await?)
-    }
-
-    /// Puts the claimed and running tasks of dead workers back to pending without spending a
-    /// retry; returns how many.
-    pub async fn force_unlock(&self, workers: &[WorkerId]) -> Result<u64, ClientError> {
-        Ok(self.inner.store.force_unlock(workers).await?)
-    }
-
-    /// Frees an idempotency key, cancelling its task if it is pending.
-    pub async fn remove_key(&self, key: &str) -> Result<KeyRemoval, ClientError> {
-        Ok(self.inner.store.remove_key(key).await?)
-    }
-
-    /// Deletes finished tasks older than `retention`, in batches of [`DEFAULT_PURGE_BATCH`];
-    /// returns how many.
-    pub async fn purge_finished(&self, retention: Duration) -> Result<u64, ClientError> {
-        let retention_ms = u64::try_from(retention.as_millis()).unwrap_or(u64::MAX);
-        Ok(self.inner.store.purge_finished(retention_ms, DEFAULT_PURGE_BATCH).await?)
-    }
-
-    /// Stops every worker from claiming the pending tasks of `queue`; returns whether it was
-    /// running.
-    pub async fn pause_queue(&self, queue: &str) -> Result<bool, ClientError> {
-        Ok(self.inner.store.pause_queue(queue).await?)
-    }
-
-    /// Lets workers claim the tasks of a paused `queue` again; returns whether it was paused.
-    pub async fn resume_queue(&self, queue: &str) -> Result<bool, ClientError> {
-        Ok(self.inner.store.resume_queue(queue).await?)
+    /// Applies an operator's action (cancel, retry, reschedule, complete or fail by hand,
+    /// force-unlock, remove a key, purge, pause or resume a queue): see [`AdminRequest`] for
+    /// what each does and replies.
+    pub async fn admin(&self, request: &AdminRequest) -> Result<AdminReply, ClientError> {
+        Ok(self.inner.store.admin(request).await?)
     }
 
     /// The paused queues.
@@ -367,8 +320,11 @@ impl<R: Runtime, T: DeserializeOwned> ResultHandle<R, T> {
         }
     }
 
-    /// Cancels the task if it has not started.
+    /// Cancels the task if it has not started (see [`AdminRequest::Cancel`]).
     pub async fn cancel(&self) -> Result<Cancelled, ClientError> {
-        self.client.cancel(self.id).await
+        match self.client.admin(&AdminRequest::Cancel { task: self.id }).await? {
+            AdminReply::Cancelled { found } => Ok(found),
+            other => unreachable!("a cancel replies what it found, not {other:?}"),
+        }
     }
 }

@@ -47,7 +47,7 @@ pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
 pub use startup::STARTUP_LOCK_WAIT;
 pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};
 
-use crate::db::{DbFailure, DbReply, DbRequest, OpId};
+use crate::store::{DbFailure, DbReply, DbRequest, OpId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId};
 use crate::worker::{Command, Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 
@@ -326,7 +326,7 @@ struct MemoryInner {
     store: crate::memory::MemoryStore,
     subscribers: Vec<mpsc::UnboundedSender<Input>>,
     epoch: Instant,
-    base: crate::db::DbTime,
+    base: crate::store::DbTime,
 }
 
 impl MemoryBackend {
@@ -334,7 +334,7 @@ impl MemoryBackend {
     /// starts at `base` and advances with the clock.
     pub fn new(
         store: crate::memory::MemoryStore,
-        base: crate::db::DbTime,
+        base: crate::store::DbTime,
         clock: impl Fn() -> Instant + Send + Sync + 'static,
     ) -> Self {
         let epoch = clock();
@@ -352,7 +352,7 @@ impl MemoryBackend {
 
     /// Runs `f` on the store at the current database time, then delivers the notifications
     /// it caused.
-    pub fn with_store<T>(&self, f: impl FnOnce(&mut crate::memory::MemoryStore, crate::db::DbTime) -> T) -> T {
+    pub fn with_store<T>(&self, f: impl FnOnce(&mut crate::memory::MemoryStore, crate::store::DbTime) -> T) -> T {
         let now = (self.clock)();
         let mut inner = self.lock();
         let db_now = inner.base.plus_ms((now.saturating_duration_since(inner.epoch)).as_millis() as u64);
@@ -370,7 +370,7 @@ impl MemoryBackend {
 impl MemoryInner {
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            if let crate::memory::Notification::TaskReady { queue, priority } = notification {
+            if let crate::store::Notification::TaskReady { queue, priority } = notification {
                 self.subscribers
                     .retain(|tx| tx.unbounded_send(Input::Notified { queue: queue.clone(), priority }).is_ok());
             }

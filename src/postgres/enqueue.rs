@@ -24,10 +24,11 @@ use sqlx::postgres::PgRow;
 use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
-use crate::db::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task, normalized_flags};
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration};
+use crate::store::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task};
+use crate::task::normalized_flags;
 use crate::task::{ErrorCode, TaskId};
 
 /// Why an enqueue into PostgreSQL failed. Nothing was written.

@@ -14,7 +14,7 @@
 //!   claim exactly (`(hashtext(queue), priority, run_at, id) WHERE state = 'PENDING'`, and
 //!   in-flight rows by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive
 //!   autovacuum, and workers' own vacuum where the server does not keep up (see
-//!   [`DbRequest::Vacuum`](crate::db::DbRequest::Vacuum));
+//!   [`DbRequest::Vacuum`](crate::store::DbRequest::Vacuum));
 //! - `finished_tasks`: terminal tasks with their result or error, moved there by the statement
 //!   that finishes them, so claims cost the same however much history piles up;
 //! - `attempts`: one row per finished run; `task_keys`: the task each key names (a row's own
@@ -38,7 +38,7 @@
 //! ```no_run
 //! # async fn demo(pool: sqlx::PgPool) -> Result<(), Box<dyn std::error::Error>> {
 //! use canter::config::AppConfig;
-//! use canter::db::NewTask;
+//! use canter::store::NewTask;
 //! use canter::postgres::{PgSchema, PgStore};
 //!
 //! let store = PgStore::new(pool, PgSchema::default(), AppConfig::default());
@@ -49,8 +49,11 @@
 //! # }
 //! ```
 
+mod admin;
 mod enqueue;
 mod listeners;
+mod protocol;
+mod records;
 pub(crate) mod replay;
 mod results;
 mod schedules;
@@ -60,14 +63,16 @@ mod store;
 mod tcp;
 mod vacuum;
 
+pub use admin::PgAdminError;
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use listeners::{register_listener, unregister_listener};
-pub use results::{DoneRouter, DoneSignal, PgAdminError, WaitError};
+pub use protocol::claim_lock_keys;
+pub use results::{DoneRouter, DoneSignal, WaitError};
 pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{
     DEFAULT_SCHEMA, InvalidSchemaName, LockHolder, MIGRATE_LOCK_KEY, MIGRATE_LOCK_WAIT, MIGRATOR, MigrateSchemaError,
     PgSchema, SchemaStatus, code_schema_version, migrate, migrate_within, require_current, schema_status,
 };
-pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, claim_lock_keys, with_session_settings};
+pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, with_session_settings};
 pub use tcp::{pool_options, set_tcp_nodelay, tcp_nodelay};
 pub use vacuum::HOT_TABLES;

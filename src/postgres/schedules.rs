@@ -15,11 +15,11 @@ use std::collections::BTreeMap;
 
 use sqlx::Row;
 
-use crate::db::DbTime;
 use crate::postgres::enqueue::{PgEnqueueError, enqueue_many_in};
 use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::store::{PgStore, db_time};
 use crate::schedule::{Plan, ScheduleRecord, ScheduleWrite, Scheduler};
+use crate::store::DbTime;
 use crate::task::TaskId;
 
 /// How many times one check plans again after losing races before it leaves the rest to the

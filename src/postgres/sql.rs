@@ -136,10 +136,10 @@ const FINISH_ANSWER: &str = "\
 SELECT i.ord, i.id, c.state FROM input i LEFT JOIN chosen c ON c.id = i.id AND c.ord = i.ord CROSS JOIN notified
 CROSS JOIN ready";
 
-/// Records finished runs ([`DbRequest::Finish`](crate::db::DbRequest::Finish)).
+/// Records finished runs ([`DbRequest::Finish`](crate::store::DbRequest::Finish)).
 const FINISH: &str = "{finish_with}\n{finish_answer}\nORDER BY i.ord";
 
-/// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::db::DbRequest::FinishAndClaim)):
+/// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::store::DbRequest::FinishAndClaim)):
 /// the finish's parameters `$1` to `$10`, the claim's `$11` to `$24`. The claim runs after the
 /// finish has answered (its filter reads the answer first), and `claim()`, a volatile
 /// function, sees what the statement wrote so far: the rows it moved and retried. Rows of
@@ -569,7 +569,7 @@ WITH inserted AS (
 )
 SELECT ins.id FROM inserted ins CROSS JOIN LATERAL (SELECT pg_notify($9 || ins.queue, $3::text)) n";
 
-/// The columns of a [`TaskRecord`](crate::db::TaskRecord), live rows first. A row shows its
+/// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
 /// to a new task keeps it in its own column (that enqueue does not write, or lock, its row).
 const RECORD: &str = "\

@@ -1,4 +1,4 @@
-//! Canter's own vacuum of its hot tables ([`DbRequest::Vacuum`](crate::db::DbRequest::Vacuum)).
+//! Canter's own vacuum of its hot tables ([`DbRequest::Vacuum`](crate::store::DbRequest::Vacuum)).
 //!
 //! Every finished task leaves two or three dead row versions in `tasks` (its insert, its claim,
 //! its start) and an index entry for each. PostgreSQL prunes dead versions inside a page as it
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use sqlx::PgConnection;
 
 use super::PgStore;
-use crate::db::VacuumedTable;
+use crate::store::VacuumedTable;
 
 /// The tables Canter vacuums: those whose size follows the work in flight, not history
 /// (`finished_tasks` and `attempts` only grow, and are left to the server and the purge), and

@@ -88,7 +88,7 @@ pub use self::scheduler::{
 };
 pub use self::tz::{LocalDateTime, LocalResult, TimeZone, TzError, UtcOffset, ZoneId, ZoneRules, zone_path};
 use crate::config::{AppConfig, Check, ConfigError, is_valid_queue_name};
-use crate::db::{DbTime, NewTask};
+use crate::store::{DbTime, NewTask};
 
 /// The shortest interval: 1 s.
 pub const MIN_INTERVAL_MS: u64 = 1_000;
@@ -723,7 +723,7 @@ pub enum ScheduleError {
 /// A schedule parsed once, with its time zone loaded: what a scheduler keeps.
 ///
 /// ```
-/// use canter::db::DbTime;
+/// use canter::store::DbTime;
 /// use canter::schedule::{ParsedSchedule, ScheduleConfig};
 ///
 /// let config = ScheduleConfig { cron: Some("0 * * * *".into()), ..ScheduleConfig::new("hourly", "tick") };

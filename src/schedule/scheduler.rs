@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 
 use super::{Due, ParsedSchedule, ScheduleError, TimeZone, ZoneId};
 use crate::config::{AppConfig, ConfigError};
-use crate::db::{DbTime, EnqueueError, NewTask, check_new_task};
+use crate::store::{DbTime, EnqueueError, NewTask, check_new_task};
 use crate::task::TaskId;
 
 /// The shortest sleep between two checks, so that a schedule that keeps losing races or a

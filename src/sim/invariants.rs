@@ -27,8 +27,8 @@ use serde_json::Value;
 
 use crate::budget::ClaimPolicy;
 use crate::config::AppConfig;
-use crate::db::{DbReply, DbRequest, DbTime, FinishOutcome};
 use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth};
+use crate::store::{DbReply, DbRequest, DbTime, FinishOutcome};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use crate::worker::Worker;
 
@@ -833,7 +833,7 @@ impl Checker {
     /// another run; failed otherwise.
     fn check_crashed<'r>(
         &self,
-        report: &crate::db::ReapReport,
+        report: &crate::store::ReapReport,
         pre: impl Fn(TaskId) -> Option<&'r Facts>,
         post: impl Fn(TaskId) -> Result<&'r StoredTask, String>,
     ) -> Result<(), String> {

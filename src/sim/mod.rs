@@ -74,9 +74,10 @@ use serde_json::json;
 
 use crate::budget::ClaimPolicy;
 use crate::config::{DeploymentMode, WorkerConfig};
-use crate::db::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
-use crate::memory::{Cancelled, MemoryStore, Notification, READABLE_JSON_DEPTH, json_depth};
+use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, json_depth};
 use crate::rng::{Rng, mix};
+use crate::store::{AdminReply, AdminRequest, Cancelled, Notification};
+use crate::store::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use crate::worker::{ABANDONED_CLAIM_MEMORY, Command, Event, Input, LostReason, TaskOutcome, TaskRun, Worker};
 
@@ -1597,7 +1598,7 @@ impl Sim {
             (self.options.faults.db_value_limit_bytes, request)
         {
             let over = completions.iter().any(|c| match &c.outcome {
-                FinishOutcome::Completed(result) => crate::db::check_storable(result, limit).is_err(),
+                FinishOutcome::Completed(result) => crate::store::check_storable(result, limit).is_err(),
                 _ => false,
             });
             if over {
@@ -1699,12 +1700,12 @@ impl Sim {
         }
         for c in completions {
             let values = match &c.outcome {
-                FinishOutcome::Completed(result) => crate::db::check_storable(result, max),
+                FinishOutcome::Completed(result) => crate::store::check_storable(result, max),
                 FinishOutcome::Failed(error) | FinishOutcome::Retry { error, .. } => {
-                    crate::db::check_storable_error(error, max)
+                    crate::store::check_storable_error(error, max)
                 }
             };
-            let args = c.args.as_ref().map_or(Ok(0), |args| crate::db::check_storable(args, max));
+            let args = c.args.as_ref().map_or(Ok(0), |args| crate::store::check_storable(args, max));
             if let Err(problem) = values.and(args) {
                 return Err(format!(
                     "UNCHECKED OUTCOME: {name} sent task {}'s outcome, which cannot be stored ({problem}): it fails the \
@@ -2006,8 +2007,8 @@ impl Sim {
         }
         // A Claimed task's holder may run it already (started without telling the store).
         let holder = self.store.task(id).and_then(|row| row.claimed_by.clone());
-        match self.store.cancel(id, now) {
-            Ok(found) => {
+        match self.store.admin(&AdminRequest::Cancel { task: id }, now) {
+            Ok(AdminReply::Cancelled { found }) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> cancelled: {found:?}"));
                 if !matches!(state, TaskState::Pending | TaskState::Claimed) {
                     return Err(format!("cancel of task {id} in state {state} was accepted"));
@@ -2022,6 +2023,7 @@ impl Sim {
                     ));
                 }
             }
+            Ok(other) => return Err(format!("cancel of task {id} replied {other:?}")),
             Err(refusal) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> refused"));
                 if matches!(state, TaskState::Pending | TaskState::Claimed) {

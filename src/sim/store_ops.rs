@@ -33,8 +33,8 @@ use serde_json::json;
 
 use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
-use crate::db::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, ReapReport, RunAt};
 use crate::memory::MemoryStore;
+use crate::store::{Completion, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, ReapReport, RunAt};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 
 use super::DB_EPOCH_MS;

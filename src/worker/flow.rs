@@ -14,7 +14,7 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-/// The most tasks a claim for an announced urgent task takes (see [`Buffer::would_overtake`]):
+/// The most tasks a claim for an announced urgent task takes (see `Buffer::would_overtake`):
 /// it goes beside a claim already in flight, and takes the most urgent tasks first.
 pub const URGENT_CLAIM_MAX: u32 = 8;
 

@@ -55,11 +55,11 @@ use std::time::{Duration, Instant};
 use crate::backoff::{self, DbBackoff};
 use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
-use crate::db::{
+use crate::rng::Rng;
+use crate::store::{
     ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,
     VacuumedTable, WorkerInfo, check_storable, check_storable_error, printable,
 };
-use crate::rng::Rng;
 
 mod flow;
 

@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use canter::config::AppConfig;
-use canter::db::DbTime;
 use canter::postgres::{PgSchema, PgStore, migrate};
+use canter::store::DbTime;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 

@@ -13,6 +13,7 @@ use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPol
 use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService};
 use canter::postgres::{PgSchema, PgStore};
 use canter::schedule::ScheduleConfig;
+use canter::store::AdminRequest;
 use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Event, Stats};
 use futures::channel::oneshot;
@@ -519,7 +520,7 @@ pub async fn forbidden_flags_leave_tasks_to_other_workers<R: Runtime>(runtime: A
     let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
     let mut ids = Vec::new();
     for id in 0..20u64 {
-        let flag = |t: canter::db::NewTask| if id % 2 == 0 { t.flag("gpu") } else { t };
+        let flag = |t: canter::store::NewTask| if id % 2 == 0 { t.flag("gpu") } else { t };
         ids.push(client.enqueue_with(&tasks.work, &Work { id, ms: 1 }, flag).await.unwrap().id());
     }
     let picky = WorkerConfig { forbidden_flags: vec!["gpu".into()], ..fast_worker(4) };
@@ -623,11 +624,11 @@ pub async fn racing_scheduler_loops<R: Runtime>(runtime: Arc<R>, pool: PgPool, s
 pub async fn waits_leave_nothing_behind<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     use futures::future::{Either, join_all, select};
     let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
-    let tasks = (0..100).map(|i| canter::db::NewTask::new("t", serde_json::json!(i))).collect();
+    let tasks = (0..100).map(|i| canter::store::NewTask::new("t", serde_json::json!(i))).collect();
     let ids = client.store().enqueue_many(tasks).await.unwrap();
     // Finished before the wait: read at once.
     for id in &ids[..25] {
-        client.complete(*id, serde_json::json!(1)).await.unwrap();
+        client.admin(&AdminRequest::Complete { task: *id, result: serde_json::json!(1) }).await.unwrap();
         client.wait(*id, Duration::from_secs(10)).await.unwrap();
     }
     // Timed out.
@@ -650,7 +651,7 @@ pub async fn waits_leave_nothing_behind<R: Runtime>(runtime: Arc<R>, pool: PgPoo
         .collect();
     sleep(&*runtime, Duration::from_millis(200)).await;
     for id in &ids[75..] {
-        client.complete(*id, serde_json::json!(2)).await.unwrap();
+        client.admin(&AdminRequest::Complete { task: *id, result: serde_json::json!(2) }).await.unwrap();
     }
     for wait in waits {
         assert_eq!(wait.await.unwrap().unwrap().state, TaskState::Completed);

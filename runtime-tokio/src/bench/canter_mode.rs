@@ -7,9 +7,9 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use canter::config::AppConfig;
-use canter::db::NewTask;
 use canter::driver::{Registry, WorkerService};
 use canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener};
+use canter::store::NewTask;
 use canter::task::{TaskError, WorkerId};
 use serde::Deserialize;
 use serde_json::Value;

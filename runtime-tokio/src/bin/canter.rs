@@ -9,10 +9,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use canter_tokio::canter::config::{Config, RetryPolicy};
-use canter_tokio::canter::db::{DEFAULT_PURGE_BATCH, DbTime, KeyMode, NewTask, RunAt, TaskRecord};
-use canter_tokio::canter::memory::{Cancelled, FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, TaskFilter};
 use canter_tokio::canter::postgres::{CheckReport, MIGRATE_LOCK_WAIT, PgStore, SchemaStatus, enqueue_many_in};
 use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
+use canter_tokio::canter::store::{
+    AdminReply, AdminRequest, Cancelled, DEFAULT_PURGE_BATCH, DbTime, FAILED_BY_OPERATOR_MESSAGE, KeyMode, KeyRemoval,
+    NewTask, Reschedule, RunAt, TaskFilter, TaskRecord,
+};
 use canter_tokio::cli::{self, Args, UsageError, parse_duration, printable};
 use canter_tokio::{Client, PgSchema, Scheduler, TaskId, TaskState, TokioRuntime, Worker, WorkerId, builtins};
 use canter_tokio::{errln, outln};
@@ -280,13 +282,8 @@ async fn run(command: &str, raw: &[String]) -> Outcome {
         "list" => list(raw).await,
         "show" => show(raw).await,
         "result" => result(raw).await,
-        "cancel" | "retry" => admin(command, raw).await,
-        "reschedule" => reschedule(raw).await,
-        "complete" | "fail" => finish_by_hand(command, raw).await,
-        "force-unlock" => force_unlock(raw).await,
-        "remove-key" => remove_key(raw).await,
-        "purge" => purge(raw).await,
-        "pause" | "resume" => pause(command, raw).await,
+        "cancel" | "retry" | "reschedule" | "complete" | "fail" | "force-unlock" | "remove-key" | "purge" | "pause"
+        | "resume" => admin(command, raw).await,
         "scheduler" => scheduler(raw, false).await,
         "schedules" => scheduler(raw, true).await,
         "demo" => canter_tokio::demo::run(raw).await.map_err(|e| match e {
@@ -701,29 +698,77 @@ async fn result(raw: &[String]) -> Outcome {
     }
 }
 
+/// The operator commands: each parses its arguments into one [`AdminRequest`] (and the app
+/// settings the action reads), which [`admin`] sends and whose reply it prints.
+type Action = (Args, AdminRequest, canter_tokio::AppConfig);
+
 async fn admin(command: &str, raw: &[String]) -> Outcome {
-    let args = Args::parse(raw, COMMON, &[], false)?;
-    let id = task_id(&args)?;
-    let client = client(&args, Default::default())?;
-    if command == "cancel" {
-        match client.cancel(id).await.map_err(failed)? {
-            Cancelled::Pending => outln!("task {id} cancelled"),
-            Cancelled::Claimed { worker } => outln!(
-                "task {id} cancelled; worker {} had claimed it and may be running it: that run goes on to its end, \
-                 and its outcome will not be recorded",
-                printable(&worker.0)
-            ),
+    let (args, request, app) = match command {
+        "cancel" | "retry" => task_action(command, raw)?,
+        "reschedule" => reschedule(raw)?,
+        "complete" | "fail" => finish_by_hand(command, raw)?,
+        "force-unlock" => force_unlock(raw)?,
+        "remove-key" => remove_key(raw)?,
+        "purge" => purge(raw)?,
+        _ => pause(command, raw)?,
+    };
+    let client = client(&args, app)?;
+    let reply = client.admin(&request).await.map_err(failed)?;
+    let json = args.switch("json");
+    match (&request, reply) {
+        (AdminRequest::Cancel { task }, AdminReply::Cancelled { found: Cancelled::Pending }) => {
+            outln!("task {task} cancelled")
         }
-    } else {
-        client.retry(id).await.map_err(failed)?;
-        outln!("task {id} is pending again");
+        (AdminRequest::Cancel { task }, AdminReply::Cancelled { found: Cancelled::Claimed { worker } }) => outln!(
+            "task {task} cancelled; worker {} had claimed it and may be running it: that run goes on to its end, \
+             and its outcome will not be recorded",
+            printable(&worker.0)
+        ),
+        (AdminRequest::Retry { task }, AdminReply::Done) => outln!("task {task} is pending again"),
+        (AdminRequest::Reschedule { task, .. }, AdminReply::Done) => outln!("task {task} rescheduled"),
+        (AdminRequest::Complete { task, .. }, AdminReply::Done) => outln!("task {task} completed"),
+        (AdminRequest::Fail { task, .. }, AdminReply::Done) => outln!("task {task} failed"),
+        (AdminRequest::ForceUnlock { workers }, AdminReply::Released { tasks }) if json => {
+            outln!("{}", serde_json::json!({"workers": workers, "tasks": tasks}))
+        }
+        (AdminRequest::ForceUnlock { .. }, AdminReply::Released { tasks }) => outln!("{tasks} tasks back to pending"),
+        (AdminRequest::RemoveKey { key }, AdminReply::KeyRemoved { removal }) if json => {
+            outln!("{}", serde_json::json!({"key": key, "removal": removal}))
+        }
+        (AdminRequest::RemoveKey { key }, AdminReply::KeyRemoved { removal }) => match removal {
+            KeyRemoval::Cancelled(id) => outln!("key \"{}\" freed; its pending task {id} cancelled", printable(key)),
+            KeyRemoval::Detached(id) => outln!("key \"{}\" freed; task {id} runs on without it", printable(key)),
+            KeyRemoval::Freed(id) => outln!("key \"{}\" freed from finished task {id}", printable(key)),
+        },
+        (AdminRequest::Purge { .. }, AdminReply::Purged { tasks }) if json => {
+            outln!("{}", serde_json::json!({"purged": tasks}))
+        }
+        (AdminRequest::Purge { .. }, AdminReply::Purged { tasks }) => outln!("{tasks} finished tasks purged"),
+        (AdminRequest::Pause { queue }, AdminReply::Paused { was_running: changed })
+        | (AdminRequest::Resume { queue }, AdminReply::Resumed { was_paused: changed }) => {
+            let pausing = matches!(request, AdminRequest::Pause { .. });
+            if json {
+                outln!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
+            } else {
+                let state = if pausing { "paused" } else { "running" };
+                outln!("queue {} {}{state}", printable(queue), if changed { "" } else { "was already " });
+            }
+        }
+        (request, reply) => return Err(failed(format!("{} replied {reply:?}", request.name()))),
     }
     Ok(())
 }
 
-async fn reschedule(raw: &[String]) -> Outcome {
+fn task_action(command: &str, raw: &[String]) -> Result<Action, Failure> {
+    let args = Args::parse(raw, COMMON, &[], false)?;
+    let task = task_id(&args)?;
+    let request = if command == "cancel" { AdminRequest::Cancel { task } } else { AdminRequest::Retry { task } };
+    Ok((args, request, Default::default()))
+}
+
+fn reschedule(raw: &[String]) -> Result<Action, Failure> {
     let args = Args::parse(raw, &["database-url", "schema", "run-at", "priority", "retries"], &["now"], false)?;
-    let id = task_id(&args)?;
+    let task = task_id(&args)?;
     let run_at = match (args.switch("now"), args.value("run-at")) {
         (true, Some(_)) => return Err(Failure::Usage("give --now or --run-at, not both".into())),
         (true, None) => Some(RunAt::Now),
@@ -740,69 +785,46 @@ async fn reschedule(raw: &[String]) -> Outcome {
     if change == Reschedule::default() {
         return Err(Failure::Usage("nothing to change: give --now, --run-at, --priority or --retries".into()));
     }
-    let client = client(&args, Default::default())?;
-    client.reschedule(id, change).await.map_err(failed)?;
-    outln!("task {id} rescheduled");
-    Ok(())
+    Ok((args, AdminRequest::Reschedule { task, change }, Default::default()))
 }
 
-async fn finish_by_hand(command: &str, raw: &[String]) -> Outcome {
+fn finish_by_hand(command: &str, raw: &[String]) -> Result<Action, Failure> {
     let value = if command == "complete" { "result" } else { "message" };
     let args = Args::parse(raw, &["database-url", "schema", value], &[], false)?;
-    let id = task_id(&args)?;
-    let client = client(&args, Default::default())?;
-    if command == "complete" {
+    let task = task_id(&args)?;
+    let request = if command == "complete" {
         let result: Value = match args.value("result") {
             Some(text) => {
                 serde_json::from_str(text).map_err(|e| Failure::Usage(format!("--result is not valid JSON: {e}")))?
             }
             None => Value::Null,
         };
-        client.complete(id, result).await.map_err(failed)?;
-        outln!("task {id} completed");
+        AdminRequest::Complete { task, result }
     } else {
-        client.fail(id, args.value("message").unwrap_or(FAILED_BY_OPERATOR_MESSAGE)).await.map_err(failed)?;
-        outln!("task {id} failed");
-    }
-    Ok(())
+        AdminRequest::Fail { task, message: args.value("message").unwrap_or(FAILED_BY_OPERATOR_MESSAGE).to_owned() }
+    };
+    Ok((args, request, Default::default()))
 }
 
-async fn force_unlock(raw: &[String]) -> Outcome {
+fn force_unlock(raw: &[String]) -> Result<Action, Failure> {
     let args = Args::parse(raw, COMMON, &["json"], false)?;
     if args.positional.is_empty() {
         return Err(Failure::Usage("expected one or more WORKER ids".into()));
     }
     let workers: Vec<WorkerId> = args.positional.iter().cloned().map(WorkerId).collect();
-    let client = client(&args, Default::default())?;
-    let n = client.force_unlock(&workers).await.map_err(failed)?;
-    if args.switch("json") {
-        outln!("{}", serde_json::json!({"workers": workers, "tasks": n}));
-    } else {
-        outln!("{n} tasks back to pending");
-    }
-    Ok(())
+    Ok((args, AdminRequest::ForceUnlock { workers }, Default::default()))
 }
 
-async fn remove_key(raw: &[String]) -> Outcome {
+fn remove_key(raw: &[String]) -> Result<Action, Failure> {
     let args = Args::parse(raw, COMMON, &["json"], false)?;
     let [key] = args.positional.as_slice() else {
         return Err(Failure::Usage("expected exactly one KEY".into()));
     };
-    let client = client(&args, Default::default())?;
-    let removal = client.remove_key(key).await.map_err(failed)?;
-    if args.switch("json") {
-        outln!("{}", serde_json::json!({"key": key, "removal": removal}));
-        return Ok(());
-    }
-    match removal {
-        KeyRemoval::Cancelled(id) => outln!("key \"{}\" freed; its pending task {id} cancelled", printable(key)),
-        KeyRemoval::Detached(id) => outln!("key \"{}\" freed; task {id} runs on without it", printable(key)),
-        KeyRemoval::Freed(id) => outln!("key \"{}\" freed from finished task {id}", printable(key)),
-    }
-    Ok(())
+    let key = key.clone();
+    Ok((args, AdminRequest::RemoveKey { key }, Default::default()))
 }
 
-async fn purge(raw: &[String]) -> Outcome {
+fn purge(raw: &[String]) -> Result<Action, Failure> {
     let values = ["database-url", "schema", "older-than", "idempotency-retention", "batch"];
     let args = Args::parse(raw, &values, &["json"], false)?;
     if !args.positional.is_empty() {
@@ -819,33 +841,17 @@ async fn purge(raw: &[String]) -> Outcome {
     if let Some(window) = args.value("idempotency-retention") {
         app.recovery.idempotency_retention_ms = Some(millis(parse_duration(window)?));
     }
-    let client = client(&args, app)?;
-    let retention_ms = millis(retention);
-    let n = client.store().purge_finished(retention_ms, batch).await.map_err(failed)?;
-    if args.switch("json") {
-        outln!("{}", serde_json::json!({"purged": n}));
-    } else {
-        outln!("{n} finished tasks purged");
-    }
-    Ok(())
+    Ok((args, AdminRequest::Purge { retention_ms: millis(retention), batch }, app))
 }
 
-async fn pause(command: &str, raw: &[String]) -> Outcome {
+fn pause(command: &str, raw: &[String]) -> Result<Action, Failure> {
     let args = Args::parse(raw, COMMON, &["json"], false)?;
     let [queue] = args.positional.as_slice() else {
         return Err(Failure::Usage("expected exactly one QUEUE".into()));
     };
-    let client = client(&args, Default::default())?;
-    let pausing = command == "pause";
-    let changed = if pausing { client.pause_queue(queue).await } else { client.resume_queue(queue).await };
-    let changed = changed.map_err(failed)?;
-    if args.switch("json") {
-        outln!("{}", serde_json::json!({"queue": queue, "paused": pausing, "changed": changed}));
-    } else {
-        let state = if pausing { "paused" } else { "running" };
-        outln!("queue {} {}{state}", printable(queue), if changed { "" } else { "was already " });
-    }
-    Ok(())
+    let queue = queue.clone();
+    let request = if command == "pause" { AdminRequest::Pause { queue } } else { AdminRequest::Resume { queue } };
+    Ok((args, request, Default::default()))
 }
 
 async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
@@ -1093,7 +1099,7 @@ mod tests {
         let (filter, max) = log_filter("warn", LevelFilter::INFO).expect("a level");
         assert_eq!((filter.default_level(), max), (Some(LevelFilter::WARN), LevelFilter::WARN));
 
-        let (filter, max) = log_filter(" canter::db = trace , info ", LevelFilter::WARN).expect("directives");
+        let (filter, max) = log_filter(" canter::store = trace , info ", LevelFilter::WARN).expect("directives");
         assert_eq!((filter.default_level(), max), (Some(LevelFilter::INFO), LevelFilter::TRACE));
         assert!(filter.would_enable("canter::db", &tracing::Level::TRACE));
         assert!(!filter.would_enable("sqlx::query", &tracing::Level::DEBUG));

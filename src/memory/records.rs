@@ -1,0 +1,71 @@
+//! Inspection: tasks, runs, counts, workers and paused queues as the SQL reads them.
+
+use std::collections::BTreeMap;
+
+use crate::store::{AttemptRecord, DbTime, Notification, TaskFilter, TaskRecord, WorkerRecord};
+use crate::task::{TaskId, TaskState};
+
+use super::store::{MemoryStore, StoredTask};
+
+impl MemoryStore {
+    /// The task with this id, live or finished.
+    pub fn get(&self, id: TaskId) -> Option<TaskRecord> {
+        self.row(id).map(StoredTask::record)
+    }
+
+    /// The full row of the task with this id, live or finished.
+    pub fn task(&self, id: TaskId) -> Option<&StoredTask> {
+        self.row(id)
+    }
+
+    /// Every row: the live table, then the finished table, each by id.
+    pub fn tasks(&self) -> impl Iterator<Item = &StoredTask> {
+        self.live.values().chain(self.finished.values())
+    }
+
+    /// The attempts history of a task, oldest first (empty for an unknown id).
+    pub fn attempts(&self, id: TaskId) -> Vec<AttemptRecord> {
+        self.history.get(&id).cloned().unwrap_or_default()
+    }
+
+    /// The tasks `filter` selects, live and finished together, by id.
+    pub fn list(&self, filter: &TaskFilter) -> Vec<TaskRecord> {
+        let mut rows: Vec<&StoredTask> = self
+            .tasks()
+            .filter(|row| filter.queue.as_ref().is_none_or(|q| &row.queue == q))
+            .filter(|row| filter.state.is_none_or(|s| row.state == s))
+            .collect();
+        rows.sort_by_key(|row| row.id);
+        rows.into_iter().take(filter.limit.unwrap_or(usize::MAX)).map(StoredTask::record).collect()
+    }
+
+    /// How many tasks each queue has in each state (pairs with none are left out).
+    pub fn counts(&self) -> BTreeMap<(String, TaskState), u64> {
+        let mut counts = BTreeMap::new();
+        for row in self.tasks() {
+            *counts.entry((row.queue.clone(), row.state)).or_insert(0) += 1;
+        }
+        counts
+    }
+
+    /// The worker registry, by worker id.
+    pub fn workers(&self) -> Vec<WorkerRecord> {
+        self.workers.values().cloned().collect()
+    }
+
+    /// Takes the notifications sent since the last call, in the order they were sent.
+    pub fn take_notifications(&mut self) -> Vec<Notification> {
+        std::mem::take(&mut self.notifications)
+    }
+
+    /// The earliest `run_at` among Pending tasks, past or future: a simulation compares it
+    /// with its clock to skip ahead to the next time a task becomes claimable.
+    pub fn next_run_at(&self) -> Option<DbTime> {
+        self.pending_run_ats().min()
+    }
+
+    /// The earliest `run_at` after `now` among Pending tasks.
+    pub fn next_run_at_after(&self, now: DbTime) -> Option<DbTime> {
+        self.pending_run_ats().filter(|&at| at > now).min()
+    }
+}

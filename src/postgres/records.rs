@@ -1,0 +1,122 @@
+//! Inspection on PostgreSQL: tasks, runs, counts, workers and paused queues.
+
+use std::collections::BTreeMap;
+
+use serde_json::Value;
+use sqlx::Row;
+use sqlx::postgres::PgRow;
+
+use crate::postgres::replay::{Replay, replayed};
+use crate::postgres::store::{PgStore, count, json, leniently, parse_state};
+use crate::store::{AttemptRecord, DbTime, TaskRecord, WorkerInfo};
+use crate::store::{PausedQueue, TaskFilter, WorkerRecord};
+use crate::task::{Attempt, TaskId, TaskState, WorkerId};
+
+/// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
+type AttemptRow = (i64, i32, Option<String>, String, Option<Value>, i64);
+
+impl PgStore {
+    /// The task with this id, live or finished.
+    pub async fn get(&self, id: TaskId) -> Result<Option<TaskRecord>, sqlx::Error> {
+        let row = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().get.clone())
+            .bind(id.0)
+            .fetch_optional(conn))?;
+        row.map(|row| record(&row)).transpose()
+    }
+
+    /// The attempts history of a task, oldest first (empty for an unknown id).
+    pub async fn attempts(&self, id: TaskId) -> Result<Vec<AttemptRecord>, sqlx::Error> {
+        let rows: Vec<AttemptRow> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().attempts.clone())
+                .bind(id.0)
+                .fetch_all(conn))?;
+        rows.into_iter()
+            .map(|(task, attempt, worker, outcome, error, finished_at)| {
+                Ok(AttemptRecord {
+                    task: TaskId(task),
+                    attempt: Attempt(count(attempt)),
+                    worker: worker.map(WorkerId),
+                    outcome: parse_state(&outcome)?,
+                    error: error.map(json).transpose()?,
+                    finished_at: DbTime(finished_at),
+                })
+            })
+            .collect()
+    }
+
+    /// The tasks `filter` selects, live and finished together, by id.
+    pub async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, sqlx::Error> {
+        let limit = filter.limit.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().list.clone())
+            .bind(filter.queue.as_deref())
+            .bind(filter.state.map(TaskState::as_str))
+            .bind(limit)
+            .fetch_all(conn))?;
+        rows.iter().map(record).collect()
+    }
+
+    /// How many tasks each queue has in each state (pairs with none are left out).
+    pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, sqlx::Error> {
+        let rows: Vec<(String, String, i64)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().counts.clone()).fetch_all(conn))?;
+        let mut counts = BTreeMap::new();
+        for (queue, state, n) in rows {
+            *counts.entry((queue, parse_state(&state)?)).or_insert(0) += u64::try_from(n).unwrap_or(0);
+        }
+        Ok(counts)
+    }
+
+    /// The worker registry, by worker id.
+    pub async fn workers(&self) -> Result<Vec<WorkerRecord>, sqlx::Error> {
+        let rows: Vec<(String, Vec<String>, i32, i64, bool)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().workers.clone()).fetch_all(conn))?;
+        Ok(rows
+            .into_iter()
+            .map(|(id, queues, concurrency, last_seen, stopped)| WorkerRecord {
+                info: WorkerInfo { worker: WorkerId(id), queues, concurrency: count(concurrency) },
+                last_seen: DbTime(last_seen),
+                stopped,
+            })
+            .collect())
+    }
+
+    /// The paused queues, by name.
+    pub async fn paused_queues(&self) -> Result<Vec<PausedQueue>, sqlx::Error> {
+        let rows: Vec<(String, i64)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().paused_queues.clone())
+                .fetch_all(conn))?;
+        Ok(rows.into_iter().map(|(queue, at)| PausedQueue { queue, paused_at: DbTime(at) }).collect())
+    }
+}
+
+/// A [`TaskRecord`] from a row of the `get`/`list` statements.
+fn record(row: &PgRow) -> Result<TaskRecord, sqlx::Error> {
+    let state = parse_state(row.try_get("state")?)?;
+    let held = matches!(state, TaskState::Claimed | TaskState::Running);
+    let claimed_by: Option<String> = row.try_get("claimed_by")?;
+    // One row whose arguments cannot be read fails neither a listing nor a wait.
+    let (args, args_error) = match leniently::<Value>(row, "args")? {
+        Ok(args) => (args, None),
+        Err(problem) => (Value::Null, Some(problem)),
+    };
+    Ok(TaskRecord {
+        id: TaskId(row.try_get("id")?),
+        name: row.try_get("name")?,
+        queue: row.try_get("queue")?,
+        state,
+        priority: row.try_get("priority")?,
+        args,
+        args_error,
+        attempts: count(row.try_get("attempts")?),
+        retries: count(row.try_get("retries")?),
+        enqueued_at: DbTime(row.try_get("enqueued_at")?),
+        run_at: DbTime(row.try_get("run_at")?),
+        good_until: row.try_get::<Option<i64>, _>("good_until")?.map(DbTime),
+        finished_at: row.try_get::<Option<i64>, _>("finished_at")?.map(DbTime),
+        worker: if held { claimed_by.map(WorkerId) } else { None },
+        result: row.try_get("result")?,
+        error: row.try_get::<Option<Value>, _>("error")?.map(json).transpose()?,
+        key: row.try_get("key")?,
+        flags: row.try_get::<Option<Vec<String>>, _>("flags")?.unwrap_or_default(),
+    })
+}

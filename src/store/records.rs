@@ -1,0 +1,101 @@
+//! What inspection reads: tasks ([`TaskRecord`]), their runs ([`AttemptRecord`]), workers
+//! ([`WorkerRecord`]), paused queues ([`PausedQueue`]), and which tasks to list
+//! ([`TaskFilter`]).
+
+use serde::{Deserialize, Serialize};
+
+use crate::store::WorkerInfo;
+use crate::task::{Attempt, DbTime, TaskError, TaskId, TaskState, WorkerId};
+
+/// A task as inspection shows it: its row in the live table or the finished table.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TaskRecord {
+    /// The task.
+    pub id: TaskId,
+    /// Its handler name.
+    pub name: String,
+    /// Its queue.
+    pub queue: String,
+    /// Its state.
+    pub state: TaskState,
+    /// Its priority.
+    pub priority: i16,
+    /// Its arguments (`null` when they could not be read: see `args_error`).
+    pub args: serde_json::Value,
+    /// Why the stored arguments could not be read (nested deeper than a reader decodes, a
+    /// number out of range), if they could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args_error: Option<String>,
+    /// Runs started.
+    pub attempts: u32,
+    /// Retries spent.
+    pub retries: u32,
+    /// When it was enqueued.
+    pub enqueued_at: DbTime,
+    /// When it is (or was) claimable.
+    pub run_at: DbTime,
+    /// When it expires.
+    pub good_until: Option<DbTime>,
+    /// When it reached a terminal state.
+    pub finished_at: Option<DbTime>,
+    /// The worker holding it, while Claimed or Running.
+    pub worker: Option<WorkerId>,
+    /// Its result, once Completed.
+    pub result: Option<serde_json::Value>,
+    /// Its last error: the final one once Failed, Expired or Cancelled, the latest retried
+    /// one while it waits for its next run.
+    pub error: Option<TaskError>,
+    /// Its key, while it holds one.
+    pub key: Option<String>,
+    /// Its flags, sorted.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub flags: Vec<String>,
+}
+
+/// One finished run of a task, as the attempts history keeps it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// The task.
+    pub task: TaskId,
+    /// Which run.
+    pub attempt: Attempt,
+    /// Who ran it.
+    pub worker: Option<WorkerId>,
+    /// What the task became: Completed, Failed, or Pending when it will be retried.
+    pub outcome: TaskState,
+    /// The error, if it failed.
+    pub error: Option<TaskError>,
+    /// When the run ended.
+    pub finished_at: DbTime,
+}
+
+/// A paused queue: no claim takes its Pending tasks until it is resumed.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PausedQueue {
+    /// The queue.
+    pub queue: String,
+    /// Since when (the first pause, if it was paused again).
+    pub paused_at: DbTime,
+}
+
+/// Which tasks a list returns ([`MemoryStore::list`](crate::memory::MemoryStore::list)); every field `None` lists them all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TaskFilter {
+    /// Only tasks of this queue.
+    pub queue: Option<String>,
+    /// Only tasks in this state.
+    pub state: Option<TaskState>,
+    /// At most this many (the lowest ids).
+    pub limit: Option<usize>,
+}
+
+/// A worker as the registry knows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerRecord {
+    /// What it registered (empty queues and concurrency 0 if it only ever sent heartbeats).
+    pub info: WorkerInfo,
+    /// Its last registration or heartbeat.
+    pub last_seen: DbTime,
+    /// Whether it deregistered (and did not register again since).
+    pub stopped: bool,
+}
