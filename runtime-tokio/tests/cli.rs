@@ -135,7 +135,7 @@ fn canter_log_takes_a_level_or_per_target_directives() {
         assert_eq!(output.status.code(), Some(0), "{}", text(&output));
         String::from_utf8_lossy(&output.stderr).into_owned()
     };
-    // Every database request of the workers is traced under the target `canter::store`.
+    // Every database request of the workers is traced under the target `canter::db`.
     let request = "kind=";
     assert!(demo("trace").contains(request));
     assert!(demo("sqlx=trace, canter::db=trace,warn").contains(request));

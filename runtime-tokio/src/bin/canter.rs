@@ -1099,7 +1099,7 @@ mod tests {
         let (filter, max) = log_filter("warn", LevelFilter::INFO).expect("a level");
         assert_eq!((filter.default_level(), max), (Some(LevelFilter::WARN), LevelFilter::WARN));
 
-        let (filter, max) = log_filter(" canter::store = trace , info ", LevelFilter::WARN).expect("directives");
+        let (filter, max) = log_filter(" canter::db = trace , info ", LevelFilter::WARN).expect("directives");
         assert_eq!((filter.default_level(), max), (Some(LevelFilter::INFO), LevelFilter::TRACE));
         assert!(filter.would_enable("canter::db", &tracing::Level::TRACE));
         assert!(!filter.would_enable("sqlx::query", &tracing::Level::DEBUG));
