@@ -30,25 +30,21 @@
 //! ```
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::fmt;
 use std::ops::RangeInclusive;
 use std::path::{Path, PathBuf};
 
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
 
+use crate::check::{Check, ConfigError};
 use crate::schedule::ScheduleConfig;
-use crate::task::{ErrorCode, is_valid_flag};
+use crate::task::{ErrorCode, QUEUE_NAME_RULE, is_valid_flag, is_valid_queue_name};
 
 /// The claim lease used when [`AppConfig::claim_lease_ms`] is not set: 60 s.
 pub const DEFAULT_CLAIM_LEASE_MS: u64 = 60_000;
 
 /// The name of the single queue of [`QueueMode::Default`].
 pub const DEFAULT_QUEUE_NAME: &str = "default";
-
-/// The longest queue name in bytes. A queue's NOTIFY channel is its name behind an 11-byte
-/// prefix, and PostgreSQL truncates channel names past 63 bytes.
-pub const MAX_QUEUE_NAME_LEN: usize = 52;
 
 // Allowed ranges, from the seeds (reference/seeds.md §1.1, §2.1).
 const QUEUE_PRIORITY: RangeInclusive<u8> = 1..=100;
@@ -80,15 +76,6 @@ const MAX_RESULT_BYTES: RangeInclusive<u64> = 1_024..=MAX_STORED_VALUE_BYTES;
 /// `WorkerConfig::max_result_bytes`.
 pub const MAX_STORED_VALUE_BYTES: u64 = 268_435_455;
 
-/// Whether `name` is a valid queue name: 1 to [`MAX_QUEUE_NAME_LEN`] bytes of `a-z`, `0-9`
-/// and `_`.
-pub fn is_valid_queue_name(name: &str) -> bool {
-    (1..=MAX_QUEUE_NAME_LEN).contains(&name.len())
-        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-}
-
-const QUEUE_NAME_RULE: &str = "1 to 52 bytes of a-z, 0-9 and _";
-
 // ---------------------------------------------------------------------------------------------
 // Queues
 // ---------------------------------------------------------------------------------------------
@@ -110,7 +97,7 @@ pub enum QueueMode {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct CustomQueue {
-    /// The queue's name: 1 to [`MAX_QUEUE_NAME_LEN`] bytes of `a-z`, `0-9` and `_`.
+    /// The queue's name: 1 to [`MAX_QUEUE_NAME_LEN`](crate::task::MAX_QUEUE_NAME_LEN) bytes of `a-z`, `0-9` and `_`.
     pub name: String,
     /// Claim order across queues, lower first: 1 to 100, default 1.
     pub priority: u8,
@@ -626,7 +613,36 @@ impl AppConfig {
         self.resilience.check(&mut c.nested("resilience"));
         self.recovery.check(&mut c.nested("recovery"));
         self.retry.check(&mut c.nested("retry"));
-        crate::schedule::check_schedules(self, c);
+        self.check_schedules(c);
+    }
+
+    /// The checks of the app's schedules: each one's fields, unique names, known queues.
+    fn check_schedules(&self, c: &mut Check<'_>) {
+        let mut first_at: BTreeMap<&str, usize> = BTreeMap::new();
+        for (i, schedule) in self.schedules.iter().enumerate() {
+            schedule.check(&mut c.nested(&format!("schedules[{i}]")));
+            if is_valid_queue_name(&schedule.name) {
+                if let Some(first) = first_at.get(schedule.name.as_str()) {
+                    c.problem(
+                        &format!("schedules[{i}].name"),
+                        format!("{:?}", schedule.name),
+                        format!("a name not already used by schedules[{first}]"),
+                    );
+                } else {
+                    first_at.insert(&schedule.name, i);
+                }
+            }
+            if let Some(queue) = &schedule.queue {
+                if is_valid_queue_name(queue) && !self.has_queue(queue) {
+                    let known = self.queue_names().collect::<Vec<_>>().join(", ");
+                    c.problem(
+                        &format!("schedules[{i}].queue"),
+                        format!("{queue:?}"),
+                        format!("one of the app's queues: {known}"),
+                    );
+                }
+            }
+        }
     }
 
     fn check_queues(&self, c: &mut Check<'_>) {
@@ -1090,25 +1106,6 @@ fn line_column(input: &str, offset: usize) -> (usize, usize) {
 // Errors
 // ---------------------------------------------------------------------------------------------
 
-/// One violated rule: the field, its value, and what is allowed.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct ConfigProblem {
-    /// The field's dotted path, e.g. `app.recovery.check_interval_ms` or
-    /// `app.custom_queues[2].name`.
-    pub field: String,
-    /// The offending value as written in a file (strings quoted).
-    pub value: String,
-    /// What the field allows.
-    pub expected: String,
-}
-
-impl fmt::Display for ConfigProblem {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "`{}` is {}, expected {}", self.field, self.value, self.expected)
-    }
-}
-
 /// Every problem of `app` and `worker` together, named `app.…` and `worker.…`.
 pub fn validate_pair(app: &AppConfig, worker: &WorkerConfig) -> Result<(), ConfigError> {
     let mut problems = Vec::new();
@@ -1116,37 +1113,6 @@ pub fn validate_pair(app: &AppConfig, worker: &WorkerConfig) -> Result<(), Confi
     app.check(&mut root.nested("app"));
     worker.check(app, &mut root.nested("worker"));
     ConfigError::from_problems(problems)
-}
-
-/// Every problem found in one configuration.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid configuration: {}", describe_problems(.problems))]
-pub struct ConfigError {
-    /// The problems: the app's before the worker's, each table's in field order.
-    pub problems: Vec<ConfigProblem>,
-}
-
-impl ConfigError {
-    /// The fields with a problem, in order (a field may appear twice).
-    pub fn fields(&self) -> impl Iterator<Item = &str> {
-        self.problems.iter().map(|p| p.field.as_str())
-    }
-
-    /// The first problem of `field`, if it has one.
-    pub fn problem(&self, field: &str) -> Option<&ConfigProblem> {
-        self.problems.iter().find(|p| p.field == field)
-    }
-
-    pub(crate) fn from_problems(problems: Vec<ConfigProblem>) -> Result<(), ConfigError> {
-        if problems.is_empty() { Ok(()) } else { Err(ConfigError { problems }) }
-    }
-}
-
-fn describe_problems(problems: &[ConfigProblem]) -> String {
-    let count = problems.len();
-    let noun = if count == 1 { "problem" } else { "problems" };
-    let list: Vec<String> = problems.iter().map(ToString::to_string).collect();
-    format!("{count} {noun}: {}", list.join("; "))
 }
 
 /// Why a configuration could not be loaded.
@@ -1179,49 +1145,10 @@ pub enum LoadError {
 // The problem collector
 // ---------------------------------------------------------------------------------------------
 
-/// Collects problems, naming fields under a dotted prefix.
-pub(crate) struct Check<'a> {
-    prefix: String,
-    problems: &'a mut Vec<ConfigProblem>,
-}
-
-impl<'a> Check<'a> {
-    pub(crate) fn root(problems: &'a mut Vec<ConfigProblem>) -> Self {
-        Check { prefix: String::new(), problems }
-    }
-
-    /// A collector for the fields of the table `name`.
-    pub(crate) fn nested(&mut self, name: &str) -> Check<'_> {
-        Check { prefix: format!("{}{name}.", self.prefix), problems: &mut *self.problems }
-    }
-
-    pub(crate) fn problem(&mut self, field: &str, value: impl fmt::Display, expected: impl Into<String>) {
-        self.problems.push(ConfigProblem {
-            field: format!("{}{field}", self.prefix),
-            value: value.to_string(),
-            expected: expected.into(),
-        });
-    }
-
-    /// Reports `value` unless it lies in `allowed`; says whether it does.
-    pub(crate) fn range<T: PartialOrd + fmt::Display>(
-        &mut self,
-        field: &str,
-        value: T,
-        allowed: RangeInclusive<T>,
-    ) -> bool {
-        if allowed.contains(&value) {
-            return true;
-        }
-        let expected = format!("{} to {}", allowed.start(), allowed.end());
-        self.problem(field, value, expected);
-        false
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::task::MAX_QUEUE_NAME_LEN;
     use serde_json::Value;
 
     /// An edit of a config, for tables of cases.

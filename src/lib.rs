@@ -13,7 +13,8 @@
 //!
 //! - [`task`]: task states and the transitions between them, ids, lease tokens, database
 //!   times, flags, error codes.
-//! - [`config`]: all configuration, validated (every violation reported at once).
+//! - [`config`]: all configuration, validated (every violation reported at once, by the
+//!   leaf [`check`]).
 //! - [`budget`]: how many tasks one claim pass may take from which queue, under every cap.
 //! - [`backoff`]: retry delays and database-error backoff as pure functions.
 //! - [`store`]: the vocabulary every store speaks: the protocol between the worker machine
@@ -23,7 +24,8 @@
 //!   simulation and running without PostgreSQL (`postgres` is the other, file for file).
 //! - [`rng`]: a small seeded PRNG.
 //! - [`schedule`]: tasks enqueued on a timetable (cron, intervals, daily, weekly, monthly) in
-//!   a time zone read from TZif bytes, and which ticks fall due.
+//!   a time zone read from TZif bytes, and which ticks fall due; [`scheduler`]: what the
+//!   app's schedules enqueue, and when to look again.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
 //! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
@@ -85,10 +87,12 @@
 
 pub mod backoff;
 pub mod budget;
+pub mod check;
 pub mod config;
 pub mod memory;
 pub mod rng;
 pub mod schedule;
+pub mod scheduler;
 pub mod store;
 pub mod task;
 pub mod worker;

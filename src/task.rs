@@ -419,6 +419,20 @@ pub fn is_valid_flag(flag: &str) -> bool {
         && flag.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"_-.:".contains(&b))
 }
 
+/// The longest queue name in bytes. A queue's NOTIFY channel is its name behind an 11-byte
+/// prefix, and PostgreSQL truncates channel names past 63 bytes.
+pub const MAX_QUEUE_NAME_LEN: usize = 52;
+
+/// Whether `name` is a valid queue name: 1 to [`MAX_QUEUE_NAME_LEN`] bytes of `a-z`, `0-9`
+/// and `_`.
+pub fn is_valid_queue_name(name: &str) -> bool {
+    (1..=MAX_QUEUE_NAME_LEN).contains(&name.len())
+        && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+}
+
+/// What a queue name may be, as every error about one says it ([`is_valid_queue_name`]).
+pub const QUEUE_NAME_RULE: &str = "1 to 52 bytes of a-z, 0-9 and _";
+
 #[cfg(test)]
 mod tests {
     use super::*;

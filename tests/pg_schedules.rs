@@ -12,7 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use canter::config::AppConfig;
 use canter::postgres::{CheckReport, PgStore};
 use canter::rng::Rng;
-use canter::schedule::{CivilDateTime, ScheduleConfig, Scheduler};
+use canter::schedule::{CivilDateTime, ScheduleConfig};
+use canter::scheduler::Scheduler;
 use canter::store::DbTime;
 use canter::task::TaskId;
 use pg::{TestDb, pin_clock};
@@ -53,7 +54,7 @@ async fn tasks_named(store: &PgStore, name: &str) -> i64 {
     sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).bind(name).fetch_one(store.pool()).await.unwrap()
 }
 
-async fn record(store: &PgStore, name: &str) -> canter::schedule::ScheduleRecord {
+async fn record(store: &PgStore, name: &str) -> canter::scheduler::ScheduleRecord {
     store.schedule_records().await.unwrap().into_iter().find(|r| r.name == name).expect("a record")
 }
 

@@ -9,7 +9,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use canter::config::AppConfig;
 use canter::memory::MemoryStore;
 use canter::rng::Rng;
-use canter::schedule::{Plan, ScheduleConfig, Scheduler};
+use canter::schedule::ScheduleConfig;
+use canter::scheduler::{Plan, Scheduler};
 use canter::store::DbTime;
 
 fn app() -> AppConfig {

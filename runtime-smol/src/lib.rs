@@ -29,15 +29,15 @@ use futures::StreamExt;
 use futures::future::BoxFuture;
 
 pub use canter;
-pub use canter::config::{
-    AppConfig, Config, ConfigError, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig,
-};
+pub use canter::check::ConfigError;
+pub use canter::config::{AppConfig, Config, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 pub use canter::driver::{
     ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, Runtime, SchedulerOptions,
     SchedulerRunError, SchedulerStats, ServeError, TaskContext, TaskHandle, connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
-pub use canter::schedule::{ScheduleConfig, SchedulerError};
+pub use canter::schedule::ScheduleConfig;
+pub use canter::scheduler::SchedulerError;
 pub use canter::store::{NewTask, RunAt};
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};

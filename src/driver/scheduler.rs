@@ -22,7 +22,7 @@ use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ResilienceConfig};
 use crate::postgres::{CheckReport, MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::{Rng, mix};
-use crate::schedule::{
+use crate::scheduler::{
     DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, Scheduler, SchedulerError, check_delay_ms,
 };
 

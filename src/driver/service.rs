@@ -18,11 +18,12 @@ use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::backoff::DbBackoff;
-use crate::config::{AppConfig, ConfigError, ResilienceConfig, WorkerConfig};
+use crate::check::ConfigError;
+use crate::config::{AppConfig, ResilienceConfig, WorkerConfig};
 use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::{Rng, mix};
-use crate::schedule::SchedulerError;
+use crate::scheduler::SchedulerError;
 use crate::task::WorkerId;
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 

@@ -4,7 +4,8 @@
 use std::path::PathBuf;
 
 use crate::config::AppConfig;
-use crate::schedule::{Scheduler, SchedulerError, TimeZone, TzError, ZoneId};
+use crate::schedule::{TimeZone, TzError, ZoneId};
+use crate::scheduler::{Scheduler, SchedulerError};
 
 /// Where zone files are read when `TZDIR` is not set.
 pub const DEFAULT_ZONEINFO_DIR: &str = "/usr/share/zoneinfo";

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use serde_json::Value;
 
 use crate::budget::ClaimPolicy;
-use crate::config::is_valid_queue_name;
 use crate::store::{
     self, AdminError, AdminReply, AdminRequest, Cancelled, DbTime, KeyRemoval, PausedQueue, Reschedule,
     TASK_CANCELLED_MESSAGE,
 };
+use crate::task::is_valid_queue_name;
 use crate::task::{ErrorCode, TaskError, TaskEvent, TaskId, TaskState, WorkerId, transition};
 
 use super::store::{MemoryStore, StoredTask, minus_ms};

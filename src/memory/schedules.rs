@@ -3,14 +3,14 @@
 use std::collections::BTreeMap;
 
 use crate::config::AppConfig;
-use crate::schedule::{ScheduleRecord, ScheduleWrite};
+use crate::scheduler::{ScheduleRecord, ScheduleWrite};
 use crate::store::{DbTime, EnqueueError};
 use crate::task::TaskId;
 
 use super::MemoryStore;
 
 impl MemoryStore {
-    /// Each recorded schedule's last tick, as [`Scheduler::plan`](crate::schedule::Scheduler::plan)
+    /// Each recorded schedule's last tick, as [`Scheduler::plan`](crate::scheduler::Scheduler::plan)
     /// reads them.
     pub fn schedule_ticks(&self) -> BTreeMap<String, DbTime> {
         self.schedules.iter().map(|(name, record)| (name.clone(), record.last_tick)).collect()

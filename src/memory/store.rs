@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use serde_json::Value;
 
 use crate::config::{AppConfig, RetryPolicy};
-use crate::schedule::ScheduleRecord;
+use crate::scheduler::ScheduleRecord;
 use crate::store::{AttemptRecord, DbTime, Notification, TaskRecord, WorkerInfo, WorkerRecord};
 use crate::task::{Attempt, Lease, TaskError, TaskEvent, TaskId, TaskState, WorkerId, transition};
 

@@ -3,11 +3,11 @@
 
 use serde_json::Value;
 
-use crate::config::is_valid_queue_name;
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::store::{PgStore, db_time, duration, error_json, parse_state};
 use crate::store::RunAt;
 use crate::store::{AdminError, AdminReply, AdminRequest, Cancelled, KeyRemoval, Reschedule, TASK_CANCELLED_MESSAGE};
+use crate::task::is_valid_queue_name;
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
 /// Why an operator action failed.

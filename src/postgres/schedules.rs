@@ -18,7 +18,7 @@ use sqlx::Row;
 use crate::postgres::enqueue::{PgEnqueueError, enqueue_many_in};
 use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::store::{PgStore, db_time};
-use crate::schedule::{Plan, ScheduleRecord, ScheduleWrite, Scheduler};
+use crate::scheduler::{Plan, ScheduleRecord, ScheduleWrite, Scheduler};
 use crate::store::DbTime;
 use crate::task::TaskId;
 

@@ -668,7 +668,7 @@ mod tests {
     #[test]
     fn channels_fit_postgres_limits() {
         let long = PgSchema::new(&"s".repeat(63)).unwrap();
-        let queue = "q".repeat(crate::config::MAX_QUEUE_NAME_LEN);
+        let queue = "q".repeat(crate::task::MAX_QUEUE_NAME_LEN);
         assert!(long.queue_channel(&queue).len() <= 63);
         assert!(long.queue_channel_prefix().len() <= 11);
         assert!(PgSchema::new("abcdefgh").unwrap().queue_channel(&queue).len() <= 63);

@@ -59,22 +59,20 @@
 //! an "advance only if greater" upsert that returns the previous value, with only the ticks
 //! after that value enqueued). Concurrent schedulers then enqueue each tick exactly once.
 //!
-//! # Schedulers
+//! # Schedulers (in [`scheduler`](crate::scheduler))
 //!
-//! A [`Scheduler`] holds an app's parsed schedules ([`Scheduler::from_app`], with zones from a
-//! loader the caller gives) and turns the records a store read into a [`Plan`]: one
-//! [`ScheduleWrite`] per record to change, each with the value it read (for the
+//! A [`Scheduler`](crate::scheduler::Scheduler) holds an app's parsed schedules ([`Scheduler::from_app`](crate::scheduler::Scheduler::from_app), with zones from a
+//! loader the caller gives) and turns the records a store read into a [`Plan`](crate::scheduler::Plan): one
+//! [`ScheduleWrite`](crate::scheduler::ScheduleWrite) per record to change, each with the value it read (for the
 //! compare-and-set), the tick to record and the tasks to enqueue, and the instant of the next
-//! check ([`check_delay_ms`] bounds the sleep until then). The PostgreSQL store applies plans
+//! check ([`check_delay_ms`](crate::scheduler::check_delay_ms) bounds the sleep until then). The PostgreSQL store applies plans
 //! (`PgStore::check_schedules`); the driver runs checks in a loop, inside workers or on its own.
 
 mod calendar;
 mod civil;
 mod cron;
-mod scheduler;
 mod tz;
 
-use std::collections::BTreeMap;
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -82,13 +80,10 @@ use serde::{Deserialize, Serialize};
 use self::calendar::{Pattern, SEARCH_SECS};
 pub use self::civil::{CivilDateTime, TimeOfDay, Weekday, WeekdaySet};
 pub use self::cron::{Cron, CronError, CronField};
-pub use self::scheduler::{
-    DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, ScheduleRecord, ScheduleWrite, Scheduler, SchedulerError,
-    check_delay_ms,
-};
 pub use self::tz::{LocalDateTime, LocalResult, TimeZone, TzError, UtcOffset, ZoneId, ZoneRules, zone_path};
-use crate::config::{AppConfig, Check, ConfigError, is_valid_queue_name};
-use crate::store::{DbTime, NewTask};
+use crate::check::{Check, ConfigError};
+use crate::task::DbTime;
+use crate::task::{QUEUE_NAME_RULE, is_valid_queue_name};
 
 /// The shortest interval: 1 s.
 pub const MIN_INTERVAL_MS: u64 = 1_000;
@@ -100,7 +95,6 @@ pub const MAX_BACKFILL: u32 = 10_000;
 pub const DEFAULT_MISFIRE_MS: u64 = 60_000;
 
 const MISFIRE_MS: std::ops::RangeInclusive<u64> = 1_000..=86_400_000;
-const SCHEDULE_NAME_RULE: &str = "1 to 52 bytes of a-z, 0-9 and _";
 const KINDS: &str = "exactly one of cron, every, daily, weekly or monthly";
 const DURATION_RULE: &str = "a duration like 500ms, 30s, 15m, 1h30m or 7d";
 
@@ -499,7 +493,7 @@ impl ScheduleConfig {
     }
 
     /// Every problem of this schedule; fields are named without a prefix (`cron`,
-    /// `weekly.days[1]`). The queue is checked against an app by [`AppConfig::validate`].
+    /// `weekly.days[1]`). The queue is checked against an app by [`AppConfig::validate`](crate::config::AppConfig::validate).
     pub fn validate(&self) -> Result<(), ConfigError> {
         let mut problems = Vec::new();
         self.check(&mut Check::root(&mut problems));
@@ -537,14 +531,14 @@ impl ScheduleConfig {
     /// Reports every problem under `c`'s prefix.
     pub(crate) fn check(&self, c: &mut Check<'_>) {
         if !is_valid_queue_name(&self.name) {
-            c.problem("name", format!("{:?}", self.name), SCHEDULE_NAME_RULE);
+            c.problem("name", format!("{:?}", self.name), QUEUE_NAME_RULE);
         }
         if self.task.is_empty() || self.task.len() > 128 {
             c.problem("task", format!("{:?}", self.task), "1 to 128 bytes");
         }
         if let Some(queue) = &self.queue {
             if !is_valid_queue_name(queue) {
-                c.problem("queue", format!("{queue:?}"), "1 to 52 bytes of a-z, 0-9 and _");
+                c.problem("queue", format!("{queue:?}"), QUEUE_NAME_RULE);
             }
         }
         let set: Vec<&str> = [
@@ -669,35 +663,6 @@ fn zone_expected(error: &TzError) -> String {
     }
 }
 
-/// The checks of an app's schedules: each one's fields, unique names, known queues.
-pub(crate) fn check_schedules(app: &AppConfig, c: &mut Check<'_>) {
-    let mut first_at: BTreeMap<&str, usize> = BTreeMap::new();
-    for (i, schedule) in app.schedules.iter().enumerate() {
-        schedule.check(&mut c.nested(&format!("schedules[{i}]")));
-        if is_valid_queue_name(&schedule.name) {
-            if let Some(first) = first_at.get(schedule.name.as_str()) {
-                c.problem(
-                    &format!("schedules[{i}].name"),
-                    format!("{:?}", schedule.name),
-                    format!("a name not already used by schedules[{first}]"),
-                );
-            } else {
-                first_at.insert(&schedule.name, i);
-            }
-        }
-        if let Some(queue) = &schedule.queue {
-            if is_valid_queue_name(queue) && !app.has_queue(queue) {
-                let known = app.queue_names().collect::<Vec<_>>().join(", ");
-                c.problem(
-                    &format!("schedules[{i}].queue"),
-                    format!("{queue:?}"),
-                    format!("one of the app's queues: {known}"),
-                );
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // A parsed schedule
 // ---------------------------------------------------------------------------------------------
@@ -787,16 +752,6 @@ impl ParsedSchedule {
     /// Which ticks to enqueue at `now` given the last tick recorded: [`due`].
     pub fn due(&self, last_tick: Option<DbTime>, now: DbTime) -> Due {
         due(&self.schedule, &self.tz, self.config.catch_up(), last_tick, now)
-    }
-
-    /// The task to enqueue at each tick: the configured task, arguments, queue and priority,
-    /// claimable at once (the tick is not added to the arguments).
-    pub fn new_task(&self) -> NewTask {
-        let task = NewTask::new(self.config.task.clone(), self.config.args.clone()).priority(self.config.priority);
-        match &self.config.queue {
-            Some(queue) => task.queue(queue.clone()),
-            None => task,
-        }
     }
 }
 

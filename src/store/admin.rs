@@ -6,7 +6,7 @@
 use serde::{Deserialize, Serialize};
 
 use crate::store::RunAt;
-use crate::task::{TaskId, TaskState, WorkerId};
+use crate::task::{QUEUE_NAME_RULE, TaskId, TaskState, WorkerId};
 
 /// The message of the error a task gets when it is cancelled.
 pub const TASK_CANCELLED_MESSAGE: &str = "task cancelled";
@@ -216,7 +216,7 @@ pub enum AdminError {
         good_until: i64,
     },
     /// The queue name has characters or a length queues cannot have.
-    #[error("invalid queue name {0:?}: expected 1 to 52 bytes of a-z, 0-9 and _")]
+    #[error("invalid queue name {0:?}: expected {QUEUE_NAME_RULE}")]
     InvalidQueueName(String),
 }
 

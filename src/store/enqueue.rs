@@ -6,9 +6,10 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::config::{AppConfig, RetryPolicy, is_valid_queue_name};
+use crate::config::{AppConfig, RetryPolicy};
 use crate::store::values::{UnstorableValue, check_storable};
 use crate::task::{DbTime, ErrorCode, TaskId, is_valid_flag};
+use crate::task::{QUEUE_NAME_RULE, is_valid_queue_name};
 
 /// When a new task becomes claimable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -204,7 +205,7 @@ pub enum EnqueueError {
     #[error("invalid task name {0:?}: expected 1 to 128 bytes")]
     InvalidTaskName(String),
     /// The queue name has characters or a length queues cannot have.
-    #[error("invalid queue name {0:?}: expected 1 to 52 bytes of a-z, 0-9 and _")]
+    #[error("invalid queue name {0:?}: expected {QUEUE_NAME_RULE}")]
     InvalidQueueName(String),
     /// The queue is not one the app configures.
     #[error("unknown queue {queue:?}: expected one of {known}")]

@@ -54,7 +54,8 @@ use std::time::{Duration, Instant};
 
 use crate::backoff::{self, DbBackoff};
 use crate::budget::ClaimPolicy;
-use crate::config::{AppConfig, ConfigError, DeploymentMode, RetryPolicy, WorkerConfig};
+use crate::check::ConfigError;
+use crate::config::{AppConfig, DeploymentMode, RetryPolicy, WorkerConfig};
 use crate::rng::Rng;
 use crate::store::{
     ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,

@@ -10,7 +10,8 @@ use std::time::Duration;
 
 use canter_tokio::canter::config::{Config, RetryPolicy};
 use canter_tokio::canter::postgres::{CheckReport, MIGRATE_LOCK_WAIT, PgStore, SchemaStatus, enqueue_many_in};
-use canter_tokio::canter::schedule::{ParsedSchedule, Plan, ScheduleRecord};
+use canter_tokio::canter::schedule::ParsedSchedule;
+use canter_tokio::canter::scheduler::{Plan, ScheduleRecord};
 use canter_tokio::canter::store::{
     AdminReply, AdminRequest, Cancelled, DEFAULT_PURGE_BATCH, DbTime, FAILED_BY_OPERATOR_MESSAGE, KeyMode, KeyRemoval,
     NewTask, Reschedule, RunAt, TaskFilter, TaskRecord,

@@ -1,6 +1,8 @@
 //! The scheduler's decisions, pure: from the states a store read and the database's `now`,
-//! which rows to write and which tasks to enqueue ([`Scheduler::plan`]), and how long to sleep
-//! before the next check ([`check_delay_ms`]).
+//! which rows to write and which tasks to enqueue ([`Scheduler::plan`], each a schedule's
+//! [`new_task`](ParsedSchedule::new_task)), and how long to sleep before the next check
+//! ([`check_delay_ms`]). Above [`schedule`](crate::schedule) (timetables, which know nothing
+//! of tasks) and the stores' enqueue checks.
 //!
 //! A check is: read every schedule's state and `now` (one round trip), [`plan`](Scheduler::plan),
 //! then apply each [`ScheduleWrite`] by compare-and-set on [`ScheduleWrite::read`]: a write
@@ -9,10 +11,24 @@
 
 use std::collections::BTreeMap;
 
-use super::{Due, ParsedSchedule, ScheduleError, TimeZone, ZoneId};
-use crate::config::{AppConfig, ConfigError};
+use crate::check::ConfigError;
+use crate::config::AppConfig;
+use crate::schedule::{Due, ParsedSchedule, ScheduleError, TimeZone, ZoneId};
 use crate::store::{DbTime, EnqueueError, NewTask, check_new_task};
 use crate::task::TaskId;
+
+impl ParsedSchedule {
+    /// The task to enqueue at each tick: the configured task, arguments, queue and priority,
+    /// claimable at once (the tick is not added to the arguments).
+    pub fn new_task(&self) -> NewTask {
+        let task =
+            NewTask::new(self.config().task.clone(), self.config().args.clone()).priority(self.config().priority);
+        match &self.config().queue {
+            Some(queue) => task.queue(queue.clone()),
+            None => task,
+        }
+    }
+}
 
 /// The shortest sleep between two checks, so that a schedule that keeps losing races or a
 /// timer that fires early can never spin.
