@@ -94,6 +94,8 @@ fn main() {
                 }
                 // A simulated job is aborted by forgetting it.
                 Command::Abort { task, .. } => jobs.retain(|Reverse((_, id, _))| *id != task),
+                // A command of a later core: this driver cannot carry it out.
+                other => panic!("a command this driver does not know: {other:?}"),
             }
         }
         while let Some(event) = worker.poll_event() {

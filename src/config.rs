@@ -3,8 +3,8 @@
 //!
 //! Everything here is plain data with the defaults of reference/seeds.md §1.1 and §2.1.
 //! Validation collects every problem of a configuration at once, each naming its field by
-//! dotted path, its value and what is allowed, so an operator fixes a file in one pass. The
-//! only I/O in this module is [`Config::from_path`] reading the file it is given.
+//! dotted path, its value and what is allowed, so an operator fixes a file in one pass. This
+//! module reads no file: [`Config::from_file_text`] parses what the caller read.
 //!
 //! A configuration file has an `[app]` and a `[worker]` table; every key is optional and
 //! unknown keys are rejected:
@@ -1040,27 +1040,32 @@ impl Config {
         Ok(config)
     }
 
-    /// Reads the file at `path` as TOML (`.toml`) or JSON (`.json`), then validates.
-    pub fn from_path(path: &Path) -> Result<Self, LoadError> {
+    /// Whether a file at `path` holds TOML (`.toml`, `true`) or JSON (`.json`, `false`).
+    pub fn format_of(path: &Path) -> Result<bool, LoadError> {
         let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
-        let toml = if extension.eq_ignore_ascii_case("toml") {
-            true
+        if extension.eq_ignore_ascii_case("toml") {
+            Ok(true)
         } else if extension.eq_ignore_ascii_case("json") {
-            false
+            Ok(false)
         } else {
-            return Err(LoadError::UnknownFormat(path.to_path_buf()));
-        };
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
+            Err(LoadError::UnknownFormat(path.to_path_buf()))
+        }
+    }
+
+    /// Parses `text`, the contents of the file at `path` (TOML for `.toml`, JSON for `.json`;
+    /// syntax errors name the file), then validates. Reading the file is the caller's
+    /// (`canter::driver::read_config` reads and parses one).
+    pub fn from_file_text(path: &Path, text: &str) -> Result<Self, LoadError> {
+        let toml = Config::format_of(path)?;
         // Name the file in syntax errors: the message alone does not say which file.
         let in_file = |message: String| format!("{}: {message}", path.display());
         let config: Config = if toml {
-            parse_toml(&text).map_err(|e| match e {
+            parse_toml(text).map_err(|e| match e {
                 LoadError::Toml(message) => LoadError::Toml(in_file(message)),
                 other => other,
             })?
         } else {
-            parse_json(&text).map_err(|e| match e {
+            parse_json(text).map_err(|e| match e {
                 LoadError::Json(message) => LoadError::Json(in_file(message)),
                 other => other,
             })?
@@ -1117,6 +1122,7 @@ pub fn validate_pair(app: &AppConfig, worker: &WorkerConfig) -> Result<(), Confi
 
 /// Why a configuration could not be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum LoadError {
     /// The text is not TOML, or does not have the configuration's shape (an unknown key,
     /// a wrong type).
@@ -1914,33 +1920,35 @@ mod tests {
         assert!(err.to_string().contains("`custom_queues[0].name` is \"\""), "{err}");
     }
 
+    #[cfg(feature = "driver")]
     #[test]
     fn from_path_reads_toml_and_json_by_extension() {
+        use crate::driver::read_config;
         let dir = std::env::temp_dir().join(format!("canter-config-test-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let config = full_config();
 
         let toml_path = dir.join("canter.TOML");
         std::fs::write(&toml_path, to_toml(&serde_json::to_value(&config).unwrap())).unwrap();
-        assert_eq!(Config::from_path(&toml_path).unwrap(), config);
+        assert_eq!(read_config(&toml_path).unwrap(), config);
 
         let json_path = dir.join("canter.json");
         std::fs::write(&json_path, serde_json::to_string(&config).unwrap()).unwrap();
-        assert_eq!(Config::from_path(&json_path).unwrap(), config);
+        assert_eq!(read_config(&json_path).unwrap(), config);
 
         let bad_path = dir.join("bad.toml");
         std::fs::write(&bad_path, "[worker]\nbogus = 1\n").unwrap();
-        let message = Config::from_path(&bad_path).unwrap_err().to_string();
+        let message = read_config(&bad_path).unwrap_err().to_string();
         assert!(message.contains("bad.toml: line 2, column 1: unknown field `bogus`"), "{message}");
 
         let missing = dir.join("missing.json");
-        let err = Config::from_path(&missing).unwrap_err();
+        let err = read_config(&missing).unwrap_err();
         assert!(matches!(&err, LoadError::Io { path, .. } if *path == missing), "{err:?}");
         assert!(err.to_string().starts_with("cannot read configuration file "), "{err}");
 
         let yaml = dir.join("canter.yaml");
-        assert_eq!(Config::from_path(&yaml), Err(LoadError::UnknownFormat(yaml.clone())));
-        assert_eq!(Config::from_path(&dir.join("canter")), Err(LoadError::UnknownFormat(dir.join("canter"))));
+        assert_eq!(read_config(&yaml), Err(LoadError::UnknownFormat(yaml.clone())));
+        assert_eq!(read_config(&dir.join("canter")), Err(LoadError::UnknownFormat(dir.join("canter"))));
 
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -33,17 +33,40 @@
 //!
 //! # The calling contract
 //!
-//! A driver owns a [`worker::Worker`] and, in a loop:
+//! A driver owns a [`Worker`](worker::Worker). Its methods come in four kinds (after
+//! quinn-proto's `Connection`):
 //!
-//! 1. feeds it what happened with [`Worker::handle_input`](worker::Worker::handle_input)
-//!    (a database reply, a finished handler, a notification, a shutdown request), or calls
-//!    [`Worker::handle_timeout`](worker::Worker::handle_timeout) once the deadline from
-//!    [`Worker::poll_timeout`](worker::Worker::poll_timeout) has passed;
-//! 2. drains [`Worker::poll_command`](worker::Worker::poll_command) and does each command (run
-//!    a database request and report its reply with the same op id; spawn a handler and report
-//!    its outcome; abort a handler) and drains
-//!    [`Worker::poll_event`](worker::Worker::poll_event) for observers;
-//! 3. waits until the next deadline or the next input, passing a `now` that never goes back.
+//! - **inputs**: [`handle_input`] for something that happened (a database reply, a handler
+//!   finished, a notification, a shutdown request) and [`handle_timeout`] when the deadline of
+//!   [`poll_timeout`] is reached;
+//! - **outputs**: [`poll_command`] (run this database request, spawn this handler, abort that
+//!   one) and [`poll_event`] (for observers);
+//! - **the next deadline**: [`poll_timeout`];
+//! - **getters**: [`stats`], [`is_stopped`] and friends.
+//!
+//! After **every** input, drain `poll_command` until `None` and execute each command, drain
+//! `poll_event`, then read `poll_timeout` and call `handle_timeout` no earlier than its deadline.
+//! `now` must never go backwards between calls. An early or spurious `handle_timeout` does
+//! nothing. Every [`Command::Db`] must eventually be answered with exactly one [`Input::Db`]
+//! carrying the same [`OpId`]: a reply, or a [`DbFailure`] (`Unknown` when the request was sent
+//! and no answer came). Every [`Command::Spawn`] must eventually be answered with an
+//! [`Input::TaskFinished`] unless an [`Command::Abort`] for it came first (an answer after an
+//! abort is ignored). Replies may come in any order.
+//!
+//! [`handle_input`]: worker::Worker::handle_input
+//! [`handle_timeout`]: worker::Worker::handle_timeout
+//! [`poll_timeout`]: worker::Worker::poll_timeout
+//! [`poll_command`]: worker::Worker::poll_command
+//! [`poll_event`]: worker::Worker::poll_event
+//! [`stats`]: worker::Worker::stats
+//! [`is_stopped`]: worker::Worker::is_stopped
+//! [`Command::Db`]: worker::Command::Db
+//! [`Command::Spawn`]: worker::Command::Spawn
+//! [`Command::Abort`]: worker::Command::Abort
+//! [`Input::Db`]: worker::Input::Db
+//! [`Input::TaskFinished`]: worker::Input::TaskFinished
+//! [`OpId`]: store::OpId
+//! [`DbFailure`]: store::DbFailure
 //!
 //! Database faults are inputs, not errors: a reply can be `Unavailable`, `Unknown` (sent, no
 //! answer), `Rejected`, `Invalid` (a value the database refuses) or `LockTimeout` (a lock held
@@ -78,6 +101,7 @@
 //!             worker.handle_input(Input::TaskFinished { task: run.id, lease: run.lease, outcome }, now);
 //!         }
 //!         Command::Abort { .. } => {}
+//!         other => panic!("a command this driver does not know: {other:?}"),
 //!     }
 //! }
 //! assert_eq!(store.get(id).unwrap().result, Some("hello, Ada".into()));

@@ -57,6 +57,7 @@ pub struct ScheduleRecord {
 
 /// Why a scheduler could not be built.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum SchedulerError {
     /// The app's configuration breaks rules.
     #[error(transparent)]

@@ -90,6 +90,7 @@ fn refused(error: PgAdminError) -> AdminError {
     match error {
         PgAdminError::Refused(refusal) => refusal,
         PgAdminError::Database(error) | PgAdminError::OutcomeUnknown(error) => panic!("database error: {error}"),
+        other => panic!("not a refusal: {other}"),
     }
 }
 

@@ -316,6 +316,7 @@ impl Pair {
                     priority.map(|p| p.to_string()).unwrap_or_default(),
                 )),
                 Notification::TaskFinished { task, .. } => done.push(task.0),
+                other => panic!("{at}: a notification this suite does not know: {other:?}"),
             }
         }
         sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.pool).await.unwrap();
@@ -405,6 +406,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
         DbReply::Purged { tasks } => see(*tasks > 0, "purged"),
         // The stores differ here by design (memory keeps no dead rows); not generated.
         DbReply::Vacuumed { .. } | DbReply::Done => {}
+        other => panic!("a reply this suite does not know: {other:?}"),
     }
     seen
 }
@@ -436,6 +438,7 @@ fn failure_kind(failure: DbFailure) -> &'static str {
         DbFailure::Rejected(_) => "refused: rejected",
         DbFailure::Unavailable(_) => "refused: unavailable",
         DbFailure::Unknown(_) => "refused: unknown",
+        other => panic!("a failure this suite does not know: {other}"),
     }
 }
 
@@ -463,6 +466,7 @@ fn admin(error: PgAdminError) -> AdminError {
     match error {
         PgAdminError::Refused(e) => e,
         PgAdminError::Database(e) | PgAdminError::OutcomeUnknown(e) => panic!("database error: {e}"),
+        other => panic!("an admin error this suite does not know: {other}"),
     }
 }
 

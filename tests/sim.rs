@@ -227,6 +227,7 @@ mod scripted {
                     Command::Db { op, request } => self.requests.push((op, request)),
                     Command::Spawn(run) => self.runs.push(run),
                     Command::Abort { task, lease } => self.runs.retain(|r| (r.id, r.lease) != (task, lease)),
+                    other => panic!("a command this driver does not know: {other:?}"),
                 }
             }
             while let Some(event) = self.worker.poll_event() {

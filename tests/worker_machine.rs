@@ -378,7 +378,7 @@ fn stale_and_duplicate_replies_are_ignored() {
     h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None });
     let again = h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None });
     assert!(spawns(&again).is_empty());
-    assert!(h.reply(OpId(999), DbReply::Done).is_empty());
+    assert!(h.reply(OpId::from_raw(999), DbReply::Done).is_empty());
     assert_eq!(h.worker.held(), 1);
 }
 
@@ -1335,7 +1335,7 @@ fn a_finish_and_claim_whose_answer_never_came_undoes_the_claim_and_sends_the_fin
         DbRequest::AbandonClaim { token, .. } => Some(*token),
         _ => None,
     });
-    assert_eq!(abandon, Some(op.0), "the claim is undone by its token");
+    assert_eq!(abandon, Some(op.raw()), "the claim is undone by its token");
     let resent: Vec<TaskId> = finish_and_claims(&all)
         .into_iter()
         .flat_map(|(_, c, _, _)| c)
@@ -1562,7 +1562,7 @@ fn a_late_answer_of_a_claim_applied_before_the_other_one_out_is_ignored() {
     let next = start(&mut h, &first, vec![task(1, true)], true);
     let pass = find(&next, "claim");
     let urgent = find(&h.input(Input::Notified { queue: "default".into(), priority: Some(-1) }), "claim");
-    assert!(urgent.0 > pass.0, "the urgent claim is sent after the pass");
+    assert!(urgent.raw() > pass.raw(), "the urgent claim is sent after the pass");
     let mut newer = task(9, true);
     newer.lease = Lease(2);
     newer.attempt = Attempt(2);

@@ -24,6 +24,7 @@ use crate::task::{ErrorCode, TaskError, TaskId, TaskState};
 
 /// Why a client call failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ClientError {
     /// The arguments did not serialize to JSON.
     #[error("task arguments did not serialize: {0}")]
@@ -52,6 +53,7 @@ impl ClientError {
 
 /// Why waiting for a result gave no result.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ResultError {
     /// The task failed for good.
     #[error("task failed: {0}")]

@@ -42,7 +42,7 @@ pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHand
 #[cfg(feature = "postgres")]
 pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
 #[cfg(feature = "postgres")]
-pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
+pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id, read_config};
 #[cfg(feature = "postgres")]
 pub use startup::STARTUP_LOCK_WAIT;
 pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};

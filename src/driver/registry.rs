@@ -85,6 +85,7 @@ type Erased =
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RegistryError {
     /// The name is taken.
     #[error("a task is already registered as {0:?}: expected each name once")]

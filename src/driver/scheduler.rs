@@ -64,6 +64,7 @@ pub struct SchedulerStats {
 
 /// Why a scheduler stopped without being asked to.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum SchedulerRunError {
     /// The schedules could not be prepared.
     #[error(transparent)]

@@ -52,6 +52,7 @@ pub struct WorkerService {
 
 /// Why a worker could not be served.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServeError {
     /// The configuration breaks a rule.
     #[error(transparent)]
@@ -509,7 +510,7 @@ impl<R: Runtime + Default> PgWorker<R> {
         path: &std::path::Path,
         registry: Arc<Registry>,
     ) -> Result<Self, crate::config::LoadError> {
-        let config = crate::config::Config::from_path(path)?;
+        let config = read_config(path)?;
         Ok(PgWorker::new(pool, config.app, config.worker, registry)?)
     }
 }
@@ -564,4 +565,13 @@ impl<R: Runtime> PgWorker<R> {
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<Stats, ServeError> {
         self.service.serve(self.runtime, self.pool, shutdown).await
     }
+}
+
+/// Reads the configuration file at `path`: TOML (`.toml`) or JSON (`.json`) with `[app]` and
+/// `[worker]` tables, validated ([`Config::from_file_text`](crate::config::Config::from_file_text)).
+pub fn read_config(path: &std::path::Path) -> Result<crate::config::Config, crate::config::LoadError> {
+    crate::config::Config::format_of(path)?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| crate::config::LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
+    crate::config::Config::from_file_text(path, &text)
 }

@@ -12,6 +12,7 @@ pub const DEFAULT_ZONEINFO_DIR: &str = "/usr/share/zoneinfo";
 
 /// Why a time zone could not be loaded.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ZoneLoadError {
     /// The name is not a valid zone name, or the file is not valid TZif data.
     #[error(transparent)]

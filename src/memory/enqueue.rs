@@ -95,6 +95,7 @@ impl MemoryStore {
     /// [`store::check_new_task`]'s checks, so its arguments may be anything a database holds
     /// (nested deeper than a reader decodes, say). For tests and the simulation of rows no
     /// worker can read; its queue, if any, is taken as it is.
+    #[cfg(feature = "sim")]
     pub fn enqueue_unchecked(&mut self, task: NewTask, now: DbTime) -> TaskId {
         let queue = task.queue.clone().unwrap_or_else(|| store::default_queue(&self.app).to_owned());
         let id = self.insert_new(task, queue.clone(), now);

@@ -14,6 +14,7 @@ impl MemoryStore {
     }
 
     /// The full row of the task with this id, live or finished.
+    #[cfg(feature = "sim")]
     pub fn task(&self, id: TaskId) -> Option<&StoredTask> {
         self.row(id)
     }

@@ -218,16 +218,19 @@ impl MemoryStore {
     /// Statements that skip locked rows (claims, starts, heartbeats, the reaper) pass it by; the
     /// others wait, which [`execute`](Self::execute) answers as PostgreSQL's `lock_timeout`
     /// does.
+    #[cfg(feature = "sim")]
     pub fn lock_row(&mut self, id: TaskId) {
         self.locked.insert(id);
     }
 
     /// Ends the lock [`lock_row`](Self::lock_row) took.
+    #[cfg(feature = "sim")]
     pub fn unlock_row(&mut self, id: TaskId) {
         self.locked.remove(&id);
     }
 
     /// The rows locked by other transactions.
+    #[cfg(feature = "sim")]
     pub fn locked_rows(&self) -> &BTreeSet<TaskId> {
         &self.locked
     }
@@ -256,17 +259,20 @@ impl MemoryStore {
 
     /// `worker`'s token session ended (its process died, or its connection did): the server
     /// releases the token.
+    #[cfg(feature = "sim")]
     pub fn release_token(&mut self, worker: &WorkerId) {
         self.tokens.held.remove(worker);
     }
 
     /// Whether a live session holds `worker`'s token.
+    #[cfg(feature = "sim")]
     pub fn holds_token(&self, worker: &WorkerId) -> bool {
         self.tokens.held.contains(worker)
     }
 
     /// The server restarted (or another took over): every session ended, and tokens recorded
     /// before count for nothing until their workers take them again.
+    #[cfg(feature = "sim")]
     pub fn restart_server(&mut self) {
         self.tokens.epoch += 1;
         self.tokens.held.clear();

@@ -12,6 +12,7 @@ use crate::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
 /// Why an operator action failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PgAdminError {
     /// The task is missing or in a state the action does not apply to; nothing changed.
     #[error(transparent)]

@@ -33,6 +33,7 @@ use crate::task::{ErrorCode, TaskId};
 
 /// Why an enqueue into PostgreSQL failed. Nothing was written.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum PgEnqueueError {
     /// The task breaks a rule every store checks (see [`EnqueueError`]).
     #[error(transparent)]

@@ -29,6 +29,7 @@ use crate::task::{ErrorCode, TaskId};
 
 /// Why waiting for a result ended without one.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum WaitError {
     /// The timeout resolved first; the task may still finish later.
     #[error("timed out waiting for task {0}")]

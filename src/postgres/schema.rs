@@ -144,6 +144,7 @@ impl fmt::Display for LockHolder {
 
 /// Why [`migrate`], [`schema_status`] or [`require_current`] failed.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum MigrateSchemaError {
     /// The database failed around the migrations (connecting, reading, creating the schema).
     #[error("migration setup failed: {0}")]

@@ -77,6 +77,7 @@ impl fmt::Display for CronField {
 
 /// Why a crontab expression was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum CronError {
     /// Not five fields and not a nickname.
     #[error(

@@ -669,6 +669,7 @@ fn zone_expected(error: &TzError) -> String {
 
 /// Why a schedule could not be prepared.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ScheduleError {
     /// The configuration breaks rules.
     #[error(transparent)]

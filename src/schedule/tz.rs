@@ -26,6 +26,7 @@ const MAX_WINDOW_TRANSITIONS: usize = 64;
 
 /// Why a time zone, its name or its data was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum TzError {
     /// The name is not a zone name a file may be read for.
     #[error("invalid time zone name {name:?}: expected {expected}")]

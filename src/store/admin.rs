@@ -188,6 +188,7 @@ impl Cancelled {
 
 /// Why an operator action was refused. Nothing is changed when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum AdminError {
     /// No task has this id.
     #[error("task {0} not found")]

@@ -200,6 +200,7 @@ impl NewTask {
 
 /// Why an enqueue was refused. Nothing is written when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum EnqueueError {
     /// The task name is empty or too long.
     #[error("invalid task name {0:?}: expected 1 to 128 bytes")]

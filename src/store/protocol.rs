@@ -16,11 +16,26 @@ use crate::task::{Attempt, Lease, TaskError, TaskId, TaskLease, TaskState, Worke
 /// [`DbRequest::Purge`]): small enough that no statement holds its locks for long.
 pub const DEFAULT_PURGE_BATCH: u32 = 1_000;
 
-/// Correlates a request with its reply. Issued by the worker machine; replies carrying an id
-/// the machine no longer waits for are ignored.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
-#[serde(transparent)]
-pub struct OpId(pub u64);
+/// Correlates a request with its reply. Issued by the worker machine, opaque to everyone else
+/// (a driver hands back the one it was given); replies carrying an id the machine no longer
+/// waits for are ignored.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct OpId(pub(crate) u64);
+
+impl OpId {
+    /// An id from its number, which only the machine issues: for tests that reply to an op
+    /// the machine never sent (feature `sim`).
+    #[cfg(feature = "sim")]
+    pub fn from_raw(n: u64) -> OpId {
+        OpId(n)
+    }
+
+    /// Its number: a claim's token is the number of its op (feature `sim`, for tests).
+    #[cfg(feature = "sim")]
+    pub fn raw(self) -> u64 {
+        self.0
+    }
+}
 
 impl fmt::Display for OpId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -111,6 +126,7 @@ pub struct WorkerInfo {
 
 /// A request the worker machine asks a store to run.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum DbRequest {
     /// Claim tasks for `worker` under `policy`, following [`budget::plan`](crate::budget::plan)
     /// with the counts the store observes. Claimed rows get `lease = previous + 1`,
@@ -367,6 +383,7 @@ impl DbRequest {
 
 /// A store's answer to a [`DbRequest`], variant for variant.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[non_exhaustive]
 pub enum DbReply {
     /// What a [`DbRequest::Claim`] took.
     Claimed {
@@ -517,6 +534,7 @@ impl ReapReport {
 
 /// Why a request has no reply. Faults are inputs to the worker machine, not errors of it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, thiserror::Error)]
+#[non_exhaustive]
 pub enum DbFailure {
     /// The request was not applied: no connection, the pool timed out, the database is down.
     #[error("database unavailable: {0}")]
@@ -548,6 +566,7 @@ pub const TASK_EXPIRED_MESSAGE: &str = "good_until passed before the task ran";
 
 /// Something PostgreSQL would announce with `NOTIFY`, for drivers to deliver.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+#[non_exhaustive]
 pub enum Notification {
     /// Tasks of this queue may have become claimable (one per statement per queue).
     TaskReady {

@@ -10,6 +10,7 @@ pub const MAX_JSON_DEPTH: usize = 100;
 
 /// Why a JSON value cannot be stored, or could not be read back once stored.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum UnstorableValue {
     /// Text (a string or an object key) holds U+0000, which PostgreSQL's `jsonb` refuses.
     #[error("{path} contains U+0000, which PostgreSQL cannot store: expected text without NUL characters")]

@@ -8,24 +8,8 @@
 //!
 //! # The calling contract
 //!
-//! Methods come in four kinds (after quinn-proto's `Connection`):
-//!
-//! - **inputs**: [`Worker::handle_input`] for something that happened (a database reply, a
-//!   handler finished, a notification, a shutdown request) and [`Worker::handle_timeout`] when
-//!   the deadline of [`Worker::poll_timeout`] is reached;
-//! - **outputs**: [`Worker::poll_command`] (run this database request, spawn this handler,
-//!   abort that one) and [`Worker::poll_event`] (for observers);
-//! - **the next deadline**: [`Worker::poll_timeout`];
-//! - **getters**: [`Worker::stats`], [`Worker::is_stopped`] and friends.
-//!
-//! After **every** input, drain `poll_command` until `None` and execute each command, drain
-//! `poll_event`, then read `poll_timeout` and call `handle_timeout` no earlier than its deadline.
-//! `now` must never go backwards between calls. An early or spurious `handle_timeout` does
-//! nothing. Every [`Command::Db`] must eventually be answered with exactly one
-//! [`Input::Db`] carrying the same [`OpId`]: a reply, or a [`DbFailure`] (`Unknown` when the
-//! request was sent and no answer came). Every [`Command::Spawn`] must eventually be answered
-//! with an [`Input::TaskFinished`] unless an [`Command::Abort`] for it came first (an answer
-//! after an abort is ignored). Replies may come in any order.
+//! The [crate docs](crate#the-calling-contract) state it once: inputs, outputs, the next
+//! deadline, and what every command must be answered with.
 //!
 //! # What it does
 //!
@@ -175,8 +159,10 @@ pub enum TaskOutcome {
     },
 }
 
-/// Something for the driver to do, drained with [`Worker::poll_command`].
+/// Something for the driver to do, drained with [`Worker::poll_command`]. Later versions may
+/// add commands: a driver's match ends with an arm that fails loudly on one it cannot carry out.
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Command {
     /// Run this database request and report the answer as [`Input::Db`] with the same op id.
     Db {
@@ -227,6 +213,7 @@ pub enum LostReason {
 
 /// Something observers may want to know, drained with [`Worker::poll_event`].
 #[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
 pub enum Event {
     /// A task was claimed.
     Claimed {
@@ -856,6 +843,7 @@ impl Worker {
     }
 
     /// Every task this worker holds in any stage.
+    #[cfg(feature = "sim")]
     pub fn held(&self) -> usize {
         self.held.len()
     }
@@ -866,6 +854,7 @@ impl Worker {
     }
 
     /// The tasks whose handlers run now, with their leases.
+    #[cfg(feature = "sim")]
     pub fn running_leases(&self) -> impl Iterator<Item = TaskLease> + '_ {
         self.held
             .iter()
@@ -884,11 +873,13 @@ impl Worker {
     }
 
     /// Database failures in a row right now.
+    #[cfg(feature = "sim")]
     pub fn db_failures(&self) -> u32 {
         self.backoff.failures()
     }
 
     /// Requests held up by locks of other transactions in a row right now.
+    #[cfg(feature = "sim")]
     pub fn lock_waits(&self) -> u32 {
         self.busy_streak
     }
@@ -1016,6 +1007,7 @@ impl Worker {
     }
 
     /// When `timer` is due, if it is armed (for drivers' diagnostics and tests).
+    #[cfg(feature = "sim")]
     pub fn timer(&self, timer: Timer) -> Option<Instant> {
         self.timers.get(&timer).copied()
     }

@@ -356,7 +356,8 @@ async fn with_retry<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
 /// The config from `--config FILE` (or defaults) with every other flag laid over it.
 fn worker_config(args: &Args) -> Result<Config, Failure> {
     let base = match args.value("config") {
-        Some(path) => Config::from_path(std::path::Path::new(path)).map_err(|e| Failure::Usage(e.to_string()))?,
+        Some(path) => canter_tokio::canter::driver::read_config(std::path::Path::new(path))
+            .map_err(|e| Failure::Usage(e.to_string()))?,
         None => Config::default(),
     };
     Ok(cli::config_with_flags(&base, &args.values, &["config", "database-url", "schema"])?)
@@ -869,7 +870,11 @@ async fn scheduler(raw: &[String], list_only: bool) -> Outcome {
         return Err(Failure::Usage("--json goes with --list".into()));
     }
     let app = match args.value("config") {
-        Some(path) => Config::from_path(std::path::Path::new(path)).map_err(|e| Failure::Usage(e.to_string()))?.app,
+        Some(path) => {
+            canter_tokio::canter::driver::read_config(std::path::Path::new(path))
+                .map_err(|e| Failure::Usage(e.to_string()))?
+                .app
+        }
         None => canter_tokio::AppConfig::default(),
     };
     let list = list_only || args.switch("list");
