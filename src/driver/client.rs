@@ -12,11 +12,10 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
+use super::retry::Retry;
 use super::{Runtime, TaskHandle, sleep_after};
-use crate::backoff::DbBackoff;
 use crate::config::AppConfig;
 use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
-use crate::rng::Rng;
 use crate::store::{
     AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, TaskFilter, TaskRecord, WorkerRecord,
 };
@@ -256,8 +255,7 @@ impl<R: Runtime> Client<R> {
             (self.inner.store.clone(), self.inner.router.clone(), self.inner.runtime.clone());
         let resilience = store.app().resilience.clone();
         let keep_listening = async move {
-            let mut backoff = DbBackoff::new();
-            let mut rng = Rng::new(0x5EED);
+            let mut retry = Retry::new(&resilience, 0x5EED);
             loop {
                 if let Err(error) = router.run(&store).await {
                     // Waiters still re-read at every wake below, only later than notified.
@@ -265,8 +263,7 @@ impl<R: Runtime> Client<R> {
                 }
                 // Waiters re-read on every wake: wake them so none sleeps through the outage.
                 router.wake_all();
-                let delay = backoff.on_failure(&resilience, &mut rng);
-                sleep_after(&*runtime, runtime.now(), delay).await;
+                retry.pause(&*runtime).await;
             }
         };
         self.inner.runtime.spawn(Box::pin(Abortable::new(keep_listening, registration).map(|_| ())));

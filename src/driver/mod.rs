@@ -24,6 +24,7 @@ use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
 mod observe;
 mod registry;
+mod retry;
 mod zones;
 
 #[cfg(feature = "postgres")]
@@ -100,11 +101,14 @@ impl<H: Handlers + ?Sized> Handlers for Arc<H> {
 pub struct DriverOptions {
     /// A database request with no answer after this long counts as `Unknown`.
     pub request_timeout: Duration,
+    /// Where the loop publishes the machine's [`Stats`] and how many tasks it holds, after
+    /// every turn.
+    pub counters: Option<Arc<Counters>>,
 }
 
 impl Default for DriverOptions {
     fn default() -> Self {
-        DriverOptions { request_timeout: Duration::from_secs(30) }
+        DriverOptions { request_timeout: Duration::from_secs(30), counters: None }
     }
 }
 
@@ -207,6 +211,9 @@ where
             if let Some(observer) = observer.as_mut() {
                 observer(&event);
             }
+        }
+        if let Some(counters) = &options.counters {
+            counters.publish(worker.stats(), worker.held());
         }
         if worker.is_stopped() {
             return worker.stats();

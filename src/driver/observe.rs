@@ -1,29 +1,21 @@
 //! Observing a running worker: counters anyone can read, and hooks that see lifecycle events
 //! without slowing the worker down.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use futures::StreamExt;
 use futures::channel::mpsc;
 
 use super::Runtime;
-use crate::task::TaskState;
-use crate::worker::Event;
+use crate::worker::{Event, Stats};
 
-/// Live counters of one worker, updated from its events. Cheap to read at any time.
+/// Live counters of one worker: the machine's own [`Stats`], published by the driver's loop
+/// after every turn, and what the driver itself counts. Cheap to read at any time.
 #[derive(Debug, Default)]
 pub struct Counters {
-    claimed: AtomicU64,
-    started: AtomicU64,
-    completed: AtomicU64,
-    failed: AtomicU64,
-    retried: AtomicU64,
-    expired: AtomicU64,
-    timed_out: AtomicU64,
-    lost: AtomicU64,
-    settled: AtomicU64,
-    db_failures: AtomicU64,
+    stats: Mutex<Stats>,
+    in_flight: AtomicU64,
     hook_events_dropped: AtomicU64,
 }
 
@@ -52,6 +44,8 @@ pub struct CounterSnapshot {
     pub db_failures: u64,
     /// Events dropped because a hook fell behind.
     pub hook_events_dropped: u64,
+    /// Everything the worker machine counts.
+    pub stats: Stats,
 }
 
 impl Counters {
@@ -60,52 +54,29 @@ impl Counters {
         Counters::default()
     }
 
-    /// Counts one event.
-    pub fn record(&self, event: &Event) {
-        let add = |counter: &AtomicU64| {
-            counter.fetch_add(1, Ordering::Relaxed);
-        };
-        match event {
-            Event::Claimed { .. } => add(&self.claimed),
-            Event::Started { .. } => add(&self.started),
-            Event::Finished { state, .. } => {
-                add(match state {
-                    TaskState::Completed => &self.completed,
-                    TaskState::Pending => &self.retried,
-                    _ => &self.failed,
-                });
-                add(&self.settled);
-            }
-            Event::Expired { .. } => {
-                add(&self.expired);
-                add(&self.settled);
-            }
-            Event::Lost { .. } => {
-                add(&self.lost);
-                add(&self.settled);
-            }
-            Event::TimedOut { .. } => add(&self.timed_out),
-            Event::DbUnavailable { .. } => add(&self.db_failures),
-            _ => {}
-        }
+    /// Publishes the machine's counts and how many tasks it holds (the driver's loop does,
+    /// after every turn).
+    pub fn publish(&self, stats: Stats, in_flight: usize) {
+        *self.stats.lock().unwrap_or_else(PoisonError::into_inner) = stats;
+        self.in_flight.store(in_flight as u64, Ordering::Relaxed);
     }
 
     /// The counts now.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let get = |counter: &AtomicU64| counter.load(Ordering::Relaxed);
+        let stats = *self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         CounterSnapshot {
-            claimed: get(&self.claimed),
-            started: get(&self.started),
-            completed: get(&self.completed),
-            failed: get(&self.failed),
-            retried: get(&self.retried),
-            expired: get(&self.expired),
-            timed_out: get(&self.timed_out),
-            lost: get(&self.lost),
-            // Released tasks (shutdown) are neither settled nor held: never below zero.
-            in_flight: get(&self.claimed).saturating_sub(get(&self.settled)),
-            db_failures: get(&self.db_failures),
-            hook_events_dropped: get(&self.hook_events_dropped),
+            claimed: stats.claimed,
+            started: stats.started,
+            completed: stats.completed,
+            failed: stats.failed,
+            retried: stats.retried,
+            expired: stats.expired,
+            timed_out: stats.timed_out,
+            lost: stats.lost,
+            in_flight: self.in_flight.load(Ordering::Relaxed),
+            db_failures: stats.db_failures,
+            hook_events_dropped: self.hook_events_dropped.load(Ordering::Relaxed),
+            stats,
         }
     }
 }
@@ -142,9 +113,8 @@ impl HookSink {
         HookSink { sender: Some(sender), counters }
     }
 
-    /// Counts `event` and offers it to the hooks.
+    /// Offers `event` to the hooks (counted in [`Counters`] when a hook has no room for it).
     pub fn observe(&mut self, event: &Event) {
-        self.counters.record(event);
         if let Some(sender) = &mut self.sender {
             if sender.try_send(event.clone()).is_err() {
                 self.counters.hook_events_dropped.fetch_add(1, Ordering::Relaxed);
@@ -156,19 +126,12 @@ impl HookSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::task::TaskId;
 
     #[test]
-    fn counters_follow_events() {
+    fn counters_follow_the_machine() {
         let counters = Counters::new();
-        for event in [
-            Event::Claimed { task: TaskId(1), queue: "q".into() },
-            Event::Claimed { task: TaskId(2), queue: "q".into() },
-            Event::Started { task: TaskId(1), attempt: crate::task::Attempt(1) },
-            Event::Finished { task: TaskId(1), state: TaskState::Completed },
-        ] {
-            counters.record(&event);
-        }
+        // Two tasks claimed, one started and completed: the machine's counts, one task held.
+        counters.publish(Stats { claimed: 2, started: 1, completed: 1, ..Stats::default() }, 1);
         let s = counters.snapshot();
         assert_eq!((s.claimed, s.started, s.completed, s.in_flight), (2, 1, 1, 1));
     }

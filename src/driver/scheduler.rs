@@ -15,13 +15,13 @@ use futures::future::{BoxFuture, FutureExt};
 use sqlx::PgPool;
 
 use super::Runtime;
+use super::retry::Retry;
 use super::sleep_after;
 use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
-use crate::backoff::DbBackoff;
 use crate::config::{AppConfig, ResilienceConfig};
 use crate::postgres::{CheckReport, MigrateSchemaError, PgSchema, PgStore};
-use crate::rng::{Rng, mix};
+use crate::rng::mix;
 use crate::scheduler::{
     DEFAULT_MAX_CHECK_DELAY_MS, MIN_CHECK_DELAY_MS, Plan, Scheduler, SchedulerError, check_delay_ms,
 };
@@ -96,8 +96,7 @@ pub async fn run_scheduler<R: Runtime>(
     let mut shutdown = Box::pin(shutdown).fuse();
     let resilience = store.app().resilience.clone();
     let max_ms = u64::try_from(options.max_check_delay.as_millis()).unwrap_or(u64::MAX);
-    let mut backoff = DbBackoff::new();
-    let mut rng = Rng::new(mix(seed));
+    let mut retry = Retry::new(&resilience, mix(seed));
     let mut stats = SchedulerStats::default();
     tracing::info!(schedules = ?scheduler.names(), schema = store.schema().name(), "canter scheduler starting");
     loop {
@@ -116,10 +115,10 @@ pub async fn run_scheduler<R: Runtime>(
         stats.checks += 1;
         let delay = match result {
             Ok(report) => {
-                if backoff.failures() > 0 {
+                if retry.failures() > 0 {
                     tracing::info!("scheduler: database reachable again");
                 }
-                backoff.on_success();
+                retry.succeeded();
                 log_report(&report);
                 stats.tasks += report.tasks() as u64;
                 stats.lost += u64::from(report.lost);
@@ -127,11 +126,11 @@ pub async fn run_scheduler<R: Runtime>(
             }
             Err(error) => {
                 stats.failures += 1;
-                let delay = backoff.on_failure(&resilience, &mut rng);
-                tracing::warn!(failures = backoff.failures(), retry_in = ?delay, %error, "scheduler check failed");
-                if options.give_up && backoff.exhausted(&resilience) {
-                    tracing::error!(failures = backoff.failures(), "scheduler: too many database failures in a row");
-                    return Err(SchedulerRunError::GaveUp { failures: backoff.failures(), error });
+                let delay = retry.failed();
+                tracing::warn!(failures = retry.failures(), retry_in = ?delay, %error, "scheduler check failed");
+                if options.give_up && retry.exhausted() {
+                    tracing::error!(failures = retry.failures(), "scheduler: too many database failures in a row");
+                    return Err(SchedulerRunError::GaveUp { failures: retry.failures(), error });
                 }
                 delay
             }

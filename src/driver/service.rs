@@ -13,16 +13,16 @@ use sqlx::postgres::PgListener;
 use tracing::Instrument;
 
 use super::observe::{Counters, Hook, HookSink};
+use super::retry::Retry;
 use super::scheduler::{SchedulerOptions, run_scheduler};
 use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
-use crate::backoff::DbBackoff;
 use crate::check::ConfigError;
 use crate::config::{AppConfig, ResilienceConfig, WorkerConfig};
 use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
-use crate::rng::{Rng, mix};
+use crate::rng::mix;
 use crate::scheduler::SchedulerError;
 use crate::task::WorkerId;
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
@@ -233,7 +233,8 @@ impl WorkerService {
             done_rx
         });
 
-        let mut sink = HookSink::start(&*runtime, hooks, counters);
+        let mut sink = HookSink::start(&*runtime, hooks, counters.clone());
+        let driver = DriverOptions { counters: Some(counters), ..driver };
         let log_id = id.clone();
         let observer: super::Observer = Box::new(move |event| {
             log_event(&log_id, event);
@@ -329,8 +330,7 @@ async fn listen<R: Runtime>(
 ) {
     let prefix = store.schema().queue_channel_prefix();
     let channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
-    let mut backoff = DbBackoff::new();
-    let mut rng = Rng::new(seed);
+    let mut retry = Retry::new(&resilience, seed);
     // Sessions lost as they started to listen or soon after, in a row.
     let mut lost_in_a_row = 0;
     loop {
@@ -353,7 +353,7 @@ async fn listen<R: Runtime>(
             // A lost connection ends this loop, which connects again itself.
             listener.eager_reconnect(false);
             let since = runtime.now();
-            backoff.on_success();
+            retry.succeeded();
             let _ = control.unbounded_send(Input::Listener { connected: true });
             // Tasks may have arrived unannounced while deaf: one wake-up per queue.
             for queue in &queues {
@@ -374,8 +374,7 @@ async fn listen<R: Runtime>(
         }
         let _ = control.unbounded_send(Input::Listener { connected: false });
         if !at_once {
-            let delay = backoff.on_failure(&resilience, &mut rng);
-            runtime.sleep_until(runtime.now() + delay).await;
+            retry.pause(&*runtime).await;
         }
     }
 }
@@ -410,8 +409,7 @@ async fn keep_token<R: Runtime>(
 ) {
     let ping = std::time::Duration::from_millis((app.recovery.liveness_grace_ms / 2).clamp(100, 1_000));
     let mut first = Some(first);
-    let mut backoff = DbBackoff::new();
-    let mut rng = Rng::new(seed);
+    let mut retry = Retry::new(&app.resilience, seed);
     let mut warned = false;
     loop {
         let taken = match store.pool().acquire().await {
@@ -441,7 +439,7 @@ async fn keep_token<R: Runtime>(
             let _ = sender.send(());
         }
         if let Some(mut connection) = taken {
-            backoff.on_success();
+            retry.succeeded();
             warned = false;
             tracing::debug!(worker = %id, "liveness token taken");
             loop {
@@ -454,8 +452,7 @@ async fn keep_token<R: Runtime>(
             // At once: the grace runs.
             continue;
         }
-        let delay = backoff.on_failure(&app.resilience, &mut rng);
-        runtime.sleep_until(runtime.now() + delay).await;
+        retry.pause(&*runtime).await;
     }
 }
 

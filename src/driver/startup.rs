@@ -10,10 +10,9 @@
 use std::time::Duration;
 
 use super::Runtime;
-use crate::backoff::DbBackoff;
+use super::retry::Retry;
 use crate::config::ResilienceConfig;
 use crate::postgres::{MigrateSchemaError, PgStore, SchemaStatus, migrate_within, require_current};
-use crate::rng::Rng;
 
 /// How long one attempt at the migrate lock waits at startup before the wait is logged and the
 /// attempt retried with backoff.
@@ -44,8 +43,7 @@ pub(crate) async fn prepare_schema<R: Runtime>(
     who: &str,
     give_up: bool,
 ) -> Result<SchemaStatus, StartupFailure> {
-    let mut backoff = DbBackoff::new();
-    let mut rng = Rng::new(seed);
+    let mut retry = Retry::new(resilience, seed);
     let schema = store.schema().name();
     loop {
         let attempt = if migrate {
@@ -64,17 +62,17 @@ pub(crate) async fn prepare_schema<R: Runtime>(
             }
             Err(error) => error,
         };
-        let delay = backoff.on_failure(resilience, &mut rng);
+        let delay = retry.failed();
         if matches!(error, MigrateSchemaError::LockBusy { .. }) {
-            tracing::warn!(%who, schema, failures = backoff.failures(), retry_in = ?delay, %error, "waiting for the migrate lock");
+            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = ?delay, %error, "waiting for the migrate lock");
         } else {
-            tracing::warn!(%who, schema, failures = backoff.failures(), retry_in = ?delay, %error, "database not ready at startup");
+            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = ?delay, %error, "database not ready at startup");
         }
-        if give_up && backoff.exhausted(resilience) {
+        if give_up && retry.exhausted() {
             tracing::error!(%who, schema, "giving up on the database at startup");
-            return Err(StartupFailure::GaveUp { failures: backoff.failures(), error: error.to_string() });
+            return Err(StartupFailure::GaveUp { failures: retry.failures(), error: error.to_string() });
         }
-        runtime.sleep_until(runtime.now() + delay).await;
+        super::sleep_after(runtime, runtime.now(), delay).await;
     }
 }
 

@@ -465,6 +465,22 @@ pub enum DbReply {
 }
 
 impl DbReply {
+    /// The reply's kind, as logs and errors name it.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            DbReply::FinishedAndClaimed { .. } => "finished_and_claimed",
+            DbReply::Claimed { .. } => "claimed",
+            DbReply::Started { .. } => "started",
+            DbReply::Finished { .. } => "finished",
+            DbReply::Heartbeat { .. } => "heartbeat",
+            DbReply::Released { .. } => "released",
+            DbReply::Reaped(_) => "reaped",
+            DbReply::Purged { .. } => "purged",
+            DbReply::Vacuumed { .. } => "vacuumed",
+            DbReply::Done => "done",
+        }
+    }
+
     /// The [`DbReply::Finished`] and [`DbReply::Claimed`] answers a
     /// [`DbReply::FinishedAndClaimed`] is made of; any other reply as it is, with no second.
     pub fn into_finished_and_claimed(self) -> (DbReply, Option<DbReply>) {

@@ -843,7 +843,6 @@ impl Worker {
     }
 
     /// Every task this worker holds in any stage.
-    #[cfg(feature = "sim")]
     pub fn held(&self) -> usize {
         self.held.len()
     }
@@ -1755,7 +1754,7 @@ impl Worker {
             (op, reply) => {
                 // A store that answers a request with another request's reply breaks its
                 // contract: count it as a refusal and try again later.
-                let failure = DbFailure::Rejected(format!("a {} reply to a {op:?} request", reply_kind(&reply)));
+                let failure = DbFailure::Rejected(format!("a {} reply to a {op:?} request", reply.kind()));
                 self.on_failure(op, failure, self.now);
             }
         }
@@ -2366,21 +2365,6 @@ fn own_outcome_bytes(outcome: &FinishOutcome) -> u64 {
         FinishOutcome::Retry { error, .. } | FinishOutcome::Failed(error) => {
             check_storable_error(error, u64::MAX).unwrap_or(0)
         }
-    }
-}
-
-fn reply_kind(reply: &DbReply) -> &'static str {
-    match reply {
-        DbReply::FinishedAndClaimed { .. } => "finished_and_claimed",
-        DbReply::Claimed { .. } => "claimed",
-        DbReply::Started { .. } => "started",
-        DbReply::Finished { .. } => "finished",
-        DbReply::Heartbeat { .. } => "heartbeat",
-        DbReply::Released { .. } => "released",
-        DbReply::Reaped(_) => "reaped",
-        DbReply::Purged { .. } => "purged",
-        DbReply::Vacuumed { .. } => "vacuumed",
-        DbReply::Done => "done",
     }
 }
 

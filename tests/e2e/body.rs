@@ -4,6 +4,28 @@
 
 #![allow(dead_code, unreachable_pub)]
 
+/// Calls `$run!(name)` for every scenario of this file: the one list both adapters' suites
+/// run (each `tests/e2e.rs` defines `$run` for its runtime).
+#[allow(unused_macros)]
+macro_rules! every_scenario {
+    ($run:ident) => {
+        $run!(many_tasks_through_several_workers);
+        $run!(caps_hold_under_load);
+        $run!(failures_end_with_their_codes);
+        $run!(waiting_timeouts_and_cancel);
+        $run!(graceful_shutdown);
+        $run!(hooks_see_lifecycle_events);
+        $run!(serial_queue_runs_one_at_a_time_in_order);
+        $run!(batch_tasks_retry_only_failed_items);
+        $run!(forbidden_flags_leave_tasks_to_other_workers);
+        $run!(schedules_fire_inside_a_worker);
+        $run!(racing_scheduler_loops);
+        $run!(waits_leave_nothing_behind);
+        $run!(poison_outcomes_fail_alone);
+        $run!(undecodable_rows_fail_alone);
+    };
+}
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
