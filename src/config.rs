@@ -876,6 +876,15 @@ impl Default for WorkerConfig {
 }
 
 impl WorkerConfig {
+    /// How many connections the pool of a worker with these settings should allow: a quarter
+    /// of its concurrency, at least 4 and at most 32. The worker has at most one request of
+    /// each kind in flight (claim, urgent claim, start, finish, heartbeat, reaper, purge,
+    /// vacuum) and keeps a few connections between statements; its listener and its liveness
+    /// token take one each beside the pool. What `canter worker` and the bench use.
+    pub fn pool_size(&self) -> u32 {
+        (self.concurrency / 4).clamp(4, 32)
+    }
+
     /// The PRNG seed of worker `id`: the configured one, or one derived from the id (never
     /// from the OS, so a run replays).
     pub fn seed_for(&self, id: &crate::task::WorkerId) -> u64 {
@@ -1021,6 +1030,27 @@ pub struct Config {
 }
 
 impl Config {
+    /// The configuration for throughput: soft-cap mode with a buffer of up to 2,048 claims
+    /// beyond the worker's slots (sized to a few round trips of work at the measured rate), a
+    /// 60 s claim lease, and completions written in batches of up to 5,000. Queue caps then
+    /// count Running tasks only (a buffered claim is not counted), and an urgent task claimed
+    /// during a backlog starts after an urgent claim of its own rather than at once. What
+    /// `canter bench` runs; see the README's benchmarks.
+    pub fn throughput() -> Config {
+        Config {
+            app: AppConfig { prefetch_buffer: 2_048, claim_lease_ms: Some(60_000), ..AppConfig::default() },
+            worker: WorkerConfig { completion_batch_max: 5_000, ..WorkerConfig::default() },
+        }
+    }
+
+    /// The configuration for exact caps and latency: hard-cap mode (no buffer beyond what
+    /// the caps allow: every cap counts live claims too), finishes that claim the freed slots
+    /// in the same round trip, completions written as they come. The seeds' defaults, which
+    /// [`Config::default`] is.
+    pub fn latency() -> Config {
+        Config::default()
+    }
+
     /// Every problem of the app and the worker together, named `app.…` and `worker.…`.
     pub fn validate(&self) -> Result<(), ConfigError> {
         validate_pair(&self.app, &self.worker)

@@ -282,6 +282,9 @@ impl Pair {
             assert_eq!(pg.len(), memory.len(), "{at}: task counts");
         }
         assert_eq!(self.pg.counts().await.unwrap(), self.memory.counts(), "{at}: counts");
+        // On the script's clock as it is after the step (an `Advance` moves it).
+        pin_clock(&self.pool, self.pg.schema(), self.now).await;
+        assert_eq!(self.pg.queue_depths().await.unwrap(), self.memory.queue_depths(self.now), "{at}: queue depths");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
         assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
         if with_attempts {

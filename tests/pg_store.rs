@@ -13,7 +13,8 @@ use std::time::Duration;
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, QueueMode, WorkerConfig};
 use canter::postgres::{
-    DoneRouter, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in, migrate, register_listener,
+    DoneRouter, HOT_TABLES, PgEnqueueError, PgSchema, PgStore, TABLES, WaitError, enqueue_in, migrate,
+    register_listener,
 };
 use canter::store::{Completion, DbFailure, DbReply, DbRequest, EnqueueError, FinishOutcome, NewTask, RunAt};
 use canter::task::{ErrorCode, TaskId, TaskLease, TaskState, WorkerId};
@@ -78,6 +79,17 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, claim_locks, reaper_lock, \
          _sqlx_migrations, schema_versions, listeners"
     );
+    // The public list names exactly these, and the vacuumed ones are among them.
+    let mut named: Vec<String> = sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
+        .bind(other.name())
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    named.sort();
+    let mut listed: Vec<String> = TABLES.iter().map(|t| t.to_string()).collect();
+    listed.sort();
+    assert_eq!(named, listed, "postgres::TABLES");
+    assert!(HOT_TABLES.iter().all(|t| TABLES.contains(t)), "the hot tables are tables of the schema");
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!("DROP SCHEMA {} CASCADE", other.quoted()))).execute(&pool).await.unwrap();
 }
 

@@ -109,7 +109,7 @@ schema dropped afterwards, and prints one JSON line per result and a table of me
 defaults: all workloads, both modes, 3 runs, concurrency 16, 50000 drain tasks, 20000
 enqueue tasks in bulks of 1000, 1000 latency tasks every 5 ms, 1000000 finished tasks of
 history, raw claims of 50 by C loops. --worker-args are `canter worker` settings
-(e.g. '--prefetch-buffer 0' for hard-cap mode) laid over the bench's defaults
+(e.g. '--prefetch-buffer 0' for hard-cap mode) laid over Config::throughput()
 (--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000);
 the drain's worker is `canter worker` as a child process (this program, or --worker-bin).
 --tls runs each mode over plain TCP (sslmode=disable) and over TLS (sslmode=require; the
@@ -134,7 +134,6 @@ backend-kills (canter only) while every session of the bench is terminated every
 /// Soft-cap mode with a large prefetch buffer: claims of about a thousand tasks, handlers of an
 /// uncapped queue started without a start request, completions written in large batches. (In
 /// hard-cap mode a worker of concurrency 16 claims at most 16 at a time: about 1,800 tasks/s.)
-pub const DEFAULT_WORKER_ARGS: &str = "--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Workload {
@@ -335,8 +334,7 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
         .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
         .ok_or_else(|| BenchError::Usage("no database: pass --database-url URL or set DATABASE_URL".into()))?;
     // The user's settings after the bench's: the last value of a flag wins.
-    let worker_args = format!("{DEFAULT_WORKER_ARGS} {}", args.value("worker-args").unwrap_or_default());
-    let config = worker_config(concurrency, &worker_args)?;
+    let config = worker_config(concurrency, args.value("worker-args").unwrap_or_default())?;
     let concurrency = config.worker.concurrency;
     let worker_bin = match args.value("worker-bin") {
         Some(path) => PathBuf::from(path),
@@ -383,7 +381,7 @@ fn worker_config(concurrency: u32, worker_args: &str) -> Result<Config, BenchErr
         return Err(BenchError::Usage(format!("--worker-args: unexpected {extra:?}: expected --setting value pairs")));
     }
     args.values.entry("concurrency".to_owned()).or_insert_with(|| concurrency.to_string());
-    crate::cli::config_with_flags(&Config::default(), &args.values, &[]).map_err(usage)
+    crate::cli::config_with_flags(&Config::throughput(), &args.values, &[]).map_err(usage)
 }
 
 /// One measured result.

@@ -51,6 +51,11 @@ fn registry() -> Arc<Registry> {
         })
         .unwrap();
     registry
+        .register("context", |_: serde_json::Value, ctx: TaskContext| async move {
+            Ok::<_, TaskError>(json!({"queue": ctx.queue, "priority": ctx.priority, "attempt": ctx.attempt.0}))
+        })
+        .unwrap();
+    registry
         .register("flaky", |_: serde_json::Value, _| async move {
             Err::<(), _>(TaskError::new(ErrorCode::User("FLAKY".into()), "flaky"))
         })
@@ -160,6 +165,18 @@ async fn workers_drain_a_queue_through_the_driver() {
     assert_eq!(results[300].result, Some(json!("7 on attempt 1")), "blocking handlers get their context");
     let stats = cluster.shutdown().await;
     assert_eq!(stats.iter().map(|s| s.completed).sum::<u64>(), 301);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handlers_see_their_task_s_queue_priority_and_attempt() {
+    let cluster = cluster(1, WorkerConfig::default());
+    let ids = cluster.backend.with_store(|store, now| {
+        store.enqueue_many(vec![NewTask::new("context", json!({})).priority(-3)], now).unwrap()
+    });
+    cluster.wait_terminal(&ids, Duration::from_secs(20)).await;
+    let result = cluster.backend.with_store(|store, _| store.get(ids[0]).unwrap().result);
+    assert_eq!(result, Some(json!({"queue": "default", "priority": -3, "attempt": 1})));
+    cluster.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -17,7 +17,8 @@ use super::{Runtime, TaskHandle, sleep_after};
 use crate::config::AppConfig;
 use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
 use crate::store::{
-    AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, TaskFilter, TaskRecord, WorkerRecord,
+    AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, QueueDepth, TaskFilter, TaskRecord,
+    WorkerRecord,
 };
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState};
 
@@ -217,6 +218,12 @@ impl<R: Runtime> Client<R> {
     /// Task counts by queue and state.
     pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, ClientError> {
         Ok(self.inner.store.counts().await?)
+    }
+
+    /// Each queue's live tasks by state: the live table only, cheap to poll (see
+    /// [`QueueDepth`]).
+    pub async fn queue_depths(&self) -> Result<Vec<QueueDepth>, ClientError> {
+        Ok(self.inner.store.queue_depths().await?)
     }
 
     /// The worker registry.

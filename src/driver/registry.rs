@@ -28,6 +28,8 @@ pub struct TaskContext {
     pub attempt: Attempt,
     /// The task's queue.
     pub queue: String,
+    /// The task's priority (lower runs first).
+    pub priority: i16,
 }
 
 /// A registered task: its name, argument type `A` and result type `R`.
@@ -294,7 +296,7 @@ pub struct BoundRegistry<R> {
 
 impl<R: Runtime> Handlers for BoundRegistry<R> {
     fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome> {
-        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue };
+        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue, priority: run.priority };
         match self.registry.handlers.get(&run.name) {
             Some(handler) => handler(run.args, context, &*self.runtime),
             None => {

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::store::{AttemptRecord, DbTime, Notification, TaskFilter, TaskRecord, WorkerRecord};
+use crate::store::{AttemptRecord, DbTime, Notification, QueueDepth, TaskFilter, TaskRecord, WorkerRecord};
 use crate::task::{TaskId, TaskState};
 
 use super::store::{MemoryStore, StoredTask};
@@ -47,6 +47,28 @@ impl MemoryStore {
             *counts.entry((row.queue.clone(), row.state)).or_insert(0) += 1;
         }
         counts
+    }
+
+    /// Each queue with live tasks, by name, with how many it holds in each live state at
+    /// `now` (see [`QueueDepth`]); the finished table is not read.
+    pub fn queue_depths(&self, now: DbTime) -> Vec<QueueDepth> {
+        let mut depths: BTreeMap<&str, QueueDepth> = BTreeMap::new();
+        for row in self.live.values() {
+            let depth = depths.entry(&row.queue).or_insert_with(|| QueueDepth {
+                queue: row.queue.clone(),
+                due: 0,
+                scheduled: 0,
+                claimed: 0,
+                running: 0,
+            });
+            match row.state {
+                TaskState::Pending if row.run_at <= now => depth.due += 1,
+                TaskState::Pending => depth.scheduled += 1,
+                TaskState::Claimed => depth.claimed += 1,
+                _ => depth.running += 1,
+            }
+        }
+        depths.into_values().collect()
     }
 
     /// The worker registry, by worker id.

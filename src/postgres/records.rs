@@ -9,7 +9,7 @@ use sqlx::postgres::PgRow;
 use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::store::{PgStore, count, json, leniently, parse_state};
 use crate::store::{AttemptRecord, DbTime, TaskRecord, WorkerInfo};
-use crate::store::{PausedQueue, TaskFilter, WorkerRecord};
+use crate::store::{PausedQueue, QueueDepth, TaskFilter, WorkerRecord};
 use crate::task::{Attempt, TaskId, TaskState, WorkerId};
 
 /// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
@@ -64,6 +64,25 @@ impl PgStore {
             *counts.entry((queue, parse_state(&state)?)).or_insert(0) += u64::try_from(n).unwrap_or(0);
         }
         Ok(counts)
+    }
+
+    /// Each queue with live tasks, by name, with how many it holds in each live state on the
+    /// database's clock (see [`QueueDepth`]): one statement over the live table only.
+    pub async fn queue_depths(&self) -> Result<Vec<QueueDepth>, sqlx::Error> {
+        let rows: Vec<(String, i64, i64, i64, i64)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().queue_depths.clone())
+                .fetch_all(conn))?;
+        let n = |count: i64| u64::try_from(count).unwrap_or(0);
+        Ok(rows
+            .into_iter()
+            .map(|(queue, due, scheduled, claimed, running)| QueueDepth {
+                queue,
+                due: n(due),
+                scheduled: n(scheduled),
+                claimed: n(claimed),
+                running: n(running),
+            })
+            .collect())
     }
 
     /// The worker registry, by worker id.

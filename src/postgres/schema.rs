@@ -50,6 +50,25 @@ use crate::postgres::sql::Statements;
 /// The schema used when none is configured.
 pub const DEFAULT_SCHEMA: &str = "canter";
 
+/// Every table a schema of this release holds, as [`migrate`] leaves it: live tasks, finished
+/// tasks, their runs, keys, the worker registry, paused queues, schedule records, the claim
+/// and reaper lock rows, registered listeners, the schema's versions and sqlx's migration
+/// record. [`HOT_TABLES`](crate::postgres::HOT_TABLES) are those workers vacuum themselves.
+pub const TABLES: &[&str] = &[
+    "tasks",
+    "finished_tasks",
+    "attempts",
+    "task_keys",
+    "workers",
+    "queue_states",
+    "schedules",
+    "claim_locks",
+    "reaper_lock",
+    "listeners",
+    "schema_versions",
+    "_sqlx_migrations",
+];
+
 /// The embedded migrations of `migrations/`, to be run with [`migrate`] (which places them in a
 /// schema).
 pub static MIGRATOR: Migrator = sqlx::migrate!("./migrations");

@@ -602,6 +602,17 @@ FROM (
 ) x
 ORDER BY x.attempt";
 
+/// Each queue's live tasks by state, on the database's clock: the live table only.
+const QUEUE_DEPTHS: &str = "\
+SELECT t.queue,
+       count(*) FILTER (WHERE t.state = 'PENDING' AND t.run_at <= c.now) AS due,
+       count(*) FILTER (WHERE t.state = 'PENDING' AND t.run_at > c.now) AS scheduled,
+       count(*) FILTER (WHERE t.state = 'CLAIMED') AS claimed,
+       count(*) FILTER (WHERE t.state = 'RUNNING') AS running
+FROM {s}.tasks t, (SELECT {s}.db_now() AS now) c
+GROUP BY t.queue
+ORDER BY t.queue COLLATE \"C\"";
+
 const COUNTS: &str = "\
 SELECT queue, state, count(*) FROM {s}.tasks GROUP BY queue, state
 UNION ALL
@@ -861,6 +872,7 @@ pub(crate) struct Statements {
     pub(crate) list: SqlStr,
     pub(crate) attempts: SqlStr,
     pub(crate) counts: SqlStr,
+    pub(crate) queue_depths: SqlStr,
     pub(crate) workers: SqlStr,
     pub(crate) cancel: SqlStr,
     pub(crate) requeue_failed: SqlStr,
@@ -955,6 +967,7 @@ impl Statements {
             list: fill(&list),
             attempts: fill(ATTEMPTS),
             counts: fill(COUNTS),
+            queue_depths: fill(QUEUE_DEPTHS),
             workers: fill(WORKERS),
             cancel: fill(CANCEL),
             requeue_failed: fill(REQUEUE_FAILED),

@@ -99,3 +99,21 @@ pub struct WorkerRecord {
     /// Whether it deregistered (and did not register again since).
     pub stopped: bool,
 }
+
+/// The live tasks of one queue by state: what [`queue_depths`] reads (the live table only, a
+/// cheap read however much history there is).
+///
+/// [`queue_depths`]: crate::memory::MemoryStore::queue_depths
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct QueueDepth {
+    /// The queue.
+    pub queue: String,
+    /// Pending tasks claimable now.
+    pub due: u64,
+    /// Pending tasks whose run-at is still ahead.
+    pub scheduled: u64,
+    /// Tasks claimed and not started.
+    pub claimed: u64,
+    /// Tasks running.
+    pub running: u64,
+}

@@ -195,6 +195,8 @@ pub struct TaskRun {
     pub name: String,
     /// The queue.
     pub queue: String,
+    /// Its priority (lower runs first).
+    pub priority: i16,
     /// The arguments.
     pub args: serde_json::Value,
     /// When the machine will time the handler out, if it has a timeout.
@@ -1928,6 +1930,7 @@ impl Worker {
             attempt,
             name: held.name.clone(),
             queue: held.queue.clone(),
+            priority: held.priority,
             args: std::mem::take(&mut held.args),
             deadline,
         };

@@ -13,7 +13,6 @@ use canter::store::NewTask;
 use canter::task::{TaskError, WorkerId};
 use serde::Deserialize;
 use serde_json::Value;
-use sqlx::PgPool;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
@@ -286,8 +285,8 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
     // Generous: a slow machine makes slow numbers, not a failed run.
     let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
     let end = match listener.as_mut() {
-        Some(listener) => drained_as_notified(listener, n, pool, &schema, &mut worker, start, limit).await?,
-        None => drained_as_counted(pool, &schema, &mut worker, start, limit).await?,
+        Some(listener) => drained_as_notified(listener, n, store, &mut worker, start, limit).await?,
+        None => drained_as_counted(store, &mut worker, start, limit).await?,
     };
     let seconds = (end - start).as_secs_f64();
     let peak = worker.peak_rss_mib();
@@ -324,8 +323,7 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
 async fn drained_as_notified(
     listener: &mut PgListener,
     n: usize,
-    pool: &PgPool,
-    schema: &PgSchema,
+    store: &PgStore,
     worker: &mut WorkerProcesses,
     start: Instant,
     limit: Duration,
@@ -341,7 +339,7 @@ async fn drained_as_notified(
             }
             Ok(Err(e)) => return Err(failed("listen", e)),
             Err(_quiet) => {
-                if drained(pool, schema, worker, start, limit).await? {
+                if drained(store, worker, start, limit).await? {
                     errln!("canter bench: finished-task notifications fell short; the end time is approximate");
                     return Ok(Instant::now());
                 }
@@ -352,15 +350,14 @@ async fn drained_as_notified(
 
 /// When a read of the live count, every 5 ms, finds none (`--no-result-waiter`).
 async fn drained_as_counted(
-    pool: &PgPool,
-    schema: &PgSchema,
+    store: &PgStore,
     worker: &mut WorkerProcesses,
     start: Instant,
     limit: Duration,
 ) -> Result<Instant, BenchError> {
     loop {
         tokio::time::sleep(Duration::from_millis(5)).await;
-        if drained(pool, schema, worker, start, limit).await? {
+        if drained(store, worker, start, limit).await? {
             return Ok(Instant::now());
         }
     }
@@ -368,23 +365,19 @@ async fn drained_as_counted(
 
 /// Whether no task is live; an error once the workers died or `limit` passed since `start`.
 async fn drained(
-    pool: &PgPool,
-    schema: &PgSchema,
+    store: &PgStore,
     worker: &mut WorkerProcesses,
     start: Instant,
     limit: Duration,
 ) -> Result<bool, BenchError> {
     worker.check_alive()?;
-    let live = live_tasks(pool, schema).await?;
+    // The queue-depth read users have: the live table only.
+    let depths = store.queue_depths().await.map_err(|e| failed("queue depths", e))?;
+    let live: u64 = depths.iter().map(|d| d.due + d.scheduled + d.claimed + d.running).sum();
     if live > 0 && start.elapsed() > limit {
         return Err(BenchError::Failed(format!("the drain did not finish within {limit:?}: {live} left")));
     }
     Ok(live == 0)
-}
-
-async fn live_tasks(pool: &PgPool, schema: &PgSchema) -> Result<i64, BenchError> {
-    let sql = format!("SELECT count(*) FROM {}.tasks", schema.quoted());
-    sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_one(pool).await.map_err(|e| failed("count", e))
 }
 
 #[derive(Deserialize)]
@@ -424,7 +417,7 @@ impl InProcessWorker {
         service.migrate = false;
         let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
-            let pool = crate::connect(&url, (config.concurrency / 4).clamp(4, 32))?;
+            let pool = crate::connect(&url, config.pool_size())?;
             let stop = async move {
                 let _ = stop_rx.await;
             };

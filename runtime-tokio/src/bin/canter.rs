@@ -366,7 +366,7 @@ fn worker_config(args: &Args) -> Result<Config, Failure> {
 async fn worker(raw: &[String]) -> Outcome {
     let args = Args::parse(raw, &["config", "database-url", "schema"], &["no-migrate"], true)?;
     let config = worker_config(&args)?;
-    let size = (config.worker.concurrency / 4).clamp(4, 32);
+    let size = config.worker.pool_size();
     let registry = Arc::new(builtins::registry());
     let worker = Worker::new(pool(&args, size)?, config.app, config.worker, registry)
         .map_err(|e| Failure::Usage(e.to_string()))?
