@@ -5,7 +5,9 @@ use std::time::{Duration, Instant};
 
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
-use canter::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, VacuumedTable};
+use canter::store::{
+    ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, OpId, VacuumedTable,
+};
 use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use canter::worker::{Command, DEAF_FAST_POLL_FOR, DEAF_POLL_INTERVAL, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
@@ -86,6 +88,8 @@ fn task(id: i64, started: bool) -> ClaimedTask {
         queue: "default".into(),
         args: json!({"n": id}),
         priority: 0,
+        enqueued_at: DbTime(0),
+        run_at: DbTime(0),
         started,
         attempt: Attempt(1),
         retries: 0,

@@ -8,7 +8,7 @@ use canter_tokio::TokioRuntime;
 use canter_tokio::canter::config::{AppConfig, RecoveryConfig, RetryPolicy, WorkerConfig};
 use canter_tokio::canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
 use canter_tokio::canter::memory::MemoryStore;
-use canter_tokio::canter::store::{DbTime, NewTask};
+use canter_tokio::canter::store::{DbTime, NewTask, RunAt};
 use canter_tokio::canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
 use canter_tokio::canter::worker::{Event, Input, Worker};
 use serde_json::json;
@@ -52,7 +52,12 @@ fn registry() -> Arc<Registry> {
         .unwrap();
     registry
         .register("context", |_: serde_json::Value, ctx: TaskContext| async move {
-            Ok::<_, TaskError>(json!({"queue": ctx.queue, "priority": ctx.priority, "attempt": ctx.attempt.0}))
+            Ok::<_, TaskError>(json!({
+                "queue": ctx.queue,
+                "priority": ctx.priority,
+                "attempt": ctx.attempt.0,
+                "waited_ms": ctx.run_at.0 - ctx.enqueued_at.0,
+            }))
         })
         .unwrap();
     registry
@@ -168,14 +173,15 @@ async fn workers_drain_a_queue_through_the_driver() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn handlers_see_their_task_s_queue_priority_and_attempt() {
+async fn handlers_see_their_task_s_queue_priority_attempt_and_times() {
     let cluster = cluster(1, WorkerConfig::default());
     let ids = cluster.backend.with_store(|store, now| {
-        store.enqueue_many(vec![NewTask::new("context", json!({})).priority(-3)], now).unwrap()
+        let task = NewTask::new("context", json!({})).priority(-3).run_at(RunAt::DelayMs(300));
+        store.enqueue_many(vec![task], now).unwrap()
     });
     cluster.wait_terminal(&ids, Duration::from_secs(20)).await;
     let result = cluster.backend.with_store(|store, _| store.get(ids[0]).unwrap().result);
-    assert_eq!(result, Some(json!({"queue": "default", "priority": -3, "attempt": 1})));
+    assert_eq!(result, Some(json!({"queue": "default", "priority": -3, "attempt": 1, "waited_ms": 300})));
     cluster.shutdown().await;
 }
 

@@ -16,7 +16,7 @@ use serde::Serialize;
 use serde::de::DeserializeOwned;
 
 use super::{Handlers, Runtime, panic_error};
-use crate::task::{Attempt, ErrorCode, TaskError, TaskId};
+use crate::task::{Attempt, DbTime, ErrorCode, TaskError, TaskId};
 use crate::worker::{TaskOutcome, TaskRun};
 
 /// What a handler knows about the run it is in.
@@ -30,6 +30,11 @@ pub struct TaskContext {
     pub queue: String,
     /// The task's priority (lower runs first).
     pub priority: i16,
+    /// When the task was enqueued (or last replaced by a key), on the database's clock.
+    pub enqueued_at: DbTime,
+    /// When it became claimable (its run-at), on the database's clock: with the enqueue time,
+    /// how long it waited to run.
+    pub run_at: DbTime,
 }
 
 /// A registered task: its name, argument type `A` and result type `R`.
@@ -296,7 +301,14 @@ pub struct BoundRegistry<R> {
 
 impl<R: Runtime> Handlers for BoundRegistry<R> {
     fn run(&self, run: TaskRun) -> BoxFuture<'static, TaskOutcome> {
-        let context = TaskContext { id: run.id, attempt: run.attempt, queue: run.queue, priority: run.priority };
+        let context = TaskContext {
+            id: run.id,
+            attempt: run.attempt,
+            queue: run.queue,
+            priority: run.priority,
+            enqueued_at: run.enqueued_at,
+            run_at: run.run_at,
+        };
         match self.registry.handlers.get(&run.name) {
             Some(handler) => handler(run.args, context, &*self.runtime),
             None => {

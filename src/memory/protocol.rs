@@ -321,6 +321,8 @@ impl MemoryStore {
                 queue: row.queue.clone(),
                 args: if args_error.is_some() { Value::Null } else { row.args.clone() },
                 priority: row.priority,
+                enqueued_at: row.enqueued_at,
+                run_at: row.run_at,
                 started: start,
                 attempt: Attempt(attempt),
                 retries: row.retries,

@@ -10,7 +10,7 @@ use crate::config::RetryPolicy;
 use crate::postgres::replay::{Replay, ReplayError, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::rng::mix;
-use crate::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, FinishOutcome, ReapReport};
+use crate::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, ReapReport};
 use crate::store::{TASK_EXPIRED_MESSAGE, WORKER_CRASHED_MESSAGE};
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, WorkerId};
 
@@ -255,6 +255,8 @@ impl PgStore {
                 queue: row.try_get("queue")?,
                 args,
                 priority: row.try_get("priority")?,
+                enqueued_at: DbTime(row.try_get("enqueued_at_ms")?),
+                run_at: DbTime(row.try_get("run_at_ms")?),
                 started: row.try_get("started")?,
                 attempt: Attempt(count(row.try_get("attempt")?)),
                 retries: count(row.try_get("retries")?),

@@ -56,8 +56,9 @@ const UNSTART: &str = "attempts = t.attempts - CASE WHEN t.state = 'RUNNING' THE
      started_at = CASE WHEN t.state = 'RUNNING' AND t.attempts <= 1 THEN NULL ELSE t.started_at END";
 
 const CLAIM: &str = "\
-SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms
-FROM {s}.claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms,
+       enqueued_at_ms, run_at_ms
+FROM {s}.claim_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
 
 const START: &str = "\
 SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
@@ -150,14 +151,14 @@ finish_answer AS ({finish_answer})
 SELECT 0 AS part, f.ord, f.id, f.state, NULL::bigint AS lease, NULL::text AS name, NULL::text AS queue,
        NULL::jsonb AS args, NULL::smallint AS priority, NULL::boolean AS started, NULL::integer AS attempt,
        NULL::integer AS retries, NULL::jsonb AS retry, NULL::boolean AS expires, NULL::boolean AS more,
-       NULL::bigint AS next_run_in_ms
+       NULL::bigint AS next_run_in_ms, NULL::bigint AS enqueued_at_ms, NULL::bigint AS run_at_ms
 FROM finish_answer f
 UNION ALL
 SELECT 1, c.ord, c.id, NULL, c.lease, c.name, c.queue, c.args, c.priority, c.started, c.attempt, c.retries, c.retry,
-       c.expires, c.more, c.next_run_in_ms
-FROM {s}.claim($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)
+       c.expires, c.more, c.next_run_in_ms, c.enqueued_at_ms, c.run_at_ms
+FROM {s}.claim_tasks($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)
      WITH ORDINALITY AS c(id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more,
-                          next_run_in_ms, ord)
+                          next_run_in_ms, enqueued_at_ms, run_at_ms, ord)
 WHERE (SELECT count(*) FROM finish_answer) >= 0
 ORDER BY part, ord";
 

@@ -58,6 +58,10 @@ pub struct ClaimedTask {
     pub args: serde_json::Value,
     /// Its priority.
     pub priority: i16,
+    /// When it was enqueued (or last replaced by a key), on the store's clock.
+    pub enqueued_at: DbTime,
+    /// When it became claimable, on the store's clock.
+    pub run_at: DbTime,
     /// Whether the claim also started it (it is Running, `attempt` is this run's number);
     /// otherwise it is Claimed and `attempt` is the number its start will have.
     pub started: bool,

@@ -48,7 +48,7 @@ use crate::store::{
 
 mod flow;
 
-use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
 use flow::{Buffer, ClaimFlow};
 
@@ -197,6 +197,10 @@ pub struct TaskRun {
     pub queue: String,
     /// Its priority (lower runs first).
     pub priority: i16,
+    /// When it was enqueued (or last replaced by a key), on the database's clock.
+    pub enqueued_at: DbTime,
+    /// When it became claimable, on the database's clock.
+    pub run_at: DbTime,
     /// The arguments.
     pub args: serde_json::Value,
     /// When the machine will time the handler out, if it has a timeout.
@@ -403,6 +407,9 @@ struct Held {
     queue: String,
     /// Its priority (lower runs first): the buffer's order.
     priority: i16,
+    /// When it was enqueued and when it became claimable, on the store's clock.
+    enqueued_at: DbTime,
+    run_at: DbTime,
     args: serde_json::Value,
     retries: u32,
     retry: RetryPolicy,
@@ -1809,6 +1816,8 @@ impl Worker {
                     name: task.name,
                     queue: task.queue,
                     priority: task.priority,
+                    enqueued_at: task.enqueued_at,
+                    run_at: task.run_at,
                     args: task.args,
                     retries: task.retries,
                     retry: task.retry,
@@ -1931,6 +1940,8 @@ impl Worker {
             name: held.name.clone(),
             queue: held.queue.clone(),
             priority: held.priority,
+            enqueued_at: held.enqueued_at,
+            run_at: held.run_at,
             args: std::mem::take(&mut held.args),
             deadline,
         };
