@@ -47,10 +47,12 @@ use crate::store::{
 };
 
 mod flow;
+mod timers;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
 use flow::{Buffer, ClaimFlow};
+use timers::Timers;
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
 /// worker and leave what it still holds to the reaper.
@@ -664,7 +666,7 @@ pub struct Worker {
     working_rank: Option<(u8, i16)>,
     /// A claim for it is in flight: its budget and how many it may start.
     urgent_out: Option<(u32, u32)>,
-    timers: BTreeMap<Timer, Instant>,
+    timers: Timers,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
     /// A claim pass is wanted: a notification, the poll timer, or a pass that left work.
@@ -757,7 +759,7 @@ impl Worker {
             urgent_bound: i16::MIN,
             working_rank: None,
             urgent_out: None,
-            timers: BTreeMap::new(),
+            timers: Timers::default(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
             more_work: true,
@@ -932,11 +934,11 @@ impl Worker {
                 }
                 self.listening = connected;
                 if !self.polls() {
-                    self.timers.remove(&Timer::Poll);
+                    self.timers.remove(Timer::Poll);
                 } else if self.phase == Phase::Running {
                     // Deaf: poll (soon, if the listener was just lost) until it is back.
                     let at = now + self.poll_interval(now);
-                    if self.timers.get(&Timer::Poll).is_none_or(|&armed| armed > at) {
+                    if self.timers.get(Timer::Poll).is_none_or(|armed| armed > at) {
                         self.arm(Timer::Poll, at);
                     }
                 }
@@ -951,9 +953,7 @@ impl Worker {
         if self.phase == Phase::Stopped {
             return;
         }
-        let due: Vec<Timer> = self.timers.iter().filter(|(_, at)| **at <= now).map(|(t, _)| *t).collect();
-        for timer in due {
-            self.timers.remove(&timer);
+        for timer in self.timers.take_due(now) {
             match timer {
                 Timer::Poll => {
                     self.want_pass();
@@ -1011,13 +1011,13 @@ impl Worker {
 
     /// The next deadline and its timer; `None` when nothing is scheduled (stopped).
     pub fn poll_timeout(&self) -> Option<(Instant, Timer)> {
-        self.timers.iter().map(|(timer, at)| (*at, *timer)).min()
+        self.timers.next()
     }
 
     /// When `timer` is due, if it is armed (for drivers' diagnostics and tests).
     #[cfg(feature = "sim")]
     pub fn timer(&self, timer: Timer) -> Option<Instant> {
-        self.timers.get(&timer).copied()
+        self.timers.get(timer)
     }
 
     /// The next command for the driver.
@@ -1040,7 +1040,7 @@ impl Worker {
     }
 
     fn arm(&mut self, timer: Timer, at: Instant) {
-        self.timers.insert(timer, at);
+        self.timers.arm(timer, at);
     }
 
     fn heartbeat_interval(&self) -> Duration {
@@ -1215,7 +1215,7 @@ impl Worker {
                 held.unrecorded = true;
                 let attempt = held.attempt;
                 self.on_started(id, attempt);
-                if !self.timers.contains_key(&Timer::RecordStarts) && !self.record_due {
+                if !self.timers.contains(Timer::RecordStarts) && !self.record_due {
                     self.arm(Timer::RecordStarts, now + self.record_starts_after());
                 }
             } else if may_ask {
@@ -1520,14 +1520,14 @@ impl Worker {
         if let Some(at) = self.pass_budget.next_token_at() {
             // Empty notified passes spent their budget: this one waits for the next token, with
             // every notification until then.
-            if !self.timers.contains_key(&Timer::NotifiedPass) {
+            if !self.timers.contains(Timer::NotifiedPass) {
                 self.stats.notified_passes_limited += 1;
                 self.arm(Timer::NotifiedPass, at);
             }
             return;
         }
         // This notification takes the pass a held-back one was waiting for.
-        self.timers.remove(&Timer::NotifiedPass);
+        self.timers.remove(Timer::NotifiedPass);
         self.more_work = true;
         self.notified_pass = true;
     }
@@ -1567,7 +1567,7 @@ impl Worker {
                 // A wake-up hint past the end of this clock's range is no hint at all.
                 let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
                 if let Some(at) = hint.filter(|_| self.phase == Phase::Running) {
-                    if self.timers.get(&Timer::Wake).is_none_or(|&armed| armed > at) {
+                    if self.timers.get(Timer::Wake).is_none_or(|armed| armed > at) {
                         self.arm(Timer::Wake, at);
                     }
                 }
@@ -1630,7 +1630,7 @@ impl Worker {
                     }
                 }
                 let unrecorded = self.held.values().any(|h| h.unrecorded && matches!(h.stage, Stage::Running { .. }));
-                if unrecorded && !self.timers.contains_key(&Timer::RecordStarts) {
+                if unrecorded && !self.timers.contains(Timer::RecordStarts) {
                     let at = self.now + self.record_starts_after();
                     self.arm(Timer::RecordStarts, at);
                 }
@@ -1715,7 +1715,7 @@ impl Worker {
                     // less soon while they stay locked.
                     let at = self.now + self.busy_delay();
                     self.busy_streak = self.busy_streak.saturating_add(1);
-                    if self.timers.get(&Timer::Heartbeat).is_none_or(|&armed| armed > at) {
+                    if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
                         self.arm(Timer::Heartbeat, at);
                     }
                 }
@@ -1840,7 +1840,7 @@ impl Worker {
                 if matches!(previous.stage, Stage::Running { .. }) {
                     self.commands.push_back(Command::Abort { task: id, lease: previous.lease });
                 }
-                self.timers.remove(&Timer::HandlerTimeout(id));
+                self.timers.remove(Timer::HandlerTimeout(id));
                 self.buffer.remove(id);
                 self.forget_writes(id);
                 self.releases.retain(|t| t.task != id);
@@ -1897,7 +1897,7 @@ impl Worker {
     /// A cap stopped this worker: capacity freed by others (their completions, the reaper)
     /// comes with no notification, so a blocked worker polls even in event-driven mode.
     fn poll_while_blocked(&mut self) {
-        if self.phase == Phase::Running && !self.timers.contains_key(&Timer::Poll) {
+        if self.phase == Phase::Running && !self.timers.contains(Timer::Poll) {
             let at = self.now + self.poll_interval(self.now);
             self.arm(Timer::Poll, at);
         }
@@ -2005,7 +2005,7 @@ impl Worker {
     fn finish(&mut self, task: TaskId, outcome: FinishOutcome, args: Option<serde_json::Value>, bytes: u64) {
         let held = self.held.set_stage(&task, Stage::Finishing).expect("finish is called for held tasks");
         let lease = held.lease;
-        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.timers.remove(Timer::HandlerTimeout(task));
         self.completions.push_back(Queued::new(Completion { task: TaskLease { task, lease }, outcome, args }, bytes));
     }
 
@@ -2017,7 +2017,7 @@ impl Worker {
 
     /// Arms the lock retry (once), backing off while locks keep holding things up.
     fn hold_up(&mut self, now: Instant) {
-        if !self.timers.contains_key(&Timer::LockRetry) {
+        if !self.timers.contains(Timer::LockRetry) {
             let at = now + self.busy_delay();
             self.arm(Timer::LockRetry, at);
         }
@@ -2057,7 +2057,7 @@ impl Worker {
         if matches!(held.stage, Stage::Running { .. }) {
             self.commands.push_back(Command::Abort { task, lease: held.lease });
         }
-        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.timers.remove(Timer::HandlerTimeout(task));
         self.buffer.remove(task);
         self.forget_writes(task);
         self.stats.lost += 1;
@@ -2072,7 +2072,7 @@ impl Worker {
         }
         self.buffer.remove(task);
         self.held.set_stage(&task, Stage::Releasing);
-        self.timers.remove(&Timer::HandlerTimeout(task));
+        self.timers.remove(Timer::HandlerTimeout(task));
         self.releases.push(TaskLease { task, lease });
     }
 
@@ -2130,7 +2130,7 @@ impl Worker {
                     // Beat again soon, less soon while the lock holds.
                     let at = now + self.busy_delay();
                     self.busy_streak = self.busy_streak.saturating_add(1);
-                    if self.timers.get(&Timer::Heartbeat).is_none_or(|&armed| armed > at) {
+                    if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
                         self.arm(Timer::Heartbeat, at);
                     }
                     return;
@@ -2308,10 +2308,10 @@ impl Worker {
             return;
         }
         self.phase = Phase::Draining { grace_over: false };
-        self.timers.remove(&Timer::Poll);
-        self.timers.remove(&Timer::Wake);
-        self.timers.remove(&Timer::Reaper);
-        self.timers.remove(&Timer::LivenessCheck);
+        self.timers.remove(Timer::Poll);
+        self.timers.remove(Timer::Wake);
+        self.timers.remove(Timer::Reaper);
+        self.timers.remove(Timer::LivenessCheck);
         let buffered: Vec<TaskId> = self.buffer.iter().collect();
         for task in buffered {
             self.release(task);
