@@ -39,7 +39,7 @@ use std::time::{Duration, Instant};
 use crate::backoff::{self, DbBackoff};
 use crate::budget::ClaimPolicy;
 use crate::check::ConfigError;
-use crate::config::{AppConfig, DeploymentMode, RetryPolicy, WorkerConfig};
+use crate::config::{AppConfig, DeploymentMode, WorkerConfig};
 use crate::rng::Rng;
 use crate::store::{
     ClaimedTask, Completion, DEFAULT_PURGE_BATCH, DbFailure, DbReply, DbRequest, FinishOutcome, OpId, ReapReport,
@@ -47,11 +47,13 @@ use crate::store::{
 };
 
 mod flow;
+mod held;
 mod timers;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
 use flow::{Buffer, ClaimFlow};
+use held::{Held, HeldTasks, RUNNING, Stage};
 use timers::Timers;
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
@@ -399,134 +401,6 @@ pub struct Stats {
     /// Completions the database kept refusing, dropped and left to the reaper.
     pub outcomes_dropped: u64,
 }
-
-/// What the worker knows of one task it holds.
-#[derive(Debug, Clone)]
-struct Held {
-    lease: Lease,
-    attempt: Attempt,
-    name: String,
-    queue: String,
-    /// Its priority (lower runs first): the buffer's order.
-    priority: i16,
-    /// When it was enqueued and when it became claimable, on the store's clock.
-    enqueued_at: DbTime,
-    run_at: DbTime,
-    args: serde_json::Value,
-    retries: u32,
-    retry: RetryPolicy,
-    stage: Stage,
-    /// It has a good-until: only a start request, on the store's clock, may start it.
-    expires: bool,
-    /// Started without a start request and the store does not know yet: it is Claimed there
-    /// (its heartbeat renews the claim) until a finish or a [`DbRequest::RecordStarts`].
-    unrecorded: bool,
-    /// The first op id not yet sent when it was taken: a claim with a lower token (op ids
-    /// number requests in the order they are sent) was in flight by then, and the database
-    /// may have applied it before or after the one that took this.
-    taken_before_op: u64,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Stage {
-    /// Claimed, waiting for a permit (soft-cap mode).
-    Buffered,
-    /// A start request is out.
-    Starting,
-    /// The handler runs.
-    Running { deadline: Option<Instant> },
-    /// The handler returned (or was cut off); its outcome waits to be written.
-    Finishing,
-    /// Shutdown or a timeout took it away from its handler; it waits to be released.
-    Releasing,
-}
-
-impl Stage {
-    /// The index of this stage in [`HeldTasks`]' counts.
-    fn index(self) -> usize {
-        match self {
-            Stage::Buffered => 0,
-            Stage::Starting => 1,
-            Stage::Running { .. } => 2,
-            Stage::Finishing => 3,
-            Stage::Releasing => 4,
-        }
-    }
-}
-
-/// The tasks a worker holds, with how many are in each stage: the machine asks for those
-/// counts after every input, and a scan would make each input cost as much as the buffer is
-/// long. Stages change only through [`HeldTasks::set_stage`].
-#[derive(Debug, Default)]
-struct HeldTasks {
-    tasks: BTreeMap<TaskId, Held>,
-    counts: [u32; 5],
-}
-
-impl HeldTasks {
-    fn get(&self, id: &TaskId) -> Option<&Held> {
-        self.tasks.get(id)
-    }
-
-    /// The task, to change anything but its stage.
-    fn get_mut(&mut self, id: &TaskId) -> Option<&mut Held> {
-        self.tasks.get_mut(id)
-    }
-
-    fn insert(&mut self, id: TaskId, held: Held) -> Option<Held> {
-        self.counts[held.stage.index()] += 1;
-        let previous = self.tasks.insert(id, held);
-        if let Some(previous) = &previous {
-            self.counts[previous.stage.index()] -= 1;
-        }
-        previous
-    }
-
-    fn remove(&mut self, id: &TaskId) -> Option<Held> {
-        let held = self.tasks.remove(id)?;
-        self.counts[held.stage.index()] -= 1;
-        Some(held)
-    }
-
-    /// Moves a held task to `stage`; `None` if it is not held.
-    fn set_stage(&mut self, id: &TaskId, stage: Stage) -> Option<&mut Held> {
-        let held = self.tasks.get_mut(id)?;
-        self.counts[held.stage.index()] -= 1;
-        self.counts[stage.index()] += 1;
-        held.stage = stage;
-        Some(held)
-    }
-
-    /// How many tasks are in the stages `stages` names.
-    fn count(&self, stages: &[Stage]) -> u32 {
-        let n = stages.iter().map(|s| self.counts[s.index()]).sum();
-        debug_assert_eq!(
-            n,
-            self.tasks.values().filter(|t| stages.iter().any(|s| s.index() == t.stage.index())).count() as u32,
-            "held task counts out of step"
-        );
-        n
-    }
-
-    fn iter(&self) -> impl Iterator<Item = (&TaskId, &Held)> {
-        self.tasks.iter()
-    }
-
-    fn values(&self) -> impl Iterator<Item = &Held> {
-        self.tasks.values()
-    }
-
-    fn len(&self) -> usize {
-        self.tasks.len()
-    }
-
-    fn is_empty(&self) -> bool {
-        self.tasks.is_empty()
-    }
-}
-
-/// The stages a handler runs in (its deadline aside), for [`HeldTasks::count`].
-const RUNNING: Stage = Stage::Running { deadline: None };
 
 /// A claim pass about to be sent: its token (the op id it goes out under), whether a
 /// notification woke it, and the counts it claims for.
