@@ -1432,207 +1432,29 @@ impl Worker {
                 }
             }
             (Op::Claim { urgent: true, token, .. }, DbReply::Claimed { tasks, .. }) => {
-                // What it took joins the buffer, most urgent first; the regular passes go on.
-                self.urgent_out = None;
-                self.take_claimed(tasks, token);
+                self.on_urgent_claimed(tasks, token)
             }
             (Op::Claim { notified, sent, token, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
-                self.flow.on_claim_answered(sent, self.now);
-                // A wake-up hint past the end of this clock's range is no hint at all.
-                let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
-                if let Some(at) = hint.filter(|_| self.phase == Phase::Running) {
-                    if self.timers.get(Timer::Wake).is_none_or(|armed| armed > at) {
-                        self.arm(Timer::Wake, at);
-                    }
-                }
-                if notified && (!tasks.is_empty() || more) {
-                    self.pass_budget.tokens = (self.pass_budget.tokens + 1).min(NOTIFIED_PASS_BURST);
-                }
-                self.on_claimed(tasks, more, token)
+                self.on_pass_claimed(notified, sent, token, tasks, more, next_run_in_ms)
             }
             (Op::Start(sent), DbReply::Started { started, expired, deferred, lost }) => {
-                let sent = SentLeases::new(sent);
-                self.start_in_flight = false;
-                // Only tasks this request starts under the lease held now count: one lost and
-                // claimed again while the request was in flight belongs to a newer lease.
-                for (task, attempt) in started {
-                    if self.starting(task, &sent) {
-                        self.on_started(task, attempt);
-                    }
-                }
-                for task in expired {
-                    if self.starting(task, &sent) {
-                        self.held.remove(&task);
-                        self.stats.expired += 1;
-                        self.events.push_back(Event::Expired { task });
-                    }
-                }
-                if !deferred.is_empty() {
-                    self.start_blocked = true;
-                    self.poll_while_blocked();
-                }
-                for task in deferred.into_iter().rev() {
-                    if self.starting(task, &sent) {
-                        self.unstart(task);
-                    }
-                }
-                for task in lost {
-                    self.lose(TaskLease { task, lease: sent.lease_of(task) }, LostReason::LeaseLost);
-                }
+                self.on_start_answered(sent, started, expired, deferred, lost)
             }
             (Op::RecordStarts(sent), DbReply::Started { started, expired, deferred, lost }) => {
-                let sent = SentLeases::new(sent);
-                self.record_in_flight = false;
-                for (task, attempt) in started {
-                    if let Some(held) =
-                        self.held.get_mut(&task).filter(|h| sent.contains(TaskLease { task, lease: h.lease }))
-                    {
-                        held.unrecorded = false;
-                        held.attempt = attempt;
-                    }
-                }
-                // Nothing is expired or deferred by a record; a store that says so lost the task.
-                for task in lost.into_iter().chain(expired).chain(deferred) {
-                    let lease = sent.lease_of(task);
-                    // A finish or release under way reports on its task itself.
-                    if self
-                        .held
-                        .get(&task)
-                        .is_some_and(|h| h.lease == lease && matches!(h.stage, Stage::Running { .. }))
-                    {
-                        self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
-                    }
-                }
-                let unrecorded = self.held.values().any(|h| h.unrecorded && matches!(h.stage, Stage::Running { .. }));
-                if unrecorded && !self.timers.contains(Timer::RecordStarts) {
-                    let at = self.now + self.record_starts_after();
-                    self.arm(Timer::RecordStarts, at);
-                }
+                self.on_starts_recorded(sent, started, expired, deferred, lost)
             }
             (Op::Finish { batch, lone }, DbReply::Finished { applied, lost }) => {
-                if lone {
-                    self.lone_in_flight = false;
-                } else {
-                    self.finish_in_flight = false;
-                    // It landed: the next batch may be as large again (back to the configured
-                    // size after a refused batch was split).
-                    self.finish_limit =
-                        self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
-                }
-                if !self.held_up() {
-                    self.busy_streak = 0;
-                }
-                let sent = SentLeases::new(batch.iter().map(|q| q.completion.task));
-                let resent: BTreeSet<TaskLease> =
-                    batch.iter().filter(|q| q.resent).map(|q| q.completion.task).collect();
-                for (task, state) in applied {
-                    // The run this finish ended: still finishing under the lease it named (not a
-                    // new holding under the same lease, after a failover handed it out again).
-                    let ended = self.held.get(&task).is_some_and(|held| {
-                        held.stage == Stage::Finishing && sent.contains(TaskLease { task, lease: held.lease })
-                    });
-                    if ended {
-                        self.held.remove(&task);
-                    }
-                    match state {
-                        TaskState::Completed => self.stats.completed += 1,
-                        TaskState::Pending => self.stats.retried += 1,
-                        _ => self.stats.failed += 1,
-                    }
-                    self.events.push_back(Event::Finished { task, state });
-                }
-                for task in lost {
-                    // A batch may name a task twice (a stale re-send, then the fresh run): only a
-                    // loss of the lease this worker holds now counts.
-                    if let Some(held) = self.held.get(&task) {
-                        let lease = TaskLease { task, lease: held.lease };
-                        if sent.contains(lease) {
-                            let reason =
-                                if resent.contains(&lease) { LostReason::Unconfirmed } else { LostReason::LeaseLost };
-                            self.lose(lease, reason);
-                        }
-                    }
-                }
-                if self.cap_blocked {
-                    // Our own tasks left their queues: room may have opened.
-                    self.cap_blocked = false;
-                    self.want_pass();
-                }
-                self.start_blocked = false;
+                self.on_finished(batch, lone, applied, lost)
             }
             (Op::Heartbeat(sent), DbReply::Heartbeat { lost, busy, handed_back: _ }) => {
-                self.heartbeat_in_flight = false;
-                let sent = SentLeases::new(sent);
-                for task in lost {
-                    let lease = sent.lease_of(task);
-                    // A write of ours that takes the task out of the live rows is under way
-                    // (its finish, its release, or a start that may expire it): it says what
-                    // became of the task, and a loss the beat saw may be that write landing first.
-                    let writing = self.held.get(&task).is_some_and(|h| {
-                        h.lease == lease
-                            && match h.stage {
-                                Stage::Finishing | Stage::Releasing => true,
-                                Stage::Starting => h.expires,
-                                Stage::Buffered | Stage::Running { .. } => false,
-                            }
-                    });
-                    if !writing {
-                        self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
-                    }
-                }
-                if busy.is_empty() {
-                    if !self.held_up() {
-                        self.busy_streak = 0;
-                    }
-                } else {
-                    // Rows another transaction locks were not renewed: beat again soon for them,
-                    // less soon while they stay locked.
-                    let at = self.now + self.busy_delay();
-                    self.busy_streak = self.busy_streak.saturating_add(1);
-                    if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
-                        self.arm(Timer::Heartbeat, at);
-                    }
-                }
+                self.on_heartbeat(sent, lost, busy)
             }
-            (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => {
-                for task in released.into_iter().chain(lost) {
-                    if self.held.get(&task).is_some_and(|t| t.stage == Stage::Releasing) {
-                        self.held.remove(&task);
-                    }
-                }
-            }
-            (Op::Reap, DbReply::Reaped(report)) => {
-                self.reap_in_flight = false;
-                if report.skipped {
-                    self.stats.reaps_skipped += 1;
-                    self.events.push_back(Event::ReapSkipped);
-                } else if report.changed_anything() {
-                    self.events.push_back(Event::Reaped(report));
-                }
-            }
-            (Op::ReapDead, DbReply::Reaped(report)) => {
-                self.reap_dead_in_flight = false;
-                if !report.dead_workers.is_empty() {
-                    self.stats.dead_workers_recovered += report.dead_workers.len() as u64;
-                    self.events.push_back(Event::Reaped(report));
-                }
-            }
-            (Op::Purge, DbReply::Purged { tasks }) => {
-                self.purge_in_flight = false;
-                if tasks > 0 {
-                    self.events.push_back(Event::Purged { tasks });
-                }
-            }
-            (Op::Vacuum, DbReply::Vacuumed { tables }) => {
-                self.vacuum_in_flight = false;
-                if !tables.is_empty() {
-                    self.events.push_back(Event::Vacuumed(tables));
-                }
-            }
-            (Op::Register, DbReply::Done) => {
-                self.register_in_flight = false;
-                self.registered = true;
-            }
+            (Op::Release(_) | Op::Abandon(_), DbReply::Released { released, lost }) => self.on_released(released, lost),
+            (Op::Reap, DbReply::Reaped(report)) => self.on_reaped(report),
+            (Op::ReapDead, DbReply::Reaped(report)) => self.on_dead_reaped(report),
+            (Op::Purge, DbReply::Purged { tasks }) => self.on_purged(tasks),
+            (Op::Vacuum, DbReply::Vacuumed { tables }) => self.on_vacuumed(tables),
+            (Op::Register, DbReply::Done) => self.on_registered(),
             (Op::Deregister, DbReply::Done) => self.stop(self.given_up),
             (op, reply) => {
                 // A store that answers a request with another request's reply breaks its
@@ -1641,6 +1463,245 @@ impl Worker {
                 self.on_failure(op, failure, self.now);
             }
         }
+    }
+
+    /// The answer of an urgent claim: what it took joins the buffer.
+    fn on_urgent_claimed(&mut self, tasks: Vec<ClaimedTask>, token: u64) {
+        // What it took joins the buffer, most urgent first; the regular passes go on.
+        self.urgent_out = None;
+        self.take_claimed(tasks, token);
+    }
+
+    /// The answer of a claim pass (alone or inside a finish).
+    fn on_pass_claimed(
+        &mut self,
+        notified: bool,
+        sent: Instant,
+        token: u64,
+        tasks: Vec<ClaimedTask>,
+        more: bool,
+        next_run_in_ms: Option<u64>,
+    ) {
+        self.flow.on_claim_answered(sent, self.now);
+        // A wake-up hint past the end of this clock's range is no hint at all.
+        let hint = next_run_in_ms.and_then(|ms| self.now.checked_add(Duration::from_millis(ms)));
+        if let Some(at) = hint.filter(|_| self.phase == Phase::Running) {
+            if self.timers.get(Timer::Wake).is_none_or(|armed| armed > at) {
+                self.arm(Timer::Wake, at);
+            }
+        }
+        if notified && (!tasks.is_empty() || more) {
+            self.pass_budget.tokens = (self.pass_budget.tokens + 1).min(NOTIFIED_PASS_BURST);
+        }
+        self.on_claimed(tasks, more, token)
+    }
+
+    /// The answer of a start request.
+    fn on_start_answered(
+        &mut self,
+        sent: Vec<TaskLease>,
+        started: Vec<(TaskId, Attempt)>,
+        expired: Vec<TaskId>,
+        deferred: Vec<TaskId>,
+        lost: Vec<TaskId>,
+    ) {
+        let sent = SentLeases::new(sent);
+        self.start_in_flight = false;
+        // Only tasks this request starts under the lease held now count: one lost and
+        // claimed again while the request was in flight belongs to a newer lease.
+        for (task, attempt) in started {
+            if self.starting(task, &sent) {
+                self.on_started(task, attempt);
+            }
+        }
+        for task in expired {
+            if self.starting(task, &sent) {
+                self.held.remove(&task);
+                self.stats.expired += 1;
+                self.events.push_back(Event::Expired { task });
+            }
+        }
+        if !deferred.is_empty() {
+            self.start_blocked = true;
+            self.poll_while_blocked();
+        }
+        for task in deferred.into_iter().rev() {
+            if self.starting(task, &sent) {
+                self.unstart(task);
+            }
+        }
+        for task in lost {
+            self.lose(TaskLease { task, lease: sent.lease_of(task) }, LostReason::LeaseLost);
+        }
+    }
+
+    /// The answer of a record of starts made without asking.
+    fn on_starts_recorded(
+        &mut self,
+        sent: Vec<TaskLease>,
+        started: Vec<(TaskId, Attempt)>,
+        expired: Vec<TaskId>,
+        deferred: Vec<TaskId>,
+        lost: Vec<TaskId>,
+    ) {
+        let sent = SentLeases::new(sent);
+        self.record_in_flight = false;
+        for (task, attempt) in started {
+            if let Some(held) = self.held.get_mut(&task).filter(|h| sent.contains(TaskLease { task, lease: h.lease })) {
+                held.unrecorded = false;
+                held.attempt = attempt;
+            }
+        }
+        // Nothing is expired or deferred by a record; a store that says so lost the task.
+        for task in lost.into_iter().chain(expired).chain(deferred) {
+            let lease = sent.lease_of(task);
+            // A finish or release under way reports on its task itself.
+            if self.held.get(&task).is_some_and(|h| h.lease == lease && matches!(h.stage, Stage::Running { .. })) {
+                self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
+            }
+        }
+        let unrecorded = self.held.values().any(|h| h.unrecorded && matches!(h.stage, Stage::Running { .. }));
+        if unrecorded && !self.timers.contains(Timer::RecordStarts) {
+            let at = self.now + self.record_starts_after();
+            self.arm(Timer::RecordStarts, at);
+        }
+    }
+
+    /// The answer of a finish (alone or inside a claim).
+    fn on_finished(&mut self, batch: Vec<Queued>, lone: bool, applied: Vec<(TaskId, TaskState)>, lost: Vec<TaskId>) {
+        if lone {
+            self.lone_in_flight = false;
+        } else {
+            self.finish_in_flight = false;
+            // It landed: the next batch may be as large again (back to the configured
+            // size after a refused batch was split).
+            self.finish_limit = self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
+        }
+        if !self.held_up() {
+            self.busy_streak = 0;
+        }
+        let sent = SentLeases::new(batch.iter().map(|q| q.completion.task));
+        let resent: BTreeSet<TaskLease> = batch.iter().filter(|q| q.resent).map(|q| q.completion.task).collect();
+        for (task, state) in applied {
+            // The run this finish ended: still finishing under the lease it named (not a
+            // new holding under the same lease, after a failover handed it out again).
+            let ended = self.held.get(&task).is_some_and(|held| {
+                held.stage == Stage::Finishing && sent.contains(TaskLease { task, lease: held.lease })
+            });
+            if ended {
+                self.held.remove(&task);
+            }
+            match state {
+                TaskState::Completed => self.stats.completed += 1,
+                TaskState::Pending => self.stats.retried += 1,
+                _ => self.stats.failed += 1,
+            }
+            self.events.push_back(Event::Finished { task, state });
+        }
+        for task in lost {
+            // A batch may name a task twice (a stale re-send, then the fresh run): only a
+            // loss of the lease this worker holds now counts.
+            if let Some(held) = self.held.get(&task) {
+                let lease = TaskLease { task, lease: held.lease };
+                if sent.contains(lease) {
+                    let reason = if resent.contains(&lease) { LostReason::Unconfirmed } else { LostReason::LeaseLost };
+                    self.lose(lease, reason);
+                }
+            }
+        }
+        if self.cap_blocked {
+            // Our own tasks left their queues: room may have opened.
+            self.cap_blocked = false;
+            self.want_pass();
+        }
+        self.start_blocked = false;
+    }
+
+    /// The answer of a heartbeat: what it lost, and rows another transaction held.
+    fn on_heartbeat(&mut self, sent: Vec<TaskLease>, lost: Vec<TaskId>, busy: Vec<TaskId>) {
+        self.heartbeat_in_flight = false;
+        let sent = SentLeases::new(sent);
+        for task in lost {
+            let lease = sent.lease_of(task);
+            // A write of ours that takes the task out of the live rows is under way
+            // (its finish, its release, or a start that may expire it): it says what
+            // became of the task, and a loss the beat saw may be that write landing first.
+            let writing = self.held.get(&task).is_some_and(|h| {
+                h.lease == lease
+                    && match h.stage {
+                        Stage::Finishing | Stage::Releasing => true,
+                        Stage::Starting => h.expires,
+                        Stage::Buffered | Stage::Running { .. } => false,
+                    }
+            });
+            if !writing {
+                self.lose(TaskLease { task, lease }, LostReason::LeaseLost);
+            }
+        }
+        if busy.is_empty() {
+            if !self.held_up() {
+                self.busy_streak = 0;
+            }
+        } else {
+            // Rows another transaction locks were not renewed: beat again soon for them,
+            // less soon while they stay locked.
+            let at = self.now + self.busy_delay();
+            self.busy_streak = self.busy_streak.saturating_add(1);
+            if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
+                self.arm(Timer::Heartbeat, at);
+            }
+        }
+    }
+
+    /// The answer of a release or an abandoned claim's undoing: those tasks are no longer held.
+    fn on_released(&mut self, released: Vec<TaskId>, lost: Vec<TaskId>) {
+        for task in released.into_iter().chain(lost) {
+            if self.held.get(&task).is_some_and(|t| t.stage == Stage::Releasing) {
+                self.held.remove(&task);
+            }
+        }
+    }
+
+    /// The reaper's report.
+    fn on_reaped(&mut self, report: ReapReport) {
+        self.reap_in_flight = false;
+        if report.skipped {
+            self.stats.reaps_skipped += 1;
+            self.events.push_back(Event::ReapSkipped);
+        } else if report.changed_anything() {
+            self.events.push_back(Event::Reaped(report));
+        }
+    }
+
+    /// The report of a look for dead workers by their released liveness tokens.
+    fn on_dead_reaped(&mut self, report: ReapReport) {
+        self.reap_dead_in_flight = false;
+        if !report.dead_workers.is_empty() {
+            self.stats.dead_workers_recovered += report.dead_workers.len() as u64;
+            self.events.push_back(Event::Reaped(report));
+        }
+    }
+
+    /// How many finished tasks a purge deleted.
+    fn on_purged(&mut self, tasks: u64) {
+        self.purge_in_flight = false;
+        if tasks > 0 {
+            self.events.push_back(Event::Purged { tasks });
+        }
+    }
+
+    /// The hot tables a vacuum check vacuumed.
+    fn on_vacuumed(&mut self, tables: Vec<VacuumedTable>) {
+        self.vacuum_in_flight = false;
+        if !tables.is_empty() {
+            self.events.push_back(Event::Vacuumed(tables));
+        }
+    }
+
+    /// The worker is in the registry.
+    fn on_registered(&mut self) {
+        self.register_in_flight = false;
+        self.registered = true;
     }
 
     fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
@@ -1955,90 +2016,42 @@ impl Worker {
         let unknown = matches!(failure, DbFailure::Unknown(_));
         // A lock another transaction held too long: not an outage, so no backoff of everything.
         let lock = matches!(failure, DbFailure::LockTimeout(_));
-        match op {
+        let handled = match op {
             Op::FinishAndClaim { batch, token, .. } => {
                 // Both parts failed together. A lock or a refusal is the finish's: its rows are
                 // what the statement locks or writes values into.
                 self.claim_failed(token, unknown, false, now);
-                if self.finish_failed(batch, false, &failure, unknown, now) {
-                    return;
-                }
+                self.finish_failed(batch, false, &failure, unknown, now)
             }
-            Op::Claim { token, urgent, .. } => {
-                self.claim_failed(token, unknown, urgent, now);
-                if urgent {
-                    // Its task waits for the next pass; nothing else waits for it.
-                    return;
-                }
-                if lock {
-                    // A queue's claim lock: other workers claim meanwhile.
-                    self.claims_held = true;
-                    self.hold_up(now);
-                    return;
-                }
+            Op::Claim { token, urgent, .. } => self.claim_pass_failed(token, urgent, unknown, lock, now),
+            Op::Start(tasks) => self.start_failed(tasks, lock),
+            Op::Finish { batch, lone } => self.finish_failed(batch, lone, &failure, unknown, now),
+            Op::Heartbeat(_) => self.heartbeat_failed(lock, now),
+            Op::RecordStarts(_) => self.record_failed(),
+            Op::Release(tasks) => {
+                self.releases.extend(tasks);
+                false
             }
-            Op::Start(tasks) => {
-                self.start_in_flight = false;
-                // Starting again is idempotent: a started row under our lease counts as started.
-                let sent = SentLeases::new(tasks.iter().copied());
-                for lease in tasks.iter().rev() {
-                    if self.starting(lease.task, &sent) {
-                        self.unstart(lease.task);
-                    }
-                }
-                if lock {
-                    // Like a start deferred at a cap: asked again at the next poll or finish.
-                    self.start_blocked = true;
-                    self.poll_while_blocked();
-                    return;
-                }
+            Op::Abandon(token) => {
+                self.abandons.push(token);
+                false
             }
-            Op::Finish { batch, lone } => {
-                if self.finish_failed(batch, lone, &failure, unknown, now) {
-                    return;
-                }
+            Op::Reap => self.reap_failed(lock),
+            Op::ReapDead => self.reap_dead_failed(lock),
+            Op::Purge => self.purge_failed(lock),
+            Op::Vacuum => self.vacuum_failed(),
+            Op::Register => {
+                self.register_in_flight = false;
+                false
             }
-            Op::Heartbeat(_) => {
-                self.heartbeat_in_flight = false;
-                if lock {
-                    // Beat again soon, less soon while the lock holds.
-                    let at = now + self.busy_delay();
-                    self.busy_streak = self.busy_streak.saturating_add(1);
-                    if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
-                        self.arm(Timer::Heartbeat, at);
-                    }
-                    return;
-                }
-                self.heartbeat_due = true;
-            }
-            Op::RecordStarts(_) => {
-                self.record_in_flight = false;
-                self.record_due = true;
-            }
-            Op::Release(tasks) => self.releases.extend(tasks),
-            Op::Abandon(token) => self.abandons.push(token),
-            Op::Vacuum => {
-                // Upkeep, whatever stopped it (a lock, its statement timeout on a bloated
-                // table): the next check tries again, and an outage shows in the work itself.
-                self.vacuum_in_flight = false;
-                return;
-            }
-            Op::Reap | Op::ReapDead | Op::Purge if lock => {
-                // The next interval tries again; nothing waits for it.
-                self.reap_in_flight &= !matches!(op, Op::Reap);
-                self.reap_dead_in_flight &= !matches!(op, Op::ReapDead);
-                self.purge_in_flight &= !matches!(op, Op::Purge);
-                return;
-            }
-            Op::Reap => self.reap_in_flight = false,
-            Op::ReapDead => self.reap_dead_in_flight = false,
-            Op::Purge => self.purge_in_flight = false,
-            Op::Register => self.register_in_flight = false,
             Op::Deregister => {
                 // Not worth waiting for: the registry marks silent workers dead anyway.
                 self.stop(self.given_up);
-                return;
+                true
             }
+        };
+        if handled {
+            return;
         }
         if lock {
             // A release, an abandon, a record of starts or the registration: those wait.
@@ -2066,6 +2079,91 @@ impl Worker {
             self.events.push_back(Event::GaveUp);
             self.begin_shutdown(now);
         }
+    }
+
+    /// A claim pass that failed; true when nothing more is to be done about it (an urgent
+    /// claim's task waits for the next pass; a queue's claim lock is no outage: other workers
+    /// claim meanwhile).
+    fn claim_pass_failed(&mut self, token: u64, urgent: bool, unknown: bool, lock: bool, now: Instant) -> bool {
+        self.claim_failed(token, unknown, urgent, now);
+        if urgent {
+            return true;
+        }
+        if lock {
+            self.claims_held = true;
+            self.hold_up(now);
+            return true;
+        }
+        false
+    }
+
+    /// A start request that failed: its tasks are not started (starting again is idempotent:
+    /// a started row under our lease counts as started). True for a lock, which is handled
+    /// like a start deferred at a cap: asked again at the next poll or finish.
+    fn start_failed(&mut self, tasks: Vec<TaskLease>, lock: bool) -> bool {
+        self.start_in_flight = false;
+        let sent = SentLeases::new(tasks.iter().copied());
+        for lease in tasks.iter().rev() {
+            if self.starting(lease.task, &sent) {
+                self.unstart(lease.task);
+            }
+        }
+        if lock {
+            self.start_blocked = true;
+            self.poll_while_blocked();
+            return true;
+        }
+        false
+    }
+
+    /// A heartbeat that failed: owed again. True for a lock, no outage: beat again soon, less
+    /// soon while the lock holds.
+    fn heartbeat_failed(&mut self, lock: bool, now: Instant) -> bool {
+        self.heartbeat_in_flight = false;
+        if lock {
+            let at = now + self.busy_delay();
+            self.busy_streak = self.busy_streak.saturating_add(1);
+            if self.timers.get(Timer::Heartbeat).is_none_or(|armed| armed > at) {
+                self.arm(Timer::Heartbeat, at);
+            }
+            return true;
+        }
+        self.heartbeat_due = true;
+        false
+    }
+
+    /// A record of starts that failed: owed again.
+    fn record_failed(&mut self) -> bool {
+        self.record_in_flight = false;
+        self.record_due = true;
+        false
+    }
+
+    /// A reaper pass that failed: true for a lock (the next interval tries again; nothing
+    /// waits for it).
+    fn reap_failed(&mut self, lock: bool) -> bool {
+        self.reap_in_flight = false;
+        lock
+    }
+
+    /// A look for dead workers that failed: as [`reap_failed`](Self::reap_failed).
+    fn reap_dead_failed(&mut self, lock: bool) -> bool {
+        self.reap_dead_in_flight = false;
+        lock
+    }
+
+    /// A purge that failed: as [`reap_failed`](Self::reap_failed).
+    fn purge_failed(&mut self, lock: bool) -> bool {
+        self.purge_in_flight = false;
+        lock
+    }
+
+    /// A vacuum check that failed, whatever stopped it (a lock, its statement timeout on a
+    /// bloated table): upkeep, which the next check tries again; an outage shows in the work
+    /// itself. Always handled.
+    fn vacuum_failed(&mut self) -> bool {
+        self.vacuum_in_flight = false;
+        true
     }
 
     /// A claim that failed: no pass in flight, another wanted. One whose commit is unknown is
