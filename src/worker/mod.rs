@@ -48,12 +48,14 @@ use crate::store::{
 
 mod flow;
 mod held;
+mod slots;
 mod timers;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
 use flow::{Buffer, ClaimFlow};
 use held::{Held, HeldTasks, RUNNING, Stage};
+use slots::Slots;
 use timers::Timers;
 
 /// After the shutdown grace period, this many database failures in a row stop a draining
@@ -550,18 +552,8 @@ pub struct Worker {
     cap_blocked: bool,
     /// Starts were deferred at a queue cap; retried on the next poll or completion.
     start_blocked: bool,
-    claim_in_flight: bool,
-    start_in_flight: bool,
-    record_in_flight: bool,
-    /// Unrecorded starts are due to be recorded (their timer fired).
-    record_due: bool,
-    heartbeat_in_flight: bool,
-    /// A heartbeat is owed (its timer fired while it could not be sent).
-    heartbeat_due: bool,
-    reap_in_flight: bool,
-    reap_dead_in_flight: bool,
-    purge_in_flight: bool,
-    vacuum_in_flight: bool,
+    /// The requests of each kind in flight, and those owed.
+    slots: Slots,
     listening: bool,
     /// When the listener was lost, while it is down.
     deaf_since: Option<Instant>,
@@ -577,13 +569,11 @@ pub struct Worker {
     /// Completions the database refused (or a lock held up) alone: sent one at a time beside
     /// the batches, which they never hold up, taking turns when one is refused again.
     lone: VecDeque<Queued>,
-    lone_in_flight: bool,
     /// The last lone finish was refused: the next waits for [`Timer::LockRetry`].
     lone_waiting: bool,
     /// The most completions the next finish may carry: halved when the database refuses a
     /// batch, to isolate the item it refuses; doubled back after every batch that lands.
     finish_limit: usize,
-    finish_in_flight: bool,
     /// Claims abandoned lately, and until when each is remembered.
     abandoned: BTreeMap<u64, Instant>,
     /// The pass in flight (or due) was woken by a notification only.
@@ -593,7 +583,6 @@ pub struct Worker {
     releases: Vec<TaskLease>,
     abandons: Vec<u64>,
     registered: bool,
-    register_in_flight: bool,
     deregister_sent: bool,
     /// Tasks shutdown gave up on after its grace period while locks held their writes up (the
     /// reaper's now): the `abandoned` count of its `Drained` event.
@@ -639,16 +628,7 @@ impl Worker {
             more_work: true,
             cap_blocked: false,
             start_blocked: false,
-            claim_in_flight: false,
-            start_in_flight: false,
-            record_in_flight: false,
-            record_due: false,
-            heartbeat_in_flight: false,
-            heartbeat_due: false,
-            reap_in_flight: false,
-            reap_dead_in_flight: false,
-            purge_in_flight: false,
-            vacuum_in_flight: false,
+            slots: Slots::default(),
             listening: false,
             deaf_since: None,
             completions: VecDeque::new(),
@@ -656,17 +636,14 @@ impl Worker {
             lock_blocked: false,
             claims_held: false,
             lone: VecDeque::new(),
-            lone_in_flight: false,
             lone_waiting: false,
             finish_limit,
-            finish_in_flight: false,
             abandoned: BTreeMap::new(),
             notified_pass: false,
             pass_budget: PassBudget { tokens: NOTIFIED_PASS_BURST, refilled_at: now },
             releases: Vec::new(),
             abandons: Vec::new(),
             registered: false,
-            register_in_flight: false,
             deregister_sent: false,
             given_up: 0,
             backoff: DbBackoff::new(),
@@ -845,7 +822,7 @@ impl Worker {
                 Timer::Heartbeat => {
                     // Owed until sent: a beat skipped by an outage goes out once the database
                     // answers again, not an interval later.
-                    self.heartbeat_due = true;
+                    self.slots.heartbeat.owe();
                     self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
                 }
                 Timer::Reaper => {
@@ -868,7 +845,7 @@ impl Worker {
                 Timer::DbRetry => self.db_down = false,
                 Timer::ShutdownGrace => self.end_grace(),
                 Timer::HandlerTimeout(task) => self.time_out(task),
-                Timer::RecordStarts => self.record_due = true,
+                Timer::RecordStarts => self.slots.record.owe(),
                 Timer::LockRetry => {
                     self.lock_blocked = false;
                     self.claims_held = false;
@@ -964,8 +941,8 @@ impl Worker {
             self.check_drained();
             return;
         }
-        if !self.registered && !self.register_in_flight && !self.lock_blocked {
-            self.register_in_flight = true;
+        if !self.registered && !self.slots.register.is_out() && !self.lock_blocked {
+            self.slots.register.sending(OpId(self.next_op));
             let info = WorkerInfo {
                 worker: self.id.clone(),
                 queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
@@ -973,7 +950,7 @@ impl Worker {
             };
             self.send(DbRequest::RegisterWorker(info), Op::Register);
         }
-        if self.heartbeat_due {
+        if self.slots.heartbeat.is_due() {
             self.send_heartbeat();
         }
         self.finish_and_claim(now);
@@ -987,7 +964,7 @@ impl Worker {
                 let tasks = std::mem::take(&mut self.releases);
                 self.send(DbRequest::Release { worker: self.id.clone(), tasks: tasks.clone() }, Op::Release(tasks));
             }
-            if self.record_due {
+            if self.slots.record.is_due() {
                 self.send_record_starts();
             }
         }
@@ -1007,7 +984,7 @@ impl Worker {
     /// none waits. At most `completion_batch_max`, the refusal limit and (after the first)
     /// [`MAX_FINISH_BATCH_BYTES`].
     fn take_finish_batch(&mut self) -> Option<Vec<Queued>> {
-        if self.finish_in_flight || self.completions.is_empty() {
+        if self.slots.finish.is_out() || self.completions.is_empty() {
             return None;
         }
         let most = self.completions.len().min(self.config.completion_batch_max as usize).min(self.finish_limit.max(1));
@@ -1019,14 +996,14 @@ impl Worker {
             }
             n += 1;
         }
-        self.finish_in_flight = true;
+        self.slots.finish.sending(OpId(self.next_op));
         Some(self.completions.drain(..n).collect())
     }
 
     /// In hard-cap mode, when a claim is due and completions wait, one request finishes them
     /// and claims: the claim refills the slots the finish frees, in the same round trip.
     fn finish_and_claim(&mut self, now: Instant) {
-        if !self.app.is_hard_cap_mode() || self.finish_in_flight || self.completions.is_empty() {
+        if !self.app.is_hard_cap_mode() || self.slots.finish.is_out() || self.completions.is_empty() {
             return;
         }
         let Some(claim) = self.begin_claim(now) else { return };
@@ -1049,11 +1026,11 @@ impl Worker {
 
     /// Sends the next lone completion, unless one is out or the last was refused.
     fn flush_lone(&mut self) {
-        if self.lone_in_flight || self.lone_waiting {
+        if self.slots.lone.is_out() || self.lone_waiting {
             return;
         }
         let Some(queued) = self.lone.pop_front() else { return };
-        self.lone_in_flight = true;
+        self.slots.lone.sending(OpId(self.next_op));
         self.send_finish(vec![queued], true);
     }
 
@@ -1075,9 +1052,10 @@ impl Worker {
         }
         let starting = self.held.count(&[Stage::Starting]);
         // Slots the claims in flight start tasks in are taken already.
-        let reserved = if self.claim_in_flight { self.claim_out.1 } else { 0 } + self.urgent_out.map_or(0, |(_, s)| s);
+        let reserved =
+            if self.slots.claim.is_out() { self.claim_out.1 } else { 0 } + self.urgent_out.map_or(0, |(_, s)| s);
         let mut free = self.config.concurrency.saturating_sub(self.executing() + starting + reserved);
-        let may_ask = !self.start_in_flight && !self.start_blocked;
+        let may_ask = !self.slots.start.is_out() && !self.start_blocked;
         let mut ask = Vec::new();
         let mut kept = VecDeque::new();
         while free > 0 {
@@ -1089,7 +1067,7 @@ impl Worker {
                 held.unrecorded = true;
                 let attempt = held.attempt;
                 self.on_started(id, attempt);
-                if !self.timers.contains(Timer::RecordStarts) && !self.record_due {
+                if !self.timers.contains(Timer::RecordStarts) && !self.slots.record.is_due() {
                     self.arm(Timer::RecordStarts, now + self.record_starts_after());
                 }
             } else if may_ask {
@@ -1105,7 +1083,7 @@ impl Worker {
             self.buffer_task(id, true);
         }
         if !ask.is_empty() {
-            self.start_in_flight = true;
+            self.slots.start.sending(OpId(self.next_op));
             let request = DbRequest::Start { worker: self.id.clone(), tasks: ask.clone(), policy: self.policy.clone() };
             self.send(request, Op::Start(ask));
         }
@@ -1133,10 +1111,10 @@ impl Worker {
     }
 
     fn send_record_starts(&mut self) {
-        if self.record_in_flight || self.db_down || self.phase == Phase::Stopped {
+        if self.slots.record.is_out() || self.db_down || self.phase == Phase::Stopped {
             return;
         }
-        self.record_due = false;
+        self.slots.record.settle();
         let tasks: Vec<TaskLease> = self
             .held
             .iter()
@@ -1146,7 +1124,7 @@ impl Worker {
         if tasks.is_empty() {
             return;
         }
-        self.record_in_flight = true;
+        self.slots.record.sending(OpId(self.next_op));
         self.send(DbRequest::RecordStarts { worker: self.id.clone(), tasks: tasks.clone() }, Op::RecordStarts(tasks));
     }
 
@@ -1168,7 +1146,7 @@ impl Worker {
     /// Starts a claim pass if one is due and there is room: the pass is in flight from here
     /// (the caller sends it, alone or with a finish). `None` when no pass goes now.
     fn begin_claim(&mut self, now: Instant) -> Option<ClaimPass> {
-        if self.phase != Phase::Running || self.claim_in_flight || self.claims_held || !self.more_work {
+        if self.phase != Phase::Running || self.slots.claim.is_out() || self.claims_held || !self.more_work {
             return None;
         }
         // An urgent claim in flight may bring what it asked for: counted as held already.
@@ -1183,7 +1161,7 @@ impl Worker {
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
         self.claim_out = (budget, start_now.min(budget));
         self.more_work = false;
-        self.claim_in_flight = true;
+        self.slots.claim.sending(OpId(self.next_op));
         self.stats.claim_passes += 1;
         // The request's op id: sent next.
         let token = self.next_op;
@@ -1280,10 +1258,10 @@ impl Worker {
     }
 
     fn send_heartbeat(&mut self) {
-        if self.heartbeat_in_flight || self.db_down || self.phase == Phase::Stopped {
+        if self.slots.heartbeat.is_out() || self.db_down || self.phase == Phase::Stopped {
             return;
         }
-        self.heartbeat_due = false;
+        self.slots.heartbeat.settle();
         let mut claimed = Vec::new();
         let mut running = Vec::new();
         let sent: Vec<TaskLease> = self.held_leases().collect();
@@ -1298,7 +1276,7 @@ impl Worker {
                 Stage::Running { .. } | Stage::Finishing | Stage::Releasing => running.push(lease),
             }
         }
-        self.heartbeat_in_flight = true;
+        self.slots.heartbeat.sending(OpId(self.next_op));
         let now = self.now;
         self.abandoned.retain(|_, until| *until > now);
         let request = DbRequest::Heartbeat {
@@ -1313,7 +1291,7 @@ impl Worker {
     }
 
     fn send_reap(&mut self) {
-        if self.reap_in_flight || self.db_down || self.phase != Phase::Running {
+        if self.slots.reap.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
         let recovery = &self.app.recovery;
@@ -1323,14 +1301,14 @@ impl Worker {
             running_stale_ms: recovery.auto_fail_stale_running.then_some(recovery.running_stale_threshold_ms),
             entropy: self.rng.next_u64(),
         };
-        self.reap_in_flight = true;
+        self.slots.reap.sending(OpId(self.next_op));
         self.send(request, Op::Reap);
     }
 
     /// Skipped (until the next interval) while one is in flight, the database is down or the
     /// worker drains.
     fn send_reap_dead(&mut self) {
-        if self.reap_dead_in_flight || self.db_down || self.phase != Phase::Running {
+        if self.slots.reap_dead.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
         let request = DbRequest::ReapDead {
@@ -1338,7 +1316,7 @@ impl Worker {
             grace_ms: self.app.recovery.liveness_grace_ms,
             entropy: self.rng.next_u64(),
         };
-        self.reap_dead_in_flight = true;
+        self.slots.reap_dead.sending(OpId(self.next_op));
         self.send(request, Op::ReapDead);
     }
 
@@ -1346,10 +1324,10 @@ impl Worker {
     /// the worker drains.
     fn send_purge(&mut self) {
         let Some(older_than_ms) = self.app.recovery.finished_retention_ms else { return };
-        if self.purge_in_flight || self.db_down || self.phase != Phase::Running {
+        if self.slots.purge.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
-        self.purge_in_flight = true;
+        self.slots.purge.sending(OpId(self.next_op));
         self.send(DbRequest::Purge { older_than_ms, batch: DEFAULT_PURGE_BATCH }, Op::Purge);
     }
 
@@ -1357,10 +1335,10 @@ impl Worker {
     /// the worker drains.
     fn send_vacuum(&mut self) {
         let Some(min_dead_rows) = self.app.recovery.vacuum_dead_rows else { return };
-        if self.vacuum_in_flight || self.db_down || self.phase != Phase::Running {
+        if self.slots.vacuum.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
-        self.vacuum_in_flight = true;
+        self.slots.vacuum.sending(OpId(self.next_op));
         self.send(DbRequest::Vacuum { min_dead_rows }, Op::Vacuum);
     }
 
@@ -1506,7 +1484,7 @@ impl Worker {
         lost: Vec<TaskId>,
     ) {
         let sent = SentLeases::new(sent);
-        self.start_in_flight = false;
+        self.slots.start.answered();
         // Only tasks this request starts under the lease held now count: one lost and
         // claimed again while the request was in flight belongs to a newer lease.
         for (task, attempt) in started {
@@ -1545,7 +1523,7 @@ impl Worker {
         lost: Vec<TaskId>,
     ) {
         let sent = SentLeases::new(sent);
-        self.record_in_flight = false;
+        self.slots.record.answered();
         for (task, attempt) in started {
             if let Some(held) = self.held.get_mut(&task).filter(|h| sent.contains(TaskLease { task, lease: h.lease })) {
                 held.unrecorded = false;
@@ -1570,9 +1548,9 @@ impl Worker {
     /// The answer of a finish (alone or inside a claim).
     fn on_finished(&mut self, batch: Vec<Queued>, lone: bool, applied: Vec<(TaskId, TaskState)>, lost: Vec<TaskId>) {
         if lone {
-            self.lone_in_flight = false;
+            self.slots.lone.answered();
         } else {
-            self.finish_in_flight = false;
+            self.slots.finish.answered();
             // It landed: the next batch may be as large again (back to the configured
             // size after a refused batch was split).
             self.finish_limit = self.finish_limit.saturating_mul(2).min(self.config.completion_batch_max as usize);
@@ -1619,7 +1597,7 @@ impl Worker {
 
     /// The answer of a heartbeat: what it lost, and rows another transaction held.
     fn on_heartbeat(&mut self, sent: Vec<TaskLease>, lost: Vec<TaskId>, busy: Vec<TaskId>) {
-        self.heartbeat_in_flight = false;
+        self.slots.heartbeat.answered();
         let sent = SentLeases::new(sent);
         for task in lost {
             let lease = sent.lease_of(task);
@@ -1664,7 +1642,7 @@ impl Worker {
 
     /// The reaper's report.
     fn on_reaped(&mut self, report: ReapReport) {
-        self.reap_in_flight = false;
+        self.slots.reap.answered();
         if report.skipped {
             self.stats.reaps_skipped += 1;
             self.events.push_back(Event::ReapSkipped);
@@ -1675,7 +1653,7 @@ impl Worker {
 
     /// The report of a look for dead workers by their released liveness tokens.
     fn on_dead_reaped(&mut self, report: ReapReport) {
-        self.reap_dead_in_flight = false;
+        self.slots.reap_dead.answered();
         if !report.dead_workers.is_empty() {
             self.stats.dead_workers_recovered += report.dead_workers.len() as u64;
             self.events.push_back(Event::Reaped(report));
@@ -1684,7 +1662,7 @@ impl Worker {
 
     /// How many finished tasks a purge deleted.
     fn on_purged(&mut self, tasks: u64) {
-        self.purge_in_flight = false;
+        self.slots.purge.answered();
         if tasks > 0 {
             self.events.push_back(Event::Purged { tasks });
         }
@@ -1692,7 +1670,7 @@ impl Worker {
 
     /// The hot tables a vacuum check vacuumed.
     fn on_vacuumed(&mut self, tables: Vec<VacuumedTable>) {
-        self.vacuum_in_flight = false;
+        self.slots.vacuum.answered();
         if !tables.is_empty() {
             self.events.push_back(Event::Vacuumed(tables));
         }
@@ -1700,12 +1678,12 @@ impl Worker {
 
     /// The worker is in the registry.
     fn on_registered(&mut self) {
-        self.register_in_flight = false;
+        self.slots.register.answered();
         self.registered = true;
     }
 
     fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
-        self.claim_in_flight = false;
+        self.slots.claim.answered();
         self.claim_out = (0, 0);
         let took = tasks.len();
         self.working_rank = tasks.iter().map(|t| (self.queue_priority(&t.queue), t.priority)).max();
@@ -2041,7 +2019,7 @@ impl Worker {
             Op::Purge => self.purge_failed(lock),
             Op::Vacuum => self.vacuum_failed(),
             Op::Register => {
-                self.register_in_flight = false;
+                self.slots.register.answered();
                 false
             }
             Op::Deregister => {
@@ -2101,7 +2079,7 @@ impl Worker {
     /// a started row under our lease counts as started). True for a lock, which is handled
     /// like a start deferred at a cap: asked again at the next poll or finish.
     fn start_failed(&mut self, tasks: Vec<TaskLease>, lock: bool) -> bool {
-        self.start_in_flight = false;
+        self.slots.start.answered();
         let sent = SentLeases::new(tasks.iter().copied());
         for lease in tasks.iter().rev() {
             if self.starting(lease.task, &sent) {
@@ -2119,7 +2097,7 @@ impl Worker {
     /// A heartbeat that failed: owed again. True for a lock, no outage: beat again soon, less
     /// soon while the lock holds.
     fn heartbeat_failed(&mut self, lock: bool, now: Instant) -> bool {
-        self.heartbeat_in_flight = false;
+        self.slots.heartbeat.answered();
         if lock {
             let at = now + self.busy_delay();
             self.busy_streak = self.busy_streak.saturating_add(1);
@@ -2128,33 +2106,33 @@ impl Worker {
             }
             return true;
         }
-        self.heartbeat_due = true;
+        self.slots.heartbeat.owe();
         false
     }
 
     /// A record of starts that failed: owed again.
     fn record_failed(&mut self) -> bool {
-        self.record_in_flight = false;
-        self.record_due = true;
+        self.slots.record.answered();
+        self.slots.record.owe();
         false
     }
 
     /// A reaper pass that failed: true for a lock (the next interval tries again; nothing
     /// waits for it).
     fn reap_failed(&mut self, lock: bool) -> bool {
-        self.reap_in_flight = false;
+        self.slots.reap.answered();
         lock
     }
 
     /// A look for dead workers that failed: as [`reap_failed`](Self::reap_failed).
     fn reap_dead_failed(&mut self, lock: bool) -> bool {
-        self.reap_dead_in_flight = false;
+        self.slots.reap_dead.answered();
         lock
     }
 
     /// A purge that failed: as [`reap_failed`](Self::reap_failed).
     fn purge_failed(&mut self, lock: bool) -> bool {
-        self.purge_in_flight = false;
+        self.slots.purge.answered();
         lock
     }
 
@@ -2162,7 +2140,7 @@ impl Worker {
     /// bloated table): upkeep, which the next check tries again; an outage shows in the work
     /// itself. Always handled.
     fn vacuum_failed(&mut self) -> bool {
-        self.vacuum_in_flight = false;
+        self.slots.vacuum.answered();
         true
     }
 
@@ -2172,7 +2150,7 @@ impl Worker {
         if urgent {
             self.urgent_out = None;
         } else {
-            self.claim_in_flight = false;
+            self.slots.claim.answered();
             self.claim_out = (0, 0);
             self.want_pass();
         }
@@ -2196,9 +2174,9 @@ impl Worker {
         now: Instant,
     ) -> bool {
         if lone {
-            self.lone_in_flight = false;
+            self.slots.lone.answered();
         } else {
-            self.finish_in_flight = false;
+            self.slots.finish.answered();
         }
         // Only an item refused alone is the refused item: one left alone because the others
         // were lost meanwhile is sent again as it is.
