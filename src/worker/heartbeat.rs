@@ -5,6 +5,13 @@
 use super::*;
 
 impl Worker {
+    /// The heartbeat timer: a beat is owed until sent (one skipped by an outage goes out once
+    /// the database answers again, not an interval later), and the next one armed.
+    pub(super) fn on_heartbeat_timer(&mut self, now: Instant) {
+        self.slots.heartbeat.owe();
+        self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
+    }
+
     pub(super) fn send_heartbeat(&mut self) {
         if self.slots.heartbeat.is_out() || self.db_down || self.phase == Phase::Stopped {
             return;

@@ -11,6 +11,57 @@ pub const PURGE_INTERVAL_MS: u64 = 3_600_000;
 pub const VACUUM_CHECK_INTERVAL_MS: u64 = 10_000;
 
 impl Worker {
+    /// Arms the first of each upkeep timer (at startup).
+    pub(super) fn arm_upkeep(&mut self, now: Instant) {
+        // The first reap comes after a random part of the interval so that workers started
+        // together do not reap together.
+        let check = self.app.recovery.check_interval_ms;
+        let first_reap = self.rng.range(check / 10, check + 1);
+        self.arm(Timer::Reaper, now + Duration::from_millis(first_reap));
+        if self.app.recovery.auto_recover_dead_workers {
+            let every = self.app.recovery.liveness_check_interval_ms;
+            let first = self.rng.range(every / 10, every + 1);
+            self.arm(Timer::LivenessCheck, now + Duration::from_millis(first));
+        }
+        if self.app.recovery.finished_retention_ms.is_some() {
+            // Spread like the reaper; each worker purges (concurrent purges skip each other's
+            // rows), so retention holds while any worker runs.
+            let first_purge = self.rng.range(PURGE_INTERVAL_MS / 10, PURGE_INTERVAL_MS + 1);
+            self.arm(Timer::Purge, now + Duration::from_millis(first_purge));
+        }
+        if self.app.recovery.vacuum_dead_rows.is_some() {
+            // Spread by the worker's name rather than its random stream, which the rest of
+            // the machine's choices (and the simulation's recorded seeds) follow.
+            let spread = self.id.0.bytes().fold(0, |h, b| crate::rng::mix(h ^ u64::from(b)));
+            let first = VACUUM_CHECK_INTERVAL_MS / 10 + spread % (VACUUM_CHECK_INTERVAL_MS * 9 / 10 + 1);
+            self.arm(Timer::Vacuum, now + Duration::from_millis(first));
+        }
+    }
+
+    /// An upkeep timer: its request goes out (unless one is in flight), and the next one armed.
+    pub(super) fn on_upkeep_timer(&mut self, timer: Timer, now: Instant) {
+        let every = match timer {
+            Timer::Reaper => {
+                self.send_reap();
+                self.app.recovery.check_interval_ms
+            }
+            Timer::LivenessCheck => {
+                self.send_reap_dead();
+                self.app.recovery.liveness_check_interval_ms
+            }
+            Timer::Purge => {
+                self.send_purge();
+                PURGE_INTERVAL_MS
+            }
+            Timer::Vacuum => {
+                self.send_vacuum();
+                VACUUM_CHECK_INTERVAL_MS
+            }
+            _ => return,
+        };
+        self.arm(timer, now + Duration::from_millis(every));
+    }
+
     pub(super) fn send_reap(&mut self) {
         if self.slots.reap.is_out() || self.db_down || self.phase != Phase::Running {
             return;

@@ -584,29 +584,7 @@ impl Worker {
             stats: Stats::default(),
         };
         worker.arm(Timer::Heartbeat, now + worker.heartbeat_interval());
-        // The first reap comes after a random part of the interval so that workers started
-        // together do not reap together.
-        let check = worker.app.recovery.check_interval_ms;
-        let first_reap = worker.rng.range(check / 10, check + 1);
-        worker.arm(Timer::Reaper, now + Duration::from_millis(first_reap));
-        if worker.app.recovery.auto_recover_dead_workers {
-            let every = worker.app.recovery.liveness_check_interval_ms;
-            let first = worker.rng.range(every / 10, every + 1);
-            worker.arm(Timer::LivenessCheck, now + Duration::from_millis(first));
-        }
-        if worker.app.recovery.finished_retention_ms.is_some() {
-            // Spread like the reaper; each worker purges (concurrent purges skip each other's
-            // rows), so retention holds while any worker runs.
-            let first_purge = worker.rng.range(PURGE_INTERVAL_MS / 10, PURGE_INTERVAL_MS + 1);
-            worker.arm(Timer::Purge, now + Duration::from_millis(first_purge));
-        }
-        if worker.app.recovery.vacuum_dead_rows.is_some() {
-            // Spread by the worker's name rather than its random stream, which the rest of
-            // the machine's choices (and the simulation's recorded seeds) follow.
-            let spread = worker.id.0.bytes().fold(0, |h, b| crate::rng::mix(h ^ u64::from(b)));
-            let first = VACUUM_CHECK_INTERVAL_MS / 10 + spread % (VACUUM_CHECK_INTERVAL_MS * 9 / 10 + 1);
-            worker.arm(Timer::Vacuum, now + Duration::from_millis(first));
-        }
+        worker.arm_upkeep(now);
         worker.pump(now);
         Ok(worker)
     }
@@ -751,29 +729,8 @@ impl Worker {
                     self.cap_blocked = false;
                     self.start_blocked = false;
                 }
-                Timer::Heartbeat => {
-                    // Owed until sent: a beat skipped by an outage goes out once the database
-                    // answers again, not an interval later.
-                    self.slots.heartbeat.owe();
-                    self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
-                }
-                Timer::Reaper => {
-                    self.send_reap();
-                    self.arm(Timer::Reaper, now + Duration::from_millis(self.app.recovery.check_interval_ms));
-                }
-                Timer::LivenessCheck => {
-                    self.send_reap_dead();
-                    let every = self.app.recovery.liveness_check_interval_ms;
-                    self.arm(Timer::LivenessCheck, now + Duration::from_millis(every));
-                }
-                Timer::Purge => {
-                    self.send_purge();
-                    self.arm(Timer::Purge, now + Duration::from_millis(PURGE_INTERVAL_MS));
-                }
-                Timer::Vacuum => {
-                    self.send_vacuum();
-                    self.arm(Timer::Vacuum, now + Duration::from_millis(VACUUM_CHECK_INTERVAL_MS));
-                }
+                Timer::Heartbeat => self.on_heartbeat_timer(now),
+                Timer::Reaper | Timer::LivenessCheck | Timer::Purge | Timer::Vacuum => self.on_upkeep_timer(timer, now),
                 Timer::DbRetry => self.db_down = false,
                 Timer::ShutdownGrace => self.end_grace(),
                 Timer::HandlerTimeout(task) => self.time_out(task),
