@@ -22,30 +22,13 @@ pub struct Counters {
 /// A snapshot of [`Counters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CounterSnapshot {
-    /// Tasks claimed.
-    pub claimed: u64,
-    /// Handlers started.
-    pub started: u64,
-    /// Tasks completed (written).
-    pub completed: u64,
-    /// Tasks failed for good (written).
-    pub failed: u64,
-    /// Runs failed and scheduled again (written).
-    pub retried: u64,
-    /// Tasks that expired before they could start.
-    pub expired: u64,
-    /// Handlers that ran past their timeout.
-    pub timed_out: u64,
-    /// Tasks taken away by another lease holder or the reaper.
-    pub lost: u64,
+    /// Everything the worker machine counts: tasks claimed, started, completed, failed,
+    /// retried, expired, timed out and lost, database failures, claim passes, and more.
+    pub stats: Stats,
     /// Claimed tasks not yet written back or lost: held by this worker now.
     pub in_flight: u64,
-    /// Database failures seen.
-    pub db_failures: u64,
     /// Events dropped because a hook fell behind.
     pub hook_events_dropped: u64,
-    /// Everything the worker machine counts.
-    pub stats: Stats,
 }
 
 impl Counters {
@@ -63,20 +46,10 @@ impl Counters {
 
     /// The counts now.
     pub fn snapshot(&self) -> CounterSnapshot {
-        let stats = *self.stats.lock().unwrap_or_else(PoisonError::into_inner);
         CounterSnapshot {
-            claimed: stats.claimed,
-            started: stats.started,
-            completed: stats.completed,
-            failed: stats.failed,
-            retried: stats.retried,
-            expired: stats.expired,
-            timed_out: stats.timed_out,
-            lost: stats.lost,
+            stats: *self.stats.lock().unwrap_or_else(PoisonError::into_inner),
             in_flight: self.in_flight.load(Ordering::Relaxed),
-            db_failures: stats.db_failures,
             hook_events_dropped: self.hook_events_dropped.load(Ordering::Relaxed),
-            stats,
         }
     }
 }
@@ -133,6 +106,6 @@ mod tests {
         // Two tasks claimed, one started and completed: the machine's counts, one task held.
         counters.publish(Stats { claimed: 2, started: 1, completed: 1, ..Stats::default() }, 1);
         let s = counters.snapshot();
-        assert_eq!((s.claimed, s.started, s.completed, s.in_flight), (2, 1, 1, 1));
+        assert_eq!((s.stats.claimed, s.stats.started, s.stats.completed, s.in_flight), (2, 1, 1, 1));
     }
 }
