@@ -128,13 +128,6 @@ windows of 10 s), no-vacuum with autovacuum off on the schema's tables (600 s, w
 backend-kills (canter only) while every session of the bench is terminated every
 --kill-every-ms (500) from 10 s to 50 s (60 s, windows of 10 s).";
 
-/// The worker settings the benchmark uses unless `--worker-args` says otherwise: of the
-/// prefetch buffers tried on the reference machine (256 to 4,096), the one with the best drain
-/// (latency does not depend on it: an idle worker claims and starts in one statement).
-/// Soft-cap mode with a large prefetch buffer: claims of about a thousand tasks, handlers of an
-/// uncapped queue started without a start request, completions written in large batches. (In
-/// hard-cap mode a worker of concurrency 16 claims at most 16 at a time: about 1,800 tasks/s.)
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Workload {
     /// Enqueues one by one; `--workload enqueue` runs it and then [`Workload::EnqueueBulk`].
@@ -371,8 +364,11 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
     })
 }
 
-/// The worker's configuration: the defaults with `--concurrency` and `--worker-args` (flags
-/// named after settings, as `canter worker` takes them) laid over them.
+/// The worker's configuration: `Config::throughput()` (soft caps, a buffer of up to 2,048
+/// claims sized to the measured rate, large completion batches; of the buffers tried on the
+/// reference machine, 256 to 4,096, the one with the best drain, while latency does not
+/// depend on it) with `--concurrency` and `--worker-args` (flags named after settings, as
+/// `canter worker` takes them) laid over it.
 fn worker_config(concurrency: u32, worker_args: &str) -> Result<Config, BenchError> {
     let usage = |e: crate::cli::UsageError| BenchError::Usage(format!("--worker-args: {}", e.0));
     let words: Vec<String> = worker_args.split_whitespace().map(str::to_owned).collect();

@@ -38,6 +38,14 @@ pub enum ClientError {
     /// The database failed.
     #[error("database error: {0}")]
     Database(#[from] sqlx::Error),
+    /// The store answered an operator action with the reply of another: a broken store.
+    #[error("the store answered a {action} with {reply}: expected the reply of a {action}")]
+    UnexpectedReply {
+        /// The action sent.
+        action: &'static str,
+        /// What came back.
+        reply: String,
+    },
 }
 
 impl ClientError {
@@ -46,7 +54,9 @@ impl ClientError {
         match self {
             ClientError::Enqueue(error) => error.code(),
             ClientError::Arguments(_) => ErrorCode::User("VALIDATION_FAILED".into()),
-            ClientError::Admin(_) | ClientError::Database(_) => ErrorCode::BrokerError,
+            ClientError::Admin(_) | ClientError::Database(_) | ClientError::UnexpectedReply { .. } => {
+                ErrorCode::BrokerError
+            }
         }
     }
 }
@@ -330,7 +340,7 @@ impl<R: Runtime, T: DeserializeOwned> ResultHandle<R, T> {
     pub async fn cancel(&self) -> Result<Cancelled, ClientError> {
         match self.client.admin(&AdminRequest::Cancel { task: self.id }).await? {
             AdminReply::Cancelled { found } => Ok(found),
-            other => unreachable!("a cancel replies what it found, not {other:?}"),
+            other => Err(ClientError::UnexpectedReply { action: "cancel", reply: format!("{other:?}") }),
         }
     }
 }

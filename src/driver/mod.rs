@@ -24,6 +24,7 @@ use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
 mod observe;
 mod registry;
+#[cfg(feature = "postgres")]
 mod retry;
 mod zones;
 
@@ -43,7 +44,7 @@ pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHand
 #[cfg(feature = "postgres")]
 pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
 #[cfg(feature = "postgres")]
-pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id, read_config};
+pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
 #[cfg(feature = "postgres")]
 pub use startup::STARTUP_LOCK_WAIT;
 pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};
@@ -299,6 +300,15 @@ where
             None => worker.handle_timeout(now),
         }
     }
+}
+
+/// Reads the configuration file at `path`: TOML (`.toml`) or JSON (`.json`) with `[app]` and
+/// `[worker]` tables, validated ([`Config::from_file_text`](crate::config::Config::from_file_text)).
+pub fn read_config(path: &std::path::Path) -> Result<crate::config::Config, crate::config::LoadError> {
+    crate::config::Config::format_of(path)?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| crate::config::LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
+    crate::config::Config::from_file_text(path, &text)
 }
 
 /// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge

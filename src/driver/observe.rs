@@ -11,7 +11,8 @@ use super::Runtime;
 use crate::worker::{Event, Stats};
 
 /// Live counters of one worker: the machine's own [`Stats`], published by the driver's loop
-/// after every turn, and what the driver itself counts. Cheap to read at any time.
+/// after every turn (when [`DriverOptions::counters`](super::DriverOptions) names them, as
+/// the worker service does), and what the driver itself counts. Cheap to read at any time.
 #[derive(Debug, Default)]
 pub struct Counters {
     stats: Mutex<Stats>,
@@ -23,9 +24,11 @@ pub struct Counters {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CounterSnapshot {
     /// Everything the worker machine counts: tasks claimed, started, completed, failed,
-    /// retried, expired, timed out and lost, database failures, claim passes, and more.
+    /// retried, expired, timed out and lost, claim passes, and more. Its `db_failures` counts
+    /// every request that failed (a lock timeout and a refusal too), not outages.
     pub stats: Stats,
-    /// Claimed tasks not yet written back or lost: held by this worker now.
+    /// Tasks the worker holds now: claimed, running, or finished and not yet written back or
+    /// released.
     pub in_flight: u64,
     /// Events dropped because a hook fell behind.
     pub hook_events_dropped: u64,

@@ -507,7 +507,7 @@ impl<R: Runtime + Default> PgWorker<R> {
         path: &std::path::Path,
         registry: Arc<Registry>,
     ) -> Result<Self, crate::config::LoadError> {
-        let config = read_config(path)?;
+        let config = super::read_config(path)?;
         Ok(PgWorker::new(pool, config.app, config.worker, registry)?)
     }
 }
@@ -562,13 +562,4 @@ impl<R: Runtime> PgWorker<R> {
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<Stats, ServeError> {
         self.service.serve(self.runtime, self.pool, shutdown).await
     }
-}
-
-/// Reads the configuration file at `path`: TOML (`.toml`) or JSON (`.json`) with `[app]` and
-/// `[worker]` tables, validated ([`Config::from_file_text`](crate::config::Config::from_file_text)).
-pub fn read_config(path: &std::path::Path) -> Result<crate::config::Config, crate::config::LoadError> {
-    crate::config::Config::format_of(path)?;
-    let text = std::fs::read_to_string(path)
-        .map_err(|e| crate::config::LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
-    crate::config::Config::from_file_text(path, &text)
 }

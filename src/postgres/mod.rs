@@ -22,8 +22,10 @@
 //!   idempotency key; `workers`: the worker registry with liveness; `queue_states`: paused
 //!   queues, which the claim leaves out; `schedules`: each schedule's last tick (see
 //!   [`PgStore::check_schedules`]); `claim_locks` and `reaper_lock`: rows whose locks serialize
-//!   capped claims and reapers;
-//! - functions `enqueue`, `claim`, `start_tasks` and `remove_key` (each one round trip),
+//!   capped claims and reapers; `listeners`: the sessions waiting for notifications (see
+//!   [`register_listener`]); every table is in [`TABLES`];
+//! - functions `enqueue`, `claim_tasks` (and the `claim` of earlier releases), `start_tasks`
+//!   and `remove_key` (each one round trip), `register_listener` and `unregister_listener`,
 //!   `db_now()`, the clock statements read (`now()`; tests replace it in their own schemas), and
 //!   `db_clock()`, read where a statement may have waited for locks (`clock_timestamp()`);
 //! - `schema_versions`: each migration's version and the oldest code it accepts (see

@@ -270,7 +270,7 @@ impl PgStore {
     }
 
     /// Purges finished tasks on `conn`, `batch` per statement (each its own transaction),
-    /// until a batch comes back short; see [`PgStore::purge_finished`].
+    /// until a batch comes back short; see [`AdminRequest::Purge`](crate::store::AdminRequest::Purge).
     pub(crate) async fn purge_on(
         &self,
         conn: &mut PgConnection,
@@ -480,7 +480,7 @@ impl<'a> FinishArgs<'a> {
     }
 }
 
-/// A claim's parameters as `claim()` takes them (but the worker, token, start-now and lease).
+/// A claim's parameters as `claim_tasks()` takes them (but the worker, token, start-now and lease).
 struct ClaimArgs<'a> {
     queues: Vec<&'a str>,
     caps: Vec<Option<i32>>,
@@ -513,7 +513,7 @@ impl<'a> ClaimArgs<'a> {
         }
     }
 
-    /// The fourteen parameters of `claim()`, bound to `query` after those it has.
+    /// The fourteen parameters of `claim_tasks()`, bound to `query` after those it has.
     fn bind<'q>(
         self,
         query: PgQuery<'q>,

@@ -142,7 +142,7 @@ const FINISH: &str = "{finish_with}\n{finish_answer}\nORDER BY i.ord";
 
 /// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::store::DbRequest::FinishAndClaim)):
 /// the finish's parameters `$1` to `$10`, the claim's `$11` to `$24`. The claim runs after the
-/// finish has answered (its filter reads the answer first), and `claim()`, a volatile
+/// finish has answered (its filter reads the answer first), and `claim_tasks()`, a volatile
 /// function, sees what the statement wrote so far: the rows it moved and retried. Rows of
 /// part 0 answer the finish, of part 1 the claim, each in its order.
 const FINISH_AND_CLAIM: &str = "\

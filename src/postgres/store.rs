@@ -1,7 +1,7 @@
 //! [`PgStore`]: the worker machine's database requests, executed on PostgreSQL.
 //!
 //! Each [`DbRequest`] is one round trip (the reaper, which runs rarely, is one short
-//! transaction): claims call the `claim` function of the schema, which locks rows of
+//! transaction): claims call the `claim_tasks` function of the schema, which locks rows of
 //! `claim_locks` only when a cap needs a consistent count and otherwise is `FOR UPDATE SKIP
 //! LOCKED` alone; starts
 //! call `start_tasks`; finishes, heartbeats, releases and abandoned claims are single statements

@@ -320,3 +320,24 @@ pub fn resolve_run_at(run_at: RunAt, now: DbTime) -> DbTime {
         RunAt::At(at) => at.max(now),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::store::values::MAX_JSON_DEPTH;
+
+    fn nested(depth: usize) -> serde_json::Value {
+        (1..depth).fold(json!([]), |inner, _| json!([inner]))
+    }
+
+    #[test]
+    fn enqueue_refuses_args_that_could_not_be_read_back() {
+        let app = AppConfig::default();
+        let deep = NewTask::new("t", nested(MAX_JSON_DEPTH + 1));
+        assert!(matches!(check_new_task(&app, &deep, DbTime(0)), Err(EnqueueError::InvalidArgs(_))));
+        let nul = NewTask::new("t", json!("\u{0}"));
+        assert!(matches!(check_new_task(&app, &nul, DbTime(0)), Err(EnqueueError::InvalidArgs(_))));
+    }
+}

@@ -162,3 +162,58 @@ pub fn printable(text: &str, max: usize) -> String {
     }
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::*;
+    use crate::task::ErrorCode;
+
+    fn nested(depth: usize) -> serde_json::Value {
+        (1..depth).fold(json!([]), |inner, _| json!([inner]))
+    }
+
+    #[test]
+    fn storable_values_have_no_nul_no_deep_nesting_and_a_bounded_size() {
+        assert!(check_storable(&json!({"a": [1, "ok", {"b": null}]}), 1_000).is_ok());
+        let nul = |v: serde_json::Value| check_storable(&v, 1_000).unwrap_err().to_string();
+        assert!(
+            nul(json!({"a": [1, "no\u{0}"]})).starts_with("$.a[1] contains U+0000"),
+            "{}",
+            nul(json!({"a": [1, "no\u{0}"]}))
+        );
+        assert!(nul(json!({"k\u{0}": 1})).starts_with("$.k\\u{0} contains U+0000"));
+        assert!(nul(json!([{"x": 1}, {"y": ["\u{0}"]}])).starts_with("$[1].y[0] contains"));
+        assert!(check_storable(&nested(MAX_JSON_DEPTH), u64::MAX).is_ok());
+        assert!(matches!(check_storable(&nested(MAX_JSON_DEPTH + 1), u64::MAX), Err(UnstorableValue::TooDeep { .. })));
+        assert_eq!(check_storable(&json!("x".repeat(100)), 50), Err(UnstorableValue::TooLarge { max: 50 }));
+        assert!(check_storable(&json!("x".repeat(10)), 50).is_ok());
+        // Integers count by their digits: 400,000 one-digit items are about 800 kB as JSON.
+        let digits = serde_json::Value::Array((0..400_000).map(|i| json!(i % 10)).collect());
+        let size = check_storable(&digits, 8 * 1024 * 1024).expect("well under 8 MiB");
+        assert!((800_000..=900_000).contains(&size), "{size}");
+        assert_eq!(
+            check_storable(&json!([-12345, 18_446_744_073_709_551_615u64, 1.5]), 1_000).map(|s| s > 30),
+            Ok(true)
+        );
+    }
+
+    #[test]
+    fn a_stored_error_is_checked_in_its_message_code_and_data() {
+        let error = TaskError::new(ErrorCode::TaskError, "fine");
+        assert!(check_storable_error(&error, 100).is_ok());
+        let nul = TaskError::new(ErrorCode::TaskError, "from C: \u{0}");
+        assert_eq!(check_storable_error(&nul, 100), Err(UnstorableValue::Nul { path: "$.message".into() }));
+        let data = error.clone().with_data(json!({"d": "\u{0}"}));
+        assert_eq!(check_storable_error(&data, 100), Err(UnstorableValue::Nul { path: "$.data.d".into() }));
+        let big = error.with_data(json!("y".repeat(200)));
+        assert_eq!(check_storable_error(&big, 100), Err(UnstorableValue::TooLarge { max: 100 }));
+    }
+
+    #[test]
+    fn printable_text_escapes_control_characters_and_is_cut() {
+        assert_eq!(printable("a\u{0}b\nc", 100), "a\\u{0}b\\nc");
+        assert_eq!(printable(&"z".repeat(20), 5), "zzzzz…");
+    }
+}

@@ -443,7 +443,8 @@ enum Phase {
     Stopped,
 }
 
-/// The sans-IO worker machine. See the [module docs](self) for the calling contract.
+/// The sans-IO worker machine. The [crate docs](crate#the-calling-contract) state the calling
+/// contract.
 #[derive(Debug)]
 pub struct Worker {
     id: WorkerId,
