@@ -38,6 +38,20 @@ impl Worker {
         }
     }
 
+    /// Registers the worker (its queues and concurrency) until the registry has it.
+    pub(super) fn send_register(&mut self) {
+        if self.registered || self.slots.register.is_out() || self.lock_blocked {
+            return;
+        }
+        self.slots.register.sending(OpId(self.next_op));
+        let info = WorkerInfo {
+            worker: self.id.clone(),
+            queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
+            concurrency: self.config.concurrency,
+        };
+        self.send(DbRequest::RegisterWorker(info), Op::Register);
+    }
+
     /// An upkeep timer: its request goes out (unless one is in flight), and the next one armed.
     pub(super) fn on_upkeep_timer(&mut self, timer: Timer, now: Instant) {
         let every = match timer {

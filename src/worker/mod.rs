@@ -820,15 +820,7 @@ impl Worker {
             self.check_drained();
             return;
         }
-        if !self.registered && !self.slots.register.is_out() && !self.lock_blocked {
-            self.slots.register.sending(OpId(self.next_op));
-            let info = WorkerInfo {
-                worker: self.id.clone(),
-                queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
-                concurrency: self.config.concurrency,
-            };
-            self.send(DbRequest::RegisterWorker(info), Op::Register);
-        }
+        self.send_register();
         if self.slots.heartbeat.is_due() {
             self.send_heartbeat();
         }
