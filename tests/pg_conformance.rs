@@ -662,6 +662,10 @@ async fn leases_lapse_and_stale_writes_are_fenced() {
             concurrency: 2,
         })),
         Op::Db(DbRequest::DeregisterWorker(w("a"))),
+        // A worker whose row is gone (pruned) deregisters with a beat of it in flight that
+        // lands after: it stays stopped.
+        Op::Db(DbRequest::DeregisterWorker(w("c"))),
+        beat("c", vec![], vec![]),
     ];
     pair.run(&script).await;
 }

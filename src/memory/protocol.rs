@@ -147,9 +147,16 @@ impl MemoryStore {
                 DbReply::Done
             }
             DbRequest::DeregisterWorker(worker) => {
-                if let Some(record) = self.workers.get_mut(worker) {
-                    record.stopped = true;
-                }
+                // A worker whose row was pruned (silent for the retention, e.g. through an
+                // outage) gets a stopped one: a heartbeat of it still in flight, landing after
+                // this, then finds it stopped instead of bringing it back as running.
+                self.workers.entry(worker.clone()).and_modify(|record| record.stopped = true).or_insert_with(|| {
+                    WorkerRecord {
+                        info: WorkerInfo { worker: worker.clone(), queues: Vec::new(), concurrency: 0 },
+                        last_seen: now,
+                        stopped: true,
+                    }
+                });
                 DbReply::Done
             }
         }

@@ -1059,7 +1059,23 @@ fn heartbeats_renew_young_claims_only_and_mark_the_worker_seen() {
     assert_eq!(store.apply(&DbRequest::RegisterWorker(info.clone()), at(100_002)), DbReply::Done);
     store.apply(&DbRequest::DeregisterWorker(w("a")), at(100_003));
     store.apply(&DbRequest::DeregisterWorker(w("nobody")), at(100_003));
-    assert_eq!(store.workers(), vec![WorkerRecord { info, last_seen: at(100_002), stopped: true }]);
+    // A worker with no row (pruned) is recorded stopped: a beat of it that lands after its
+    // deregistration (sent before it, or committing late) leaves it stopped.
+    let gone = WorkerRecord {
+        info: WorkerInfo { worker: w("nobody"), queues: vec![], concurrency: 0 },
+        last_seen: at(100_004),
+        stopped: true,
+    };
+    let late_beat = DbRequest::Heartbeat {
+        worker: w("nobody"),
+        claimed: vec![],
+        running: vec![],
+        lease_ms: LEASE_MS,
+        max_renew_age_ms: 50_000,
+        abandoned: vec![],
+    };
+    store.apply(&late_beat, at(100_004));
+    assert_eq!(store.workers(), vec![WorkerRecord { info, last_seen: at(100_002), stopped: true }, gone]);
 }
 
 #[test]

@@ -467,7 +467,12 @@ VALUES ($1, $2, $3, {s}.db_now(), {s}.db_now(), NULL)
 ON CONFLICT (id) DO UPDATE SET queues = EXCLUDED.queues, concurrency = EXCLUDED.concurrency,
     started_at = EXCLUDED.started_at, last_seen = EXCLUDED.last_seen, stopped_at = NULL";
 
-const DEREGISTER_WORKER: &str = "UPDATE {s}.workers SET stopped_at = {s}.db_now() WHERE id = $1";
+/// Marks the worker stopped; a worker whose row was pruned (silent for the retention) gets a
+/// stopped one, so a heartbeat of it still in flight, landing after this, finds it stopped.
+const DEREGISTER_WORKER: &str = "\
+INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, stopped_at)
+VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now(), {s}.db_now())
+ON CONFLICT (id) DO UPDATE SET stopped_at = EXCLUDED.stopped_at";
 
 const ENQUEUE: &str = "\
 SELECT ord, id, problem, detail_id, run_at_ms, good_until_ms
