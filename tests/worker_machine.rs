@@ -8,7 +8,7 @@ use canter::config::{AppConfig, CustomQueue, DeploymentMode, QueueMode, RetryPol
 use canter::store::{
     ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, OpId, VacuumedTable,
 };
-use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
+use canter::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use canter::worker::{Command, DEAF_FAST_POLL_FOR, DEAF_POLL_INTERVAL, Event, Input, TaskOutcome, Timer, Worker};
 use serde_json::json;
 
@@ -509,6 +509,36 @@ fn heartbeats_cover_everything_held_and_lost_tasks_are_aborted() {
     let after = h.reply(op, DbReply::Heartbeat { lost: vec![TaskId(1)], busy: vec![], handed_back: vec![] });
     assert!(after.contains(&Command::Abort { task: TaskId(1), lease: Lease(1) }));
     assert_eq!(h.worker.running(), 0);
+}
+
+#[test]
+fn a_task_handed_back_under_the_lease_of_an_aborted_run_goes_back_instead_of_running_twice() {
+    // Simulation seed 13448: a database gone back in time hands a task out again under the
+    // lease of a run this worker aborted, whose answer (a driver that cannot stop a handler)
+    // still comes: a second run under that lease would take it for its own.
+    let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(app(), config);
+    // More was left behind: the next claim goes out at once, and stays out.
+    let started = start(&mut h, &first, vec![task(1, true)], true);
+    let runs = spawns(&started);
+    let claim = find(&started, "claim");
+    let commands = loop {
+        let (_, commands) = h.fire();
+        if has(&commands, "heartbeat") {
+            break commands;
+        }
+    };
+    let lost = DbReply::Heartbeat { lost: vec![TaskId(1)], busy: vec![], handed_back: vec![] };
+    let after = h.reply(find(&commands, "heartbeat"), lost);
+    assert!(after.contains(&Command::Abort { task: TaskId(1), lease: Lease(1) }), "{after:?}");
+    let again = h.reply(claim, DbReply::Claimed { tasks: vec![task(1, true)], more: false, next_run_in_ms: None });
+    assert!(spawns(&again).is_empty(), "a second run under lease 1: {again:?}");
+    let released = db_ops(&again).into_iter().any(|(_, r)| {
+        matches!(r, DbRequest::Release { tasks, .. } if tasks == &vec![TaskLease { task: TaskId(1), lease: Lease(1) }])
+    });
+    assert!(released, "handed back to be claimed under a new lease: {again:?}");
+    // The aborted run's late answer is written for nothing.
+    assert!(finishes(&h.finished(&runs[0], TaskOutcome::Success(json!(1)))).is_empty());
 }
 
 #[test]

@@ -330,7 +330,7 @@ impl Worker {
                     self.events.push_back(Event::LeaseWentBack { task: id, held: previous.lease, claimed: task_lease });
                 }
                 if matches!(previous.stage, Stage::Running { .. }) {
-                    self.commands.push_back(Command::Abort { task: id, lease: previous.lease });
+                    self.abort(id, previous.lease);
                 }
                 self.timers.remove(Timer::HandlerTimeout(id));
                 self.buffer.remove(id);
@@ -358,8 +358,11 @@ impl Worker {
                 self.finish(id, outcome, None, bytes);
                 continue;
             }
-            if self.phase != Phase::Running {
-                // Claimed while shutting down: hand it straight back.
+            if self.phase != Phase::Running || self.aborted_run(id, task_lease) {
+                // Claimed while shutting down: hand it straight back. Or handed back under
+                // the lease of a run aborted here whose answer may still come (the database
+                // went back in time): a second run under that lease could take that answer for
+                // its own, so it goes back to be claimed under a new lease.
                 self.release(id);
             } else if started {
                 self.on_started(id, attempt);

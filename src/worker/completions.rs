@@ -116,6 +116,9 @@ impl Worker {
     }
 
     pub(super) fn on_task_finished(&mut self, task: TaskId, lease: Lease, outcome: TaskOutcome) {
+        if self.aborted.remove(&TaskLease { task, lease }).is_some() {
+            return; // an aborted run's answer: no run under its lease started since
+        }
         let Some(held) = self.held.get(&task) else { return };
         if held.lease != lease || !matches!(held.stage, Stage::Running { .. }) {
             return; // aborted or superseded: its answer no longer counts

@@ -490,6 +490,10 @@ pub struct Worker {
     listening: bool,
     /// When the listener was lost, while it is down.
     deaf_since: Option<Instant>,
+    /// Runs aborted whose answer may still come (a driver that cannot stop a handler answers
+    /// anyway), and when: a claim that hands the task back under the same lease (a database
+    /// gone back in time) must not start a second run that late answer would be taken for.
+    aborted: BTreeMap<TaskLease, Instant>,
     /// Completions not yet sent.
     completions: VecDeque<Queued>,
     /// Hold-ups by other transactions' locks in a row: the backoff of trying again.
@@ -564,6 +568,7 @@ impl Worker {
             slots: Slots::default(),
             listening: false,
             deaf_since: None,
+            aborted: BTreeMap::new(),
             completions: VecDeque::new(),
             busy_streak: 0,
             lock_blocked: false,
@@ -933,13 +938,27 @@ impl Worker {
         }
         let lease = held.lease;
         let timeout = self.config.handler_timeout_ms.unwrap_or_default();
-        self.commands.push_back(Command::Abort { task, lease });
+        self.abort(task, lease);
         self.stats.timed_out += 1;
         self.events.push_back(Event::TimedOut { task });
         let error = TaskError::new(ErrorCode::TaskTimeout, format!("handler ran past its timeout of {timeout} ms"));
         let outcome = self.failure_outcome(task, error);
         let bytes = own_outcome_bytes(&outcome);
         self.finish(task, outcome, None, bytes);
+    }
+
+    /// Tells the driver to abort the handler of `task` under `lease`, and remembers the run for
+    /// a while: its answer may still come (see `aborted`).
+    fn abort(&mut self, task: TaskId, lease: Lease) {
+        self.commands.push_back(Command::Abort { task, lease });
+        let now = self.now;
+        self.aborted.retain(|_, at| now.saturating_duration_since(*at) < ABANDONED_CLAIM_MEMORY);
+        self.aborted.insert(TaskLease { task, lease }, now);
+    }
+
+    /// Whether the run of `task` under `lease` was aborted and its answer may still come.
+    fn aborted_run(&self, task: TaskId, lease: Lease) -> bool {
+        self.aborted.contains_key(&TaskLease { task, lease })
     }
 
     /// Drops a task that is no longer ours under `lease`, aborting its handler if it runs. A
@@ -950,7 +969,7 @@ impl Worker {
         }
         let Some(held) = self.held.remove(&task) else { return };
         if matches!(held.stage, Stage::Running { .. }) {
-            self.commands.push_back(Command::Abort { task, lease: held.lease });
+            self.abort(task, held.lease);
         }
         self.timers.remove(Timer::HandlerTimeout(task));
         self.buffer.remove(task);

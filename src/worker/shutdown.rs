@@ -80,7 +80,7 @@ impl Worker {
         let held = self.held.get(&task).expect("release is called for held tasks");
         let (lease, was_running) = (held.lease, matches!(held.stage, Stage::Running { .. }));
         if was_running {
-            self.commands.push_back(Command::Abort { task, lease });
+            self.abort(task, lease);
         }
         self.buffer.remove(task);
         self.held.set_stage(&task, Stage::Releasing);
