@@ -327,10 +327,7 @@ mod tests {
 
     use super::*;
     use crate::store::values::MAX_JSON_DEPTH;
-
-    fn nested(depth: usize) -> serde_json::Value {
-        (1..depth).fold(json!([]), |inner, _| json!([inner]))
-    }
+    use crate::store::values::tests::nested;
 
     #[test]
     fn enqueue_refuses_args_that_could_not_be_read_back() {

@@ -164,13 +164,14 @@ pub fn printable(text: &str, max: usize) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use serde_json::json;
 
     use super::*;
     use crate::task::ErrorCode;
 
-    fn nested(depth: usize) -> serde_json::Value {
+    /// A JSON array nested `depth` levels deep.
+    pub(crate) fn nested(depth: usize) -> serde_json::Value {
         (1..depth).fold(json!([]), |inner, _| json!([inner]))
     }
 
