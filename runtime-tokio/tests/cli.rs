@@ -83,6 +83,17 @@ fn enqueue_refuses_unknown_tasks_and_malformed_json() {
 }
 
 #[test]
+fn postgres_s_own_schemas_are_refused() {
+    // Regression: `canter migrate --schema information_schema` put eight tables into it.
+    let url = ["--database-url", "postgres://postgres@127.0.0.1:1/x"];
+    for schema in ["information_schema", "pg_catalog"] {
+        let output = canter(&[&["migrate", "--schema", schema][..], &url].concat());
+        assert_eq!(output.status.code(), Some(2), "{schema}: {}", text(&output));
+        assert!(text(&output).contains(&format!("invalid schema name \"{schema}\"")), "{}", text(&output));
+    }
+}
+
+#[test]
 fn huge_durations_are_refused_not_panicked_on() {
     // Regression: `Duration::from_secs_f64` panicked on them (exit status 101).
     let url = ["--database-url", "postgres://postgres@127.0.0.1:1/x"];

@@ -99,7 +99,10 @@ fn embedded() -> impl Iterator<Item = &'static sqlx::migrate::Migration> {
 
 /// A schema name that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid schema name {0:?}: expected 1 to 63 bytes of a-z, 0-9 and _, not starting with a digit or pg_")]
+#[error(
+    "invalid schema name {0:?}: expected 1 to 63 bytes of a-z, 0-9 and _, not starting with a digit or pg_, and not \
+     information_schema (PostgreSQL's own schemas)"
+)]
 pub struct InvalidSchemaName(pub String);
 
 /// Where a schema stands against this binary's migrations (see the module docs).
@@ -351,12 +354,14 @@ impl Default for PgSchema {
 
 impl PgSchema {
     /// The schema `name`: 1 to 63 bytes of `a-z`, `0-9` and `_`, not starting with a digit
-    /// or with `pg_` (PostgreSQL reserves those).
+    /// or with `pg_`, and not `information_schema` (PostgreSQL's own schemas: a migration
+    /// must never put tables there).
     pub fn new(name: &str) -> Result<Self, InvalidSchemaName> {
         let valid = (1..=63).contains(&name.len())
             && name.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
             && !name.starts_with(|c: char| c.is_ascii_digit())
-            && !name.starts_with("pg_");
+            && !name.starts_with("pg_")
+            && name != "information_schema";
         if !valid {
             return Err(InvalidSchemaName(name.to_owned()));
         }
@@ -683,6 +688,11 @@ mod tests {
         for bad in ["", "Canter", "1abc", "pg_x", "a-b", "a\"b", &"x".repeat(64)] {
             assert_eq!(PgSchema::new(bad), Err(InvalidSchemaName(bad.to_owned())), "{bad}");
         }
+        // PostgreSQL's own schema (`canter migrate --schema information_schema` put eight
+        // tables there): refused, and the message says why.
+        let system = PgSchema::new("information_schema").unwrap_err();
+        assert!(system.to_string().contains("not information_schema"), "{system}");
+        assert!(PgSchema::new("information_schema_2").is_ok());
     }
 
     #[test]
