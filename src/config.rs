@@ -1019,6 +1019,15 @@ mod zero_is_none {
 // A whole configuration file
 // ---------------------------------------------------------------------------------------------
 
+/// The format of a configuration file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FileFormat {
+    /// TOML (`.toml`).
+    Toml,
+    /// JSON (`.json`).
+    Json,
+}
+
 /// A configuration file: an `[app]` table and a `[worker]` table.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -1070,13 +1079,13 @@ impl Config {
         Ok(config)
     }
 
-    /// Whether a file at `path` holds TOML (`.toml`, `true`) or JSON (`.json`, `false`).
-    pub fn format_of(path: &Path) -> Result<bool, LoadError> {
+    /// The format of a configuration file at `path`, by its extension (`.toml` or `.json`).
+    pub fn format_of(path: &Path) -> Result<FileFormat, LoadError> {
         let extension = path.extension().and_then(|e| e.to_str()).unwrap_or("");
         if extension.eq_ignore_ascii_case("toml") {
-            Ok(true)
+            Ok(FileFormat::Toml)
         } else if extension.eq_ignore_ascii_case("json") {
-            Ok(false)
+            Ok(FileFormat::Json)
         } else {
             Err(LoadError::UnknownFormat(path.to_path_buf()))
         }
@@ -1086,19 +1095,17 @@ impl Config {
     /// syntax errors name the file), then validates. Reading the file is the caller's
     /// (`canter::driver::read_config` reads and parses one).
     pub fn from_file_text(path: &Path, text: &str) -> Result<Self, LoadError> {
-        let toml = Config::format_of(path)?;
         // Name the file in syntax errors: the message alone does not say which file.
         let in_file = |message: String| format!("{}: {message}", path.display());
-        let config: Config = if toml {
-            parse_toml(text).map_err(|e| match e {
+        let config: Config = match Config::format_of(path)? {
+            FileFormat::Toml => parse_toml(text).map_err(|e| match e {
                 LoadError::Toml(message) => LoadError::Toml(in_file(message)),
                 other => other,
-            })?
-        } else {
-            parse_json(text).map_err(|e| match e {
+            })?,
+            FileFormat::Json => parse_json(text).map_err(|e| match e {
                 LoadError::Json(message) => LoadError::Json(in_file(message)),
                 other => other,
-            })?
+            })?,
         };
         config.validate()?;
         Ok(config)

@@ -92,7 +92,7 @@ impl Worker {
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
         self.claim_out = (budget, start_now.min(budget));
         self.more_work = false;
-        self.slots.claim.sending(OpId(self.next_op));
+        self.slots.claim.sending(self.next_op_id());
         self.stats.claim_passes += 1;
         // The request's op id: sent next.
         let token = self.next_op;

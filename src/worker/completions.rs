@@ -67,7 +67,7 @@ impl Worker {
             }
             n += 1;
         }
-        self.slots.finish.sending(OpId(self.next_op));
+        self.slots.finish.sending(self.next_op_id());
         Some(self.completions.drain(..n).collect())
     }
 
@@ -101,7 +101,7 @@ impl Worker {
             return;
         }
         let Some(queued) = self.lone.pop_front() else { return };
-        self.slots.lone.sending(OpId(self.next_op));
+        self.slots.lone.sending(self.next_op_id());
         self.send_finish(vec![queued], true);
     }
 

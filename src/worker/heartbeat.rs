@@ -31,7 +31,7 @@ impl Worker {
                 Stage::Running { .. } | Stage::Finishing | Stage::Releasing => running.push(lease),
             }
         }
-        self.slots.heartbeat.sending(OpId(self.next_op));
+        self.slots.heartbeat.sending(self.next_op_id());
         let now = self.now;
         self.abandoned.retain(|_, until| *until > now);
         let request = DbRequest::Heartbeat {

@@ -43,7 +43,7 @@ impl Worker {
         if self.registered || self.slots.register.is_out() || self.lock_blocked {
             return;
         }
-        self.slots.register.sending(OpId(self.next_op));
+        self.slots.register.sending(self.next_op_id());
         let info = WorkerInfo {
             worker: self.id.clone(),
             queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
@@ -87,7 +87,7 @@ impl Worker {
             running_stale_ms: recovery.auto_fail_stale_running.then_some(recovery.running_stale_threshold_ms),
             entropy: self.rng.next_u64(),
         };
-        self.slots.reap.sending(OpId(self.next_op));
+        self.slots.reap.sending(self.next_op_id());
         self.send(request, Op::Reap);
     }
 
@@ -102,7 +102,7 @@ impl Worker {
             grace_ms: self.app.recovery.liveness_grace_ms,
             entropy: self.rng.next_u64(),
         };
-        self.slots.reap_dead.sending(OpId(self.next_op));
+        self.slots.reap_dead.sending(self.next_op_id());
         self.send(request, Op::ReapDead);
     }
 
@@ -113,7 +113,7 @@ impl Worker {
         if self.slots.purge.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
-        self.slots.purge.sending(OpId(self.next_op));
+        self.slots.purge.sending(self.next_op_id());
         self.send(DbRequest::Purge { older_than_ms, batch: DEFAULT_PURGE_BATCH }, Op::Purge);
     }
 
@@ -124,7 +124,7 @@ impl Worker {
         if self.slots.vacuum.is_out() || self.db_down || self.phase != Phase::Running {
             return;
         }
-        self.slots.vacuum.sending(OpId(self.next_op));
+        self.slots.vacuum.sending(self.next_op_id());
         self.send(DbRequest::Vacuum { min_dead_rows }, Op::Vacuum);
     }
 

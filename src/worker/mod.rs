@@ -808,8 +808,14 @@ impl Worker {
         }
     }
 
+    /// The op id the next request sent gets: a slot marks its request in flight with it, and
+    /// a claim stamps it as its token.
+    fn next_op_id(&self) -> OpId {
+        OpId(self.next_op)
+    }
+
     fn send(&mut self, request: DbRequest, op: Op) {
-        let id = OpId(self.next_op);
+        let id = self.next_op_id();
         self.next_op += 1;
         self.ops.insert(id, op);
         self.commands.push_back(Command::Db { op: id, request });

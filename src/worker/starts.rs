@@ -43,7 +43,7 @@ impl Worker {
             self.buffer_task(id, true);
         }
         if !ask.is_empty() {
-            self.slots.start.sending(OpId(self.next_op));
+            self.slots.start.sending(self.next_op_id());
             let request = DbRequest::Start { worker: self.id.clone(), tasks: ask.clone(), policy: self.policy.clone() };
             self.send(request, Op::Start(ask));
         }
@@ -84,7 +84,7 @@ impl Worker {
         if tasks.is_empty() {
             return;
         }
-        self.slots.record.sending(OpId(self.next_op));
+        self.slots.record.sending(self.next_op_id());
         self.send(DbRequest::RecordStarts { worker: self.id.clone(), tasks: tasks.clone() }, Op::RecordStarts(tasks));
     }
 
