@@ -299,6 +299,14 @@ impl Pair {
         for filter in [
             TaskFilter { state: Some(TaskState::Pending), limit: Some(3), ..TaskFilter::default() },
             TaskFilter { queue: memory.first().map(|r| r.queue.clone()), ..TaskFilter::default() },
+            TaskFilter { newest_first: true, offset: 1, limit: Some(4), ..TaskFilter::default() },
+            TaskFilter {
+                name: memory.last().map(|r| r.name.clone()),
+                after: memory.get(memory.len() / 2).map(|r| r.id),
+                newest_first: memory.len() % 2 == 0,
+                ..TaskFilter::default()
+            },
+            TaskFilter { after: memory.first().map(|r| r.id), offset: 2, ..TaskFilter::default() },
         ] {
             let (pg, memory) = (records(self.pg.list(&filter).await.unwrap()), records(self.memory.list(&filter)));
             assert_eq!(pg, memory, "{at}: list {filter:?}");

@@ -5,6 +5,10 @@
 //! in its `driver` and `postgres` features. This crate adds what is tokio's: the [`Runtime`]
 //! (timers, spawning, blocking work), signals, and sqlx's `runtime-tokio`.
 //!
+//! Its default feature `cli` builds the `canter` program (command line, demo, bench); a library
+//! user may turn it off (`default-features = false, features = ["tls"]`) and build none of the
+//! program's dependencies.
+//!
 //! ```no_run
 //! use std::sync::Arc;
 //! use std::time::Duration;
@@ -29,11 +33,6 @@
 //! # Ok(()) }
 //! ```
 
-pub mod bench;
-pub mod builtins;
-#[doc(hidden)]
-pub mod cli;
-pub mod demo;
 mod runtime;
 
 pub use canter;

@@ -20,7 +20,9 @@ use canter_tokio::canter::postgres::{
     register_listener, schema_status, unregister_listener,
 };
 use canter_tokio::canter::store::AdminRequest;
-use canter_tokio::{AppConfig, Client, NewTask, ServeError, TaskState, TokioRuntime, Worker, WorkerConfig, builtins};
+use canter_tokio::{
+    AppConfig, Client, NewTask, Registry, ServeError, TaskError, TaskState, TokioRuntime, Worker, WorkerConfig,
+};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -56,13 +58,32 @@ fn fast_worker() -> WorkerConfig {
     WorkerConfig { concurrency: 4, poll_interval_ms: 1_000, ..WorkerConfig::default() }
 }
 
-/// A worker of the built-in tasks on `pool` in `schema`, stopped by the returned sender.
+/// The tasks these tests enqueue: `noop`, `echo` (returns its arguments) and `sleep {"ms": N}`,
+/// as the `canter` program's built-in tasks do.
+fn registry() -> Registry {
+    #[derive(serde::Deserialize)]
+    struct Sleep {
+        ms: u64,
+    }
+    let mut registry = Registry::new();
+    registry.register("noop", |_: serde_json::Value, _| async { Ok::<_, TaskError>(serde_json::Value::Null) }).unwrap();
+    registry.register("echo", |args: serde_json::Value, _| async move { Ok::<_, TaskError>(args) }).unwrap();
+    registry
+        .register("sleep", |args: Sleep, _| async move {
+            tokio::time::sleep(Duration::from_millis(args.ms)).await;
+            Ok::<_, TaskError>(serde_json::Value::Null)
+        })
+        .unwrap();
+    registry
+}
+
+/// A worker of the test tasks on `pool` in `schema`, stopped by the returned sender.
 fn worker(
     pool: &PgPool,
     schema: &PgSchema,
     migrate: bool,
 ) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<Result<canter_tokio::Stats, ServeError>>) {
-    let worker = Worker::new(pool.clone(), app(), fast_worker(), Arc::new(builtins::registry()))
+    let worker = Worker::new(pool.clone(), app(), fast_worker(), Arc::new(registry()))
         .unwrap()
         .schema(schema.clone())
         .migrate(migrate);

@@ -36,7 +36,7 @@ pub enum ClientError {
     #[error(transparent)]
     Admin(#[from] PgAdminError),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::postgres::error_text(.0))]
     Database(#[from] sqlx::Error),
     /// The store answered an operator action with the reply of another: a broken store.
     #[error("the store answered a {action} with {reply}: expected the reply of a {action}")]
@@ -84,7 +84,7 @@ pub enum ResultError {
     #[error("{0}")]
     Decode(TaskError),
     /// The database failed.
-    #[error("database error: {0}")]
+    #[error("database error: {}", crate::postgres::error_text(.0))]
     Database(#[from] sqlx::Error),
 }
 

@@ -242,7 +242,7 @@ where
         .fuse();
         let input = futures::select_biased! {
             (op, reply) = next_reply => Some(Input::Db { op, reply }),
-            (task, lease, outcome) = next_done => Some(Input::TaskFinished { task, lease, outcome }),
+            (task, lease, outcome) = next_done => Some(task_finished(task, lease, outcome)),
             input = next_input => match input {
                 Some(input) => Some(input),
                 // The outside world hung up: shut down gracefully.
@@ -275,7 +275,7 @@ where
                     if running.get(&task).is_some_and(|(held, _)| *held == lease) {
                         running.remove(&task);
                     }
-                    batch.push(Input::TaskFinished { task, lease, outcome });
+                    batch.push(task_finished(task, lease, outcome));
                 }
                 // Notifications that came meanwhile too: while handlers finish without pause
                 // (a drain), the biased wait above would never get to them, and an announced
@@ -318,6 +318,16 @@ pub(crate) fn sleep_after<R: Runtime + ?Sized>(runtime: &R, from: Instant, wait:
         Some(at) => runtime.sleep_until(at),
         None => Box::pin(futures::future::pending()),
     }
+}
+
+/// A handler's outcome as the machine's input. A failure is logged, one line, at info: a task
+/// failing is ordinary (its policy decides what comes next), and a panic's own message was
+/// already printed by the process's panic hook, if it prints them.
+fn task_finished(task: TaskId, lease: Lease, outcome: TaskOutcome) -> Input {
+    if let TaskOutcome::Failure(error) = &outcome {
+        tracing::info!(task = task.0, code = %error.code, "task {task} failed: {}", error.message);
+    }
+    Input::TaskFinished { task, lease, outcome }
 }
 
 /// The error a panicking handler ends with.

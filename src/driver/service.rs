@@ -280,7 +280,8 @@ fn log_event(worker: &WorkerId, event: &Event) {
         }
         Event::DbRecovered => tracing::info!(%worker, "database reachable again"),
         Event::Lost { task, reason } => tracing::warn!(%worker, %task, ?reason, "task lost"),
-        Event::TimedOut { task } => tracing::warn!(%worker, %task, "handler timed out"),
+        // A task failing is ordinary: its policy decides what follows.
+        Event::TimedOut { task } => tracing::info!(%worker, %task, "handler timed out"),
         Event::GaveUp => tracing::error!(%worker, "too many database failures in a row: shutting down"),
         Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
         Event::Purged { tasks } => tracing::info!(%worker, tasks, "purged finished tasks past their retention"),

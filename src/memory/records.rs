@@ -31,13 +31,23 @@ impl MemoryStore {
 
     /// The tasks `filter` selects, live and finished together, by id.
     pub fn list(&self, filter: &TaskFilter) -> Vec<TaskRecord> {
+        let past = |id: TaskId| match filter.after {
+            None => true,
+            Some(after) if filter.newest_first => id < after,
+            Some(after) => id > after,
+        };
         let mut rows: Vec<&StoredTask> = self
             .tasks()
             .filter(|row| filter.queue.as_ref().is_none_or(|q| &row.queue == q))
             .filter(|row| filter.state.is_none_or(|s| row.state == s))
+            .filter(|row| filter.name.as_ref().is_none_or(|n| &row.name == n))
+            .filter(|row| past(row.id))
             .collect();
         rows.sort_by_key(|row| row.id);
-        rows.into_iter().take(filter.limit.unwrap_or(usize::MAX)).map(StoredTask::record).collect()
+        if filter.newest_first {
+            rows.reverse();
+        }
+        rows.into_iter().skip(filter.offset).take(filter.limit.unwrap_or(usize::MAX)).map(StoredTask::record).collect()
     }
 
     /// How many tasks each queue has in each state (pairs with none are left out).

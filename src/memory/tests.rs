@@ -1097,4 +1097,13 @@ fn inspection_lists_filters_and_counts() {
     assert_eq!(counts[&("a".to_owned(), TaskState::Cancelled)], 1);
     assert_eq!(counts[&("b".to_owned(), TaskState::Pending)], 3);
     assert_eq!(counts.len(), 3);
+    // Newest first, paged by the last id seen or by an offset, by name.
+    add(&mut store, NewTask::new("other", json!(0)).queue("a"));
+    let page = |filter: TaskFilter| -> Vec<i64> { store.list(&filter).iter().map(|r| r.id.0).collect() };
+    let newest = TaskFilter { newest_first: true, limit: Some(3), ..TaskFilter::default() };
+    assert_eq!(page(newest.clone()), vec![7, 6, 5]);
+    assert_eq!(page(TaskFilter { after: Some(TaskId(5)), ..newest.clone() }), vec![4, 3, 2]);
+    assert_eq!(page(TaskFilter { offset: 5, ..newest.clone() }), vec![2, 1]);
+    assert_eq!(page(TaskFilter { after: Some(TaskId(5)), ..TaskFilter::default() }), vec![6, 7]);
+    assert_eq!(page(TaskFilter { name: Some("other".into()), ..TaskFilter::default() }), vec![7]);
 }

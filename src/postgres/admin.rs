@@ -19,11 +19,11 @@ pub enum PgAdminError {
     Refused(#[from] AdminError),
     /// The database failed; nothing changed, unless the action is one sent again after a lost
     /// reply (a pause, a resume, a force-unlock), whose first try may have.
-    #[error("database error: {0}")]
+    #[error("database error: {}", super::error_text(.0))]
     Database(#[from] sqlx::Error),
     /// The connection broke after the action was sent, with no reply: it may or may not have
     /// been applied (read the task to know).
-    #[error("action may or may not have been applied: the connection broke before its reply ({0})")]
+    #[error("action may or may not have been applied: the connection broke before its reply ({})", super::error_text(.0))]
     OutcomeUnknown(sqlx::Error),
 }
 

@@ -40,13 +40,14 @@ pub enum PgEnqueueError {
     Invalid(#[from] EnqueueError),
     /// The database failed; nothing was written (but see [`PgEnqueueError::OutcomeUnknown`] for
     /// a lost reply, and idempotent enqueues, whose last try's error this is).
-    #[error("enqueue failed: {0}")]
+    #[error("enqueue failed: {}", super::error_text(.0))]
     Database(#[from] sqlx::Error),
     /// The connection broke after the enqueue was sent, with no reply: it may or may not have
     /// committed. Enqueues with idempotency keys are sent again instead, so only others end
     /// this way.
     #[error(
-        "enqueue may or may not have committed: the connection broke before its reply ({0}); give tasks idempotency keys to send them again safely"
+        "enqueue may or may not have committed: the connection broke before its reply ({}); give tasks idempotency keys to send them again safely",
+        super::error_text(.0)
     )]
     OutcomeUnknown(sqlx::Error),
 }

@@ -73,7 +73,8 @@ pub use results::{DoneRouter, DoneSignal, WaitError};
 pub use schedules::{AppliedWrite, CheckReport, MAX_CHECK_ROUNDS, PlanOutcome, RefusedWrite};
 pub use schema::{
     DEFAULT_SCHEMA, InvalidSchemaName, LockHolder, MIGRATE_LOCK_KEY, MIGRATE_LOCK_WAIT, MIGRATOR, MigrateSchemaError,
-    PgSchema, SchemaStatus, TABLES, code_schema_version, migrate, migrate_within, require_current, schema_status,
+    PgSchema, SchemaStatus, TABLES, code_schema_version, error_text, migrate, migrate_within, require_current,
+    schema_status,
 };
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, with_session_settings};
 pub use tcp::{pool_options, set_tcp_nodelay, tcp_nodelay};

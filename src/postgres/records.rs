@@ -44,13 +44,22 @@ impl PgStore {
             .collect()
     }
 
-    /// The tasks `filter` selects, live and finished together, by id.
+    /// The tasks `filter` selects, live and finished together, in its order.
     pub async fn list(&self, filter: &TaskFilter) -> Result<Vec<TaskRecord>, sqlx::Error> {
-        let limit = filter.limit.map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX));
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().list.clone())
+        let count = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let limit = filter.limit.map_or(i64::MAX, count);
+        let offset = count(filter.offset);
+        let sql = self.schema().sql();
+        let statement = if filter.newest_first { &sql.list_newest } else { &sql.list };
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(statement.clone())
             .bind(filter.queue.as_deref())
             .bind(filter.state.map(TaskState::as_str))
             .bind(limit)
+            .bind(filter.name.as_deref())
+            .bind(filter.after.map(|id| id.0))
+            // Each table's part holds the page and what the offset skips.
+            .bind(limit.saturating_add(offset))
+            .bind(offset)
             .fetch_all(conn))?;
         rows.iter().map(record).collect()
     }
@@ -97,6 +106,22 @@ impl PgStore {
                 stopped,
             })
             .collect())
+    }
+
+    /// Of `workers`, those whose liveness token is recorded (in this server's incarnation),
+    /// each with whether a session holds it: `true` is a worker whose session lives, `false`
+    /// one whose session ended (a dead process). A worker not in the map has no token to tell
+    /// by (recovery of dead workers off, or registered before the server restarted); its last
+    /// heartbeat is all there is.
+    pub async fn liveness_tokens(&self, workers: &[WorkerId]) -> Result<BTreeMap<WorkerId, bool>, sqlx::Error> {
+        let ids: Vec<&str> = workers.iter().map(|w| w.0.as_str()).collect();
+        let prefix = self.schema().liveness_lock_prefix();
+        let rows: Vec<(String, bool)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().liveness_tokens.clone())
+                .bind(&prefix)
+                .bind(&ids)
+                .fetch_all(conn))?;
+        Ok(rows.into_iter().map(|(id, held)| (WorkerId(id), held)).collect())
     }
 
     /// The paused queues, by name.

@@ -38,7 +38,7 @@ pub enum WaitError {
     #[error("task {0} not found")]
     NotFound(TaskId),
     /// The database or the listening connection failed.
-    #[error("database error while waiting: {0}")]
+    #[error("database error while waiting: {}", super::error_text(.0))]
     Database(#[from] sqlx::Error),
 }
 

@@ -169,7 +169,7 @@ impl fmt::Display for LockHolder {
 #[non_exhaustive]
 pub enum MigrateSchemaError {
     /// The database failed around the migrations (connecting, reading, creating the schema).
-    #[error("migration setup failed: {0}")]
+    #[error("migration setup failed: {}", error_text(.0))]
     Database(#[from] sqlx::Error),
     /// A migration failed, or the applied history does not match the embedded migrations.
     #[error("migration failed: {0}")]
@@ -290,7 +290,7 @@ fn denied<'a>(
             schema: schema.name().to_owned(),
             doing,
             needs,
-            message: database_message(&error),
+            message: error_text(&error),
         },
         _ => MigrateSchemaError::Database(error),
     }
@@ -303,11 +303,22 @@ pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
     }
 }
 
-fn database_message(error: &sqlx::Error) -> String {
-    match error {
-        sqlx::Error::Database(e) => e.message().to_owned(),
-        other => other.to_string(),
+/// What a database error says, for people: the server's message, its detail and hint when it
+/// has them, never the line of PostgreSQL's own source that sqlx's `Display` appends
+/// (`relation "x" does not exist at line 1371`). Any other error as it displays.
+pub fn error_text(error: &sqlx::Error) -> String {
+    let sqlx::Error::Database(e) = error else {
+        return error.to_string();
+    };
+    let mut text = e.message().to_owned();
+    if let Some(pg) = e.try_downcast_ref::<sqlx::postgres::PgDatabaseError>() {
+        for extra in [pg.detail(), pg.hint()].into_iter().flatten() {
+            text.push_str(" (");
+            text.push_str(extra);
+            text.push(')');
+        }
     }
+    text
 }
 
 const READ_NEEDS: &str = "reading the schema's version needs USAGE on the schema and SELECT on its _sqlx_migrations \

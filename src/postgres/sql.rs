@@ -378,6 +378,15 @@ noted AS (
 )
 SELECT n.id FROM noted n WHERE n.token_free_since <= {s}.db_now() - $2 * interval '1 millisecond' ORDER BY n.id";
 
+/// Of the workers `$2`, those whose liveness token is recorded in this server incarnation, each
+/// with whether a session holds it now (a free token is taken for this statement's transaction
+/// only, as the reaper's look does). `$1` is the schema's liveness-lock prefix.
+const LIVENESS_TOKENS: &str = "\
+SELECT w.id, NOT pg_try_advisory_xact_lock(hashtextextended($1 || w.id, 0)) AS held
+FROM {s}.workers w
+WHERE w.id = ANY ($2::text[]) AND w.token_epoch = pg_postmaster_start_time()
+ORDER BY w.id";
+
 /// Forgets the tokens of the dead workers `$1`, whose tasks were recovered.
 const REAP_DEAD_FORGET: &str = "\
 UPDATE {s}.workers SET token_epoch = NULL, token_free_since = NULL WHERE id = ANY ($1::text[])";
@@ -876,10 +885,12 @@ pub(crate) struct Statements {
     pub(crate) enqueue_uniform: SqlStr,
     pub(crate) get: SqlStr,
     pub(crate) list: SqlStr,
+    pub(crate) list_newest: SqlStr,
     pub(crate) attempts: SqlStr,
     pub(crate) counts: SqlStr,
     pub(crate) queue_depths: SqlStr,
     pub(crate) workers: SqlStr,
+    pub(crate) liveness_tokens: SqlStr,
     pub(crate) cancel: SqlStr,
     pub(crate) requeue_failed: SqlStr,
     pub(crate) reschedule: SqlStr,
@@ -938,11 +949,19 @@ impl Statements {
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };
         let record = |live: &str, finished: &str| RECORD.replace("{live}", live).replace("{finished}", finished);
-        let filter = "($1::text IS NULL OR {a}.queue = $1) AND ($2::text IS NULL OR {a}.state = $2)";
-        let list = format!(
-            "SELECT * FROM ({}) r ORDER BY r.id LIMIT $3",
-            record(&filter.replace("{a}", "t"), &filter.replace("{a}", "f"))
-        );
+        // Each table's part is ordered and limited on its own (its primary key serves it), so a
+        // page of a long history reads a page of rows, not the history.
+        let list = |newest_first: bool| {
+            let (direction, past) = if newest_first { ("DESC", "<") } else { ("ASC", ">") };
+            let filter = "($1::text IS NULL OR {a}.queue = $1) AND ($2::text IS NULL OR {a}.state = $2) \
+                AND ($4::text IS NULL OR {a}.name = $4) AND ($5::bigint IS NULL OR {a}.id {past} $5) \
+                ORDER BY {a}.id {direction} LIMIT $6"
+                .replace("{past}", past)
+                .replace("{direction}", direction);
+            let record = record(&filter.replace("{a}", "t"), &filter.replace("{a}", "f"));
+            let (live, finished) = record.split_once("\nUNION ALL\n").expect("RECORD is a union of two selects");
+            format!("SELECT * FROM (({live}) UNION ALL ({finished})) r ORDER BY r.id {direction} OFFSET $7 LIMIT $3")
+        };
         Statements {
             claim: fill(CLAIM),
             start: fill(START),
@@ -970,11 +989,13 @@ impl Statements {
             enqueue_one_now: fill(ENQUEUE_ONE_NOW),
             enqueue_uniform: fill(ENQUEUE_UNIFORM),
             get: fill(&record("t.id = $1", "f.id = $1")),
-            list: fill(&list),
+            list: fill(&list(false)),
+            list_newest: fill(&list(true)),
             attempts: fill(ATTEMPTS),
             counts: fill(COUNTS),
             queue_depths: fill(QUEUE_DEPTHS),
             workers: fill(WORKERS),
+            liveness_tokens: fill(LIVENESS_TOKENS),
             cancel: fill(CANCEL),
             requeue_failed: fill(REQUEUE_FAILED),
             reschedule: fill(RESCHEDULE),

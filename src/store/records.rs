@@ -78,14 +78,24 @@ pub struct PausedQueue {
     pub paused_at: DbTime,
 }
 
-/// Which tasks a list returns ([`MemoryStore::list`](crate::memory::MemoryStore::list)); every field `None` lists them all.
+/// Which tasks a list returns ([`MemoryStore::list`](crate::memory::MemoryStore::list)), in
+/// what order; the default lists them all, oldest (lowest id) first.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct TaskFilter {
     /// Only tasks of this queue.
     pub queue: Option<String>,
     /// Only tasks in this state.
     pub state: Option<TaskState>,
-    /// At most this many (the lowest ids).
+    /// Only tasks of this name.
+    pub name: Option<String>,
+    /// Only tasks past this id in the listing's order: below it newest first, above it oldest
+    /// first (the last id of a page gives the next page, however many tasks came and went).
+    pub after: Option<TaskId>,
+    /// Newest (highest id) first instead of oldest first.
+    pub newest_first: bool,
+    /// Skip this many of the matching tasks first.
+    pub offset: usize,
+    /// At most this many.
     pub limit: Option<usize>,
 }
 

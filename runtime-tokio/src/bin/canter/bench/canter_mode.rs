@@ -6,18 +6,19 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use canter::config::AppConfig;
-use canter::driver::{Registry, WorkerService};
-use canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener};
-use canter::store::NewTask;
-use canter::task::{TaskError, WorkerId};
+use canter_tokio::canter::config::AppConfig;
+use canter_tokio::canter::driver::{Registry, WorkerService};
+use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener};
+use canter_tokio::canter::store::NewTask;
+use canter_tokio::canter::task::{TaskError, WorkerId};
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
 use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args};
-use crate::{TokioRuntime, errln};
+use crate::errln;
+use canter_tokio::TokioRuntime;
 
 pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Vec<Sample>, BenchError> {
     let schema = scratch.schema()?;
@@ -417,7 +418,7 @@ impl InProcessWorker {
         service.migrate = false;
         let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
-            let pool = crate::connect(&url, config.pool_size())?;
+            let pool = canter_tokio::connect(&url, config.pool_size())?;
             let stop = async move {
                 let _ = stop_rx.await;
             };

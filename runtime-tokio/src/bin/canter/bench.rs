@@ -58,17 +58,18 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use canter::config::Config;
-use canter::postgres::PgSchema;
+use canter_tokio::canter::config::Config;
+use canter_tokio::canter::postgres::PgSchema;
 use serde_json::{Value, json};
 use sqlx::PgPool;
 
-use crate::cli::Args;
+use crate::connect::Database;
 use crate::outln;
+use crate::settings::WorkerSettings;
 
 /// Why the benchmark could not run.
 #[derive(Debug, thiserror::Error)]
-pub enum BenchError {
+pub(crate) enum BenchError {
     /// Bad options.
     #[error("{0}")]
     Usage(String),
@@ -80,7 +81,7 @@ pub enum BenchError {
 impl BenchError {
     /// `Ok` with the message of a usage error (printed with the help), `Err` with the message
     /// of a failure.
-    pub fn split(self) -> Result<String, String> {
+    pub(crate) fn split(self) -> Result<String, String> {
         match self {
             BenchError::Usage(message) => Ok(message),
             BenchError::Failed(message) => Err(message),
@@ -92,41 +93,124 @@ fn failed(what: &str, error: impl std::fmt::Display) -> BenchError {
     BenchError::Failed(format!("{what}: {error}"))
 }
 
-/// The help of `canter bench`.
-pub const HELP: &str = "\
-usage: canter bench [--database-url URL]
-                    [--workload enqueue|drain|latency|latency-under-load|history|
-                                held-xmin|no-vacuum|backend-kills|all]
-                    [--baseline raw|none|both] [--runs N] [--concurrency C] [--json-only]
-                    [--tasks N] [--enqueue-tasks N] [--bulk-size N] [--latency-tasks N]
-                    [--interval-ms MS] [--history-tasks N] [--raw-batch N] [--raw-loops N]
-                    [--worker-args 'FLAGS'] [--worker-bin PATH] [--tls] [--payload-bytes N]
-                    [--workers N] [--rate N] [--hold-s S] [--duration-s S] [--window-s S]
-                    [--kill-every-ms MS] [--producers N] [--raw-no-notify] [--no-result-waiter]
+/// `canter bench`: its options, each with its range.
+#[derive(Debug, Clone, clap::Args)]
+#[command(long_about = "Measure Canter against a raw-SQL baseline on the same database, each workload in a \
+    fresh schema dropped afterwards, and print one JSON line per result and a table of medians.\n\n\
+    The drain's worker is `canter worker` as a child process (this program, or --worker-bin), with \
+    Config::throughput() (--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000) \
+    and --worker-args laid over it. --tls runs each mode over plain TCP (sslmode=disable) and over TLS \
+    (sslmode=require), with no raw baseline unless --baseline says so, and reports TLS/plain ratios; \
+    task arguments then carry 200 bytes of padding. held-xmin, no-vacuum and backend-kills (not in \
+    all: minutes each) offer --rate tasks/s to an idle worker and report pickup latency per window: \
+    held-xmin while another session holds the xmin from 20 s for --hold-s (160 s in all), no-vacuum \
+    with autovacuum off on the schema's tables (600 s), backend-kills while every session of the \
+    bench is terminated every --kill-every-ms from 10 s to 50 s (60 s).")]
+pub(crate) struct BenchArgs {
+    /// The workloads to run
+    #[arg(long, value_enum, default_value = "all")]
+    workload: WorkloadArg,
+    /// Which implementations to measure
+    #[arg(long, value_enum)]
+    baseline: Option<Baseline>,
+    /// Runs of each workload
+    #[arg(long, value_name = "N", default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
+    runs: u32,
+    /// The worker's concurrency (and the raw baseline's loops)
+    #[arg(long, value_name = "N", default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    concurrency: u32,
+    /// Print only the JSON lines
+    #[arg(long)]
+    json_only: bool,
+    /// Tasks of a drain
+    #[arg(long, value_name = "N", default_value_t = 50_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    tasks: u64,
+    /// Tasks of the enqueue workloads
+    #[arg(long, value_name = "N", default_value_t = 20_000, value_parser = clap::value_parser!(u64).range(1..=10_000_000))]
+    enqueue_tasks: u64,
+    /// Tasks per bulk enqueue call
+    #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    bulk_size: u64,
+    /// Tasks of the latency workload
+    #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    latency_tasks: u64,
+    /// Milliseconds between latency probes
+    #[arg(long, value_name = "MS", default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=60_000))]
+    interval_ms: u64,
+    /// Finished tasks stored before the history drain
+    #[arg(long, value_name = "N", default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(0..=100_000_000))]
+    history_tasks: u64,
+    /// Rows per raw claim
+    #[arg(long, value_name = "N", default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    raw_batch: u32,
+    /// Raw claim loops (default: the concurrency)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000))]
+    raw_loops: Option<u32>,
+    /// `canter worker` settings for the worker, e.g. '--prefetch-buffer 0' for hard-cap mode
+    #[arg(long, value_name = "FLAGS", allow_hyphen_values = true)]
+    worker_args: Option<String>,
+    /// The `canter` program the drain's workers run (default: this one)
+    #[arg(long, value_name = "PATH")]
+    worker_bin: Option<PathBuf>,
+    /// Run each mode over plain TCP and over TLS, and report the ratios
+    #[arg(long)]
+    tls: bool,
+    /// Bytes of padding in each task's arguments (default 200 with --tls, else 0)
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(0..=1_000_000))]
+    payload_bytes: Option<u64>,
+    /// Worker processes of the drains (the raw baseline: this many times its loops)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=16))]
+    workers: u32,
+    /// Tasks a second the steady workloads offer
+    #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    rate: u32,
+    /// Seconds held-xmin holds the xmin (default 90)
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    hold_s: Option<u64>,
+    /// Seconds a steady workload runs
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    duration_s: Option<u64>,
+    /// Seconds per window of a steady workload's report
+    #[arg(long, value_name = "S", value_parser = clap::value_parser!(u64).range(1..=3_600))]
+    window_s: Option<u64>,
+    /// Milliseconds between backend kills
+    #[arg(long, value_name = "MS", default_value_t = 500, value_parser = clap::value_parser!(u64).range(10..=60_000))]
+    kill_every_ms: u64,
+    /// Concurrent producers of the enqueue workloads
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=64))]
+    producers: u32,
+    /// The raw baseline enqueues without pg_notify
+    #[arg(long)]
+    raw_no_notify: bool,
+    /// Time Canter's drains by reading the live count instead of by done notifications
+    #[arg(long)]
+    no_result_waiter: bool,
+}
 
-measures Canter against a raw-SQL baseline on the same database, each workload in a fresh
-schema dropped afterwards, and prints one JSON line per result and a table of medians.
-defaults: all workloads, both modes, 3 runs, concurrency 16, 50000 drain tasks, 20000
-enqueue tasks in bulks of 1000, 1000 latency tasks every 5 ms, 1000000 finished tasks of
-history, raw claims of 50 by C loops. --worker-args are `canter worker` settings
-(e.g. '--prefetch-buffer 0' for hard-cap mode) laid over Config::throughput()
-(--prefetch-buffer 2048 --claim-lease-ms 60000 --completion-batch-max 5000);
-the drain's worker is `canter worker` as a child process (this program, or --worker-bin).
---tls runs each mode over plain TCP (sslmode=disable) and over TLS (sslmode=require; the
-server must offer it), with no raw baseline unless --baseline says so, and reports TLS/plain
-ratios; task arguments then carry 200 bytes of padding (--payload-bytes, default 0 without
---tls), so that a bulk call crosses many TLS records. --workers N drains with N worker
-processes (and the raw baseline with N times its loops). --producers N enqueues from N
-concurrent producers, each block split among them; --raw-no-notify drops the raw baseline's
-pg_notify (what a NOTIFY per commit costs). --no-result-waiter times Canter's drains by reading
-the live count every 5 ms instead of by done notifications: no result waiter is registered, so
-finishes send no NOTIFY.
-held-xmin and no-vacuum (not in all: minutes each) offer --rate tasks/s (1000) to an idle
-worker for --duration-s and report pickup latency and the live table's size per --window-s:
-held-xmin while another session holds the xmin from 20 s for --hold-s (90; 160 s in all,
-windows of 10 s), no-vacuum with autovacuum off on the schema's tables (600 s, windows of 60 s),
-backend-kills (canter only) while every session of the bench is terminated every
---kill-every-ms (500) from 10 s to 50 s (60 s, windows of 10 s).";
+/// `--workload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum WorkloadArg {
+    All,
+    Enqueue,
+    Drain,
+    Latency,
+    LatencyUnderLoad,
+    History,
+    HeldXmin,
+    NoVacuum,
+    BackendKills,
+}
+
+/// `--baseline`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Baseline {
+    /// Canter and the raw baseline
+    Both,
+    /// Canter only
+    None,
+    /// The raw baseline only
+    Raw,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Workload {
@@ -242,123 +326,69 @@ struct Options {
     worker_bin: PathBuf,
 }
 
-const VALUES: &[&str] = &[
-    "database-url",
-    "workload",
-    "baseline",
-    "runs",
-    "concurrency",
-    "tasks",
-    "enqueue-tasks",
-    "bulk-size",
-    "latency-tasks",
-    "interval-ms",
-    "history-tasks",
-    "raw-batch",
-    "raw-loops",
-    "worker-args",
-    "worker-bin",
-    "kill-every-ms",
-    "producers",
-    "payload-bytes",
-    "workers",
-    "rate",
-    "hold-s",
-    "duration-s",
-    "window-s",
-];
-
-fn options(raw: &[String]) -> Result<Options, BenchError> {
-    let usage = |e: crate::cli::UsageError| BenchError::Usage(e.0);
-    let args =
-        Args::parse(raw, VALUES, &["json-only", "tls", "raw-no-notify", "no-result-waiter"], false).map_err(usage)?;
-    if let Some(extra) = args.positional.first() {
-        return Err(BenchError::Usage(format!("unexpected argument {extra:?}")));
-    }
-    let number = |name: &str, default: usize, min: usize, max: usize| -> Result<usize, BenchError> {
-        let value = args.parsed::<usize>(name).map_err(usage)?.unwrap_or(default);
-        if value < min || value > max {
-            return Err(BenchError::Usage(format!("--{name} must be {min} to {max}")));
-        }
-        Ok(value)
+fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> {
+    let workloads = match args.workload {
+        WorkloadArg::All => vec![
+            Workload::EnqueueOne,
+            Workload::EnqueueBulk,
+            Workload::Drain,
+            Workload::Latency,
+            Workload::LatencyUnderLoad,
+            Workload::History,
+        ],
+        WorkloadArg::Enqueue => vec![Workload::EnqueueOne, Workload::EnqueueBulk],
+        WorkloadArg::Drain => vec![Workload::Drain],
+        WorkloadArg::Latency => vec![Workload::Latency],
+        WorkloadArg::LatencyUnderLoad => vec![Workload::LatencyUnderLoad],
+        WorkloadArg::History => vec![Workload::History],
+        WorkloadArg::HeldXmin => vec![Workload::HeldXmin],
+        WorkloadArg::NoVacuum => vec![Workload::NoVacuum],
+        WorkloadArg::BackendKills => vec![Workload::BackendKills],
     };
-    let optional = |name: &str, min: u64, max: u64| -> Result<Option<u64>, BenchError> {
-        let value = args.parsed::<u64>(name).map_err(usage)?;
-        if value.is_some_and(|v| v < min || v > max) {
-            return Err(BenchError::Usage(format!("--{name} must be {min} to {max}")));
-        }
-        Ok(value)
-    };
-    let workloads = match args.value("workload").unwrap_or("all") {
-        "all" => {
-            vec![
-                Workload::EnqueueOne,
-                Workload::EnqueueBulk,
-                Workload::Drain,
-                Workload::Latency,
-                Workload::LatencyUnderLoad,
-                Workload::History,
-            ]
-        }
-        "enqueue" => vec![Workload::EnqueueOne, Workload::EnqueueBulk],
-        "drain" => vec![Workload::Drain],
-        "latency" => vec![Workload::Latency],
-        "latency-under-load" => vec![Workload::LatencyUnderLoad],
-        "history" => vec![Workload::History],
-        "held-xmin" => vec![Workload::HeldXmin],
-        "no-vacuum" => vec![Workload::NoVacuum],
-        "backend-kills" => vec![Workload::BackendKills],
-        other => return Err(BenchError::Usage(format!("unknown workload {other:?}"))),
-    };
-    let tls = args.switch("tls");
-    let mut modes = match args.value("baseline").unwrap_or(if tls { "none" } else { "both" }) {
-        "both" => vec![Mode::Canter, Mode::Raw],
-        "none" => vec![Mode::Canter],
-        "raw" => vec![Mode::Raw],
-        other => return Err(BenchError::Usage(format!("unknown baseline {other:?}: expected raw, none or both"))),
+    let tls = args.tls;
+    let mut modes = match args.baseline.unwrap_or(if tls { Baseline::None } else { Baseline::Both }) {
+        Baseline::Both => vec![Mode::Canter, Mode::Raw],
+        Baseline::None => vec![Mode::Canter],
+        Baseline::Raw => vec![Mode::Raw],
     };
     if tls {
         modes = modes.into_iter().flat_map(|mode| [mode, mode.over_tls()]).collect();
     }
-    let concurrency = number("concurrency", 16, 1, 1_000)? as u32;
-    let url = args
-        .value("database-url")
-        .map(str::to_owned)
-        .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty()))
-        .ok_or_else(|| BenchError::Usage("no database: pass --database-url URL or set DATABASE_URL".into()))?;
+    let url = database.url().map_err(|e| BenchError::Usage(format!("{e:?}")))?.to_owned();
     // The user's settings after the bench's: the last value of a flag wins.
-    let config = worker_config(concurrency, args.value("worker-args").unwrap_or_default())?;
+    let config = worker_config(args.concurrency, args.worker_args.as_deref().unwrap_or_default())?;
     let concurrency = config.worker.concurrency;
-    let worker_bin = match args.value("worker-bin") {
-        Some(path) => PathBuf::from(path),
+    let worker_bin = match args.worker_bin {
+        Some(path) => path,
         None => std::env::current_exe().map_err(|e| failed("cannot find this program", e))?,
     };
+    let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
     Ok(Options {
         url,
         workloads,
         modes,
-        runs: number("runs", 3, 1, 100)? as u32,
+        runs: args.runs,
         concurrency,
-        json_only: args.switch("json-only"),
-        tasks: number("tasks", 50_000, 1, 10_000_000)?,
-        enqueue_tasks: number("enqueue-tasks", 20_000, 1, 10_000_000)?,
-        bulk_size: number("bulk-size", 1_000, 1, 100_000)?,
-        latency_tasks: number("latency-tasks", 1_000, 1, 1_000_000)?,
-        interval: Duration::from_millis(number("interval-ms", 5, 1, 60_000)? as u64),
-        history_tasks: number("history-tasks", 1_000_000, 0, 100_000_000)?,
-        raw_batch: number("raw-batch", 50, 1, 10_000)? as u32,
-        raw_loops: number("raw-loops", concurrency as usize, 1, 1_000)? as u32,
-        workers: number("workers", 1, 1, 16)? as u32,
+        json_only: args.json_only,
+        tasks: size(args.tasks),
+        enqueue_tasks: size(args.enqueue_tasks),
+        bulk_size: size(args.bulk_size),
+        latency_tasks: size(args.latency_tasks),
+        interval: Duration::from_millis(args.interval_ms),
+        history_tasks: size(args.history_tasks),
+        raw_batch: args.raw_batch,
+        raw_loops: args.raw_loops.unwrap_or(concurrency),
+        workers: args.workers,
         tls,
-        payload_bytes: number("payload-bytes", if tls { 200 } else { 0 }, 0, 1_000_000)?,
-        rate: number("rate", 1_000, 1, 100_000)? as u32,
-        hold_s: optional("hold-s", 1, 3_600)?,
-        duration_s: optional("duration-s", 1, 86_400)?,
-        window_s: optional("window-s", 1, 3_600)?,
-        kill_every: Duration::from_millis(number("kill-every-ms", 500, 10, 60_000)? as u64),
-        producers: number("producers", 1, 1, 64)?,
-        raw_quiet: args.switch("raw-no-notify"),
-        no_result_waiter: args.switch("no-result-waiter"),
+        payload_bytes: size(args.payload_bytes.unwrap_or(if tls { 200 } else { 0 })),
+        rate: args.rate,
+        hold_s: args.hold_s,
+        duration_s: args.duration_s,
+        window_s: args.window_s,
+        kill_every: Duration::from_millis(args.kill_every_ms),
+        producers: args.producers as usize,
+        raw_quiet: args.raw_no_notify,
+        no_result_waiter: args.no_result_waiter,
         config,
         worker_bin,
     })
@@ -367,17 +397,21 @@ fn options(raw: &[String]) -> Result<Options, BenchError> {
 /// The worker's configuration: `Config::throughput()` (soft caps, a buffer of up to 2,048
 /// claims sized to the measured rate, large completion batches; of the buffers tried on the
 /// reference machine, 256 to 4,096, the one with the best drain, while latency does not
-/// depend on it) with `--concurrency` and `--worker-args` (flags named after settings, as
-/// `canter worker` takes them) laid over it.
+/// depend on it) with `--concurrency` and `--worker-args` (the settings flags of
+/// `canter worker`) laid over it.
 fn worker_config(concurrency: u32, worker_args: &str) -> Result<Config, BenchError> {
-    let usage = |e: crate::cli::UsageError| BenchError::Usage(format!("--worker-args: {}", e.0));
-    let words: Vec<String> = worker_args.split_whitespace().map(str::to_owned).collect();
-    let mut args = Args::parse(&words, &[], &[], true).map_err(usage)?;
-    if let Some(extra) = args.positional.first() {
-        return Err(BenchError::Usage(format!("--worker-args: unexpected {extra:?}: expected --setting value pairs")));
+    #[derive(Debug, clap::Parser)]
+    #[command(name = "--worker-args", no_binary_name = true)]
+    struct WorkerArgs {
+        #[command(flatten)]
+        settings: WorkerSettings,
     }
-    args.values.entry("concurrency".to_owned()).or_insert_with(|| concurrency.to_string());
-    crate::cli::config_with_flags(&Config::throughput(), &args.values, &[]).map_err(usage)
+    let words = worker_args.split_whitespace();
+    let mut parsed = <WorkerArgs as clap::Parser>::try_parse_from(words).map_err(|e| {
+        BenchError::Usage(format!("--worker-args: {}", e.to_string().trim().trim_start_matches("error: ")))
+    })?;
+    parsed.settings.concurrency = parsed.settings.concurrency.or(Some(concurrency));
+    parsed.settings.apply(&Config::throughput()).map_err(|e| BenchError::Usage(format!("--worker-args: {e}")))
 }
 
 /// One measured result.
@@ -651,7 +685,7 @@ fn connect_as(url: &str, size: u32, name: &str) -> Result<PgPool, BenchError> {
         options.options([("client_min_messages", "warning")]).application_name(name),
     );
     // TCP_NODELAY as canter's own connections have it: both modes alike.
-    Ok(canter::postgres::pool_options(&options)
+    Ok(canter_tokio::canter::postgres::pool_options(&options)
         .max_connections(size.max(2))
         .acquire_timeout(Duration::from_secs(30))
         // As canter's own `connect`: no ping (a round trip) before every statement.
@@ -666,8 +700,8 @@ async fn checkpoint(pool: &PgPool) {
 }
 
 /// Runs the benchmark with the command line's arguments.
-pub async fn run(raw: &[String]) -> Result<(), BenchError> {
-    let options = options(raw)?;
+pub(crate) async fn run(database: &Database, args: BenchArgs) -> Result<(), BenchError> {
+    let options = options(database, args)?;
     let pool = connect_as(&options.url, 4, "canter-bench-admin")?;
     let version: String = sqlx::query_scalar("SELECT version()")
         .fetch_one(&pool)

@@ -314,7 +314,7 @@ impl RawListener {
         let (ready_tx, ready_rx) = tokio::sync::oneshot::channel::<()>();
         let (url, worker_sql, record, batch) = (scratch.url.clone(), sql.clone(), stamps.clone(), options.raw_batch);
         let worker = runtime.spawn(async move {
-            let pool = crate::connect(&url, 2)?;
+            let pool = canter_tokio::connect(&url, 2)?;
             let mut listener = PgListener::connect_with(&pool).await?;
             listener.listen(&worker_sql.channel).await?;
             let mut conn = pool.acquire().await?;

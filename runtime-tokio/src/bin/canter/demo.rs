@@ -6,32 +6,38 @@ use std::io::{IsTerminal, Write};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter::driver::{self, DriverOptions, MemoryBackend, Runtime, WorkerService};
-use canter::memory::MemoryStore;
-use canter::postgres::PgSchema;
-use canter::rng::Rng;
-use canter::store::{DbTime, NewTask, RunAt};
-use canter::task::{ErrorCode, TaskId, TaskState, WorkerId};
-use canter::worker::{Event, Input, Worker};
+use canter_tokio::canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
+use canter_tokio::canter::driver::{self, DriverOptions, MemoryBackend, Runtime, WorkerService};
+use canter_tokio::canter::memory::MemoryStore;
+use canter_tokio::canter::postgres::PgSchema;
+use canter_tokio::canter::rng::Rng;
+use canter_tokio::canter::store::{DbTime, NewTask, RunAt};
+use canter_tokio::canter::task::{ErrorCode, TaskId, TaskState, WorkerId};
+use canter_tokio::canter::worker::{Event, Input, Worker};
+use canter_tokio::{Client, TokioRuntime};
 use futures::channel::mpsc;
 use serde_json::json;
 
-use crate::cli::Args;
-use crate::{Client, TokioRuntime, builtins, outln};
+use crate::args::DemoArgs;
+use crate::connect::Database;
+use crate::output::Table;
+use crate::{Failure, builtins, outln};
 
 /// Why the demo could not run.
 #[derive(Debug, thiserror::Error)]
-pub enum DemoError {
-    /// Bad options.
-    #[error("{0}")]
-    Usage(String),
+pub(crate) enum DemoError {
+    /// The database could not be had, or the arguments do not work.
+    #[error("{0:?}")]
+    Connect(Failure),
     /// Something failed while running.
     #[error("{0}")]
     Failed(String),
     /// The output's reader went away (`canter demo | head`); the demo stopped and cleaned up.
     #[error("the output was closed")]
     OutputClosed,
+    /// Ctrl-C or SIGTERM came; the demo stopped and cleaned up.
+    #[error("interrupted; the demo stopped and cleaned up")]
+    Interrupted,
 }
 
 impl DemoError {
@@ -41,34 +47,6 @@ impl DemoError {
             _ => DemoError::Failed(format!("cannot write the output: {error}")),
         }
     }
-}
-
-struct Options {
-    tasks: usize,
-    workers: usize,
-    concurrency: u32,
-    url: Option<String>,
-}
-
-fn options(raw: &[String]) -> Result<Options, DemoError> {
-    let args = Args::parse(raw, &["tasks", "workers", "concurrency", "database-url"], &[], false)
-        .map_err(|e| DemoError::Usage(e.0))?;
-    let number = |name: &str, default: usize, max: usize| -> Result<usize, DemoError> {
-        let value = args.parsed::<usize>(name).map_err(|e| DemoError::Usage(e.0))?.unwrap_or(default);
-        if value == 0 || value > max {
-            return Err(DemoError::Usage(format!("--{name} must be 1 to {max}")));
-        }
-        Ok(value)
-    };
-    Ok(Options {
-        tasks: number("tasks", 2_000, 1_000_000)?,
-        workers: number("workers", 3, 64)?,
-        concurrency: number("concurrency", 16, 1_000)? as u32,
-        url: args
-            .value("database-url")
-            .map(str::to_owned)
-            .or_else(|| std::env::var("DATABASE_URL").ok().filter(|u| !u.is_empty())),
-    })
 }
 
 fn app() -> AppConfig {
@@ -91,20 +69,33 @@ fn app() -> AppConfig {
     }
 }
 
-fn load(count: usize) -> Vec<NewTask> {
+/// The kinds of task in the mix, with what each is for: the summary shows outcomes by kind.
+const KINDS: [(&str, &str); 7] = [
+    ("sleep", "sleeps 1-20 ms"),
+    ("echo", "returns its arguments (queue fast)"),
+    ("cpu", "hashes for a while (queue bulk, at most 8 at once)"),
+    ("delayed", "sleeps 5 ms, enqueued to run 0.1-1.5 s later"),
+    ("fail", "fails on purpose with FLAKY, retried once"),
+    ("panic", "panics on purpose (no retry)"),
+    ("timeout", "sleeps 2 s, past its 1 s timeout, on purpose"),
+];
+
+/// The mix: each task with the index of its kind in [`KINDS`].
+fn load(count: usize) -> Vec<(usize, NewTask)> {
     let mut rng = Rng::new(2026);
     let flaky = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
     (0..count)
         .map(|i| {
-            let task = match rng.range(0, 100) {
-                0..=54 => NewTask::new("sleep", json!({"ms": rng.range(1, 20)})),
-                55..=74 => NewTask::new("echo", json!({"i": i})).queue("fast"),
-                75..=89 => NewTask::new("cpu", json!({"iterations": rng.range(10_000, 200_000)})).queue("bulk"),
-                90..=95 => NewTask::new("fail", json!({"code": "FLAKY"})).retry(flaky.clone()),
-                96..=97 => NewTask::new("panic", json!({})),
-                _ => NewTask::new("sleep", json!({"ms": 5})).run_at(RunAt::DelayMs(rng.range(100, 1_500))),
+            let (kind, task) = match rng.range(0, 100) {
+                0..=54 => (0, NewTask::new("sleep", json!({"ms": rng.range(1, 20)}))),
+                55..=74 => (1, NewTask::new("echo", json!({"i": i})).queue("fast")),
+                75..=88 => (2, NewTask::new("cpu", json!({"iterations": rng.range(10_000, 200_000)})).queue("bulk")),
+                89..=91 => (3, NewTask::new("sleep", json!({"ms": 5})).run_at(RunAt::DelayMs(rng.range(100, 1_500)))),
+                92..=96 => (4, NewTask::new("fail", json!({"code": "FLAKY"})).retry(flaky.clone())),
+                97..=98 => (5, NewTask::new("panic", json!({}))),
+                _ => (6, NewTask::new("sleep", json!({"ms": 2_000}))),
             };
-            task.priority(rng.range(0, 3) as i16)
+            (kind, task.priority(rng.range(0, 3) as i16))
         })
         .collect()
 }
@@ -115,6 +106,10 @@ struct Timeline {
     enqueued: BTreeMap<TaskId, Instant>,
     started: BTreeMap<TaskId, Instant>,
     finished: BTreeMap<TaskId, Instant>,
+    /// The state each task ended in.
+    outcome: BTreeMap<TaskId, TaskState>,
+    /// Each task's kind (an index in [`KINDS`]).
+    kind: BTreeMap<TaskId, usize>,
     retried: u64,
 }
 
@@ -126,8 +121,13 @@ fn record(timeline: &Mutex<Timeline>, event: &Event) {
             t.started.entry(*task).or_insert(now);
         }
         Event::Finished { state: TaskState::Pending, .. } => t.retried += 1,
-        Event::Finished { task, .. } | Event::Expired { task } => {
+        Event::Finished { task, state } => {
             t.finished.insert(*task, now);
+            t.outcome.insert(*task, *state);
+        }
+        Event::Expired { task } => {
+            t.finished.insert(*task, now);
+            t.outcome.insert(*task, TaskState::Expired);
         }
         _ => {}
     }
@@ -136,14 +136,14 @@ fn record(timeline: &Mutex<Timeline>, event: &Event) {
 /// Where the demo's tasks live.
 enum Backend {
     Memory(MemoryBackend),
-    Postgres { client: Client, schema: PgSchema },
+    Postgres(Client),
 }
 
 impl Backend {
     async fn counts(&self) -> Result<BTreeMap<TaskState, u64>, DemoError> {
         let by_queue = match self {
             Backend::Memory(backend) => backend.with_store(|store, _| store.counts()),
-            Backend::Postgres { client, .. } => client.counts().await.map_err(|e| DemoError::Failed(e.to_string()))?,
+            Backend::Postgres(client) => client.counts().await.map_err(|e| DemoError::Failed(e.to_string()))?,
         };
         let mut counts = BTreeMap::new();
         for ((_, state), n) in by_queue {
@@ -153,39 +153,108 @@ impl Backend {
     }
 }
 
-/// Runs the demo with the command line's arguments.
-pub async fn run(raw: &[String]) -> Result<(), DemoError> {
-    let options = options(raw)?;
+/// The workers of a demo and how to stop them, and the schema to drop, whatever happens.
+#[derive(Default)]
+struct Session {
+    workers: Vec<tokio::task::JoinHandle<Result<canter_tokio::Stats, String>>>,
+    stop: Option<futures::channel::oneshot::Sender<()>>,
+    /// The PostgreSQL schema made for the demo, with a pool to drop it.
+    schema: Option<(PgSchema, sqlx::PgPool)>,
+}
+
+impl Session {
+    /// Stops the workers (waiting at most `grace` for them) and drops the schema: the demo
+    /// leaves nothing behind, on success, failure or interruption.
+    async fn end(&mut self, grace: Duration) -> (Vec<canter_tokio::Stats>, Option<String>) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let (mut stats, mut failure) = (Vec::new(), None);
+        for worker in self.workers.drain(..) {
+            match tokio::time::timeout(grace, worker).await {
+                Ok(Ok(Ok(worker_stats))) => stats.push(worker_stats),
+                Ok(Ok(Err(error))) => failure = failure.or(Some(error)),
+                Ok(Err(error)) => failure = failure.or(Some(error.to_string())),
+                Err(_) => failure = failure.or(Some("a worker did not stop in time".to_owned())),
+            }
+        }
+        if let Some((schema, pool)) = self.schema.take() {
+            let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted());
+            if let Err(error) = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(&pool).await {
+                failure = failure.or(Some(format!("cannot drop the demo's schema {}: {error}", schema.name())));
+            }
+        }
+        (stats, failure)
+    }
+}
+
+/// Runs the demo with the command line's arguments. Ctrl-C or SIGTERM stops it early; either
+/// way its workers stop and its schema is dropped.
+pub(crate) async fn run(database: &Database, args: DemoArgs) -> Result<(), DemoError> {
+    quiet_deliberate_panics();
+    let mut session = Session::default();
+    let timeline = Arc::new(Mutex::new(Timeline::default()));
+    let outcome = tokio::select! {
+        outcome = demo(database, &args, &mut session, &timeline) => outcome,
+        () = canter_tokio::shutdown_signal() => Err(DemoError::Interrupted),
+    };
+    let (stats, stopped) = session.end(Duration::from_secs(10)).await;
+    let (counts, elapsed) = match (outcome, stopped) {
+        (Ok(watched), None) => watched,
+        (Err(DemoError::Failed(what)), Some(why)) => return Err(DemoError::Failed(format!("{what}: {why}"))),
+        (Err(error), _) => return Err(error),
+        (Ok(_), Some(why)) => return Err(DemoError::Failed(format!("a worker failed: {why}"))),
+    };
+    summary(&timeline, &counts, elapsed, u64::from(args.tasks), &stats);
+    Ok(())
+}
+
+/// Leaves the process's panic hook printing every panic but the `panic` task's deliberate
+/// ones: their failures are counted in the summary, and 30 panic messages (or backtraces)
+/// between the header and the progress would only alarm.
+fn quiet_deliberate_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&builtins::PANIC_MESSAGE) {
+            default(info);
+        }
+    }));
+}
+
+/// Starts the workers, enqueues the mix and watches it drain.
+async fn demo(
+    database: &Database,
+    args: &DemoArgs,
+    session: &mut Session,
+    timeline: &Arc<Mutex<Timeline>>,
+) -> Result<(BTreeMap<TaskState, u64>, Duration), DemoError> {
     let runtime = Arc::new(TokioRuntime);
     let app = app();
     let registry = Arc::new(builtins::registry());
-    let timeline = Arc::new(Mutex::new(Timeline::default()));
     let config = WorkerConfig {
-        concurrency: options.concurrency,
+        concurrency: args.concurrency,
         poll_interval_ms: 1_000,
-        handler_timeout_ms: Some(5_000),
+        handler_timeout_ms: Some(1_000),
         ..WorkerConfig::default()
     };
     let (stop_tx, stop_rx) = futures::channel::oneshot::channel::<()>();
+    session.stop = Some(stop_tx);
     let stop = futures::FutureExt::shared(async move {
         let _ = stop_rx.await;
     });
-
-    let tasks = load(options.tasks);
-    let mut workers = Vec::new();
-    let backend = match &options.url {
+    let (kinds, tasks): (Vec<usize>, Vec<NewTask>) = load(args.tasks as usize).into_iter().unzip();
+    let header =
+        format!("canter demo: {} tasks, {} workers x concurrency {}", args.tasks, args.workers, args.concurrency);
+    let purpose = "about 1 in 10 tasks fails, panics or times out on purpose, to show retries and failures";
+    let mut enqueued = Vec::with_capacity(tasks.len());
+    let backend = match database.url.as_deref().filter(|url| !url.is_empty()) {
         None => {
-            outln!(
-                "canter demo: {} tasks, {} workers x concurrency {}, on the embedded in-memory store \
-                 (give --database-url or DATABASE_URL to use PostgreSQL)",
-                options.tasks,
-                options.workers,
-                options.concurrency
-            );
+            outln!("{header}, on the embedded in-memory store (give --database-url or DATABASE_URL to use PostgreSQL)");
+            outln!("{purpose}");
             let clock = runtime.clone();
             let backend =
                 MemoryBackend::new(MemoryStore::new(app.clone()), DbTime(1_700_000_000_000), move || clock.now());
-            for i in 0..options.workers {
+            for i in 0..args.workers {
                 let id = WorkerId(format!("demo-{}", i + 1));
                 let worker = Worker::new(id, app.clone(), config.clone(), runtime.now())
                     .map_err(|e| DemoError::Failed(e.to_string()))?;
@@ -208,35 +277,29 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
                     DriverOptions::default(),
                     Some(observer),
                 );
-                workers.push(tokio::spawn(async move { Ok(run.await) }));
+                session.workers.push(tokio::spawn(async move { Ok(run.await) }));
             }
             let now = runtime.now();
             let ids = backend
                 .with_store(|store, db_now| store.enqueue_many(tasks, db_now))
                 .map_err(|e| DemoError::Failed(e.to_string()))?;
-            timeline.lock().unwrap_or_else(std::sync::PoisonError::into_inner).enqueued =
-                ids.into_iter().map(|id| (id, now)).collect();
+            enqueued.extend(ids.into_iter().map(|id| (id, now)));
             Backend::Memory(backend)
         }
-        Some(url) => {
+        Some(_) => {
             let schema = PgSchema::new(&format!("canter_demo_{}", std::process::id()))
                 .map_err(|e| DemoError::Failed(e.to_string()))?;
-            outln!(
-                "canter demo: {} tasks, {} workers x concurrency {}, on PostgreSQL (schema {}, dropped at the end)",
-                options.tasks,
-                options.workers,
-                options.concurrency,
-                schema.name()
-            );
-            let pool = crate::connect(url, 8 + 4 * options.workers as u32)
-                .map_err(|e| DemoError::Usage(format!("invalid database url: {e}")))?;
+            let pool = database.pool(8 + 4 * args.workers).await.map_err(DemoError::Connect)?;
+            outln!("{header}, on PostgreSQL (schema {}, dropped at the end)", schema.name());
+            outln!("{purpose}");
+            session.schema = Some((schema.clone(), pool.clone()));
             let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
             client
                 .store()
                 .migrate()
                 .await
-                .map_err(|e| DemoError::Failed(format!("cannot reach or migrate the database: {e}")))?;
-            for i in 0..options.workers {
+                .map_err(|e| DemoError::Failed(format!("cannot migrate the demo's schema: {e}")))?;
+            for i in 0..args.workers {
                 let id = WorkerId(format!("demo-{}-{}", std::process::id(), i + 1));
                 let mut service = WorkerService::new(app.clone(), config.clone(), registry.clone(), id)
                     .map_err(|e| DemoError::Failed(e.to_string()))?;
@@ -244,44 +307,23 @@ pub async fn run(raw: &[String]) -> Result<(), DemoError> {
                 let t = timeline.clone();
                 service.hooks.push(Arc::new(move |event: &Event| record(&t, event)));
                 let serve = service.serve(runtime.clone(), pool.clone(), stop.clone());
-                workers.push(tokio::spawn(async move { serve.await.map_err(|e| e.to_string()) }));
+                session.workers.push(tokio::spawn(async move { serve.await.map_err(|e| e.to_string()) }));
             }
             for chunk in tasks.chunks(1_000) {
                 let now = runtime.now();
                 let ids =
                     client.store().enqueue_many(chunk.to_vec()).await.map_err(|e| DemoError::Failed(e.to_string()))?;
-                let mut t = timeline.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-                t.enqueued.extend(ids.into_iter().map(|id| (id, now)));
+                enqueued.extend(ids.into_iter().map(|id| (id, now)));
             }
-            Backend::Postgres { client, schema }
+            Backend::Postgres(client)
         }
     };
-
-    let total = options.tasks as u64;
-    let watched = watch(&backend, &workers, &runtime, total).await;
-    let _ = stop_tx.send(());
-    let mut stats = Vec::new();
-    let mut stopped = None;
-    for worker in workers {
-        match worker.await {
-            Ok(Ok(worker_stats)) => stats.push(worker_stats),
-            Ok(Err(error)) => stopped = stopped.or(Some(error)),
-            Err(error) => stopped = stopped.or(Some(error.to_string())),
-        }
+    {
+        let mut t = timeline.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        t.kind.extend(enqueued.iter().map(|(id, _)| *id).zip(kinds));
+        t.enqueued.extend(enqueued);
     }
-    // The schema goes whatever happened since it was made.
-    if let Backend::Postgres { client, schema } = &backend {
-        let drop = format!("DROP SCHEMA IF EXISTS {} CASCADE", schema.quoted());
-        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(drop)).execute(client.store().pool()).await;
-    }
-    let (counts, elapsed) = match (watched, stopped) {
-        (Ok(watched), None) => watched,
-        (Err(DemoError::Failed(what)), Some(why)) => return Err(DemoError::Failed(format!("{what}: {why}"))),
-        (Err(error), _) => return Err(error),
-        (Ok(_), Some(why)) => return Err(DemoError::Failed(format!("a worker failed: {why}"))),
-    };
-    summary(&timeline, &counts, elapsed, total, &stats);
-    Ok(())
+    watch(&backend, &session.workers, &runtime, u64::from(args.tasks)).await
 }
 
 /// Shows progress until every task is done: the final counts and the time it took.
@@ -312,11 +354,11 @@ async fn watch<W>(
             let mut out = std::io::stdout().lock();
             write!(out, "\r{line}").and_then(|()| out.flush()).map_err(DemoError::output)?;
         } else {
-            crate::cli::write_line(format_args!("{line}")).map_err(DemoError::output)?;
+            crate::output::write_line(format_args!("{line}")).map_err(DemoError::output)?;
         }
         if done >= total {
             if tty {
-                crate::cli::write_line(format_args!("")).map_err(DemoError::output)?;
+                crate::output::write_line(format_args!("")).map_err(DemoError::output)?;
             }
             return Ok((counts, runtime.now() - epoch));
         }
@@ -347,7 +389,7 @@ fn summary(
     counts: &BTreeMap<TaskState, u64>,
     elapsed: Duration,
     total: u64,
-    stats: &[canter::worker::Stats],
+    stats: &[canter_tokio::Stats],
 ) {
     let t = timeline.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
     let pickup =
@@ -367,6 +409,22 @@ fn summary(
         outln!("  {:<16} {n}", state.as_str().to_lowercase());
     }
     outln!("  retried runs     {}", t.retried);
+    outln!("\noutcomes by kind (fail, panic and timeout tasks fail on purpose)");
+    let mut table = Table::new(&["KIND", ">TASKS", ">COMPLETED", ">FAILED", ">EXPIRED", "WHAT IT DOES"]);
+    for (index, (kind, what)) in KINDS.iter().enumerate() {
+        let of_kind: Vec<TaskId> = t.kind.iter().filter(|(_, k)| **k == index).map(|(id, _)| *id).collect();
+        let ended = |state: TaskState| of_kind.iter().filter(|id| t.outcome.get(id) == Some(&state)).count();
+        table.row(vec![
+            kind.to_string(),
+            of_kind.len().to_string(),
+            ended(TaskState::Completed).to_string(),
+            ended(TaskState::Failed).to_string(),
+            ended(TaskState::Expired).to_string(),
+            what.to_string(),
+        ]);
+    }
+    table.print();
+    outln!("");
     for (i, s) in stats.iter().enumerate() {
         outln!(
             "  worker {}: claimed {} in {} passes, completed {}, failed {}, retried {}",

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
-use canter::driver::{Registry, TaskContext};
-use canter::task::{ErrorCode, TaskError};
+use canter_tokio::canter::driver::{Registry, RegistryError, TaskContext};
+use canter_tokio::canter::task::{ErrorCode, TaskError};
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -35,10 +35,31 @@ struct Cpu {
 }
 
 /// The names of the built-in tasks.
-pub const NAMES: [&str; 6] = ["noop", "sleep", "fail", "panic", "echo", "cpu"];
+pub(crate) const NAMES: [&str; 6] = ["noop", "sleep", "fail", "panic", "echo", "cpu"];
+
+/// What the `panic` task panics with: the demo's panic hook knows it from any other panic.
+pub(crate) const PANIC_MESSAGE: &str = "the panic task panics on request";
+
+/// Whether `args` are arguments the built-in task `name` can run with (the types its handler
+/// decodes), so the command line refuses at enqueue what would fail at run time; `None` for a
+/// name that is not a built-in.
+pub(crate) fn check_args(name: &str, args: &Value) -> Option<Result<(), String>> {
+    fn decode<T: serde::de::DeserializeOwned>(args: &Value) -> Result<T, String> {
+        T::deserialize(args).map_err(|e| e.to_string())
+    }
+    Some(match name {
+        "noop" | "panic" | "echo" => Ok(()),
+        "sleep" => decode::<Sleep>(args).map(drop),
+        "cpu" => decode::<Cpu>(args).map(drop),
+        "fail" => {
+            decode::<Fail>(args).and_then(|fail| ErrorCode::user(&fail.code).map(drop).map_err(|e| e.to_string()))
+        }
+        _ => return None,
+    })
+}
 
 /// Registers the built-in tasks in `registry`.
-pub fn register(registry: &mut Registry) -> Result<(), canter::driver::RegistryError> {
+pub(crate) fn register(registry: &mut Registry) -> Result<(), RegistryError> {
     registry.register("noop", |_: Value, _: TaskContext| async { Ok::<_, TaskError>(Value::Null) })?;
     registry.register("sleep", |args: Sleep, _| async move {
         tokio::time::sleep(Duration::from_millis(args.ms)).await;
@@ -50,7 +71,7 @@ pub fn register(registry: &mut Registry) -> Result<(), canter::driver::RegistryE
     })?;
     registry.register("panic", |_: Value, _| async move {
         if true {
-            panic!("the panic task panics on request");
+            std::panic::panic_any(PANIC_MESSAGE);
         }
         Ok::<Value, TaskError>(Value::Null)
     })?;
@@ -66,7 +87,7 @@ pub fn register(registry: &mut Registry) -> Result<(), canter::driver::RegistryE
 }
 
 /// A registry with only the built-in tasks.
-pub fn registry() -> Registry {
+pub(crate) fn registry() -> Registry {
     let mut registry = Registry::new();
     register(&mut registry).expect("the built-in names are distinct and valid");
     registry

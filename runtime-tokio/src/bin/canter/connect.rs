@@ -1,0 +1,212 @@
+//! Reaching the database: a pool whose first connection is tried at once, so a wrong host,
+//! port, password or database is reported within a second with its cause; waiting (with
+//! backoff, said so) only where it can help, a server not up yet; and errors that say what to
+//! do (a schema that is not migrated).
+
+use std::time::Duration;
+
+use canter_tokio::canter::postgres::with_session_settings;
+use sqlx::postgres::PgConnectOptions;
+use sqlx::{ConnectOptions, Connection, PgPool};
+
+use crate::{Failure, errln, failed, usage};
+
+/// How long the first connection may take before it counts as timed out.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// The database the command line names (`--database-url` or `DATABASE_URL`).
+#[derive(Debug, Clone)]
+pub(crate) struct Database {
+    /// The URL, if one was given.
+    pub(crate) url: Option<String>,
+}
+
+/// Why a connection failed, as far as waiting is concerned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Cause {
+    /// Nothing listens, or nothing answers yet: a server starting may soon.
+    Unreachable(String),
+    /// Waiting will not help: wrong password, unknown database, bad TLS.
+    Refused(String),
+}
+
+impl Database {
+    /// The URL, or a usage error saying how to give one.
+    pub(crate) fn url(&self) -> Result<&str, Failure> {
+        self.url
+            .as_deref()
+            .filter(|url| !url.is_empty())
+            .ok_or_else(|| usage("no database: pass --database-url URL or set DATABASE_URL"))
+    }
+
+    /// The connection options of the URL.
+    pub(crate) fn options(&self) -> Result<PgConnectOptions, Failure> {
+        let url = self.url()?;
+        url.parse::<PgConnectOptions>().map_err(|e| usage(format!("invalid database url: {e}")))
+    }
+
+    /// `host:port/database` of the URL, for messages.
+    pub(crate) fn target(&self) -> String {
+        match self.options() {
+            Ok(options) => target_of(&options),
+            Err(_) => "the database".to_owned(),
+        }
+    }
+
+    /// A pool of at most `size` connections, once one connection could be made: refused,
+    /// unreachable and misconfigured databases are reported here, each with its cause.
+    /// Unreachable ones are tried again with backoff, said so on stderr, up to
+    /// `CANTER_CONNECT_ATTEMPTS` tries (default 4, about 7 s).
+    pub(crate) async fn pool(&self, size: u32) -> Result<PgPool, Failure> {
+        let options = self.options()?;
+        let attempts = connect_attempts();
+        let mut delay = Duration::from_millis(500);
+        for attempt in 1..=attempts {
+            let probe = with_session_settings(options.clone());
+            let outcome = match tokio::time::timeout(CONNECT_TIMEOUT, probe.connect()).await {
+                Ok(Ok(connection)) => {
+                    // Closing is a courtesy: the pool makes its own connections.
+                    let _ = tokio::time::timeout(CONNECT_TIMEOUT, connection.close()).await;
+                    let url = self.url()?;
+                    return canter_tokio::connect(url, size).map_err(|e| usage(format!("invalid database url: {e}")));
+                }
+                Ok(Err(error)) => cause(&error),
+                Err(_) => Cause::Unreachable(format!("no answer within {}s", CONNECT_TIMEOUT.as_secs())),
+            };
+            let target = target_of(&options);
+            match outcome {
+                Cause::Refused(why) => return Err(failed(format!("cannot connect to {target}: {why}"))),
+                Cause::Unreachable(why) if attempt == attempts => {
+                    let tries = if attempts > 1 { format!(" ({attempts} tries)") } else { String::new() };
+                    return Err(failed(format!("cannot connect to {target}: {why}{tries}")));
+                }
+                Cause::Unreachable(why) => {
+                    errln!(
+                        "cannot connect to {target}: {why}; trying again in {:.1}s ({attempt}/{})",
+                        delay.as_secs_f64(),
+                        attempts - 1
+                    );
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(4));
+                }
+            }
+        }
+        Err(failed(format!("cannot connect to {}", target_of(&options))))
+    }
+
+    /// Runs `op` (a read, or a write that is safe to repeat), trying again with backoff when
+    /// the database could not be reached, and says so; any other error fails at once, with
+    /// [`explain`]'s advice.
+    pub(crate) async fn retrying<T, E: std::fmt::Display, F: Future<Output = Result<T, E>>>(
+        &self,
+        what: &str,
+        mut op: impl FnMut() -> F,
+    ) -> Result<T, Failure> {
+        let attempts = connect_attempts();
+        let mut delay = Duration::from_millis(500);
+        for attempt in 1..=attempts {
+            match op().await {
+                Ok(value) => return Ok(value),
+                Err(error) => {
+                    let text = error.to_string();
+                    if !is_unreachable(&text) || attempt == attempts {
+                        return Err(failed(format!("{what} failed: {}", explain(&text))));
+                    }
+                    errln!(
+                        "{what}: {} unreachable ({}); trying again in {:.1}s ({attempt}/{})",
+                        self.target(),
+                        output_line(&text),
+                        delay.as_secs_f64(),
+                        attempts - 1
+                    );
+                    tokio::time::sleep(delay).await;
+                    delay = (delay * 2).min(Duration::from_secs(4));
+                }
+            }
+        }
+        Err(failed(format!("{what} failed")))
+    }
+}
+
+fn output_line(text: &str) -> String {
+    crate::output::printable(text).to_string()
+}
+
+/// `CANTER_CONNECT_ATTEMPTS`, default 4.
+fn connect_attempts() -> u32 {
+    std::env::var("CANTER_CONNECT_ATTEMPTS").ok().and_then(|a| a.trim().parse().ok()).unwrap_or(4).clamp(1, 100)
+}
+
+fn target_of(options: &PgConnectOptions) -> String {
+    let database = options.get_database().unwrap_or(options.get_username());
+    match options.get_socket() {
+        Some(socket) => format!("{} (socket) database {database}", socket.display()),
+        None => format!("{}:{} database {database}", options.get_host(), options.get_port()),
+    }
+}
+
+/// What a failed connection attempt says about waiting.
+fn cause(error: &sqlx::Error) -> Cause {
+    use std::io::ErrorKind;
+    match error {
+        sqlx::Error::Io(io) => match io.kind() {
+            ErrorKind::ConnectionRefused => Cause::Unreachable("connection refused (is PostgreSQL running?)".into()),
+            ErrorKind::TimedOut => Cause::Unreachable("connection timed out".into()),
+            ErrorKind::NotFound => Cause::Refused(format!("no such host or socket ({io})")),
+            _ => Cause::Unreachable(io.to_string()),
+        },
+        sqlx::Error::Database(db) => {
+            let code = db.code().unwrap_or_default();
+            match code.as_ref() {
+                "28P01" | "28000" => Cause::Refused(format!("authentication failed: {}", db.message())),
+                "3D000" => Cause::Refused(format!("{} (create it, or name another in the URL)", db.message())),
+                // The server is starting up or shutting down.
+                "57P03" | "57P01" | "53300" => Cause::Unreachable(db.message().to_owned()),
+                _ => Cause::Refused(db.message().to_owned()),
+            }
+        }
+        sqlx::Error::Tls(tls) => Cause::Refused(format!("TLS failed: {tls}")),
+        sqlx::Error::Configuration(config) => Cause::Refused(format!("invalid connection settings: {config}")),
+        other => Cause::Unreachable(other.to_string()),
+    }
+}
+
+/// Whether an error's text says the database could not be reached (not that it refused).
+fn is_unreachable(text: &str) -> bool {
+    let text = text.to_lowercase();
+    ["connection refused", "timed out", "pool timed out", "connection reset", "broken pipe", "closed", "io error"]
+        .iter()
+        .any(|w| text.contains(w))
+}
+
+/// An error's text with what to do about it: a schema that is not there (or not migrated)
+/// says to run `canter migrate`.
+pub(crate) fn explain(text: &str) -> String {
+    let lower = text.to_lowercase();
+    let missing_relation = lower.contains("relation") && lower.contains("does not exist");
+    let missing_schema = lower.contains("schema") && lower.contains("does not exist");
+    let missing_function = lower.contains("function") && lower.contains("does not exist");
+    if missing_relation || missing_schema || missing_function {
+        return format!("{text}: the schema is not migrated; run canter migrate (with the same --schema)");
+    }
+    text.to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_schema_says_to_migrate() {
+        let text = explain("error returned from database: relation \"x.tasks\" does not exist");
+        assert!(text.ends_with("run canter migrate (with the same --schema)"), "{text}");
+        assert_eq!(explain("disk full"), "disk full");
+    }
+
+    #[test]
+    fn targets_name_host_port_and_database() {
+        let database = Database { url: Some("postgres://me@db.example:6543/app".into()) };
+        assert_eq!(database.target(), "db.example:6543 database app");
+        assert!(matches!(Database { url: None }.url(), Err(Failure::Usage(_))));
+    }
+}
