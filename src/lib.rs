@@ -26,6 +26,8 @@
 //! - [`schedule`]: tasks enqueued on a timetable (cron, intervals, daily, weekly, monthly) in
 //!   a time zone read from TZif bytes, and which ticks fall due; [`scheduler`]: what the
 //!   app's schedules enqueue, and when to look again.
+//! - [`time`]: durations (`90s`, `1h30m`) and instants (RFC 3339, or a duration from now) as
+//!   text, one grammar for the command line, the configuration and schedules.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
 //! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
@@ -119,6 +121,7 @@ pub mod schedule;
 pub mod scheduler;
 pub mod store;
 pub mod task;
+pub mod time;
 pub mod worker;
 
 #[cfg(feature = "driver")]

@@ -4,10 +4,14 @@
 //! A pattern is a set of bit masks (seconds, minutes, hours, days of the month, months,
 //! weekdays) and a rule combining the day of the month with the weekday. The searches walk
 //! month by month and skip with bit scans, so finding the next tick of a sparse pattern costs
-//! a few hundred steps, not one per minute.
+//! a few hundred steps, not one per minute. jiff's civil dates do the calendar (days of a
+//! month, weekdays, the next and previous day).
+
+use jiff::SignedDuration;
+use jiff::civil::{Date, DateTime, Time};
 
 use super::DbTime;
-use super::civil::{civil_from_days, days_from_civil, days_in_month, weekday_from_days};
+use super::civil::{CivilDateTime, Weekday};
 use super::tz::TimeZone;
 
 const SECS_PER_DAY: i64 = 86_400;
@@ -15,6 +19,9 @@ const SECS_PER_DAY: i64 = 86_400;
 /// How far a search looks: 401 Gregorian years. The calendar repeats every 400 years, so a
 /// pattern with no match in this span has none at all.
 pub(crate) const SEARCH_SECS: i64 = 401 * 146_097 / 400 * SECS_PER_DAY;
+
+/// [`SEARCH_SECS`] as a duration.
+pub(crate) const SEARCH: SignedDuration = SignedDuration::from_secs(SEARCH_SECS);
 
 /// How many local ticks a search through a time zone may pass over because they resolve to
 /// instants on the wrong side (ticks inside an overlap). Real zones need at most a day of
@@ -58,6 +65,18 @@ fn has(mask: u64, bit: u8) -> bool {
     mask >> bit & 1 == 1
 }
 
+/// The hour, minute and second of `time`.
+fn hms(time: Time) -> (u64, u64, u64) {
+    let part = |n: i8| u64::from(n.unsigned_abs());
+    (part(time.hour()), part(time.minute()), part(time.second()))
+}
+
+/// The time `hour:minute:second`, if each is in range.
+fn time(hour: u64, minute: u64, second: u64) -> Option<Time> {
+    let part = |n: u64| i8::try_from(n).ok();
+    Time::new(part(hour)?, part(minute)?, part(second)?, 0).ok()
+}
+
 impl Pattern {
     /// Whether no time can match (an empty field), checked before any search.
     fn is_empty(&self) -> bool {
@@ -68,21 +87,21 @@ impl Pattern {
         seconds == 0 || minutes == 0 || hours == 0 || months == 0 || no_day
     }
 
-    fn day_matches(&self, year: i64, month: u8, day: u8) -> bool {
-        let dom = has(self.days, day);
-        let dow = has(self.weekdays, weekday_from_days(days_from_civil(year, month, day)));
+    fn day_matches(&self, date: Date) -> bool {
+        let dom = has(self.days, date.day().unsigned_abs());
+        let dow = has(self.weekdays, Weekday::from_jiff(date.weekday()).number());
         if self.days_or { dom || dow } else { dom && dow }
     }
 
     /// The first time of day at or after `h:m:s` that matches.
-    fn time_at_or_after(&self, h: u64, m: u64, s: u64) -> Option<u64> {
+    fn time_at_or_after(&self, (h, m, s): (u64, u64, u64)) -> Option<Time> {
         let mut hour = next_bit(self.hours, h)?;
         loop {
             let mut minute = next_bit(self.minutes, if hour == h { m } else { 0 });
             while let Some(mm) = minute {
                 let from = if hour == h && mm == m { s } else { 0 };
                 if let Some(second) = next_bit(self.seconds, from) {
-                    return (hour < 24 && mm < 60 && second < 60).then_some(hour * 3600 + mm * 60 + second);
+                    return time(hour, mm, second);
                 }
                 minute = next_bit(self.minutes, mm + 1);
             }
@@ -91,7 +110,7 @@ impl Pattern {
     }
 
     /// The last time of day at or before `h:m:s` that matches.
-    fn time_at_or_before(&self, h: u64, m: u64, s: u64) -> Option<u64> {
+    fn time_at_or_before(&self, (h, m, s): (u64, u64, u64)) -> Option<Time> {
         let mut hour = prev_bit(self.hours & ((1 << 24) - 1), h)?;
         loop {
             let minutes = self.minutes & ((1 << 60) - 1);
@@ -99,7 +118,7 @@ impl Pattern {
             while let Some(mm) = minute {
                 let from = if hour == h && mm == m { s } else { 59 };
                 if let Some(second) = prev_bit(self.seconds & ((1 << 60) - 1), from) {
-                    return Some(hour * 3600 + mm * 60 + second);
+                    return time(hour, mm, second);
                 }
                 minute = mm.checked_sub(1).and_then(|below| prev_bit(minutes, below));
             }
@@ -107,70 +126,72 @@ impl Pattern {
         }
     }
 
-    /// The first matching local time (seconds since 1970-01-01 00:00:00 local) at or after
-    /// `start` and not after `limit`.
-    pub(crate) fn next_at_or_after(&self, start: i64, limit: i64) -> Option<i64> {
+    /// The first matching local time at or after `start` and not after `limit`.
+    pub(crate) fn next_at_or_after(&self, start: DateTime, limit: DateTime) -> Option<DateTime> {
         if self.is_empty() {
             return None;
         }
-        let (mut year, mut month, mut day) = civil_from_days(start.div_euclid(SECS_PER_DAY));
-        let mut time = start.rem_euclid(SECS_PER_DAY).unsigned_abs();
+        let mut date = start.date();
+        let mut time = start.time();
         loop {
-            if days_from_civil(year, month, day).checked_mul(SECS_PER_DAY)? > limit {
+            if date > limit.date() {
                 return None;
             }
-            if has(self.months, month) {
-                while day <= days_in_month(year, month) {
-                    if self.day_matches(year, month, day) {
-                        if let Some(t) = self.time_at_or_after(time / 3600, time / 60 % 60, time % 60) {
-                            let at = days_from_civil(year, month, day) * SECS_PER_DAY + t as i64;
+            if has(self.months, date.month().unsigned_abs()) {
+                loop {
+                    if self.day_matches(date) {
+                        if let Some(t) = self.time_at_or_after(hms(time)) {
+                            let at = date.to_datetime(t);
                             return (at <= limit).then_some(at);
                         }
                     }
-                    day += 1;
-                    time = 0;
+                    time = Time::midnight();
+                    if date.day() == date.days_in_month() {
+                        break;
+                    }
+                    date = date.tomorrow().ok()?;
                 }
             }
-            (month, year) = if month == 12 { (1, year + 1) } else { (month + 1, year) };
-            day = 1;
-            time = 0;
+            date = date.last_of_month().tomorrow().ok()?;
+            time = Time::midnight();
         }
     }
 
     /// The last matching local time at or before `start` and not before `floor`.
-    pub(crate) fn prev_at_or_before(&self, start: i64, floor: i64) -> Option<i64> {
+    pub(crate) fn prev_at_or_before(&self, start: DateTime, floor: DateTime) -> Option<DateTime> {
         if self.is_empty() {
             return None;
         }
-        const LAST_SECOND: u64 = 86_399;
-        let (mut year, mut month, mut day) = civil_from_days(start.div_euclid(SECS_PER_DAY));
-        let mut time = start.rem_euclid(SECS_PER_DAY).unsigned_abs();
+        let last_second = Time::constant(23, 59, 59, 0);
+        let mut date = start.date();
+        let mut time = start.time();
         loop {
-            let day_end = (days_from_civil(year, month, day) + 1).checked_mul(SECS_PER_DAY)?;
-            if day_end <= floor {
+            if date < floor.date() {
                 return None;
             }
-            if has(self.months, month) {
-                while day >= 1 {
-                    if self.day_matches(year, month, day) {
-                        if let Some(t) = self.time_at_or_before(time / 3600, time / 60 % 60, time % 60) {
-                            let at = days_from_civil(year, month, day) * SECS_PER_DAY + t as i64;
+            if has(self.months, date.month().unsigned_abs()) {
+                loop {
+                    if self.day_matches(date) {
+                        if let Some(t) = self.time_at_or_before(hms(time)) {
+                            let at = date.to_datetime(t);
                             return (at >= floor).then_some(at);
                         }
                     }
-                    day -= 1;
-                    time = LAST_SECOND;
+                    time = last_second;
+                    if date.day() == 1 {
+                        break;
+                    }
+                    date = date.yesterday().ok()?;
                 }
             }
-            (month, year) = if month == 1 { (12, year - 1) } else { (month - 1, year) };
-            day = days_in_month(year, month);
-            time = LAST_SECOND;
+            date = date.first_of_month().yesterday().ok()?;
+            time = last_second;
         }
     }
 
-    /// Whether the local time `local` (seconds since 1970-01-01 00:00:00 local) matches.
+    /// Whether the local time `local` matches.
     #[cfg(test)]
-    pub(crate) fn matches(&self, local: i64) -> bool {
+    pub(crate) fn matches(&self, local: DateTime) -> bool {
         self.next_at_or_after(local, local) == Some(local)
     }
 }
@@ -179,13 +200,12 @@ impl Pattern {
 /// first local tick whose instant is after `after` (a tick inside a gap resolves to the end of
 /// the gap, a tick inside an overlap to its first occurrence).
 pub(crate) fn next_after(pattern: &Pattern, after: DbTime, tz: &TimeZone) -> Option<DbTime> {
-    let after_s = after.0.div_euclid(1000);
     // Local ticks up to the latest local time already shown are at or before `after`.
-    let mut local = tz.high_water_local(after_s)?;
-    let limit = local.checked_add(SEARCH_SECS)?;
+    let mut local = tz.high_water_local(after);
+    let limit = local.saturating_add(SEARCH);
     for _ in 0..MAX_ZONE_STEPS {
-        let tick = pattern.next_at_or_after(local.checked_add(1)?, limit)?;
-        let at = tz.resolve_local(tick)?;
+        let tick = pattern.next_at_or_after(local.checked_add(SignedDuration::from_secs(1)).ok()?, limit)?;
+        let at = tz.resolve(CivilDateTime::from_jiff(tick))?;
         if at > after {
             return Some(at);
         }
@@ -199,17 +219,18 @@ pub(crate) fn prev_at_or_before(pattern: &Pattern, at: DbTime, floor: DbTime, tz
     if at <= floor {
         return None;
     }
-    let at_s = at.0.div_euclid(1000);
-    let mut local = tz.high_water_local(at_s)?;
+    let mut local = tz.high_water_local(at);
     // A tick after `floor` is at most a UTC offset plus an overlap before it in local time.
-    let local_floor = floor.0.div_euclid(1000).saturating_sub(3 * SECS_PER_DAY).max(local.saturating_sub(SEARCH_SECS));
+    let floor_as_local =
+        TimeZone::Utc.to_local(floor).datetime.to_jiff().saturating_sub(SignedDuration::from_hours(3 * 24));
+    let local_floor = floor_as_local.max(local.saturating_sub(SEARCH));
     for _ in 0..MAX_ZONE_STEPS {
         let tick = pattern.prev_at_or_before(local, local_floor)?;
-        let instant = tz.resolve_local(tick)?;
+        let instant = tz.resolve(CivilDateTime::from_jiff(tick))?;
         if instant <= at {
             return (instant > floor).then_some(instant);
         }
-        local = tick.checked_sub(1)?;
+        local = tick.checked_sub(SignedDuration::from_secs(1)).ok()?;
     }
     None
 }
@@ -239,26 +260,34 @@ mod tests {
         assert_eq!(prev_bit(1 << 63, 200), Some(63));
     }
 
+    fn at(seconds: i64) -> DateTime {
+        CivilDateTime::from_unix_seconds(seconds).unwrap().to_jiff()
+    }
+
     #[test]
     fn every_minute_steps_by_sixty_seconds() {
-        assert_eq!(ALL.next_at_or_after(0, i64::MAX), Some(0));
-        assert_eq!(ALL.next_at_or_after(1, i64::MAX), Some(60));
-        assert_eq!(ALL.prev_at_or_before(59, i64::MIN), Some(0));
-        assert_eq!(ALL.prev_at_or_before(-1, i64::MIN), Some(-60));
-        assert_eq!(ALL.next_at_or_after(1, 59), None);
-        assert_eq!(ALL.prev_at_or_before(-1, -59), None);
-        assert!(ALL.matches(120) && !ALL.matches(121));
+        assert_eq!(ALL.next_at_or_after(at(0), DateTime::MAX), Some(at(0)));
+        assert_eq!(ALL.next_at_or_after(at(1), DateTime::MAX), Some(at(60)));
+        assert_eq!(ALL.prev_at_or_before(at(59), DateTime::MIN), Some(at(0)));
+        assert_eq!(ALL.prev_at_or_before(at(-1), DateTime::MIN), Some(at(-60)));
+        assert_eq!(ALL.next_at_or_after(at(1), at(59)), None);
+        assert_eq!(ALL.prev_at_or_before(at(-1), at(-59)), None);
+        assert!(ALL.matches(at(120)) && !ALL.matches(at(121)));
+        // At the ends of the calendar the search ends.
+        assert_eq!(ALL.next_at_or_after(DateTime::MAX, DateTime::MAX), None);
+        assert_eq!(ALL.prev_at_or_before(DateTime::MIN, DateTime::MIN), Some(DateTime::MIN));
     }
 
     #[test]
     fn empty_patterns_never_match() {
         let no_month = Pattern { months: 1, ..ALL };
-        assert_eq!(no_month.next_at_or_after(0, i64::MAX), None);
+        assert_eq!(no_month.next_at_or_after(at(0), DateTime::MAX), None);
         let no_weekday = Pattern { weekdays: 0, ..ALL };
-        assert_eq!(no_weekday.prev_at_or_before(0, i64::MIN), None);
+        assert_eq!(no_weekday.prev_at_or_before(at(0), DateTime::MIN), None);
         // February 30 is not empty field by field, but the bounded search ends.
         let feb_30 = Pattern { days: 1 << 30, months: 1 << 2, ..ALL };
-        assert_eq!(feb_30.next_at_or_after(0, SEARCH_SECS), None);
-        assert_eq!(feb_30.prev_at_or_before(0, -SEARCH_SECS), None);
+        assert_eq!(feb_30.next_at_or_after(at(0), at(SEARCH_SECS)), None);
+        assert_eq!(feb_30.prev_at_or_before(at(0), at(-SEARCH_SECS)), None);
+        assert_eq!(feb_30.next_at_or_after(DateTime::MIN, DateTime::MAX), None);
     }
 }

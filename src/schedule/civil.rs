@@ -1,60 +1,12 @@
-//! Civil dates and times of the proleptic Gregorian calendar, and their conversion to and from
-//! days and seconds since the Unix epoch (Howard Hinnant's `days_from_civil` and
-//! `civil_from_days`, <https://howardhinnant.github.io/date_algorithms.html>).
+//! Civil (wall-clock) dates and times: thin wrappers over [`jiff::civil`], which does all the
+//! calendar arithmetic, with the names and crontab numbering the schedules use.
 
 use std::fmt;
 
+use jiff::SignedDuration;
+use jiff::civil::DateTime;
+
 use super::ParseError;
-
-const SECS_PER_DAY: i64 = 86_400;
-
-/// Days since 1970-01-01 of the civil date `year-month-day` (month 1–12, day 1–31; a day past
-/// the month's end counts on into the next month).
-pub(crate) fn days_from_civil(year: i64, month: u8, day: u8) -> i64 {
-    let (month, day) = (i64::from(month), i64::from(day));
-    let y = if month <= 2 { year - 1 } else { year };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400; // [0, 399]
-    let mp = (month + 9) % 12; // March = 0
-    let doy = (153 * mp + 2) / 5 + day - 1; // [0, 365]
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy; // [0, 146096]
-    era * 146_097 + doe - 719_468
-}
-
-/// The civil date `(year, month, day)` of `days` since 1970-01-01.
-pub(crate) fn civil_from_days(days: i64) -> (i64, u8, u8) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097; // [0, 146096]
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365; // [0, 399]
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100); // [0, 365]
-    let mp = (5 * doy + 2) / 153; // [0, 11]
-    let day = doy - (153 * mp + 2) / 5 + 1; // [1, 31]
-    let month = if mp < 10 { mp + 3 } else { mp - 9 }; // [1, 12]
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    // Both fit in a u8 by the ranges above.
-    (year, month as u8, day as u8)
-}
-
-/// The weekday of `days` since 1970-01-01 (a Thursday), 0 = Sunday.
-pub(crate) fn weekday_from_days(days: i64) -> u8 {
-    (days + 4).rem_euclid(7) as u8
-}
-
-/// Whether `year` has a February 29.
-pub(crate) fn is_leap_year(year: i64) -> bool {
-    year % 4 == 0 && (year % 100 != 0 || year % 400 == 0)
-}
-
-/// The number of days of `month` (1–12) in `year`.
-pub(crate) fn days_in_month(year: i64, month: u8) -> u8 {
-    match month {
-        2 if is_leap_year(year) => 29,
-        2 => 28,
-        4 | 6 | 9 | 11 => 30,
-        _ => 31,
-    }
-}
 
 /// A day of the week.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -107,6 +59,12 @@ impl Weekday {
         let matches = |full: &&str| lower == *full || (lower.len() == 3 && full.starts_with(&lower));
         let index = Weekday::NAMES.iter().position(matches)?;
         Weekday::ALL.get(index).copied()
+    }
+
+    /// The weekday of jiff's `weekday`.
+    pub(crate) fn from_jiff(weekday: jiff::civil::Weekday) -> Weekday {
+        // 0 to 6.
+        Weekday::ALL[weekday.to_sunday_zero_offset() as usize]
     }
 
     /// Its three-letter lower-case name (`"mon"`).
@@ -230,33 +188,22 @@ impl fmt::Display for TimeOfDay {
 }
 
 /// A civil (wall-clock) date and time without a time zone, to the second, in the proleptic
-/// Gregorian calendar. Orders chronologically.
+/// Gregorian calendar, years -9999 to 9999 (jiff's range). Orders chronologically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct CivilDateTime {
-    year: i32,
-    month: u8,
-    day: u8,
-    hour: u8,
-    minute: u8,
-    second: u8,
-}
+pub struct CivilDateTime(DateTime);
 
 impl CivilDateTime {
     /// 1970-01-01 00:00:00.
-    pub const EPOCH: CivilDateTime = CivilDateTime { year: 1970, month: 1, day: 1, hour: 0, minute: 0, second: 0 };
+    pub const EPOCH: CivilDateTime = CivilDateTime(DateTime::constant(1970, 1, 1, 0, 0, 0, 0));
 
-    /// The date-time `year-month-day hour:minute:second`, if each part is in range (month
-    /// 1–12, day within the month, hour 0–23, minute and second 0–59).
+    /// The date-time `year-month-day hour:minute:second`, if each part is in range (year -9999
+    /// to 9999, month 1–12, day within the month, hour 0–23, minute and second 0–59).
     pub fn new(year: i32, month: u8, day: u8, hour: u8, minute: u8, second: u8) -> Option<CivilDateTime> {
-        let date_ok = (1..=12).contains(&month) && day >= 1 && day <= days_in_month(i64::from(year), month);
-        (date_ok && hour < 24 && minute < 60 && second < 60).then_some(CivilDateTime {
-            year,
-            month,
-            day,
-            hour,
-            minute,
-            second,
-        })
+        let small = |n: u8| i8::try_from(n).ok();
+        let year = i16::try_from(year).ok()?;
+        DateTime::new(year, small(month)?, small(day)?, small(hour)?, small(minute)?, small(second)?, 0)
+            .ok()
+            .map(CivilDateTime)
     }
 
     /// The date `year-month-day` at the time `time`, if the date exists.
@@ -264,79 +211,72 @@ impl CivilDateTime {
         CivilDateTime::new(year, month, day, time.hour, time.minute, time.second)
     }
 
-    /// The civil date-time `seconds` after 1970-01-01 00:00:00, if its year fits an `i32`.
+    /// The civil date-time `seconds` after 1970-01-01 00:00:00, if its year is within -9999 to
+    /// 9999.
     pub fn from_unix_seconds(seconds: i64) -> Option<CivilDateTime> {
-        let days = seconds.div_euclid(SECS_PER_DAY);
-        let secs = seconds.rem_euclid(SECS_PER_DAY);
-        let (year, month, day) = civil_from_days(days);
-        Some(CivilDateTime {
-            year: i32::try_from(year).ok()?,
-            month,
-            day,
-            // Each below 60 or 24.
-            hour: (secs / 3600) as u8,
-            minute: (secs / 60 % 60) as u8,
-            second: (secs % 60) as u8,
-        })
+        CivilDateTime::EPOCH.0.checked_add(SignedDuration::from_secs(seconds)).ok().map(CivilDateTime)
     }
 
-    /// Seconds from 1970-01-01 00:00:00 to this date-time (never overflows: the year is an
-    /// `i32`).
+    /// Seconds from 1970-01-01 00:00:00 to this date-time.
     pub fn to_unix_seconds(self) -> i64 {
-        days_from_civil(i64::from(self.year), self.month, self.day) * SECS_PER_DAY
-            + i64::from(self.time().seconds_of_day())
+        self.0.duration_since(CivilDateTime::EPOCH.0).as_secs()
     }
 
-    /// The year.
+    /// The date-time of jiff's `datetime`, to the second (a fraction is dropped).
+    pub(crate) fn from_jiff(datetime: DateTime) -> CivilDateTime {
+        CivilDateTime(datetime.with().subsec_nanosecond(0).build().unwrap_or(datetime))
+    }
+
+    /// As jiff's date-time.
+    pub(crate) fn to_jiff(self) -> DateTime {
+        self.0
+    }
+
+    /// The year, -9999 to 9999.
     pub fn year(self) -> i32 {
-        self.year
+        i32::from(self.0.year())
     }
 
     /// The month, 1–12.
     pub fn month(self) -> u8 {
-        self.month
+        self.0.month().unsigned_abs()
     }
 
     /// The day of the month, 1–31.
     pub fn day(self) -> u8 {
-        self.day
+        self.0.day().unsigned_abs()
     }
 
     /// The hour, 0–23.
     pub fn hour(self) -> u8 {
-        self.hour
+        self.0.hour().unsigned_abs()
     }
 
     /// The minute, 0–59.
     pub fn minute(self) -> u8 {
-        self.minute
+        self.0.minute().unsigned_abs()
     }
 
     /// The second, 0–59.
     pub fn second(self) -> u8 {
-        self.second
+        self.0.second().unsigned_abs()
     }
 
     /// The time of day.
     pub fn time(self) -> TimeOfDay {
-        TimeOfDay { hour: self.hour, minute: self.minute, second: self.second }
+        TimeOfDay { hour: self.hour(), minute: self.minute(), second: self.second() }
     }
 
     /// The day of the week.
     pub fn weekday(self) -> Weekday {
-        let days = days_from_civil(i64::from(self.year), self.month, self.day);
-        Weekday::from_number(weekday_from_days(days)).unwrap_or(Weekday::Sunday)
+        Weekday::from_jiff(self.0.weekday())
     }
 }
 
 impl fmt::Display for CivilDateTime {
     /// ISO 8601: `2026-03-29T02:30:00`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{:04}-{:02}-{:02}T{:02}:{:02}:{:02}",
-            self.year, self.month, self.day, self.hour, self.minute, self.second
-        )
+        self.0.fmt(f)
     }
 }
 
@@ -345,26 +285,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn days_round_trip_and_known_dates() {
-        assert_eq!(days_from_civil(1970, 1, 1), 0);
-        assert_eq!(days_from_civil(2000, 3, 1), 11_017);
-        assert_eq!(days_from_civil(1969, 12, 31), -1);
-        assert_eq!(civil_from_days(-719_468), (0, 3, 1));
-        for days in (-800_000..800_000).step_by(37) {
-            let (y, m, d) = civil_from_days(days);
-            assert!(d >= 1 && d <= days_in_month(y, m));
-            assert_eq!(days_from_civil(y, m, d), days);
-        }
-        assert_eq!(weekday_from_days(days_from_civil(2026, 3, 29)), 0);
-        assert_eq!(weekday_from_days(days_from_civil(1900, 1, 1)), 1);
-    }
-
-    #[test]
-    fn leap_years() {
-        assert!(is_leap_year(2000) && is_leap_year(2024) && is_leap_year(-4));
-        assert!(!is_leap_year(1900) && !is_leap_year(2100) && !is_leap_year(2026));
-        assert_eq!(days_in_month(2024, 2), 29);
-        assert_eq!(days_in_month(2100, 2), 28);
+    fn known_dates_and_weekdays() {
+        let days = |y, mo, d| CivilDateTime::new(y, mo, d, 0, 0, 0).unwrap().to_unix_seconds() / 86_400;
+        assert_eq!(days(1970, 1, 1), 0);
+        assert_eq!(days(2000, 3, 1), 11_017);
+        assert_eq!(days(1969, 12, 31), -1);
+        assert_eq!(CivilDateTime::new(2026, 3, 29, 0, 0, 0).unwrap().weekday(), Weekday::Sunday);
+        assert_eq!(CivilDateTime::new(1900, 1, 1, 0, 0, 0).unwrap().weekday(), Weekday::Monday);
+        assert!(
+            CivilDateTime::new(2024, 2, 29, 0, 0, 0).is_some() && CivilDateTime::new(2000, 2, 29, 0, 0, 0).is_some()
+        );
+        assert!(
+            CivilDateTime::new(2100, 2, 29, 0, 0, 0).is_none() && CivilDateTime::new(2026, 2, 29, 0, 0, 0).is_none()
+        );
     }
 
     #[test]
@@ -379,8 +312,12 @@ mod tests {
         let before_epoch = CivilDateTime::from_unix_seconds(-1).unwrap();
         assert_eq!(before_epoch.to_string(), "1969-12-31T23:59:59");
         assert_eq!(CivilDateTime::from_unix_seconds(i64::MAX), None);
-        let last = CivilDateTime::from_unix_seconds(i64::MAX / 1000).unwrap();
-        assert_eq!(CivilDateTime::from_unix_seconds(last.to_unix_seconds()), Some(last));
+        assert_eq!(CivilDateTime::from_unix_seconds(i64::MAX / 1000), None);
+        assert_eq!(CivilDateTime::new(10_000, 1, 1, 0, 0, 0), None);
+        for (y, mo, d, h, mi, s) in [(-9999, 1, 1, 0, 0, 0), (9999, 12, 31, 23, 59, 59)] {
+            let edge = CivilDateTime::new(y, mo, d, h, mi, s).unwrap();
+            assert_eq!(CivilDateTime::from_unix_seconds(edge.to_unix_seconds()), Some(edge));
+        }
     }
 
     #[test]

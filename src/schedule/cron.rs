@@ -4,8 +4,10 @@
 use std::fmt;
 use std::str::FromStr;
 
-use super::calendar::{Pattern, SEARCH_SECS};
-use super::civil::{CivilDateTime, days_from_civil};
+use jiff::civil::DateTime;
+
+use super::calendar::{Pattern, SEARCH};
+use super::civil::CivilDateTime;
 
 /// One of the five fields of a crontab expression.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
@@ -162,8 +164,8 @@ impl Cron {
         // Day-of-week 7 is Sunday.
         let weekdays = (weekdays | weekdays >> 7) & 0x7f;
         let pattern = Pattern { seconds: 1, minutes, hours, days, months, weekdays, days_or: !stars[2] && !stars[4] };
-        let start = days_from_civil(2000, 1, 1) * 86_400;
-        if pattern.next_at_or_after(start, start + SEARCH_SECS).is_none() {
+        let start = DateTime::constant(2000, 1, 1, 0, 0, 0, 0);
+        if pattern.next_at_or_after(start, start.saturating_add(SEARCH)).is_none() {
             return Err(CronError::Never(trimmed.to_owned()));
         }
         Ok(Cron { text: trimmed.to_owned(), pattern })

@@ -3,7 +3,11 @@
 //!
 //! Everything here is pure: instants are [`DbTime`]s passed in (the database's clock), time
 //! zones come from TZif bytes the caller read ([`TimeZone::from_tzif`], after checking the name
-//! with [`zone_path`]), and nothing reads a clock or a file.
+//! with [`zone_path`]), and nothing reads a clock or a file. jiff does the calendar and the
+//! zones (civil dates, TZif data, POSIX TZ rules, gaps and overlaps); this module keeps the
+//! schedules' own types over it ([`CivilDateTime`], [`TimeZone`], [`LocalResult`]) and the
+//! search for ticks. Durations (`every`, `offset`) are read by [`parse_duration_ms`], the
+//! grammar of [`crate::time`] (`500ms`, `90s`, `15m`, `1h30m`, `1h 30m`, `7d`).
 //!
 //! # Configuration
 //!
@@ -84,6 +88,8 @@ pub use self::tz::{LocalDateTime, LocalResult, TimeZone, TzError, UtcOffset, Zon
 use crate::check::{Check, ConfigError};
 use crate::task::DbTime;
 use crate::task::{QUEUE_NAME_RULE, is_valid_queue_name};
+use crate::time::DURATION_RULE;
+pub use crate::time::{ParseError, format_duration_ms, parse_duration_ms};
 
 /// The shortest interval: 1 s.
 pub const MIN_INTERVAL_MS: u64 = 1_000;
@@ -96,69 +102,6 @@ pub const DEFAULT_MISFIRE_MS: u64 = 60_000;
 
 const MISFIRE_MS: std::ops::RangeInclusive<u64> = 1_000..=86_400_000;
 const KINDS: &str = "exactly one of cron, every, daily, weekly or monthly";
-const DURATION_RULE: &str = "a duration like 500ms, 30s, 15m, 1h30m or 7d";
-
-/// A value that does not parse: a time of day, a duration, a weekday.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid {what} {text:?}: expected {expected}")]
-pub struct ParseError {
-    /// What was being parsed.
-    pub what: &'static str,
-    /// The text.
-    pub text: String,
-    /// What is allowed.
-    pub expected: String,
-}
-
-impl ParseError {
-    fn new(what: &'static str, text: &str, expected: impl Into<String>) -> ParseError {
-        ParseError { what, text: text.to_owned(), expected: expected.into() }
-    }
-}
-
-/// Parses a duration: one or more `<number><unit>` with units `ms`, `s`, `m`, `h`, `d`
-/// (`500ms`, `15m`, `1h30m`), in milliseconds.
-pub fn parse_duration_ms(text: &str) -> Result<u64, ParseError> {
-    let invalid = || ParseError::new("duration", text, DURATION_RULE);
-    let mut rest = text;
-    let mut total: u64 = 0;
-    if rest.is_empty() {
-        return Err(invalid());
-    }
-    while !rest.is_empty() {
-        let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-        let number: u64 = rest[..digits].parse().map_err(|_| invalid())?;
-        rest = &rest[digits..];
-        let letters = rest.bytes().take_while(u8::is_ascii_lowercase).count();
-        let unit_ms = match &rest[..letters] {
-            "ms" => 1,
-            "s" => 1_000,
-            "m" => 60_000,
-            "h" => 3_600_000,
-            "d" => 86_400_000,
-            _ => return Err(invalid()),
-        };
-        rest = &rest[letters..];
-        total = number.checked_mul(unit_ms).and_then(|ms| total.checked_add(ms)).ok_or_else(invalid)?;
-    }
-    Ok(total)
-}
-
-/// Writes `ms` as [`parse_duration_ms`] reads it, largest units first (`1h30m`, `0ms`).
-pub fn format_duration_ms(ms: u64) -> String {
-    if ms == 0 {
-        return "0ms".to_owned();
-    }
-    let mut out = String::new();
-    let mut rest = ms;
-    for (unit, unit_ms) in [("d", 86_400_000), ("h", 3_600_000), ("m", 60_000), ("s", 1_000), ("ms", 1)] {
-        if rest >= unit_ms {
-            out.push_str(&format!("{}{unit}", rest / unit_ms));
-            rest %= unit_ms;
-        }
-    }
-    out
-}
 
 // ---------------------------------------------------------------------------------------------
 // Schedules
