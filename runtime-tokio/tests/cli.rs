@@ -747,7 +747,7 @@ async fn refusals_write_nothing_and_say_what_to_do() {
 
     // The list pages: a header, newest first, --after and --offset, by task name.
     let table = text(&run(&["list"]));
-    assert!(table.starts_with("ID") && table.contains("ENQUEUED") && table.contains("+00:00"), "{table}");
+    assert!(table.starts_with("ID") && table.contains("ENQUEUED") && table.contains("Z  "), "{table}");
     let after = run(&["list", "--after", &first_line(&run(&["enqueue", "noop"])), "--json"]);
     let after: Vec<serde_json::Value> = serde_json::from_slice(&after.stdout).unwrap();
     assert_eq!(after.len(), 2);

@@ -5,7 +5,7 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use canter_tokio::canter::postgres::MAX_DURATION_MS;
-use canter_tokio::canter::schedule::parse_duration_ms;
+use canter_tokio::canter::time::{parse_duration_ms, parse_instant};
 use canter_tokio::canter::store::{DbTime, KeyMode};
 use canter_tokio::{PgSchema, TaskId, TaskState};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -448,12 +448,13 @@ pub(crate) fn duration(text: &str) -> Result<Millis, String> {
 /// A duration from now or an RFC 3339 time.
 pub(crate) fn when(text: &str) -> Result<When, String> {
     let text = text.trim();
-    if text.starts_with(|c: char| c.is_ascii_digit()) && !text.contains(['-', ':']) {
+    // A timestamp starts with its year and a dash; anything else is read as a duration, so a
+    // duration too long says so.
+    let timestamp = text.len() > 4 && text.as_bytes()[..4].iter().all(u8::is_ascii_digit) && text.as_bytes()[4] == b'-';
+    if !timestamp && text.starts_with(|c: char| c.is_ascii_digit() || c == '+') {
         return duration(text).map(When::In);
     }
-    crate::time::parse_rfc3339(text)
-        .map(When::At)
-        .ok_or_else(|| "expected a duration from now (10m) or an RFC 3339 time (2026-11-22T10:00:00Z)".to_owned())
+    parse_instant(text, DbTime(0)).map(When::At).map_err(|e| e.to_string())
 }
 
 /// A schema name Canter may use.

@@ -13,7 +13,6 @@ mod inspect;
 mod output;
 mod schedules;
 mod settings;
-mod time;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;

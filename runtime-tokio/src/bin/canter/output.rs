@@ -129,7 +129,7 @@ pub(crate) fn colour(is_terminal: bool) -> bool {
 
 /// A database time in RFC 3339, UTC, with milliseconds when it has them.
 pub(crate) fn time(t: DbTime) -> String {
-    crate::time::format_rfc3339(t)
+    canter_tokio::canter::time::format_instant(t)
 }
 
 /// An optional time, or `-`.
