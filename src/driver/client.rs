@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::marker::PhantomData;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -15,7 +16,10 @@ use sqlx::PgPool;
 use super::retry::Retry;
 use super::{Runtime, TaskHandle, sleep_after};
 use crate::config::AppConfig;
-use crate::postgres::{DoneRouter, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError, enqueue_in};
+use crate::postgres::{
+    DoneRouter, MIGRATE_LOCK_WAIT, MigrateSchemaError, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError,
+    enqueue_in, migrate_within, require_current,
+};
 use crate::store::{
     AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, QueueDepth, TaskFilter, TaskRecord,
     WorkerRecord,
@@ -35,6 +39,10 @@ pub enum ClientError {
     /// An operator action was refused.
     #[error(transparent)]
     Admin(#[from] PgAdminError),
+    /// The schema could not be migrated (or, with [`Client::migrate`]`(false)`, is not
+    /// migrated) before the client's first write.
+    #[error(transparent)]
+    Schema(#[from] MigrateSchemaError),
     /// The database failed.
     #[error("database error: {}", crate::postgres::error_text(.0))]
     Database(#[from] sqlx::Error),
@@ -54,9 +62,10 @@ impl ClientError {
         match self {
             ClientError::Enqueue(error) => error.code(),
             ClientError::Arguments(_) => ErrorCode::User("VALIDATION_FAILED".into()),
-            ClientError::Admin(_) | ClientError::Database(_) | ClientError::UnexpectedReply { .. } => {
-                ErrorCode::BrokerError
-            }
+            ClientError::Admin(_)
+            | ClientError::Schema(_)
+            | ClientError::Database(_)
+            | ClientError::UnexpectedReply { .. } => ErrorCode::BrokerError,
         }
     }
 }
@@ -108,6 +117,10 @@ struct Inner<R> {
     router: DoneRouter,
     /// The router's listening task, started by the first wait.
     listening: Mutex<Option<AbortHandle>>,
+    /// Whether the first write migrates the schema (else it only checks it).
+    migrate: AtomicBool,
+    /// Whether the schema was found current (or migrated), so writes need not look again.
+    schema_ready: AtomicBool,
 }
 
 impl<R> Drop for Inner<R> {
@@ -132,9 +145,46 @@ impl<R> Clone for Client<R> {
 
 impl<R: Runtime> Client<R> {
     /// A client on `pool`, checking enqueues against `app`, in `schema`.
+    ///
+    /// Its first write (an enqueue or an operator action) applies the migrations the schema
+    /// lacks, as a worker does at startup (one process migrates at a time; the others wait
+    /// and find it done), so client and worker may start in any order on an empty database.
+    /// [`Client::migrate`]`(false)` only checks the schema instead.
     pub fn new(runtime: Arc<R>, pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
         let store = PgStore::new(pool, schema, app);
-        Client { inner: Arc::new(Inner { store, runtime, router: DoneRouter::new(), listening: Mutex::new(None) }) }
+        Client {
+            inner: Arc::new(Inner {
+                store,
+                runtime,
+                router: DoneRouter::new(),
+                listening: Mutex::new(None),
+                migrate: AtomicBool::new(true),
+                schema_ready: AtomicBool::new(false),
+            }),
+        }
+    }
+
+    /// Whether the first write migrates the schema (the default) or only checks that it is
+    /// current, failing with [`ClientError::Schema`] if it is not: for clients whose role may
+    /// only read and write (README: Privileges). Applies to every clone.
+    pub fn migrate(self, migrate: bool) -> Self {
+        self.inner.migrate.store(migrate, Ordering::Relaxed);
+        self
+    }
+
+    /// Makes sure the schema is there before a write: migrates it (or checks it) once.
+    async fn schema_ready(&self) -> Result<(), ClientError> {
+        if self.inner.schema_ready.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let store = &self.inner.store;
+        if self.inner.migrate.load(Ordering::Relaxed) {
+            migrate_within(store.pool(), store.schema(), MIGRATE_LOCK_WAIT).await?;
+        } else {
+            require_current(store.pool(), store.schema()).await?;
+        }
+        self.inner.schema_ready.store(true, Ordering::Release);
+        Ok(())
     }
 
     /// The underlying store (enqueue without types, inspection, migrations).
@@ -160,6 +210,7 @@ impl<R: Runtime> Client<R> {
         options: impl FnOnce(NewTask) -> NewTask,
     ) -> Result<ResultHandle<R, T>, ClientError> {
         let new = options(NewTask::new(task.name(), task.encode(args)?));
+        self.schema_ready().await?;
         let id = self.inner.store.enqueue(new).await?;
         Ok(self.handle(id))
     }
@@ -174,6 +225,7 @@ impl<R: Runtime> Client<R> {
             .into_iter()
             .map(|a| Ok(NewTask::new(task.name(), task.encode(&a)?)))
             .collect::<Result<Vec<_>, serde_json::Error>>()?;
+        self.schema_ready().await?;
         let ids = self.inner.store.enqueue_many(tasks).await?;
         Ok(ids.into_iter().map(|id| self.handle(id)).collect())
     }
@@ -188,6 +240,7 @@ impl<R: Runtime> Client<R> {
         options: impl FnOnce(NewTask) -> NewTask,
     ) -> Result<ResultHandle<R, T>, ClientError> {
         let new = options(NewTask::new(task.name(), task.encode(args)?));
+        self.schema_ready().await?;
         let store = &self.inner.store;
         let id = enqueue_in(executor, store.schema(), store.app(), new).await?;
         Ok(self.handle(id))
@@ -212,6 +265,7 @@ impl<R: Runtime> Client<R> {
     /// force-unlock, remove a key, purge, pause or resume a queue): see [`AdminRequest`] for
     /// what each does and replies.
     pub async fn admin(&self, request: &AdminRequest) -> Result<AdminReply, ClientError> {
+        self.schema_ready().await?;
         Ok(self.inner.store.admin(request).await?)
     }
 

@@ -34,7 +34,9 @@ impl Action {
 pub(crate) async fn run(database: &Database, command: Command) -> Outcome {
     let action = action(command)?;
     let pool = database.pool(4).await?;
-    let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, action.schema.schema.clone(), action.app.clone());
+    // An operator command never creates a schema: a mistyped --schema is an error.
+    let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, action.schema.schema.clone(), action.app.clone())
+        .migrate(false);
     if action.careful {
         check(database, &client, &action.request).await?;
     }

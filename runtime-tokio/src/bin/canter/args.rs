@@ -5,8 +5,8 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use canter_tokio::canter::postgres::MAX_DURATION_MS;
-use canter_tokio::canter::time::{parse_duration_ms, parse_instant};
 use canter_tokio::canter::store::{DbTime, KeyMode};
+use canter_tokio::canter::time::{parse_duration_ms, parse_instant};
 use canter_tokio::{PgSchema, TaskId, TaskState};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
 use clap::{Args, Parser, Subcommand};

@@ -1,0 +1,47 @@
+//! The README's quickstart, as a new user pastes it, against an empty database: the snippet is
+//! read from README.md and must be `examples/quickstart.rs` byte for byte (so the two cannot
+//! drift), and that program is what runs here.
+
+#[path = "../../tests/common/pg.rs"]
+mod pg;
+
+// The program itself: its `main` is called by the test below (the harness has its own entry).
+include!("../examples/quickstart.rs");
+
+/// The first `rust` block after `heading` in `text`.
+fn rust_block_after<'a>(text: &'a str, heading: &str) -> &'a str {
+    let after = &text[text.find(heading).expect("the heading")..];
+    let start = after.find("```rust\n").expect("a rust block") + "```rust\n".len();
+    let len = after[start..].find("```\n").expect("the block's end");
+    &after[start..start + len]
+}
+
+#[test]
+fn the_readme_quickstart_runs_on_an_empty_database() {
+    let readme = include_str!("../../README.md");
+    let pasted = rust_block_after(readme, "## Quickstart (tokio)");
+    assert_eq!(pasted, include_str!("../examples/quickstart.rs"), "README.md's quickstart is examples/quickstart.rs");
+
+    // A database of its own, with nothing in it.
+    let database = format!("canter_quickstart_{}", std::process::id());
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let server = runtime.block_on(pg::server_url());
+    let admin = |sql: String| {
+        let server = server.clone();
+        runtime.block_on(async move {
+            use sqlx::Connection;
+            let mut conn = sqlx::PgConnection::connect(&server).await.unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.unwrap();
+        })
+    };
+    admin(format!("DROP DATABASE IF EXISTS {database}"));
+    admin(format!("CREATE DATABASE {database}"));
+    let (path, query) = server.split_once('?').map_or((server.as_str(), None), |(p, q)| (p, Some(q)));
+    let (base, _) = path.rsplit_once('/').expect("a database in the URL");
+    let url = format!("{base}/{database}{}", query.map_or_else(String::new, |q| format!("?{q}")));
+    // SAFETY: this test binary's only test sets it before starting anything that reads it.
+    unsafe { std::env::set_var("DATABASE_URL", url) };
+    let outcome = main();
+    admin(format!("DROP DATABASE {database} WITH (FORCE)"));
+    outcome.expect("the quickstart runs on an empty database");
+}
