@@ -1065,16 +1065,28 @@ impl Config {
         validate_pair(&self.app, &self.worker)
     }
 
-    /// Parses TOML, then validates.
+    /// Parses TOML, then validates. A value of the wrong type or an unknown key is a
+    /// [`LoadError::Toml`] that names every such problem of the document (the first with its
+    /// line and column) and then every rule the rest breaks, so one run reports them all.
     pub fn from_toml_str(s: &str) -> Result<Self, LoadError> {
-        let config: Config = parse_toml(s)?;
+        let config: Config = parse_toml(s).map_err(|error| match (error, toml::from_str::<toml::Table>(s)) {
+            (LoadError::Toml(first), Ok(table)) => {
+                LoadError::Toml(with_other_problems(first, serde_json::to_value(table).unwrap_or_default()))
+            }
+            (error, _) => error,
+        })?;
         config.validate()?;
         Ok(config)
     }
 
-    /// Parses JSON, then validates.
+    /// Parses JSON, then validates; shape problems are reported together as
+    /// [`from_toml_str`](Config::from_toml_str) does.
     pub fn from_json_str(s: &str) -> Result<Self, LoadError> {
-        let config: Config = parse_json(s)?;
+        let config: Config =
+            parse_json(s).map_err(|error| match (error, serde_json::from_str::<serde_json::Value>(s)) {
+                (LoadError::Json(first), Ok(document)) => LoadError::Json(with_other_problems(first, document)),
+                (error, _) => error,
+            })?;
         config.validate()?;
         Ok(config)
     }
@@ -1097,18 +1109,78 @@ impl Config {
     pub fn from_file_text(path: &Path, text: &str) -> Result<Self, LoadError> {
         // Name the file in syntax errors: the message alone does not say which file.
         let in_file = |message: String| format!("{}: {message}", path.display());
-        let config: Config = match Config::format_of(path)? {
-            FileFormat::Toml => parse_toml(text).map_err(|e| match e {
+        match Config::format_of(path)? {
+            FileFormat::Toml => Config::from_toml_str(text).map_err(|e| match e {
                 LoadError::Toml(message) => LoadError::Toml(in_file(message)),
                 other => other,
-            })?,
-            FileFormat::Json => parse_json(text).map_err(|e| match e {
+            }),
+            FileFormat::Json => Config::from_json_str(text).map_err(|e| match e {
                 LoadError::Json(message) => LoadError::Json(in_file(message)),
                 other => other,
-            })?,
+            }),
+        }
+    }
+}
+
+/// `first`, the deserializer's message, followed by the document's other problems: each
+/// value that does not fit its field (or key no table has), found key by key, innermost tables
+/// first, and then the rules that what remains breaks ([`Config::validate`]), the fields with a
+/// value of the wrong type left out.
+fn with_other_problems(first: String, mut document: serde_json::Value) -> String {
+    let mut shape: Vec<(String, String)> = Vec::new();
+    for (path, section) in [
+        ("app.recovery.", ["app", "recovery"]),
+        ("app.resilience.", ["app", "resilience"]),
+        ("app.retry.", ["app", "retry"]),
+    ] {
+        if let Some(table) = document.get_mut(section[0]).and_then(|app| app.get_mut(section[1])) {
+            match section[1] {
+                "recovery" => sift::<RecoveryConfig>(path, table, &mut shape),
+                "resilience" => sift::<ResilienceConfig>(path, table, &mut shape),
+                _ => sift::<RetryPolicy>(path, table, &mut shape),
+            }
+        }
+    }
+    if let Some(app) = document.get_mut("app") {
+        sift::<AppConfig>("app.", app, &mut shape);
+    }
+    if let Some(worker) = document.get_mut("worker") {
+        sift::<WorkerConfig>("worker.", worker, &mut shape);
+    }
+    sift::<Config>("", &mut document, &mut shape);
+    let Ok(rest) = serde_json::from_value::<Config>(document) else {
+        return first;
+    };
+    let mut problems: Vec<String> = shape
+        .iter()
+        .filter(|(_, message)| !first.contains(message.as_str()))
+        .map(|(field, message)| format!("`{field}`: {message}"))
+        .collect();
+    if let Err(error) = rest.validate() {
+        let mistyped = |field: &str| {
+            shape.iter().any(|(bad, _)| {
+                field == bad || field.strip_prefix(bad.as_str()).is_some_and(|r| r.starts_with(['.', '[']))
+            })
         };
-        config.validate()?;
-        Ok(config)
+        problems.extend(error.problems.iter().filter(|p| !mistyped(&p.field)).map(ToString::to_string));
+    }
+    if problems.is_empty() { first } else { format!("{first}; {}", problems.join("; ")) }
+}
+
+/// Moves out of `table` (a table of `T`) each key whose value alone does not deserialize as
+/// `T`'s, noting its path and why.
+fn sift<T: DeserializeOwned>(path: &str, table: &mut serde_json::Value, problems: &mut Vec<(String, String)>) {
+    let Some(object) = table.as_object_mut() else {
+        return;
+    };
+    let keys: Vec<String> = object.keys().cloned().collect();
+    for key in keys {
+        let Some(value) = object.get(&key) else { continue };
+        let alone = serde_json::Value::Object([(key.clone(), value.clone())].into_iter().collect());
+        if let Err(error) = serde_json::from_value::<T>(alone) {
+            problems.push((format!("{path}{key}"), error.to_string()));
+            object.remove(&key);
+        }
     }
 }
 
@@ -1927,6 +1999,29 @@ mod tests {
             assert!(message.contains(&format!("unknown field `{name}`")), "{message}");
             assert!(message.starts_with("invalid json configuration: "), "{message}");
         }
+    }
+
+    #[test]
+    fn every_problem_of_a_file_is_reported_together() {
+        // Two values of the wrong type, an unknown key, and a rule the rest breaks.
+        let text = "[worker]\nconcurrency = \"x\"\npoll_interval_ms = 5\nconcurency = 3\n[app]\nprefetch_buffer = -1\n\
+                    [app.recovery]\ncheck_interval_ms = \"soon\"\n";
+        let message = Config::from_toml_str(text).unwrap_err().to_string();
+        assert!(message.starts_with("invalid toml configuration: line "), "{message}");
+        for part in [
+            "`worker.concurrency`: invalid type: string \"x\", expected u32",
+            "unknown field `concurency`",
+            "integer `-1`, expected u32",
+            "`app.recovery.check_interval_ms`: invalid type: string \"soon\"",
+            "`worker.poll_interval_ms` is 5, expected 1000 to 300000",
+        ] {
+            assert!(message.contains(part), "{part:?} not in {message}");
+        }
+        assert_eq!(message.matches("expected u32").count(), 2, "each problem once: {message}");
+        assert!(!message.contains("`worker.concurrency` is"), "a mistyped field is not checked again: {message}");
+        let json = r#"{"worker": {"concurrency": "x", "poll_interval_ms": 5}}"#;
+        let message = Config::from_json_str(json).unwrap_err().to_string();
+        assert!(message.contains("expected u32") && message.contains("`worker.poll_interval_ms` is 5"), "{message}");
     }
 
     #[test]

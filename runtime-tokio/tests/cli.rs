@@ -804,3 +804,13 @@ async fn force_unlock_refuses_a_live_worker() {
     }
     assert_eq!(unlocked.as_deref(), Some("1 tasks back to pending"));
 }
+
+#[test]
+fn the_readme_shows_the_program_s_help() {
+    let readme = include_str!("../../README.md");
+    let section = &readme[readme.find("## The command line").expect("the section")..];
+    let start = section.find("```text\n").expect("the help block") + "```text\n".len();
+    let shown = &section[start..start + section[start..].find("```\n").expect("its end")];
+    let help = canter(&["--help"]);
+    assert_eq!(shown, String::from_utf8_lossy(&help.stdout), "README.md's help is `canter --help`");
+}
