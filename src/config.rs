@@ -162,9 +162,11 @@ impl CustomQueue {
 #[serde(default, deny_unknown_fields)]
 pub struct ResilienceConfig {
     /// The first delay: 100 to 60 000 ms, default 500.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub db_retry_initial_ms: u64,
     /// The cap before jitter: 500 to 300 000 ms and at least `db_retry_initial_ms`,
     /// default 30 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub db_retry_max_ms: u64,
     /// Consecutive failures before giving up: 0 (retry forever, the default) to 10 000.
     pub db_retry_max_attempts: u32,
@@ -184,33 +186,39 @@ pub struct RecoveryConfig {
     pub auto_requeue_stale_claimed: bool,
     /// How long a claimer may stay silent: 1 000 to 3 600 000 ms and at least twice
     /// `claimer_heartbeat_interval_ms` (one lost beat is not a crash), default 120 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub claimed_stale_threshold_ms: u64,
     /// Whether the reaper retries or fails Running tasks with a silent runner (default true).
     pub auto_fail_stale_running: bool,
     /// How long a runner may stay silent: 1 000 to 7 200 000 ms and at least twice
     /// `runner_heartbeat_interval_ms`, default 300 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub running_stale_threshold_ms: u64,
     /// How often the reaper runs: 1 000 to 600 000 ms, default 30 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub check_interval_ms: u64,
     /// How often a worker beats for the tasks it runs: 1 000 to 120 000 ms, default 30 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub runner_heartbeat_interval_ms: u64,
     /// How often a worker beats (and renews leases) for the tasks it holds claimed:
     /// 1 000 to 120 000 ms, default 30 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub claimer_heartbeat_interval_ms: u64,
     /// How long finished tasks are kept, in ms: 60 000 to 3 153 600 000 000 (a hundred
     /// years). When set, every worker deletes older ones (with their attempts and keys) once
     /// an hour, in short batches; `None` (the default) keeps them forever.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "millis::option")]
     pub finished_retention_ms: Option<u64>,
     /// How long an idempotency key ([`KeyMode::Idempotent`](crate::store::KeyMode)) keeps its
     /// finished task from that purge, in ms after the key was taken: 60 000 to
     /// 3 153 600 000 000. An idempotent enqueue of the same key within it gives the task's id
     /// instead of running it again. `None` (the default) keeps such tasks forever.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "millis::option")]
     pub idempotency_retention_ms: Option<u64>,
     /// How long the worker registry keeps a worker that stopped, or went silent, and holds no
     /// task: 60 000 to 3 153 600 000 000 ms, default 604 800 000 (seven days). The reaper
     /// deletes older ones, so a fleet that restarts often leaves no growing table behind.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub worker_retention_ms: u64,
     /// Whether workers recover at once the tasks of workers whose liveness token PostgreSQL
     /// released (default true): every worker holds a lock on a connection of its own, which
@@ -218,10 +226,12 @@ pub struct RecoveryConfig {
     /// need not wait out the stale thresholds (which stay, for workers that hang).
     pub auto_recover_dead_workers: bool,
     /// How often a worker looks for released tokens: 100 to 60 000 ms, default 1 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub liveness_check_interval_ms: u64,
     /// How long a token must stay released before its worker counts as dead: 0 to 600 000 ms,
     /// default 2 000. A worker whose token connection drops and comes back within it loses
     /// nothing.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub liveness_grace_ms: u64,
     /// Runs again a task whose run ended with `WORKER_CRASHED` (its worker died, or went
     /// silent) though its retry policy does not retry that code, while the task has spent
@@ -459,11 +469,12 @@ pub struct AppConfig {
     /// How long a claim lasts unless renewed, in ms (at least 1). `None` means
     /// [`DEFAULT_CLAIM_LEASE_MS`]. The effective lease must be at least twice
     /// `recovery.claimer_heartbeat_interval_ms`, so one late renewal does not lose a claim.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    #[serde(skip_serializing_if = "Option::is_none", deserialize_with = "millis::option")]
     pub claim_lease_ms: Option<u64>,
     /// Claims older than this are no longer renewed and lapse, so a claim orphaned by a
     /// failed hand-back cannot live forever: at least 1 and at least the effective lease,
     /// default 180 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub max_claim_renew_age_ms: u64,
     /// Backoff while the database fails.
     pub resilience: ResilienceConfig,
@@ -821,14 +832,16 @@ pub struct WorkerConfig {
     pub deployment_mode: DeploymentMode,
     /// The poll period (`notify_poll_interval_ms` in the seeds): 1 000 to 300 000 ms,
     /// default 5 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub poll_interval_ms: u64,
     /// How long a handler may run before it fails with `TASK_TIMEOUT`: 1 to 86 400 000 ms,
     /// default 30 000; `None` = no timeout. In files, 0 (or JSON null) means `None`, and
     /// `None` is written as 0, because TOML has no null.
-    #[serde(with = "zero_is_none")]
+    #[serde(serialize_with = "zero_is_none::serialize", deserialize_with = "millis::zero_is_none")]
     pub handler_timeout_ms: Option<u64>,
     /// How long running tasks may finish after shutdown is asked before they are handed
     /// back: 0 to 3 600 000 ms, default 30 000.
+    #[serde(deserialize_with = "millis::deserialize")]
     pub shutdown_grace_ms: u64,
     /// The most completions written in one statement: 1 to 10 000, default 500.
     pub completion_batch_max: u32,
@@ -1003,6 +1016,74 @@ fn key_path(key: &str) -> String {
 
 /// Serde for optional numbers whose 0 would mean nothing (`handler_timeout_ms`,
 /// `vacuum_dead_rows`): TOML has no null, so 0 stands for `None`.
+/// Milliseconds in a file: a whole number, or a duration as text (`"90s"`, `"1h30m"`, read by
+/// [`parse_duration_ms`](crate::time::parse_duration_ms): one grammar with the command line and
+/// the schedules). Written back as numbers.
+mod millis {
+    use std::fmt;
+
+    use serde::Deserializer;
+    use serde::de::{self, Visitor};
+
+    struct Millis;
+
+    impl<'de> Visitor<'de> for Millis {
+        type Value = u64;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("milliseconds: a whole number, or a duration like \"90s\" or \"1h30m\"")
+        }
+
+        fn visit_u64<E: de::Error>(self, ms: u64) -> Result<u64, E> {
+            Ok(ms)
+        }
+
+        fn visit_i64<E: de::Error>(self, ms: i64) -> Result<u64, E> {
+            u64::try_from(ms).map_err(|_| E::invalid_value(de::Unexpected::Signed(ms), &self))
+        }
+
+        fn visit_str<E: de::Error>(self, text: &str) -> Result<u64, E> {
+            crate::time::parse_duration_ms(text).map_err(E::custom)
+        }
+    }
+
+    /// Nothing (JSON null) or milliseconds.
+    struct MaybeMillis;
+
+    impl<'de> Visitor<'de> for MaybeMillis {
+        type Value = Option<u64>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            Millis.expecting(f)
+        }
+
+        fn visit_none<E: de::Error>(self) -> Result<Option<u64>, E> {
+            Ok(None)
+        }
+
+        fn visit_unit<E: de::Error>(self) -> Result<Option<u64>, E> {
+            Ok(None)
+        }
+
+        fn visit_some<D: Deserializer<'de>>(self, deserializer: D) -> Result<Option<u64>, D::Error> {
+            deserializer.deserialize_any(Millis).map(Some)
+        }
+    }
+
+    pub(super) fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<u64, D::Error> {
+        deserializer.deserialize_any(Millis)
+    }
+
+    pub(super) fn option<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+        deserializer.deserialize_option(MaybeMillis)
+    }
+
+    /// Milliseconds where 0 (or null) means none.
+    pub(super) fn zero_is_none<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<u64>, D::Error> {
+        Ok(option(deserializer)?.filter(|&ms| ms != 0))
+    }
+}
+
 mod zero_is_none {
     use serde::{Deserialize, Deserializer, Serializer};
 
@@ -2002,6 +2083,32 @@ mod tests {
     }
 
     #[test]
+    fn milliseconds_are_numbers_or_durations() {
+        let text = "[app]\nclaim_lease_ms = \"1m\"\n[app.recovery]\ncheck_interval_ms = \"1m 30s\"\n\
+                    running_stale_threshold_ms = 600000\n[worker]\nhandler_timeout_ms = \"0s\"\npoll_interval_ms = \"90s\"\n";
+        let config = Config::from_toml_str(text).expect("durations as text");
+        assert_eq!(config.app.claim_lease_ms, Some(60_000));
+        assert_eq!(config.app.recovery.check_interval_ms, 90_000);
+        assert_eq!(config.app.recovery.running_stale_threshold_ms, 600_000);
+        assert_eq!(config.worker.handler_timeout_ms, None);
+        assert_eq!(config.worker.poll_interval_ms, 90_000);
+        let json =
+            r#"{"app": {"claim_lease_ms": null}, "worker": {"shutdown_grace_ms": "2s", "handler_timeout_ms": 5000}}"#;
+        let config = Config::from_json_str(json).expect("JSON too");
+        assert_eq!((config.app.claim_lease_ms, config.worker.shutdown_grace_ms), (None, 2_000));
+        assert_eq!(config.worker.handler_timeout_ms, Some(5_000));
+        // Written back as numbers, and read back the same.
+        assert_eq!(Config::from_json_str(&serde_json::to_string(&config).unwrap()).unwrap(), config);
+        for bad in [
+            "[worker]\npoll_interval_ms = -5\n",
+            "[worker]\npoll_interval_ms = \"1.5s\"\n",
+            "[worker]\npoll_interval_ms = 1.5\n",
+        ] {
+            assert!(matches!(Config::from_toml_str(bad), Err(LoadError::Toml(_))), "{bad}");
+        }
+    }
+
+    #[test]
     fn every_problem_of_a_file_is_reported_together() {
         // Two values of the wrong type, an unknown key, and a rule the rest breaks.
         let text = "[worker]\nconcurrency = \"x\"\npoll_interval_ms = 5\nconcurency = 3\n[app]\nprefetch_buffer = -1\n\
@@ -2012,7 +2119,7 @@ mod tests {
             "`worker.concurrency`: invalid type: string \"x\", expected u32",
             "unknown field `concurency`",
             "integer `-1`, expected u32",
-            "`app.recovery.check_interval_ms`: invalid type: string \"soon\"",
+            "`app.recovery.check_interval_ms`: invalid duration \"soon\"",
             "`worker.poll_interval_ms` is 5, expected 1000 to 300000",
         ] {
             assert!(message.contains(part), "{part:?} not in {message}");
