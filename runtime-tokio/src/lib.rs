@@ -33,6 +33,8 @@
 //! # Ok(()) }
 //! ```
 
+#![warn(missing_docs)]
+
 mod runtime;
 
 pub use canter;

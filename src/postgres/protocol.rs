@@ -602,7 +602,7 @@ impl ReplayError for RequestError {
 /// data exceptions such as U+0000 in `jsonb`, and 54, limits) or one the client could not
 /// encode: `Invalid`, which splits a batch down to the item that carries it.
 pub(crate) fn failure(error: sqlx::Error) -> DbFailure {
-    let message = error.to_string();
+    let message = super::error_text(&error);
     match &error {
         sqlx::Error::Database(db) => {
             let code = db.code().map(|c| c.into_owned()).unwrap_or_default();

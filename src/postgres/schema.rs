@@ -172,7 +172,7 @@ pub enum MigrateSchemaError {
     #[error("migration setup failed: {}", error_text(.0))]
     Database(#[from] sqlx::Error),
     /// A migration failed, or the applied history does not match the embedded migrations.
-    #[error("migration failed: {0}")]
+    #[error("migration failed: {}", migrate_text(.0))]
     Migrate(#[from] MigrateError),
     /// The role lacks a privilege (SQLSTATE 42501): retrying cannot help.
     #[error("permission denied {doing} schema {schema}: {message}; {needs}")]
@@ -300,6 +300,15 @@ pub(crate) fn sqlstate(error: &sqlx::Error) -> Option<String> {
     match error {
         sqlx::Error::Database(e) => e.code().map(|code| code.into_owned()),
         _ => None,
+    }
+}
+
+/// A migration error as [`error_text`] words the database's part of it.
+fn migrate_text(error: &MigrateError) -> String {
+    match error {
+        MigrateError::Execute(e) => format!("while executing migrations: {}", error_text(e)),
+        MigrateError::ExecuteMigration(e, version) => format!("while executing migration {version}: {}", error_text(e)),
+        other => other.to_string(),
     }
 }
 
