@@ -111,6 +111,28 @@ fn worker_flags_are_typed_and_name_the_flag() {
 }
 
 #[test]
+fn a_worker_waits_for_a_database_that_is_not_up_yet() {
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["worker", "--database-url", DEAD])
+        .env_remove("CANTER_CONNECT_ATTEMPTS")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run canter");
+    std::thread::sleep(std::time::Duration::from_secs(2));
+    let waiting = worker.try_wait().expect("wait for canter").is_none();
+    worker.kill().unwrap();
+    let output = worker.wait_with_output().unwrap();
+    assert!(waiting, "the worker gave up: {}", text(&output));
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        said.contains("cannot connect to 127.0.0.1:1 database x: connection refused")
+            && said.contains("trying again in 1.0s (2)"),
+        "{said}"
+    );
+}
+
+#[test]
 fn completions_for_each_shell() {
     for (shell, marker) in [("bash", "complete -F _canter"), ("zsh", "#compdef canter"), ("fish", "complete -c canter")]
     {

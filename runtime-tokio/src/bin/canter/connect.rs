@@ -56,42 +56,50 @@ impl Database {
     /// A pool of at most `size` connections, once one connection could be made: refused,
     /// unreachable and misconfigured databases are reported here, each with its cause.
     /// Unreachable ones are tried again with backoff, said so on stderr, up to
-    /// `CANTER_CONNECT_ATTEMPTS` tries (default 4, about 7 s).
+    /// `CANTER_CONNECT_ATTEMPTS` tries (default 4, about 4 s).
     pub(crate) async fn pool(&self, size: u32) -> Result<PgPool, Failure> {
+        self.pool_trying(size, Some(connect_attempts())).await
+    }
+
+    /// As [`pool`](Database::pool), for a service (a worker, a scheduler) that may start before
+    /// its database: an unreachable one is waited for, `attempts` tries (the configuration's
+    /// `db_retry_max_attempts`; `0`: as long as it takes) unless `CANTER_CONNECT_ATTEMPTS`
+    /// says otherwise, saying so at each.
+    pub(crate) async fn service_pool(&self, size: u32, attempts: u32) -> Result<PgPool, Failure> {
+        let attempts = connect_attempts_set().unwrap_or(attempts);
+        self.pool_trying(size, (attempts > 0).then_some(attempts)).await
+    }
+
+    async fn pool_trying(&self, size: u32, attempts: Option<u32>) -> Result<PgPool, Failure> {
         let options = self.options()?;
-        let attempts = connect_attempts();
+        let target = target_of(&options);
         let mut delay = Duration::from_millis(500);
-        for attempt in 1..=attempts {
+        let mut attempt = 0u32;
+        loop {
+            attempt = attempt.saturating_add(1);
             let probe = with_session_settings(options.clone());
-            let outcome = match tokio::time::timeout(CONNECT_TIMEOUT, probe.connect()).await {
+            let why = match tokio::time::timeout(CONNECT_TIMEOUT, probe.connect()).await {
                 Ok(Ok(connection)) => {
                     // Closing is a courtesy: the pool makes its own connections.
                     let _ = tokio::time::timeout(CONNECT_TIMEOUT, connection.close()).await;
                     let url = self.url()?;
                     return canter_tokio::connect(url, size).map_err(|e| usage(format!("invalid database url: {e}")));
                 }
-                Ok(Err(error)) => cause(&error),
-                Err(_) => Cause::Unreachable(format!("no answer within {}s", CONNECT_TIMEOUT.as_secs())),
+                Ok(Err(error)) => match cause(&error) {
+                    Cause::Refused(why) => return Err(failed(format!("cannot connect to {target}: {why}"))),
+                    Cause::Unreachable(why) => why,
+                },
+                Err(_) => format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
             };
-            let target = target_of(&options);
-            match outcome {
-                Cause::Refused(why) => return Err(failed(format!("cannot connect to {target}: {why}"))),
-                Cause::Unreachable(why) if attempt == attempts => {
-                    let tries = if attempts > 1 { format!(" ({attempts} tries)") } else { String::new() };
-                    return Err(failed(format!("cannot connect to {target}: {why}{tries}")));
-                }
-                Cause::Unreachable(why) => {
-                    errln!(
-                        "cannot connect to {target}: {why}; trying again in {:.1}s ({attempt}/{})",
-                        delay.as_secs_f64(),
-                        attempts - 1
-                    );
-                    tokio::time::sleep(delay).await;
-                    delay = (delay * 2).min(Duration::from_secs(4));
-                }
+            if attempts.is_some_and(|limit| attempt >= limit) {
+                let tries = if attempt > 1 { format!(" ({attempt} tries)") } else { String::new() };
+                return Err(failed(format!("cannot connect to {target}: {why}{tries}")));
             }
+            let of = attempts.map_or_else(String::new, |limit| format!("/{}", limit - 1));
+            errln!("cannot connect to {target}: {why}; trying again in {:.1}s ({attempt}{of})", delay.as_secs_f64());
+            tokio::time::sleep(delay).await;
+            delay = (delay * 2).min(Duration::from_secs(8));
         }
-        Err(failed(format!("cannot connect to {}", target_of(&options))))
     }
 
     /// Runs `op` (a read, or a write that is safe to repeat), trying again with backoff when
@@ -134,7 +142,12 @@ fn output_line(text: &str) -> String {
 
 /// `CANTER_CONNECT_ATTEMPTS`, default 4.
 fn connect_attempts() -> u32 {
-    std::env::var("CANTER_CONNECT_ATTEMPTS").ok().and_then(|a| a.trim().parse().ok()).unwrap_or(4).clamp(1, 100)
+    connect_attempts_set().unwrap_or(4)
+}
+
+/// `CANTER_CONNECT_ATTEMPTS`, if set to a number (1 to 100).
+fn connect_attempts_set() -> Option<u32> {
+    std::env::var("CANTER_CONNECT_ATTEMPTS").ok().and_then(|a| a.trim().parse::<u32>().ok()).map(|a| a.clamp(1, 100))
 }
 
 fn target_of(options: &PgConnectOptions) -> String {

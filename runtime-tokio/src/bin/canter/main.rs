@@ -235,7 +235,8 @@ fn worker_config(args: &WorkerArgs) -> Result<Config, Failure> {
 async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
     let config = worker_config(&args)?;
     let size = config.worker.pool_size();
-    let pool = database.pool(size).await?;
+    // A worker may start before its database: it waits as its resilience settings say.
+    let pool = database.service_pool(size, config.app.resilience.db_retry_max_attempts).await?;
     let registry = Arc::new(builtins::registry());
     let worker = Worker::new(pool, config.app, config.worker, registry)
         .map_err(usage)?

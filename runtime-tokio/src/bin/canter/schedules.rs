@@ -23,13 +23,19 @@ fn app(config: Option<&PathBuf>) -> Result<AppConfig, Failure> {
     }
 }
 
+/// The scheduler of `app`; a `service` (the long-running loop, which may start before its
+/// database) waits for the database as its resilience settings say.
 async fn scheduler_of(
     database: &Database,
     app: AppConfig,
     schema: &SchemaArg,
     migrate: bool,
+    service: bool,
 ) -> Result<Scheduler, Failure> {
-    let pool = database.pool(4).await?;
+    let pool = match service {
+        true => database.service_pool(4, app.resilience.db_retry_max_attempts).await?,
+        false => database.pool(4).await?,
+    };
     Ok(Scheduler::new(pool, app).map_err(usage)?.schema(schema.schema.clone()).migrate(migrate))
 }
 
@@ -53,7 +59,8 @@ pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outco
             )));
         }
     }
-    let scheduler = scheduler_of(database, app, &args.schema, !args.no_migrate).await?;
+    let service = !(args.list || args.dry_run || args.once);
+    let scheduler = scheduler_of(database, app, &args.schema, !args.no_migrate, service).await?;
     if args.list {
         return list_schedules(database, &scheduler, args.json).await;
     }
@@ -91,7 +98,7 @@ pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outco
 
 pub(crate) async fn list(database: &Database, config: Option<PathBuf>, schema: &SchemaArg, output: Output) -> Outcome {
     let app = app(config.as_ref())?;
-    let scheduler = scheduler_of(database, app, schema, false).await?;
+    let scheduler = scheduler_of(database, app, schema, false, false).await?;
     list_schedules(database, &scheduler, output.json).await
 }
 
