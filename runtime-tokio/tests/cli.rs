@@ -605,6 +605,10 @@ timezone = "Europe/Paris"
     assert_eq!(text(&dry).matches("would enqueue echo for schedule every_second").count(), 3, "{}", text(&dry));
     assert_eq!(count("every_second"), 0, "a dry run writes nothing");
 
+    let dry_json = run(&["scheduler", "--dry-run", "--json"]);
+    let dry_json: serde_json::Value = serde_json::from_slice(&dry_json.stdout).expect("--dry-run --json is JSON");
+    assert_eq!(dry_json["would_enqueue"].as_array().map(Vec::len), Some(3), "{dry_json}");
+    usage_error(&run(&["scheduler", "--json"]), &["--json goes with --once, --dry-run or --list"]);
     let once = run(&["scheduler", "--once"]);
     assert_eq!(once.status.code(), Some(0), "{}", text(&once));
     let out = text(&once);

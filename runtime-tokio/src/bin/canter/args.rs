@@ -379,8 +379,8 @@ pub(crate) struct SchedulerArgs {
     pub(crate) force: bool,
     #[command(flatten)]
     pub(crate) schema: SchemaArg,
-    /// Print JSON instead of text (with --list)
-    #[arg(long, requires = "list")]
+    /// Print JSON instead of text (with --once, --dry-run or --list)
+    #[arg(long)]
     pub(crate) json: bool,
 }
 

@@ -5,9 +5,9 @@ use std::path::PathBuf;
 
 use canter_tokio::canter::postgres::CheckReport;
 use canter_tokio::canter::schedule::ParsedSchedule;
-use canter_tokio::canter::scheduler::{Plan, ScheduleRecord};
+use canter_tokio::canter::scheduler::{Plan, ScheduleRecord, ScheduleWrite};
 use canter_tokio::canter::store::DbTime;
-use canter_tokio::{AppConfig, Scheduler};
+use canter_tokio::{AppConfig, Scheduler, TaskId};
 use serde_json::Value;
 
 use crate::args::{Output, SchedulerArgs, SchemaArg};
@@ -60,13 +60,20 @@ pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outco
         }
     }
     let service = !(args.list || args.dry_run || args.once);
+    if service && args.json {
+        return Err(usage("--json goes with --once, --dry-run or --list"));
+    }
     let scheduler = scheduler_of(database, app, &args.schema, !args.no_migrate, service).await?;
     if args.list {
         return list_schedules(database, &scheduler, args.json).await;
     }
     if args.dry_run {
         let plan = database.retrying("read the schedules", || scheduler.plan()).await?;
-        print_plan(&scheduler, &plan);
+        if args.json {
+            outln!("{}", plan_json(&plan));
+        } else {
+            print_plan(&scheduler, &plan);
+        }
         return Ok(());
     }
     if args.once {
@@ -81,7 +88,11 @@ pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outco
             database.retrying("migrate", || store.migrate()).await?;
         }
         let report = scheduler.check().await.map_err(|e| failed(format!("check failed: {e}")))?;
-        print_report(&scheduler, &report);
+        if args.json {
+            outln!("{}", report_json(&report));
+        } else {
+            print_report(&scheduler, &report);
+        }
         return if report.refused.is_empty() { Ok(()) } else { Err(failed("some schedules' tasks were refused")) };
     }
     crate::output::note_line(format_args!(
@@ -112,6 +123,48 @@ fn tick_time(schedule: Option<&ParsedSchedule>, t: DbTime) -> String {
 
 fn tick_or(schedule: Option<&ParsedSchedule>, t: Option<DbTime>, none: &str) -> String {
     t.map_or_else(|| none.to_owned(), |t| tick_time(schedule, t))
+}
+
+/// Each tick of a write, for JSON: its schedule, instant, task and whether it is backfilled.
+fn ticks_json(write: &ScheduleWrite, ids: Option<&[TaskId]>) -> Vec<Value> {
+    write
+        .ticks
+        .iter()
+        .enumerate()
+        .map(|(i, tick)| {
+            serde_json::json!({
+                "schedule": write.name,
+                "tick": crate::output::time(*tick),
+                "task": write.tasks.get(i).map(|t| t.name.as_str()),
+                "task_id": ids.and_then(|ids| ids.get(i)),
+                "backfilled": i < write.backfilled,
+            })
+        })
+        .collect()
+}
+
+/// What a dry run would do, as JSON.
+fn plan_json(plan: &Plan) -> Value {
+    let ticks: Vec<Value> = plan.writes.iter().flat_map(|w| ticks_json(w, None)).collect();
+    let recorded: Vec<&str> = plan.writes.iter().filter(|w| w.read.is_none()).map(|w| w.name.as_str()).collect();
+    serde_json::json!({
+        "now": crate::output::time(plan.now),
+        "would_enqueue": ticks,
+        "would_record": recorded,
+        "next_check": plan.next_check.map(crate::output::time),
+    })
+}
+
+/// What a check did, as JSON.
+fn report_json(report: &CheckReport) -> Value {
+    let ticks: Vec<Value> = report.applied.iter().flat_map(|a| ticks_json(&a.write, Some(&a.task_ids))).collect();
+    let refused: Vec<Value> =
+        report.refused.iter().map(|r| serde_json::json!({"schedule": r.name, "error": r.error.to_string()})).collect();
+    serde_json::json!({
+        "enqueued": ticks,
+        "refused": refused,
+        "next_check": report.next_check.map(crate::output::time),
+    })
 }
 
 fn print_plan(scheduler: &Scheduler, plan: &Plan) {
