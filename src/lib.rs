@@ -28,6 +28,8 @@
 //!   app's schedules enqueue, and when to look again.
 //! - [`time`]: durations (`90s`, `1h30m`) and instants (RFC 3339, or a duration from now) as
 //!   text, one grammar for the command line, the configuration and schedules.
+//! - [`workflow`]: graphs of steps that wait for their parents (fan-out, fan-in, any and
+//!   quorum joins, recovery steps): the checks, the per-edge decision and the workflow machine.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
 //! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
@@ -123,6 +125,7 @@ pub mod store;
 pub mod task;
 pub mod time;
 pub mod worker;
+pub mod workflow;
 
 #[cfg(feature = "driver")]
 pub mod driver;
