@@ -90,7 +90,7 @@ pub(crate) enum Command {
     },
     /// Cancel a pending or claimed task
     Cancel(TaskArgs),
-    /// Put a failed, cancelled or expired task back to pending
+    /// Put a failed task back to pending
     Retry(TaskArgs),
     /// Change a pending task's run-at, priority or retries spent
     Reschedule(RescheduleArgs),
@@ -438,9 +438,17 @@ impl std::str::FromStr for TaskIdArg {
 
 /// A duration (`500ms`, `10s`, `1h30m`, `7d`) in ms, at most what the database stores.
 pub(crate) fn duration(text: &str) -> Result<Millis, String> {
-    let ms = parse_duration_ms(text.trim()).map_err(|e| e.to_string())?;
+    let too_long = || {
+        format!(
+            "invalid duration {:?}: expected at most {}d (about 3,170 years)",
+            text.trim(),
+            MAX_DURATION_MS / 86_400_000
+        )
+    };
+    let ms = parse_duration_ms(text.trim())
+        .map_err(|e| if e.to_string().contains("at most") { too_long() } else { e.to_string() })?;
     if ms > MAX_DURATION_MS {
-        return Err(format!("expected at most {}d (about 3,170 years)", MAX_DURATION_MS / 86_400_000));
+        return Err(too_long());
     }
     Ok(ms)
 }

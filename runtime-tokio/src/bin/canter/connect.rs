@@ -195,6 +195,7 @@ fn is_unreachable(text: &str) -> bool {
 /// An error's text with what to do about it: a schema that is not there (or not migrated)
 /// says to run `canter migrate`.
 pub(crate) fn explain(text: &str) -> String {
+    let text = &without_source_line(text);
     let lower = text.to_lowercase();
     let missing_relation = lower.contains("relation") && lower.contains("does not exist");
     let missing_schema = lower.contains("schema") && lower.contains("does not exist");
@@ -203,6 +204,20 @@ pub(crate) fn explain(text: &str) -> String {
         return format!("{text}: the schema is not migrated; run canter migrate (with the same --schema)");
     }
     text.to_owned()
+}
+
+/// `text` without the ` at line N` sqlx's `Display` of a database error appends (the line of
+/// PostgreSQL's own source, which says nothing to a user).
+fn without_source_line(text: &str) -> String {
+    let mut out = text.to_owned();
+    while let Some(at) = out.find(" at line ") {
+        let digits = out[at + " at line ".len()..].bytes().take_while(u8::is_ascii_digit).count();
+        if digits == 0 {
+            break;
+        }
+        out.replace_range(at..at + " at line ".len() + digits, "");
+    }
+    out
 }
 
 #[cfg(test)]
@@ -214,6 +229,8 @@ mod tests {
         let text = explain("error returned from database: relation \"x.tasks\" does not exist");
         assert!(text.ends_with("run canter migrate (with the same --schema)"), "{text}");
         assert_eq!(explain("disk full"), "disk full");
+        let text = explain("error returned from database: schema \"x\" does not exist at line 3099");
+        assert!(!text.contains("at line") && text.contains("run canter migrate"), "{text}");
     }
 
     #[test]

@@ -60,7 +60,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let name = subcommand_name(&cli.command);
     if let Command::Completions { shell } = cli.command {
-        clap_complete::generate(shell, &mut Cli::command(), "canter", &mut std::io::stdout());
+        // Written at once, so a reader that goes away ends the program as for any output.
+        let mut script = Vec::new();
+        clap_complete::generate(shell, &mut Cli::command(), "canter", &mut script);
+        outln!("{}", String::from_utf8_lossy(&script).trim_end());
         return ExitCode::SUCCESS;
     }
     // The demo prints its own progress: only warnings from the workers.
