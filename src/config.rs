@@ -1150,26 +1150,36 @@ impl Config {
     /// [`LoadError::Toml`] that names every such problem of the document (the first with its
     /// line and column) and then every rule the rest breaks, so one run reports them all.
     pub fn from_toml_str(s: &str) -> Result<Self, LoadError> {
-        let config: Config = parse_toml(s).map_err(|error| match (error, toml::from_str::<toml::Table>(s)) {
+        let config = Config::parse_toml_str(s)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses TOML without checking the rules, reporting shape problems together as
+    /// [`from_toml_str`](Config::from_toml_str) does.
+    fn parse_toml_str(s: &str) -> Result<Self, LoadError> {
+        parse_toml(s).map_err(|error| match (error, toml::from_str::<toml::Table>(s)) {
             (LoadError::Toml(first), Ok(table)) => {
                 LoadError::Toml(with_other_problems(first, serde_json::to_value(table).unwrap_or_default()))
             }
             (error, _) => error,
-        })?;
-        config.validate()?;
-        Ok(config)
+        })
     }
 
     /// Parses JSON, then validates; shape problems are reported together as
     /// [`from_toml_str`](Config::from_toml_str) does.
     pub fn from_json_str(s: &str) -> Result<Self, LoadError> {
-        let config: Config =
-            parse_json(s).map_err(|error| match (error, serde_json::from_str::<serde_json::Value>(s)) {
-                (LoadError::Json(first), Ok(document)) => LoadError::Json(with_other_problems(first, document)),
-                (error, _) => error,
-            })?;
+        let config = Config::parse_json_str(s)?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// Parses JSON without checking the rules, as [`parse_toml_str`](Config::parse_toml_str).
+    fn parse_json_str(s: &str) -> Result<Self, LoadError> {
+        parse_json(s).map_err(|error| match (error, serde_json::from_str::<serde_json::Value>(s)) {
+            (LoadError::Json(first), Ok(document)) => LoadError::Json(with_other_problems(first, document)),
+            (error, _) => error,
+        })
     }
 
     /// The format of a configuration file at `path`, by its extension (`.toml` or `.json`).
@@ -1188,14 +1198,23 @@ impl Config {
     /// syntax errors name the file), then validates. Reading the file is the caller's
     /// (`canter::driver::read_config` reads and parses one).
     pub fn from_file_text(path: &Path, text: &str) -> Result<Self, LoadError> {
+        let config = Config::parse_file_text(path, text)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Parses `text` as [`from_file_text`](Config::from_file_text) does, without checking the
+    /// rules: for a caller that lays its own settings (flags) over the file's and then calls
+    /// [`validate`](Config::validate), so a flag can correct a value of the file.
+    pub fn parse_file_text(path: &Path, text: &str) -> Result<Self, LoadError> {
         // Name the file in syntax errors: the message alone does not say which file.
         let in_file = |message: String| format!("{}: {message}", path.display());
         match Config::format_of(path)? {
-            FileFormat::Toml => Config::from_toml_str(text).map_err(|e| match e {
+            FileFormat::Toml => Config::parse_toml_str(text).map_err(|e| match e {
                 LoadError::Toml(message) => LoadError::Toml(in_file(message)),
                 other => other,
             }),
-            FileFormat::Json => Config::from_json_str(text).map_err(|e| match e {
+            FileFormat::Json => Config::parse_json_str(text).map_err(|e| match e {
                 LoadError::Json(message) => LoadError::Json(in_file(message)),
                 other => other,
             }),

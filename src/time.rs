@@ -152,6 +152,12 @@ pub fn parse_instant(text: &str, now: DbTime) -> Result<DbTime, ParseError> {
     if (MIN_INSTANT..=MAX_INSTANT).contains(&at) { Ok(at) } else { Err(range()) }
 }
 
+/// [`format_instant`] of milliseconds since the Unix epoch (for messages of errors that keep
+/// their times as numbers).
+pub fn format_instant_ms(ms: i64) -> String {
+    format_instant(DbTime(ms))
+}
+
 /// Writes `t` in RFC 3339, in UTC, with milliseconds when they are not zero
 /// (`2026-11-22T10:00:00Z`, `2026-11-22T10:00:00.500Z`), as [`parse_instant`] reads it. An
 /// instant outside jiff's years -9999 to 9999 (a [`DbTime`] can be; RFC 3339 cannot write

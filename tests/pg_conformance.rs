@@ -798,6 +798,11 @@ async fn operator_actions() {
             change: Reschedule { run_at: at(RunAt::Now), ..Reschedule::default() },
         }),
         Op::Admin(AdminRequest::Reschedule { task: TaskId(99), change: Reschedule::default() }),
+        // More retries spent than the column holds: refused by both, not clamped.
+        Op::Admin(AdminRequest::Reschedule {
+            task: TaskId(6),
+            change: Reschedule { retries: Some(u32::MAX), ..Reschedule::default() },
+        }),
         // b takes 3 and 5; 4 is due in 5 s (the wake-up hint).
         claim("b", 1, &p, 0, 60_000),
         Op::Advance(100),

@@ -111,6 +111,62 @@ fn worker_flags_are_typed_and_name_the_flag() {
 }
 
 #[test]
+fn values_are_checked_before_connecting() {
+    // Each is a usage error on the dead port: refused by its type, not after a connection.
+    let url = ["--database-url", DEAD];
+    let cases: [(&[&str], &str); 7] = [
+        (&["enqueue", "echo", "--queue", "Bad Name"], "invalid queue name \"Bad Name\""),
+        (&["enqueue", "echo", "--key", ""], "invalid key \"\": expected 1 to 256 bytes"),
+        (&["enqueue", "echo", "--flags", "ok,Bad Flag"], "invalid flag \"Bad Flag\""),
+        (&["list", "--queue", "Bad Name"], "invalid queue name"),
+        (&["pause", "Bad Name"], "invalid queue name"),
+        (&["remove-key", ""], "invalid key"),
+        // Regression: the store clamped it to 2147483647 without a word.
+        (&["reschedule", "1", "--retries", "4000000000"], "4000000000 is not in 0..=2147483647"),
+    ];
+    for (command, expected) in cases {
+        usage_error(&canter(&[command, &url].concat()), &[expected]);
+    }
+}
+
+#[test]
+fn worker_configuration_is_checked_as_a_whole_before_connecting() {
+    let dir = std::env::temp_dir().join(format!("canter-worker-config-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let worker = |flags: &[&str]| canter(&[&["worker", "--database-url", DEAD][..], flags].concat());
+
+    // A flag corrects a value of the file: the run gets as far as the dead port (status 1).
+    let zero = file("zero.toml", "[worker]\nconcurrency = 0\n");
+    usage_error(&worker(&["--config", &zero]), &["`worker.concurrency` (in the configuration file) is 0"]);
+    let corrected = worker(&["--config", &zero, "--concurrency", "2"]);
+    assert_eq!(corrected.status.code(), Some(1), "{}", text(&corrected));
+    assert!(text(&corrected).contains("connection refused"), "{}", text(&corrected));
+
+    // Schedules run by the worker are checked as `canter scheduler` checks them.
+    let schedule = |task: &str, args: &str, zone: &str| {
+        format!(
+            "[worker]\nrun_scheduler = true\n[[app.schedules]]\nname = \"s\"\ntask = \"{task}\"\nargs = {args}\n\
+             daily = \"09:00\"\ntimezone = \"{zone}\"\n"
+        )
+    };
+    let unknown = file("unknown.toml", &schedule("report", "{}", "UTC"));
+    usage_error(&worker(&["--config", &unknown]), &["report", "--force"]);
+    let forced = worker(&["--config", &unknown, "--force"]);
+    assert_eq!(forced.status.code(), Some(1), "{}", text(&forced));
+    let mistyped = file("mistyped.toml", &schedule("sleep", "{ ms = \"abc\" }", "UTC"));
+    usage_error(&worker(&["--config", &mistyped]), &["schedule s: args", "expected u64"]);
+    // Regression: a zone that does not load was reported after the worker started (status 1).
+    let nowhere = file("nowhere.toml", &schedule("noop", "{}", "Mars/Olympus_Mons"));
+    usage_error(&worker(&["--config", &nowhere]), &["Mars/Olympus_Mons"]);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn a_worker_waits_for_a_database_that_is_not_up_yet() {
     let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
         .args(["worker", "--database-url", DEAD])
@@ -358,14 +414,22 @@ async fn a_whole_flow_against_postgres() {
     assert_eq!(ids.len(), 3);
     let failing = run(&["enqueue", "fail", "--args", r#"{"code":"NOPE"}"#]);
     let failing = String::from_utf8_lossy(&failing.stdout).trim().to_owned();
+    let panicking = run(&["enqueue", "panic"]);
+    let panicking = String::from_utf8_lossy(&panicking.stdout).trim().to_owned();
     let pending = run(&["result", &ids[0]]);
     assert_eq!(pending.status.code(), Some(1));
     assert!(text(&pending).contains("no result yet"));
+    // A wait that times out says so, in JSON too.
+    let timed_out = run(&["result", &ids[0], "--wait", "100ms", "--json"]);
+    assert_eq!(timed_out.status.code(), Some(1));
+    let timed_out: serde_json::Value = serde_json::from_slice(&timed_out.stdout).expect("JSON on a timeout");
+    assert_eq!((&timed_out["state"], &timed_out["timed_out"]), (&"PENDING".into(), &true.into()));
 
-    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+    let worker = Command::new(env!("CARGO_BIN_EXE_canter"))
         .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
-        .env("CANTER_LOG", "warn")
+        .env("CANTER_LOG", "info")
         .stdout(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let result = run(&["result", &ids[0], "--wait", "20s"]);
@@ -374,6 +438,15 @@ async fn a_whole_flow_against_postgres() {
     let failed = run(&["result", &failing, "--wait", "20s"]);
     assert_eq!(failed.status.code(), Some(1));
     assert!(text(&failed).contains("FAILED") && text(&failed).contains("NOPE"), "{}", text(&failed));
+    let panicked = run(&["result", &panicking, "--wait", "20s"]);
+    assert!(text(&panicked).contains("handler panicked"), "{}", text(&panicked));
+    // Each attempt's real outcome, in words.
+    let shown = run(&["show", &failing]);
+    assert!(text(&shown).contains("failed with NOPE"), "{}", text(&shown));
+    // `-n` limits the listing.
+    let two = run(&["list", "-n", "2", "--json"]);
+    let two: Vec<serde_json::Value> = serde_json::from_slice(&two.stdout).expect("list --json is JSON");
+    assert_eq!(two.len(), 2);
 
     let status = run(&["status", "--json"]);
     let status: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status --json is JSON");
@@ -383,6 +456,9 @@ async fn a_whole_flow_against_postgres() {
     let listed = run(&["list", "--status", "COMPLETED", "--json"]);
     let listed: Vec<serde_json::Value> = serde_json::from_slice(&listed.stdout).expect("list --json is JSON");
     assert!(!listed.is_empty());
+    // Times as people read them, and as numbers for programs.
+    assert!(listed[0]["enqueued_at"].as_str().is_some_and(|t| t.ends_with('Z')), "{}", listed[0]);
+    assert!(listed[0]["enqueued_at_ms"].is_i64(), "{}", listed[0]);
     let shown = run(&["show", &ids[0], "--json"]);
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["task"]["state"], "COMPLETED");
@@ -401,7 +477,12 @@ async fn a_whole_flow_against_postgres() {
 
     let status = Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap();
     assert!(status.success());
-    assert!(worker.wait().unwrap().success(), "the worker exits 0 on SIGTERM");
+    let worker = worker.wait_with_output().unwrap();
+    assert!(worker.status.success(), "the worker exits 0 on SIGTERM");
+    // The deliberate panic is one log line, not the default panic message.
+    let log = String::from_utf8_lossy(&worker.stderr);
+    assert!(!log.contains("panicked at"), "{log}");
+    assert!(log.lines().any(|line| line.contains(&format!("task {panicking} failed: handler panicked"))), "{log}");
 }
 
 /// Polls `canter show ID --json` until the task is in `state`.
@@ -531,8 +612,7 @@ async fn job_keys_and_flags_from_the_command_line() {
     let shown = run(&["show", &flagged, "--json"]);
     let shown: serde_json::Value = serde_json::from_slice(&shown.stdout).unwrap();
     assert_eq!(shown["task"]["flags"], serde_json::json!(["gpu"]));
-    let bad_flag = run(&["enqueue", "echo", "--flags", "GPU"]);
-    assert_eq!(bad_flag.status.code(), Some(1), "{}", text(&bad_flag));
+    usage_error(&run(&["enqueue", "echo", "--flags", "GPU"]), &["invalid flag \"GPU\""]);
 
     // An idempotency key keeps its finished task from purge, unless told how long to.
     let paid = id(run(&["enqueue", "echo", "--args", "7", "--key", "pay-1", "--key-mode", "idempotent"]));
@@ -620,6 +700,11 @@ timezone = "Europe/Paris"
     let table = text(&run(&["schedules"]));
     assert!(table.contains("NEXT TICK") && table.contains("every 1s") && table.contains("Europe/Paris"), "{table}");
     assert!(table.contains("daily at 09:00"), "{table}");
+    // UTC as everywhere else: with a Z.
+    assert!(
+        !table.contains("+00:00") && table.lines().any(|l| l.contains("every_second") && l.contains('Z')),
+        "{table}"
+    );
 
     // The long-running scheduler enqueues as ticks fall due and stops cleanly on SIGTERM.
     let mut scheduler = Command::new(env!("CARGO_BIN_EXE_canter"))
@@ -740,6 +825,15 @@ async fn refusals_write_nothing_and_say_what_to_do() {
         format!("schema {} is up to date (version {})", db.schema.name(), migrated["version"])
     );
 
+    // An enqueue the store would refuse is a usage error, its times as people read them.
+    let never = run(&["enqueue", "echo", "--run-at", "2h", "--good-until", "1h"]);
+    usage_error(&never, &["is not before good_until", "Z"]);
+    assert!(!text(&never).contains(" ms "), "{}", text(&never));
+    // A worker id nobody registered under releases nothing: said, not "0 tasks".
+    let nobody = run(&["force-unlock", "nobody"]);
+    assert_eq!(nobody.status.code(), Some(1), "{}", text(&nobody));
+    assert!(text(&nobody).contains("no worker nobody is registered"), "{}", text(&nobody));
+
     // A queue nothing knows is not paused (a typo would pause nothing), unless forced.
     usage_error(&run(&["pause", "emials"]), &["queue \"emials\" has no tasks", "--force"]);
     let status: serde_json::Value = serde_json::from_slice(&run(&["status", "--json"]).stdout).unwrap();
@@ -783,6 +877,10 @@ async fn refusals_write_nothing_and_say_what_to_do() {
     let skipped: Vec<serde_json::Value> =
         serde_json::from_slice(&run(&["list", "--offset", "2", "--json"]).stdout).unwrap();
     assert_eq!(skipped.len(), 1);
+    // The hint for the next page goes to stderr: stdout is the table alone.
+    let page = run(&["list", "-n", "1"]);
+    assert!(String::from_utf8_lossy(&page.stderr).contains("(more with --after "), "{}", text(&page));
+    assert!(!String::from_utf8_lossy(&page.stdout).contains("more with"), "{}", text(&page));
 
     // Each action answers in JSON too.
     let result = run(&["complete", &id, "--result", "5", "--json"]);

@@ -84,7 +84,10 @@ pub enum ResultError {
     #[error("task expired before it ran")]
     Expired,
     /// The wait timed out; the task may still run.
-    #[error("no result within {0:?}: the task may still run")]
+    #[error(
+        "no result within {}: the task may still run",
+        crate::time::format_duration_ms(u64::try_from(.0.as_millis()).unwrap_or(u64::MAX))
+    )]
     Timeout(Duration),
     /// No task has this id.
     #[error("no task {0}")]

@@ -305,10 +305,19 @@ where
 /// Reads the configuration file at `path`: TOML (`.toml`) or JSON (`.json`) with `[app]` and
 /// `[worker]` tables, validated ([`Config::from_file_text`](crate::config::Config::from_file_text)).
 pub fn read_config(path: &std::path::Path) -> Result<crate::config::Config, crate::config::LoadError> {
+    let config = read_config_unchecked(path)?;
+    config.validate()?;
+    Ok(config)
+}
+
+/// Reads and parses a configuration file as [`read_config`] does, without checking the rules
+/// ([`Config::parse_file_text`](crate::config::Config::parse_file_text)): the caller lays its
+/// own settings over it, then validates the whole.
+pub fn read_config_unchecked(path: &std::path::Path) -> Result<crate::config::Config, crate::config::LoadError> {
     crate::config::Config::format_of(path)?;
     let text = std::fs::read_to_string(path)
         .map_err(|e| crate::config::LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
-    crate::config::Config::from_file_text(path, &text)
+    crate::config::Config::parse_file_text(path, &text)
 }
 
 /// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge
@@ -318,6 +327,11 @@ pub(crate) fn sleep_after<R: Runtime + ?Sized>(runtime: &R, from: Instant, wait:
         Some(at) => runtime.sleep_until(at),
         None => Box::pin(futures::future::pending()),
     }
+}
+
+/// A wait as logs show it: `1.5s`, `250ms`.
+pub(crate) fn duration_text(wait: Duration) -> String {
+    crate::time::format_duration_ms(u64::try_from(wait.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// A handler's outcome as the machine's input. A failure is logged, one line, at info: a task

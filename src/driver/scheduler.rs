@@ -62,6 +62,17 @@ pub struct SchedulerStats {
     pub failures: u64,
 }
 
+impl std::fmt::Display for SchedulerStats {
+    /// The counts, for logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} checks, {} tasks enqueued, {} races lost, {} failed checks",
+            self.checks, self.tasks, self.lost, self.failures
+        )
+    }
+}
+
 /// Why a scheduler stopped without being asked to.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -98,7 +109,7 @@ pub async fn run_scheduler<R: Runtime>(
     let max_ms = u64::try_from(options.max_check_delay.as_millis()).unwrap_or(u64::MAX);
     let mut retry = Retry::new(&resilience, mix(seed));
     let mut stats = SchedulerStats::default();
-    tracing::info!(schedules = ?scheduler.names(), schema = store.schema().name(), "canter scheduler starting");
+    tracing::info!(schedules = %scheduler.names().join(", "), schema = store.schema().name(), "canter scheduler starting");
     loop {
         let started = runtime.now();
         let result = {
@@ -127,7 +138,7 @@ pub async fn run_scheduler<R: Runtime>(
             Err(error) => {
                 stats.failures += 1;
                 let delay = retry.failed();
-                tracing::warn!(failures = retry.failures(), retry_in = ?delay, %error, "scheduler check failed");
+                tracing::warn!(failures = retry.failures(), retry_in = %super::duration_text(delay), %error, "scheduler check failed");
                 if options.give_up && retry.exhausted() {
                     tracing::error!(failures = retry.failures(), "scheduler: too many database failures in a row");
                     return Err(SchedulerRunError::GaveUp { failures: retry.failures(), error });
@@ -149,7 +160,7 @@ pub async fn run_scheduler<R: Runtime>(
             () = sleep => {}
         }
     }
-    tracing::info!(?stats, "canter scheduler stopped");
+    tracing::info!(%stats, "canter scheduler stopped");
     Ok(stats)
 }
 
@@ -165,10 +176,10 @@ fn log_report(report: &CheckReport) {
                 "schedule fired"
             );
         } else if write.read.is_none() {
-            tracing::info!(schedule = %write.name, next_tick = ?write.next_tick, "schedule recorded: it fires from its next tick");
+            tracing::info!(schedule = %write.name, next_tick = %write.next_tick.map_or_else(|| "none".to_owned(), crate::time::format_instant), "schedule recorded: it fires from its next tick");
         }
         if write.skipped {
-            tracing::warn!(schedule = %write.name, up_to = ?write.advance_to, "missed ticks skipped (late beyond misfire_ms, beyond the backfill)");
+            tracing::warn!(schedule = %write.name, up_to = %crate::time::format_instant(write.advance_to), "missed ticks skipped (late beyond misfire_ms, beyond the backfill)");
         }
     }
     for refused in &report.refused {

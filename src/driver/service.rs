@@ -263,7 +263,7 @@ impl WorkerService {
             let _ = done.await;
         }
         let stats = stats?;
-        tracing::info!(worker = %id, ?stats, "canter worker stopped");
+        tracing::info!(worker = %id, %stats, "canter worker stopped");
         Ok(stats)
     }
 }
@@ -276,14 +276,14 @@ fn stop(sender: &std::sync::Mutex<Option<oneshot::Sender<()>>>) {
 fn log_event(worker: &WorkerId, event: &Event) {
     match event {
         Event::DbUnavailable { failures, retry_in, error } => {
-            tracing::warn!(%worker, failures, ?retry_in, %error, "database unavailable")
+            tracing::warn!(%worker, failures, retry_in = %super::duration_text(*retry_in), %error, "database unavailable")
         }
         Event::DbRecovered => tracing::info!(%worker, "database reachable again"),
-        Event::Lost { task, reason } => tracing::warn!(%worker, %task, ?reason, "task lost"),
+        Event::Lost { task, reason } => tracing::warn!(%worker, %task, %reason, "task lost"),
         // A task failing is ordinary: its policy decides what follows.
         Event::TimedOut { task } => tracing::info!(%worker, %task, "handler timed out"),
         Event::GaveUp => tracing::error!(%worker, "too many database failures in a row: shutting down"),
-        Event::Reaped(report) => tracing::info!(%worker, ?report, "reaper recovered tasks"),
+        Event::Reaped(report) => tracing::info!(%worker, %report, "reaper recovered tasks"),
         Event::Purged { tasks } => tracing::info!(%worker, tasks, "purged finished tasks past their retention"),
         Event::Vacuumed(tables) => {
             for t in tables {

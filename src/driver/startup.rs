@@ -64,9 +64,9 @@ pub(crate) async fn prepare_schema<R: Runtime>(
         };
         let delay = retry.failed();
         if matches!(error, MigrateSchemaError::LockBusy { .. }) {
-            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = ?delay, %error, "waiting for the migrate lock");
+            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = %super::duration_text(delay), %error, "waiting for the migrate lock");
         } else {
-            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = ?delay, %error, "database not ready at startup");
+            tracing::warn!(%who, schema, failures = retry.failures(), retry_in = %super::duration_text(delay), %error, "database not ready at startup");
         }
         if give_up && retry.exhausted() {
             tracing::error!(%who, schema, "giving up on the database at startup");

@@ -88,6 +88,7 @@ impl MemoryStore {
     /// key, attempts and history are kept. Its queue is notified, so waiting workers claim it
     /// if it is due, or learn its new run-at from the claim's wake-up hint.
     pub(super) fn reschedule(&mut self, id: TaskId, change: Reschedule, now: DbTime) -> Result<(), AdminError> {
+        change.check()?;
         let row = self.row(id).ok_or(AdminError::NotFound(id))?;
         if row.state != TaskState::Pending {
             return Err(AdminError::WrongState { task: id, state: row.state, expected: "PENDING" });
@@ -99,8 +100,7 @@ impl MemoryStore {
         let row = self.live_row(id);
         row.run_at = run_at;
         row.priority = change.priority.unwrap_or(row.priority);
-        // The SQL column is an `integer`.
-        row.retries = change.retries.map_or(row.retries, |n| n.min(i32::MAX as u32));
+        row.retries = change.retries.unwrap_or(row.retries);
         let queue = row.queue.clone();
         self.notify_ready([queue]);
         Ok(())

@@ -552,6 +552,13 @@ fn reschedule_changes_pending_tasks_only_and_announces_them() {
         store.reschedule(id, too_late, at(3)),
         Err(AdminError::RunAtAfterGoodUntil { task: id, run_at: at(10_000).0, good_until: at(10_000).0 })
     );
+    // Said as times, not milliseconds.
+    let said = store.reschedule(id, too_late, at(3)).unwrap_err().to_string();
+    assert!(said.contains("run_at 1970-01-01T00:16:50Z is not before its good_until 1970-01-01T00:16:50Z"), "{said}");
+    // Regression: more retries spent than the column holds were clamped without a word.
+    let huge = Reschedule { retries: Some(u32::MAX), ..Reschedule::default() };
+    assert_eq!(store.reschedule(id, huge, at(3)), Err(AdminError::InvalidRetries(u32::MAX)));
+    assert_eq!(store.task(id).unwrap().retries, 3);
     store.reschedule(id, Reschedule { run_at: Some(RunAt::Now), ..Reschedule::default() }, at(4)).unwrap();
     assert_eq!(ids(&claim_with(&mut store, "a", 2, &p, 1, at(4))), vec![id.0]);
     let refused = store.reschedule(id, Reschedule::default(), at(5)).unwrap_err();

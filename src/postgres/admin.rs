@@ -99,6 +99,7 @@ impl PgStore {
     /// that is not Pending is refused with `WrongState`, a run-at at or past its good-until
     /// with `RunAtAfterGoodUntil`.
     async fn reschedule_task(&self, id: TaskId, change: Reschedule) -> Result<(), PgAdminError> {
+        change.check()?;
         let (delay, at) = match change.run_at {
             None | Some(RunAt::Now) => (None, None),
             Some(RunAt::DelayMs(ms)) => (Some(duration(ms)), None),
@@ -112,7 +113,7 @@ impl PgStore {
                 .bind(delay)
                 .bind(at)
                 .bind(change.priority)
-                .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX)))
+                .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX))) // checked above
                 .bind(self.schema().queue_channel_prefix())
                 .fetch_optional(conn))?;
         match row {

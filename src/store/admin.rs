@@ -206,8 +206,15 @@ pub enum AdminError {
     /// No task holds this idempotency key.
     #[error("no task holds idempotency key {0:?}")]
     KeyNotFound(String),
+    /// A reschedule would set more retries spent than a task can have.
+    #[error("invalid retries spent {0}: expected 0 to {MAX_RETRIES_SPENT}")]
+    InvalidRetries(u32),
     /// A reschedule would make the task claimable only after it expires.
-    #[error("task {task}: run_at {run_at} ms is not before its good_until {good_until} ms: it could never run")]
+    #[error(
+        "task {task}: run_at {} is not before its good_until {}: it could never run",
+        crate::time::format_instant_ms(*.run_at),
+        crate::time::format_instant_ms(*.good_until)
+    )]
     RunAtAfterGoodUntil {
         /// The task.
         task: TaskId,
@@ -229,9 +236,22 @@ pub struct Reschedule {
     pub run_at: Option<RunAt>,
     /// Its new priority (lower runs first).
     pub priority: Option<i16>,
-    /// Its retries spent, e.g. 0 for a fresh retry budget (at most `i32::MAX`). Attempts are
-    /// never reset: they count runs started.
+    /// Its retries spent, e.g. 0 for a fresh retry budget (at most [`MAX_RETRIES_SPENT`]).
+    /// Attempts are never reset: they count runs started.
     pub retries: Option<u32>,
+}
+
+/// The most retries a task can have spent (the SQL column is an `integer`).
+pub const MAX_RETRIES_SPENT: u32 = i32::MAX as u32;
+
+impl Reschedule {
+    /// Refuses a change no task can take, before any store looks at the task.
+    pub fn check(&self) -> Result<(), AdminError> {
+        match self.retries {
+            Some(retries) if retries > MAX_RETRIES_SPENT => Err(AdminError::InvalidRetries(retries)),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// What [`AdminRequest::RemoveKey`] did with the task holding the key; in every case the key

@@ -217,7 +217,11 @@ pub enum EnqueueError {
         known: String,
     },
     /// The task would become claimable after it expires.
-    #[error("run_at {run_at} ms is not before good_until {good_until} ms: the task could never run")]
+    #[error(
+        "run_at {} is not before good_until {}: the task could never run",
+        crate::time::format_instant_ms(*.run_at),
+        crate::time::format_instant_ms(*.good_until)
+    )]
     RunAtAfterGoodUntil {
         /// When it would become claimable.
         run_at: i64,
@@ -271,6 +275,11 @@ impl EnqueueError {
     }
 }
 
+/// Whether `key` can be an idempotency key: 1 to 256 bytes.
+pub fn is_valid_key(key: &str) -> bool {
+    (1..=256).contains(&key.len())
+}
+
 /// The queue a new task goes to, after checking everything a store checks before writing:
 /// task name, queue, key, retry policy, and run-at against good-until (`now` is the store's).
 pub fn check_new_task<'a>(app: &'a AppConfig, task: &'a NewTask, now: DbTime) -> Result<&'a str, EnqueueError> {
@@ -285,10 +294,8 @@ pub fn check_new_task<'a>(app: &'a AppConfig, task: &'a NewTask, now: DbTime) ->
         let known = app.queue_names().collect::<Vec<_>>().join(", ");
         return Err(EnqueueError::UnknownQueue { queue: queue.to_owned(), known });
     }
-    if let Some(key) = &task.key {
-        if key.is_empty() || key.len() > 256 {
-            return Err(EnqueueError::InvalidKey(key.clone()));
-        }
+    if let Some(key) = task.key.as_ref().filter(|key| !is_valid_key(key)) {
+        return Err(EnqueueError::InvalidKey(key.clone()));
     }
     if let Some(flag) = task.flags.iter().find(|f| !is_valid_flag(f)) {
         return Err(EnqueueError::InvalidFlag(flag.clone()));

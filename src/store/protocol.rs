@@ -543,6 +543,37 @@ pub struct ReapReport {
     pub dead_workers: Vec<WorkerId>,
 }
 
+impl fmt::Display for ReapReport {
+    /// What the pass changed, for logs: `requeued 2 (ids 4, 7), failed 1 (id 9)`; the ids of
+    /// each kind up to ten.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut parts = Vec::new();
+        for (what, ids) in [
+            ("requeued", &self.requeued),
+            ("retried", &self.retried),
+            ("failed", &self.failed),
+            ("expired", &self.expired),
+        ] {
+            if !ids.is_empty() {
+                let shown: Vec<String> = ids.iter().take(10).map(TaskId::to_string).collect();
+                let more = if ids.len() > 10 { ", …" } else { "" };
+                parts.push(format!("{what} {} (ids {}{more})", ids.len(), shown.join(", ")));
+            }
+        }
+        if !self.dead_workers.is_empty() {
+            let dead: Vec<&str> = self.dead_workers.iter().map(|w| w.0.as_str()).collect();
+            parts.push(format!("dead workers {}", dead.join(", ")));
+        }
+        if self.workers_pruned > 0 {
+            parts.push(format!("workers pruned {}", self.workers_pruned));
+        }
+        if parts.is_empty() {
+            parts.push(if self.skipped { "skipped: another reaper holds the lock" } else { "nothing" }.to_owned());
+        }
+        f.write_str(&parts.join(", "))
+    }
+}
+
 impl ReapReport {
     /// Whether the pass changed anything: a task, or the worker registry.
     pub fn changed_anything(&self) -> bool {
@@ -604,4 +635,25 @@ pub enum Notification {
         /// Its terminal state.
         state: TaskState,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reap_report_reads_as_words() {
+        let report = ReapReport {
+            requeued: (1..=12).map(TaskId).collect(),
+            failed: vec![TaskId(40)],
+            dead_workers: vec![WorkerId("w-1".into())],
+            ..ReapReport::default()
+        };
+        assert_eq!(
+            report.to_string(),
+            "requeued 12 (ids 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, …), failed 1 (ids 40), dead workers w-1"
+        );
+        let skipped = ReapReport { skipped: true, ..ReapReport::default() };
+        assert_eq!(skipped.to_string(), "skipped: another reaper holds the lock");
+    }
 }

@@ -216,6 +216,16 @@ pub enum LostReason {
     Unconfirmed,
 }
 
+impl std::fmt::Display for LostReason {
+    /// What happened, in words, for logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            LostReason::LeaseLost => "another worker or the reaper took it",
+            LostReason::Unconfirmed => "a re-sent completion found it already moved",
+        })
+    }
+}
+
 /// Something observers may want to know, drained with [`Worker::poll_event`].
 #[derive(Debug, Clone, PartialEq)]
 #[non_exhaustive]
@@ -395,6 +405,26 @@ pub struct Stats {
     pub outcomes_refused: u64,
     /// Completions the database kept refusing, dropped and left to the reaper.
     pub outcomes_dropped: u64,
+}
+
+impl std::fmt::Display for Stats {
+    /// The counts people read, for logs: `claimed 3, completed 2, …`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "claimed {}, started {}, completed {}, failed {}, retried {}, expired {}, timed out {}, lost {}, \
+             database failures {}",
+            self.claimed,
+            self.started,
+            self.completed,
+            self.failed,
+            self.retried,
+            self.expired,
+            self.timed_out,
+            self.lost,
+            self.db_failures
+        )
+    }
 }
 
 /// An outstanding database request and what it was about.

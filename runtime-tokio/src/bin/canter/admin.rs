@@ -5,7 +5,6 @@ use canter_tokio::canter::config::AppConfig;
 use canter_tokio::canter::store::{
     AdminReply, AdminRequest, Cancelled, FAILED_BY_OPERATOR_MESSAGE, KeyRemoval, Reschedule, RunAt,
 };
-use canter_tokio::canter::task::is_valid_queue_name;
 use canter_tokio::{Client, TokioRuntime, WorkerId};
 use serde_json::json;
 
@@ -38,7 +37,7 @@ pub(crate) async fn run(database: &Database, command: Command) -> Outcome {
     let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, action.schema.schema.clone(), action.app.clone())
         .migrate(false);
     if action.careful {
-        check(database, &client, &action.request).await?;
+        check(database, &client, &action).await?;
     }
     let spinner = Progress::new("purging", 0, matches!(action.request, AdminRequest::Purge { .. }));
     let reply = client.admin(&action.request).await.map_err(|e| failed(crate::connect::explain(&e.to_string())))?;
@@ -68,8 +67,13 @@ fn action(command: Command) -> Result<Action, Failure> {
             schema,
             output,
         ),
-        Command::ForceUnlock { workers, force, schema, output } => Action {
+        Command::ForceUnlock { workers, force, config, schema, output } => Action {
             careful: !force,
+            // The stale threshold a worker without a liveness token is judged by.
+            app: match config {
+                Some(path) => canter_tokio::canter::driver::read_config(&path).map_err(usage)?.app,
+                None => AppConfig::default(),
+            },
             ..Action::new(
                 AdminRequest::ForceUnlock { workers: workers.into_iter().map(WorkerId).collect() },
                 schema,
@@ -106,16 +110,10 @@ fn reschedule(args: RescheduleArgs) -> Action {
 
 /// Refuses what is most likely a mistake: pausing a queue nothing knows (a typo pauses
 /// nothing), force-unlocking a worker that is still alive (its tasks would run twice).
-async fn check(database: &Database, client: &Client, request: &AdminRequest) -> Outcome {
+async fn check(database: &Database, client: &Client, action: &Action) -> Outcome {
+    let request = &action.request;
     match request {
         AdminRequest::Pause { queue } | AdminRequest::Resume { queue } => {
-            if !is_valid_queue_name(queue) {
-                return Err(usage(format!(
-                    "invalid queue name \"{}\": expected {}",
-                    printable(queue),
-                    canter_tokio::canter::task::QUEUE_NAME_RULE
-                )));
-            }
             let counts = database.retrying("read counts", || client.counts()).await?;
             let workers = database.retrying("read workers", || client.workers()).await?;
             let paused = database.retrying("read paused queues", || client.paused_queues()).await?;
@@ -137,7 +135,20 @@ async fn check(database: &Database, client: &Client, request: &AdminRequest) -> 
             let tokens = database.retrying("read liveness tokens", || store.liveness_tokens(ids)).await?;
             // A held liveness token is a live session; a free one, a dead process. Without a
             // token, a worker seen within the stale threshold may still be running its tasks.
-            let stale_ms = i64::try_from(AppConfig::default().recovery.claimed_stale_threshold_ms).unwrap_or(i64::MAX);
+            let stale_ms = i64::try_from(action.app.recovery.claimed_stale_threshold_ms).unwrap_or(i64::MAX);
+            // An id no worker has registered under is a typo: it would release nothing.
+            let unknown: Vec<String> = ids
+                .iter()
+                .filter(|id| !workers.iter().any(|w| &w.info.worker == *id))
+                .map(|id| printable(&id.0).to_string())
+                .collect();
+            if !unknown.is_empty() {
+                return Err(failed(format!(
+                    "no worker {} is registered (canter status lists the live ones); pass --force to release \
+                     tasks claimed under these ids anyway",
+                    unknown.join(", ")
+                )));
+            }
             let alive: Vec<String> = workers
                 .iter()
                 .filter(|w| ids.contains(&w.info.worker) && !w.stopped)

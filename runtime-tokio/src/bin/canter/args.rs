@@ -5,7 +5,8 @@ use std::io::Read;
 use std::path::PathBuf;
 
 use canter_tokio::canter::postgres::MAX_DURATION_MS;
-use canter_tokio::canter::store::{DbTime, KeyMode};
+use canter_tokio::canter::store::{DbTime, EnqueueError, KeyMode, MAX_RETRIES_SPENT, is_valid_key};
+use canter_tokio::canter::task::{is_valid_flag, is_valid_queue_name};
 use canter_tokio::canter::time::{parse_duration_ms, parse_instant};
 use canter_tokio::{PgSchema, TaskId, TaskState};
 use clap::builder::{PossibleValuesParser, TypedValueParser};
@@ -123,9 +124,13 @@ pub(crate) enum Command {
         /// The workers' ids (as `canter status` shows them)
         #[arg(required = true, value_name = "WORKER")]
         workers: Vec<String>,
-        /// Unlock even workers that look alive
+        /// Unlock even workers that look alive or were never registered
         #[arg(long)]
         force: bool,
+        /// The configuration file the workers run with (its claimed-stale threshold says how
+        /// long a worker without a liveness token may go unseen and still be alive)
+        #[arg(long, value_name = "FILE")]
+        config: Option<PathBuf>,
         #[command(flatten)]
         schema: SchemaArg,
         #[command(flatten)]
@@ -136,6 +141,7 @@ pub(crate) enum Command {
         or running one runs on without it, a finished one just loses it.")]
     RemoveKey {
         /// The key
+        #[arg(value_parser = key)]
         key: String,
         #[command(flatten)]
         schema: SchemaArg,
@@ -227,6 +233,7 @@ pub(crate) struct TaskArgs {
 #[derive(Debug, Clone, Args)]
 pub(crate) struct QueueArgs {
     /// The queue's name
+    #[arg(value_parser = queue_name)]
     pub(crate) queue: String,
     /// Act on a queue that has no tasks and that no live worker serves
     #[arg(long)]
@@ -246,6 +253,10 @@ pub(crate) struct WorkerArgs {
     /// Do not migrate: only check the schema's version
     #[arg(long)]
     pub(crate) no_migrate: bool,
+    /// With --run-scheduler: run schedules whose tasks this worker does not serve (your own
+    /// workers do)
+    #[arg(long)]
+    pub(crate) force: bool,
     #[command(flatten)]
     pub(crate) schema: SchemaArg,
     #[command(flatten)]
@@ -264,7 +275,7 @@ pub(crate) struct EnqueueArgs {
     #[arg(long, value_name = "JSON", value_parser = json_value)]
     pub(crate) args: Option<Value>,
     /// The queue
-    #[arg(long, value_name = "QUEUE")]
+    #[arg(long, value_name = "QUEUE", value_parser = queue_name)]
     pub(crate) queue: Option<String>,
     /// The priority: lower runs first
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
@@ -282,13 +293,13 @@ pub(crate) struct EnqueueArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(0..=20))]
     pub(crate) max_retries: Option<u32>,
     /// A unique key: what an enqueue of a task with a live key does is --key-mode's
-    #[arg(long, value_name = "KEY", conflicts_with = "count")]
+    #[arg(long, value_name = "KEY", conflicts_with = "count", value_parser = key)]
     pub(crate) key: Option<String>,
     /// What enqueueing a key that a task holds does
     #[arg(long, value_name = "MODE", requires = "key", value_parser = key_mode_parser())]
     pub(crate) key_mode: Option<KeyMode>,
     /// Flags (comma-separated) that workers may refuse to claim
-    #[arg(long, value_name = "FLAG,...", value_delimiter = ',')]
+    #[arg(long, value_name = "FLAG,...", value_delimiter = ',', value_parser = flag)]
     pub(crate) flags: Vec<String>,
     /// Enqueue this many copies, all or none
     #[arg(long, value_name = "N", default_value_t = 1,
@@ -310,7 +321,7 @@ pub(crate) struct ListArgs {
     #[arg(long, value_name = "STATE", ignore_case = true, value_parser = state_parser())]
     pub(crate) status: Option<TaskState>,
     /// Only tasks of this queue
-    #[arg(long, value_name = "QUEUE")]
+    #[arg(long, value_name = "QUEUE", value_parser = queue_name)]
     pub(crate) queue: Option<String>,
     /// Only tasks of this name
     #[arg(long, value_name = "NAME")]
@@ -348,7 +359,7 @@ pub(crate) struct RescheduleArgs {
     #[arg(long, value_name = "N", allow_negative_numbers = true)]
     pub(crate) priority: Option<i16>,
     /// Set the retries it has spent (0 gives it its whole retry budget again)
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(..=i64::from(MAX_RETRIES_SPENT)))]
     pub(crate) retries: Option<u32>,
     #[command(flatten)]
     pub(crate) schema: SchemaArg,
@@ -463,6 +474,30 @@ pub(crate) fn when(text: &str) -> Result<When, String> {
         return duration(text).map(When::In);
     }
     parse_instant(text, DbTime(0)).map(When::At).map_err(|e| e.to_string())
+}
+
+/// A queue name, as stores check it.
+fn queue_name(text: &str) -> Result<String, String> {
+    match is_valid_queue_name(text) {
+        true => Ok(text.to_owned()),
+        false => Err(EnqueueError::InvalidQueueName(text.to_owned()).to_string()),
+    }
+}
+
+/// An idempotency key, as stores check it.
+fn key(text: &str) -> Result<String, String> {
+    match is_valid_key(text) {
+        true => Ok(text.to_owned()),
+        false => Err(EnqueueError::InvalidKey(text.to_owned()).to_string()),
+    }
+}
+
+/// A task flag, as stores check it.
+fn flag(text: &str) -> Result<String, String> {
+    match is_valid_flag(text) {
+        true => Ok(text.to_owned()),
+        false => Err(EnqueueError::InvalidFlag(text.to_owned()).to_string()),
+    }
 }
 
 /// A schema name Canter may use.

@@ -58,6 +58,18 @@ pub(crate) fn check_args(name: &str, args: &Value) -> Option<Result<(), String>>
     })
 }
 
+/// Leaves the process's panic hook printing every panic but the `panic` task's deliberate
+/// ones: the worker logs each task failure in one line, and a panic message (or a backtrace)
+/// for a panic that was asked for would only alarm.
+pub(crate) fn quiet_deliberate_panics() {
+    let default = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.payload().downcast_ref::<&str>() != Some(&PANIC_MESSAGE) {
+            default(info);
+        }
+    }));
+}
+
 /// Registers the built-in tasks in `registry`.
 pub(crate) fn register(registry: &mut Registry) -> Result<(), RegistryError> {
     registry.register("noop", |_: Value, _: TaskContext| async { Ok::<_, TaskError>(Value::Null) })?;

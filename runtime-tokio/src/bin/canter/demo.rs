@@ -191,7 +191,7 @@ impl Session {
 /// Runs the demo with the command line's arguments. Ctrl-C or SIGTERM stops it early; either
 /// way its workers stop and its schema is dropped.
 pub(crate) async fn run(database: &Database, args: DemoArgs) -> Result<(), DemoError> {
-    quiet_deliberate_panics();
+    builtins::quiet_deliberate_panics();
     let mut session = Session::default();
     let timeline = Arc::new(Mutex::new(Timeline::default()));
     let outcome = tokio::select! {
@@ -207,18 +207,6 @@ pub(crate) async fn run(database: &Database, args: DemoArgs) -> Result<(), DemoE
     };
     summary(&timeline, &counts, elapsed, u64::from(args.tasks), &stats);
     Ok(())
-}
-
-/// Leaves the process's panic hook printing every panic but the `panic` task's deliberate
-/// ones: their failures are counted in the summary, and 30 panic messages (or backtraces)
-/// between the header and the progress would only alarm.
-fn quiet_deliberate_panics() {
-    let default = std::panic::take_hook();
-    std::panic::set_hook(Box::new(move |info| {
-        if info.payload().downcast_ref::<&str>() != Some(&builtins::PANIC_MESSAGE) {
-            default(info);
-        }
-    }));
 }
 
 /// Starts the workers, enqueues the mix and watches it drain.

@@ -3,6 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use canter_tokio::canter::driver::ResultError;
 use canter_tokio::canter::store::{AttemptRecord, TaskFilter, TaskRecord};
 use canter_tokio::{Client, TaskId, TaskState, TokioRuntime};
 use serde_json::{Value, json};
@@ -10,7 +11,7 @@ use serde_json::{Value, json};
 use crate::args::{ListArgs, Millis, Output, SchemaArg};
 use crate::connect::Database;
 use crate::output::{Progress, Table, printable, time, time_or_dash};
-use crate::{Outcome, failed, outln};
+use crate::{Outcome, errln, failed, outln};
 
 /// A client of the database and schema the command line names.
 pub(crate) async fn client(database: &Database, schema: &SchemaArg) -> Result<Client, crate::Failure> {
@@ -96,7 +97,7 @@ pub(crate) async fn list(database: &Database, args: ListArgs) -> Outcome {
     let client = client(database, &args.schema).await?;
     let records = database.retrying("list tasks", || client.list(&filter)).await?;
     if args.output.json {
-        outln!("{}", serde_json::to_string(&records).map_err(failed)?);
+        outln!("{}", Value::Array(records.iter().map(record_json).collect()));
         return Ok(());
     }
     if records.is_empty() {
@@ -122,7 +123,8 @@ pub(crate) async fn list(database: &Database, args: ListArgs) -> Outcome {
     if records.len() == args.limit as usize
         && let Some(last) = records.last()
     {
-        outln!("(more with --after {})", last.id);
+        // On stderr: stdout holds the table alone, for whatever reads it.
+        errln!("(more with --after {})", last.id);
     }
     Ok(())
 }
@@ -134,7 +136,7 @@ pub(crate) async fn show(database: &Database, id: TaskId, schema: &SchemaArg, ou
     let attempts = database.retrying("read attempts", || client.attempts(id)).await?;
     if output.json {
         let runs: Vec<Value> = attempts.iter().map(attempt_json).collect();
-        outln!("{}", json!({"task": record, "attempts": runs}));
+        outln!("{}", json!({"task": record_json(&record), "attempts": runs}));
         return Ok(());
     }
     let text = |v: Option<&str>| v.map_or_else(|| "-".to_owned(), |v| printable(v).to_string());
@@ -195,7 +197,27 @@ fn attempt_json(attempt: &AttemptRecord) -> Value {
         },
         "error": attempt.error,
         "finished_at": time(attempt.finished_at),
+        "finished_at_ms": attempt.finished_at.0,
     })
+}
+
+/// A task as JSON: its times in RFC 3339 as people read them, each also as `<name>_ms`
+/// (milliseconds since the Unix epoch) for programs.
+fn record_json(record: &TaskRecord) -> Value {
+    let times = [
+        ("enqueued_at", Some(record.enqueued_at)),
+        ("run_at", Some(record.run_at)),
+        ("good_until", record.good_until),
+        ("finished_at", record.finished_at),
+    ];
+    let mut value = serde_json::to_value(record).unwrap_or(Value::Null);
+    if let Value::Object(fields) = &mut value {
+        for (name, at) in times {
+            fields.insert(name.to_owned(), at.map_or(Value::Null, |at| Value::from(time(at))));
+            fields.insert(format!("{name}_ms"), at.map_or(Value::Null, |at| Value::from(at.0)));
+        }
+    }
+    value
 }
 
 pub(crate) async fn result(
@@ -208,8 +230,25 @@ pub(crate) async fn result(
     let client = client(database, schema).await?;
     let record: TaskRecord = match wait {
         Some(ms) => {
-            let _spinner = Progress::new(&format!("waiting for task {id}"), 0, true);
-            client.wait(id, Duration::from_millis(ms)).await.map_err(|e| failed(format!("{e} ({})", e.code())))?
+            let spinner = Progress::new(&format!("waiting for task {id}"), 0, true);
+            let waited = client.wait(id, Duration::from_millis(ms)).await;
+            drop(spinner);
+            match waited {
+                Ok(record) => record,
+                Err(timeout @ ResultError::Timeout(_)) => {
+                    // Say where the task stands, in the form asked for.
+                    let state = database.retrying("read the task", || client.get(id)).await?.map(|r| r.state);
+                    if output.json {
+                        outln!(
+                            "{}",
+                            json!({"id": id, "state": state, "result": null, "error": null, "timed_out": true})
+                        );
+                    }
+                    let state = state.map_or_else(|| "gone".to_owned(), |s| s.to_string());
+                    return Err(failed(format!("task {id} is {state}: {timeout}")));
+                }
+                Err(error) => return Err(failed(format!("{error} ({})", error.code()))),
+            }
         }
         None => database
             .retrying("read the task", || client.get(id))

@@ -229,10 +229,15 @@ async fn migrate(database: &Database, schema: &SchemaArg, output: Output) -> Out
 /// The configuration of `--config FILE` (or the defaults) with every settings flag laid over it.
 fn worker_config(args: &WorkerArgs) -> Result<Config, Failure> {
     let base = match &args.config {
-        Some(path) => canter_tokio::canter::driver::read_config(path).map_err(usage)?,
+        // Checked once the flags are laid over it: a flag may correct a value of the file.
+        Some(path) => canter_tokio::canter::driver::read_config_unchecked(path).map_err(usage)?,
         None => Config::default(),
     };
-    args.settings.apply(&base).map_err(usage)
+    let config = args.settings.apply(&base).map_err(usage)?;
+    if config.worker.run_scheduler {
+        schedules::check_schedules(&config.app, args.force)?;
+    }
+    Ok(config)
 }
 
 async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
@@ -240,6 +245,7 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
     let size = config.worker.pool_size();
     // A worker may start before its database: it waits as its resilience settings say.
     let pool = database.service_pool(size, config.app.resilience.db_retry_max_attempts).await?;
+    builtins::quiet_deliberate_panics();
     let registry = Arc::new(builtins::registry());
     let worker = Worker::new(pool, config.app, config.worker, registry)
         .map_err(usage)?

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use canter_tokio::canter::postgres::CheckReport;
-use canter_tokio::canter::schedule::ParsedSchedule;
+use canter_tokio::canter::schedule::{ParsedSchedule, TimeZone};
 use canter_tokio::canter::scheduler::{Plan, ScheduleRecord, ScheduleWrite};
 use canter_tokio::canter::store::DbTime;
 use canter_tokio::{AppConfig, Scheduler, TaskId};
@@ -21,6 +21,34 @@ fn app(config: Option<&PathBuf>) -> Result<AppConfig, Failure> {
         Some(path) => Ok(canter_tokio::canter::driver::read_config(path).map_err(usage)?.app),
         None => Ok(AppConfig::default()),
     }
+}
+
+/// Refuses, before anything connects, schedules that would enqueue what fails: zones that do
+/// not load, and (unless `force`: the caller's own workers serve them) tasks the `canter`
+/// worker does not serve or built-in tasks' args their handlers cannot decode.
+pub(crate) fn check_schedules(app: &AppConfig, force: bool) -> Result<(), Failure> {
+    canter_tokio::canter::driver::load_scheduler(app).map_err(usage)?;
+    let mut unknown = Vec::new();
+    for schedule in &app.schedules {
+        match builtins::check_args(&schedule.task, &schedule.args) {
+            Some(Err(problem)) => {
+                return Err(usage(format!(
+                    "schedule {}: args {} do not fit task {}: {problem}",
+                    schedule.name, schedule.args, schedule.task
+                )));
+            }
+            None if !force => unknown.push(format!("{} (task {:?})", schedule.name, schedule.task)),
+            _ => {}
+        }
+    }
+    if unknown.is_empty() {
+        return Ok(());
+    }
+    Err(usage(format!(
+        "schedules {} name tasks the canter worker does not serve ({}); pass --force if your own workers serve them",
+        unknown.join(", "),
+        builtins::NAMES.join(", ")
+    )))
 }
 
 /// The scheduler of `app`; a `service` (the long-running loop, which may start before its
@@ -44,20 +72,9 @@ pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outco
     if app.schedules.is_empty() && !args.list {
         return Err(usage("no schedules: give --config FILE with [[app.schedules]] tables"));
     }
-    if !args.force {
-        let unknown: Vec<String> = app
-            .schedules
-            .iter()
-            .filter(|s| !builtins::NAMES.contains(&s.task.as_str()))
-            .map(|s| format!("{} (task {:?})", s.name, s.task))
-            .collect();
-        if !unknown.is_empty() {
-            return Err(usage(format!(
-                "schedules {} name tasks the canter worker does not serve ({}); pass --force if your own workers serve them",
-                unknown.join(", "),
-                builtins::NAMES.join(", ")
-            )));
-        }
+    // Listing enqueues nothing: what it shows is whatever the file holds.
+    if !args.list {
+        check_schedules(&app, args.force)?;
     }
     let service = !(args.list || args.dry_run || args.once);
     if service && args.json {
@@ -116,8 +133,11 @@ pub(crate) async fn list(database: &Database, config: Option<PathBuf>, schema: &
 /// `t` in the schedule's zone (UTC when it is not configured), RFC 3339.
 fn tick_time(schedule: Option<&ParsedSchedule>, t: DbTime) -> String {
     match schedule {
-        Some(schedule) => schedule.time_zone().to_local(t).to_string(),
-        None => crate::output::time(t),
+        // UTC as every other time is printed, with a Z.
+        Some(schedule) if !matches!(schedule.time_zone(), TimeZone::Utc) => {
+            schedule.time_zone().to_local(t).to_string()
+        }
+        _ => crate::output::time(t),
     }
 }
 
