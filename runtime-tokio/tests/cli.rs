@@ -167,6 +167,15 @@ fn worker_configuration_is_checked_as_a_whole_before_connecting() {
 }
 
 #[test]
+fn an_unknown_host_is_reported_at_once() {
+    // Regression: a name that does not resolve was tried again, like a server not up yet.
+    let output = canter(&["status", "--database-url", "postgres://x@no-such-host.invalid/x"]);
+    assert_eq!(output.status.code(), Some(1), "{}", text(&output));
+    assert!(text(&output).contains("no-such-host.invalid:5432 database x: unknown host"), "{}", text(&output));
+    assert!(!text(&output).contains("trying again"), "{}", text(&output));
+}
+
+#[test]
 fn a_worker_waits_for_a_database_that_is_not_up_yet() {
     let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
         .args(["worker", "--database-url", DEAD])
@@ -289,39 +298,42 @@ fn the_demo_runs_on_the_embedded_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_interrupted_postgres_demo_drops_its_schema() {
     let db = pg::TestDb::new().await;
-    let demo = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["demo", "--tasks", "50000", "--database-url", &db.url])
-        .env("CANTER_LOG", "warn")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let schema = format!("canter_demo_{}", demo.id());
     let pool = db.pool(1).await;
-    let exists = || async {
-        sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
-            .bind(&schema)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    let mut made = false;
-    for _ in 0..300 {
-        if exists().await {
-            made = true;
-            break;
+    // Ctrl-C and SIGTERM alike.
+    for signal in ["-INT", "-TERM"] {
+        let demo = Command::new(env!("CARGO_BIN_EXE_canter"))
+            .args(["demo", "--tasks", "50000", "--database-url", &db.url])
+            .env("CANTER_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let schema = format!("canter_demo_{}", demo.id());
+        let exists = || async {
+            sqlx::query_scalar::<_, bool>("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
+                .bind(&schema)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        };
+        let mut made = false;
+        for _ in 0..300 {
+            if exists().await {
+                made = true;
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         }
-        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        assert!(made, "the demo made its schema");
+        tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+        assert!(Command::new("kill").args([signal, &demo.id().to_string()]).status().unwrap().success());
+        let output = demo.wait_with_output().unwrap();
+        assert_eq!(output.status.code(), Some(130), "{signal}: {}", text(&output));
+        assert!(text(&output).contains("interrupted; stopped and cleaned up"), "{signal}: {}", text(&output));
+        assert!(!text(&output).contains("NOTICE"), "{}", text(&output));
+        assert!(!exists().await, "{signal}: the demo's schema is dropped");
     }
-    assert!(made, "the demo made its schema");
-    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    assert!(Command::new("kill").args(["-TERM", &demo.id().to_string()]).status().unwrap().success());
-    let output = demo.wait_with_output().unwrap();
-    assert_eq!(output.status.code(), Some(130), "{}", text(&output));
-    assert!(text(&output).contains("interrupted; stopped and cleaned up"), "{}", text(&output));
-    assert!(!text(&output).contains("NOTICE"), "{}", text(&output));
-    assert!(!exists().await, "the demo's schema is dropped");
 }
 
 /// `canter demo` of `tasks` tasks and one worker on the embedded store, logging as `log` says.
@@ -817,12 +829,15 @@ async fn refusals_write_nothing_and_say_what_to_do() {
     assert!(text(&unmigrated).contains("run canter migrate"), "{}", text(&unmigrated));
     assert!(!text(&unmigrated).contains(" at line "), "{}", text(&unmigrated));
 
+    // The first migrate says it created the schema; later ones that it is up to date.
+    let version = canter_tokio::canter::postgres::code_schema_version();
+    assert_eq!(first_line(&run(&["migrate"])), format!("schema {} created at version {version}", db.schema.name()));
     let migrated = run(&["migrate", "--json"]);
     let migrated: serde_json::Value = serde_json::from_slice(&migrated.stdout).expect("migrate --json is JSON");
-    assert_eq!(migrated["version"].as_i64(), Some(canter_tokio::canter::postgres::code_schema_version()));
+    assert_eq!((migrated["version"].as_i64(), &migrated["created"]), (Some(version), &false.into()));
     assert_eq!(
         first_line(&run(&["migrate"])),
-        format!("schema {} is up to date (version {})", db.schema.name(), migrated["version"])
+        format!("schema {} is up to date (version {version})", db.schema.name())
     );
 
     // An enqueue the store would refuse is a usage error, its times as people read them.

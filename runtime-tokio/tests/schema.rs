@@ -123,6 +123,31 @@ async fn runs_a_task(pool: &PgPool, client_pool: &PgPool, schema: &PgSchema, mig
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_started_first_and_a_client_at_once_share_an_empty_schema() {
+    // The README's quickstart starts its client first (tests/quickstart.rs); here the worker
+    // starts first and the client writes at once, while the worker may still be migrating.
+    let db = pg::TestDb::unmigrated().await;
+    let pool = db.pool(8).await;
+    let mut registry = Registry::new();
+    let echo = registry
+        .register(
+            "echo",
+            |args: serde_json::Value, _ctx: canter_tokio::TaskContext| async move { Ok::<_, TaskError>(args) },
+        )
+        .unwrap();
+    let worker = Worker::new(pool.clone(), app(), fast_worker(), Arc::new(registry)).unwrap().schema(db.schema.clone());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let run = tokio::spawn(worker.run_until(async move {
+        let _ = stopped.await;
+    }));
+    let client = Client::new(Arc::new(TokioRuntime), pool.clone(), db.schema.clone(), app());
+    let handle = client.enqueue(&echo, &json!({"first": "worker"})).await.expect("the client's first write");
+    assert_eq!(handle.wait(Duration::from_secs(30)).await.expect("the task runs"), json!({"first": "worker"}));
+    let _ = stop.send(());
+    run.await.unwrap().expect("the worker stops cleanly");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_schema_reports_where_it_stands() {
     let db = pg::TestDb::unmigrated().await;
     let pool = db.pool(2).await;

@@ -28,6 +28,9 @@ enum Cause {
     Unreachable(String),
     /// Waiting will not help: wrong password, unknown database, bad TLS.
     Refused(String),
+    /// The host name does not resolve: a typo for a command, but for a service started
+    /// beside its database (a container's name appears when it starts) worth waiting for.
+    UnknownHost(String),
 }
 
 impl Database {
@@ -58,19 +61,20 @@ impl Database {
     /// Unreachable ones are tried again with backoff, said so on stderr, up to
     /// `CANTER_CONNECT_ATTEMPTS` tries (default 4, about 4 s).
     pub(crate) async fn pool(&self, size: u32) -> Result<PgPool, Failure> {
-        self.pool_trying(size, Some(connect_attempts())).await
+        self.pool_trying(size, Some(connect_attempts()), false).await
     }
 
     /// As [`pool`](Database::pool), for a service (a worker, a scheduler) that may start before
     /// its database: an unreachable one is waited for, `attempts` tries (the configuration's
     /// `db_retry_max_attempts`; `0`: as long as it takes) unless `CANTER_CONNECT_ATTEMPTS`
-    /// says otherwise, saying so at each.
+    /// says otherwise, saying so at each. A host name that does not resolve yet is waited for
+    /// too (see [`Cause::UnknownHost`]).
     pub(crate) async fn service_pool(&self, size: u32, attempts: u32) -> Result<PgPool, Failure> {
         let attempts = connect_attempts_set().unwrap_or(attempts);
-        self.pool_trying(size, (attempts > 0).then_some(attempts)).await
+        self.pool_trying(size, (attempts > 0).then_some(attempts), true).await
     }
 
-    async fn pool_trying(&self, size: u32, attempts: Option<u32>) -> Result<PgPool, Failure> {
+    async fn pool_trying(&self, size: u32, attempts: Option<u32>, wait_for_host: bool) -> Result<PgPool, Failure> {
         let options = self.options()?;
         let target = target_of(&options);
         let mut delay = Duration::from_millis(500);
@@ -87,7 +91,10 @@ impl Database {
                 }
                 Ok(Err(error)) => match cause(&error) {
                     Cause::Refused(why) => return Err(failed(format!("cannot connect to {target}: {why}"))),
-                    Cause::Unreachable(why) => why,
+                    Cause::UnknownHost(why) if !wait_for_host => {
+                        return Err(failed(format!("cannot connect to {target}: {why}")));
+                    }
+                    Cause::Unreachable(why) | Cause::UnknownHost(why) => why,
                 },
                 Err(_) => format!("no answer within {}s", CONNECT_TIMEOUT.as_secs()),
             };
@@ -166,6 +173,10 @@ fn cause(error: &sqlx::Error) -> Cause {
             ErrorKind::ConnectionRefused => Cause::Unreachable("connection refused (is PostgreSQL running?)".into()),
             ErrorKind::TimedOut => Cause::Unreachable("connection timed out".into()),
             ErrorKind::NotFound => Cause::Refused(format!("no such host or socket ({io})")),
+            // What the resolver says has no kind of its own.
+            _ if io.to_string().contains("failed to lookup address") => {
+                Cause::UnknownHost(format!("unknown host ({io})"))
+            }
             _ => Cause::Unreachable(io.to_string()),
         },
         sqlx::Error::Database(db) => {
