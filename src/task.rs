@@ -63,10 +63,13 @@ impl fmt::Display for WorkerId {
     }
 }
 
-/// The states of a task. The last four are terminal.
+/// The states of a task. The last five are terminal.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "SCREAMING_SNAKE_CASE")]
 pub enum TaskState {
+    /// A workflow step whose parents have not decided it yet: no claim takes it until it is
+    /// promoted to Pending (or skipped).
+    Waiting,
     /// Waiting to be claimed (possibly not before its run-at time).
     Pending,
     /// Claimed by a worker under a lease, not started yet (a prefetched task).
@@ -81,11 +84,14 @@ pub enum TaskState {
     Cancelled,
     /// Its good-until time passed before it ran.
     Expired,
+    /// A workflow step that never runs: its parents' outcomes can no longer satisfy its join.
+    Skipped,
 }
 
 impl TaskState {
     /// Every state, in declaration order.
-    pub const ALL: [TaskState; 7] = [
+    pub const ALL: [TaskState; 9] = [
+        TaskState::Waiting,
         TaskState::Pending,
         TaskState::Claimed,
         TaskState::Running,
@@ -93,16 +99,21 @@ impl TaskState {
         TaskState::Failed,
         TaskState::Cancelled,
         TaskState::Expired,
+        TaskState::Skipped,
     ];
 
     /// Whether no transition leaves this state.
     pub fn is_terminal(self) -> bool {
-        matches!(self, TaskState::Completed | TaskState::Failed | TaskState::Cancelled | TaskState::Expired)
+        matches!(
+            self,
+            TaskState::Completed | TaskState::Failed | TaskState::Cancelled | TaskState::Expired | TaskState::Skipped
+        )
     }
 
     /// The stable upper-case name stored in the database.
     pub fn as_str(self) -> &'static str {
         match self {
+            TaskState::Waiting => "WAITING",
             TaskState::Pending => "PENDING",
             TaskState::Claimed => "CLAIMED",
             TaskState::Running => "RUNNING",
@@ -110,6 +121,7 @@ impl TaskState {
             TaskState::Failed => "FAILED",
             TaskState::Cancelled => "CANCELLED",
             TaskState::Expired => "EXPIRED",
+            TaskState::Skipped => "SKIPPED",
         }
     }
 }
@@ -122,7 +134,10 @@ impl fmt::Display for TaskState {
 
 /// A state name that is not one of [`TaskState`]'s.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("unknown task state {0:?}: expected one of PENDING, CLAIMED, RUNNING, COMPLETED, FAILED, CANCELLED, EXPIRED")]
+#[error(
+    "unknown task state {0:?}: expected one of WAITING, PENDING, CLAIMED, RUNNING, COMPLETED, FAILED, CANCELLED, \
+     EXPIRED, SKIPPED"
+)]
 pub struct UnknownState(pub String);
 
 impl FromStr for TaskState {
@@ -166,11 +181,15 @@ pub enum TaskEvent {
     CompleteByHand,
     /// An operator failed it by hand before or while it ran (no retry).
     FailByHand,
+    /// A waiting workflow step's join is satisfied: it becomes claimable.
+    Promote,
+    /// A waiting workflow step's join can no longer be satisfied: it never runs.
+    Skip,
 }
 
 impl TaskEvent {
     /// Every event, in declaration order.
-    pub const ALL: [TaskEvent; 12] = [
+    pub const ALL: [TaskEvent; 14] = [
         TaskEvent::Claim,
         TaskEvent::ClaimAndStart,
         TaskEvent::Start,
@@ -183,6 +202,8 @@ impl TaskEvent {
         TaskEvent::Requeue,
         TaskEvent::CompleteByHand,
         TaskEvent::FailByHand,
+        TaskEvent::Promote,
+        TaskEvent::Skip,
     ];
 }
 
@@ -220,7 +241,10 @@ pub fn transition(from: TaskState, event: TaskEvent) -> Result<TaskState, Transi
         E::Retry => ((from == S::Running).then_some(S::Pending), "expected RUNNING"),
         E::Fail => (matches!(from, S::Claimed | S::Running).then_some(S::Failed), "expected CLAIMED or RUNNING"),
         E::Expire => (matches!(from, S::Pending | S::Claimed).then_some(S::Expired), "expected PENDING or CLAIMED"),
-        E::Cancel => (matches!(from, S::Pending | S::Claimed).then_some(S::Cancelled), "expected PENDING or CLAIMED"),
+        E::Cancel => (
+            matches!(from, S::Waiting | S::Pending | S::Claimed).then_some(S::Cancelled),
+            "expected WAITING, PENDING or CLAIMED",
+        ),
         E::Requeue => ((from == S::Failed).then_some(S::Pending), "expected FAILED"),
         E::CompleteByHand => (
             matches!(from, S::Pending | S::Claimed | S::Running).then_some(S::Completed),
@@ -230,6 +254,8 @@ pub fn transition(from: TaskState, event: TaskEvent) -> Result<TaskState, Transi
             matches!(from, S::Pending | S::Claimed | S::Running).then_some(S::Failed),
             "expected PENDING, CLAIMED or RUNNING",
         ),
+        E::Promote => ((from == S::Waiting).then_some(S::Pending), "expected WAITING"),
+        E::Skip => ((from == S::Waiting).then_some(S::Skipped), "expected WAITING"),
     };
     to.ok_or(TransitionError { from, event, expected })
 }
@@ -459,6 +485,26 @@ mod tests {
     }
 
     #[test]
+    fn a_waiting_step_is_promoted_skipped_or_cancelled_and_nothing_else() {
+        let allowed: Vec<(TaskEvent, TaskState)> = TaskEvent::ALL
+            .into_iter()
+            .filter_map(|event| transition(TaskState::Waiting, event).ok().map(|to| (event, to)))
+            .collect();
+        assert_eq!(
+            allowed,
+            [
+                (TaskEvent::Cancel, TaskState::Cancelled),
+                (TaskEvent::Promote, TaskState::Pending),
+                (TaskEvent::Skip, TaskState::Skipped)
+            ]
+        );
+        // Only a waiting step is promoted or skipped.
+        for from in TaskState::ALL.into_iter().filter(|s| *s != TaskState::Waiting) {
+            assert!(transition(from, TaskEvent::Promote).is_err() && transition(from, TaskEvent::Skip).is_err());
+        }
+    }
+
+    #[test]
     fn refused_events_say_what_was_expected() {
         let err = transition(TaskState::Pending, TaskEvent::Complete).unwrap_err();
         assert_eq!(err.to_string(), "task event Complete is not allowed in state PENDING: expected RUNNING");
@@ -472,7 +518,7 @@ mod tests {
             assert_eq!(json, format!("\"{}\"", state.as_str()));
             assert_eq!(serde_json::from_str::<TaskState>(&json).unwrap(), state);
         }
-        assert!("WAITING".parse::<TaskState>().is_err());
+        assert!("WAIT".parse::<TaskState>().is_err());
     }
 
     #[test]

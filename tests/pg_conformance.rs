@@ -31,14 +31,16 @@ use std::time::Duration;
 use canter::budget::{ClaimPolicy, QueuePolicy};
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy};
 use canter::memory::MemoryStore;
-use canter::postgres::{PgAdminError, PgEnqueueError, PgStore};
+use canter::postgres::{PgAdminError, PgEnqueueError, PgStore, PgSubmitError, PgWorkflowError};
 use canter::rng::Rng;
 use canter::store::{AdminError, AdminReply, AdminRequest, KeyRemoval, Notification, Reschedule, TaskFilter};
 use canter::store::{
     Completion, DbFailure, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt,
     TaskRecord, WorkerInfo,
 };
+use canter::store::{NewWorkflow, WorkflowId};
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
+use canter::workflow::{EdgePolicy, Join, StepId};
 use pg::{TestDb, pin_clock};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgListener};
@@ -63,6 +65,17 @@ enum Op {
     TakeToken(WorkerId),
     /// That session ends, and the server releases the token.
     DropToken(WorkerId),
+    /// A workflow is submitted.
+    Submit(NewWorkflow),
+    /// A workflow is paused, resumed or cancelled.
+    Workflow(WorkflowAction, WorkflowId),
+}
+
+#[derive(Debug, Clone, Copy)]
+enum WorkflowAction {
+    Pause,
+    Resume,
+    Cancel,
 }
 
 /// How deep the hand-written rows' arguments are nested: past what serde_json decodes (128).
@@ -255,6 +268,31 @@ impl Pair {
                     .await
                     .unwrap();
             }
+            Op::Submit(workflow) => {
+                let memory = self.memory.submit_workflow(workflow.clone(), self.now);
+                self.see(if memory.is_ok() { "workflow submitted" } else { "workflow refused" });
+                let pg = self.pg.submit_workflow(workflow).await.map_err(|e| match e {
+                    PgSubmitError::Invalid(e) => e,
+                    other => panic!("{at}: submit failed: {other}"),
+                });
+                assert_eq!(pg, memory, "{at}: submit");
+            }
+            Op::Workflow(action, id) => {
+                let (memory, pg) = match action {
+                    WorkflowAction::Pause => (self.memory.pause_workflow(*id), self.pg.pause_workflow(*id).await),
+                    WorkflowAction::Resume => {
+                        (self.memory.resume_workflow(*id, self.now), self.pg.resume_workflow(*id).await)
+                    }
+                    WorkflowAction::Cancel => {
+                        (self.memory.cancel_workflow(*id, self.now), self.pg.cancel_workflow(*id).await)
+                    }
+                };
+                let pg = pg.map_err(|e| match e {
+                    PgWorkflowError::Refused(e) => e,
+                    other => panic!("{at}: {action:?} failed: {other}"),
+                });
+                assert_eq!(pg, memory, "{at}: {action:?} workflow {id}");
+            }
             Op::Admin(request) => {
                 let memory = self.memory.admin(request, self.now);
                 if let Some(seen) = seen_of(request, &memory) {
@@ -287,6 +325,13 @@ impl Pair {
         assert_eq!(self.pg.queue_depths().await.unwrap(), self.memory.queue_depths(self.now), "{at}: queue depths");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
         assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
+        for id in (1..).map(WorkflowId) {
+            let memory = self.memory.workflow(id);
+            assert_eq!(self.pg.workflow(id).await.unwrap(), memory, "{at}: workflow {id}");
+            if memory.is_none() {
+                break;
+            }
+        }
         if with_attempts {
             for record in &memory {
                 assert_eq!(
@@ -852,6 +897,109 @@ async fn operator_actions() {
     pair.run(&script).await;
 }
 
+/// A workflow of `tasks` steps (each a task of queue `a` with its index as arguments) and
+/// `edges` (parent, child, allow_failed); joins as given (`All` for the rest).
+fn workflow(name: &str, steps: u32, edges: &[(u32, u32, bool)], joins: &[(u32, Join)]) -> NewWorkflow {
+    let mut workflow = NewWorkflow::new(name);
+    for step in 0..steps {
+        let join = joins.iter().find(|(s, _)| *s == step).map_or(Join::All, |(_, join)| *join);
+        workflow.step(NewTask::new("t", json!(step)).queue("a"), join);
+    }
+    for &(parent, child, allow_failed) in edges {
+        let policy = if allow_failed { EdgePolicy::AllowFailed } else { EdgePolicy::RequireSuccess };
+        workflow.edge(StepId(parent), StepId(child), policy);
+    }
+    workflow
+}
+
+#[tokio::test]
+async fn workflows_promote_skip_pause_and_cancel_alike() {
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 4);
+    let mut pair = Pair::new(app, "workflows").await;
+    let failed = |code| FinishOutcome::Failed(error(code));
+    let done = |value: i64| FinishOutcome::Completed(json!(value));
+    let register =
+        Op::Db(DbRequest::RegisterWorker(WorkerInfo { worker: w("a"), queues: vec!["a".into()], concurrency: 4 }));
+    let script = vec![
+        register,
+        // 1: a diamond 0 -> (1, 2) -> 3, tasks 1 to 4.
+        Op::Submit(workflow("diamond", 4, &[(0, 1, false), (0, 2, false), (1, 3, false), (2, 3, false)], &[])),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), done(0)),
+        // Both children promoted by that finish; 2 fails, so 3 is skipped while 1 runs on.
+        claim("a", 2, &p, 2, 60_000),
+        finish("a", lease(3, 1), failed(ErrorCode::TaskError)),
+        finish("a", lease(2, 1), done(1)),
+        // 2: a chain of five, tasks 5 to 9, whose first is cancelled: the rest skip in turn.
+        Op::Submit(workflow("chain", 5, &[(0, 1, false), (1, 2, false), (2, 3, false), (3, 4, false)], &[])),
+        Op::Admin(AdminRequest::Cancel { task: TaskId(5) }),
+        // 3: fan-in with any, quorum and a recovery edge, tasks 10 to 15: 0, 1, 2 -> 3 (any),
+        // 4 (quorum 2), 5 (allow_failed from 0, all).
+        Op::Submit(workflow(
+            "fan-in",
+            6,
+            &[(0, 3, false), (1, 3, false), (2, 3, false), (0, 4, false), (1, 4, false), (2, 4, false), (0, 5, true)],
+            &[(3, Join::Any), (4, Join::Quorum(2))],
+        )),
+        claim("a", 3, &p, 3, 60_000),
+        finish("a", lease(10, 1), failed(ErrorCode::TaskError)),
+        finish("a", lease(11, 1), done(1)),
+        finish("a", lease(12, 1), failed(ErrorCode::TaskTimeout)),
+        // A step's task is retried only with its workflow.
+        Op::Admin(AdminRequest::Retry { task: TaskId(10) }),
+        // 4: paused before its root finishes, then resumed; tasks 16 to 18.
+        Op::Submit(workflow("paused", 3, &[(0, 1, false), (0, 2, false)], &[])),
+        Op::Workflow(WorkflowAction::Pause, WorkflowId(4)),
+        Op::Workflow(WorkflowAction::Pause, WorkflowId(4)),
+        claim("a", 4, &p, 4, 60_000),
+        finish("a", lease(16, 1), done(0)),
+        Op::Advance(1_000),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(4)),
+        // Cancelled with one step claimed, one running: the claimed one is cancelled.
+        claim("a", 5, &p, 1, 60_000),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(4)),
+        // Over: refused.
+        Op::Workflow(WorkflowAction::Pause, WorkflowId(1)),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(1)),
+        Op::Workflow(WorkflowAction::Pause, WorkflowId(99)),
+        // 5: pauses on a failure before anything is skipped; tasks 19 to 20.
+        Op::Submit(workflow("careful", 2, &[(0, 1, false)], &[]).pause_on_error()),
+        claim("a", 6, &p, 1, 60_000),
+        finish("a", lease(19, 1), failed(ErrorCode::TaskError)),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(5)),
+        // Refused whole: a cycle, a key, a run-at past its good-until (on the database's clock).
+        Op::Submit(workflow("cycle", 2, &[(0, 1, false), (1, 0, false)], &[])),
+        Op::Submit({
+            let mut keyed = workflow("keyed", 1, &[], &[]);
+            keyed.tasks[0] = NewTask::new("t", json!(0)).queue("a").key("k");
+            keyed
+        }),
+        Op::Submit({
+            let mut late = workflow("late", 2, &[(0, 1, false)], &[]);
+            late.tasks[1] = NewTask::new("t", json!(1)).queue("a").run_at(RunAt::DelayMs(5_000)).good_until(T0);
+            late
+        }),
+    ];
+    pair.run(&script).await;
+    assert_reached(&pair.seen, &["workflow submitted", "workflow refused"]);
+    // The script reached what it says (the stores agreed on all of it).
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps));
+    let steps = |states: &[(TaskState, u32)]| states.iter().copied().collect::<BTreeMap<_, _>>();
+    use TaskState::{Cancelled, Completed, Failed, Running, Skipped};
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(status(1), Some((S::Failed, steps(&[(Completed, 2), (Failed, 1), (Skipped, 1)]))));
+    assert_eq!(status(2), Some((S::Failed, steps(&[(Cancelled, 1), (Skipped, 4)]))));
+    // Any: promoted by one completion; quorum(2): skipped after two failures; the recovery
+    // step: promoted by the failure. Both promoted ones were claimed and started since.
+    assert_eq!(status(3), Some((S::Running, steps(&[(Completed, 1), (Failed, 2), (Running, 2), (Skipped, 1)]))));
+    assert_eq!(status(4), Some((S::Cancelled, steps(&[(Completed, 1), (Running, 1), (Cancelled, 1)]))));
+    assert_eq!(status(5), Some((S::Failed, steps(&[(Failed, 1), (Skipped, 1)]))));
+    assert_eq!(status(6), None, "refused submits write nothing");
+}
+
 #[tokio::test]
 async fn keys_of_held_tasks_and_idempotency_windows() {
     // Keys move from a held task without writing its row; remove-key, finishing and purge then
@@ -1415,6 +1563,8 @@ fn kind(op: &Op) -> &'static str {
         Op::EnqueueUnreadable(_) => "enqueue unreadable",
         Op::TakeToken(_) => "take token",
         Op::DropToken(_) => "drop token",
+        Op::Submit(_) => "submit workflow",
+        Op::Workflow(..) => "workflow action",
     }
 }
 

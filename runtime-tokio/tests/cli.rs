@@ -86,7 +86,7 @@ fn help_and_usage_errors_exit_with_their_codes() {
     usage_error(&canter(&["status", "-j"]), &["unexpected argument '-j'"]);
     usage_error(&canter(&["status", "extra"]), &["unexpected argument 'extra'"]);
     usage_error(&canter(&["list", "-n", "x"]), &["invalid value 'x' for '--limit <N>'"]);
-    usage_error(&canter(&["list", "--status", "sleeping"]), &["possible values: pending, claimed"]);
+    usage_error(&canter(&["list", "--status", "sleeping"]), &["possible values: waiting, pending, claimed"]);
     usage_error(&canter(&["show", "-3"]), &["unexpected argument '-3'"]);
     usage_error(&canter(&["show", "abc"]), &["expected a task id"]);
     usage_error(&canter(&["demo", "--database-url", DEAD, "--tasks", "0"]), &["--tasks <N>"]);

@@ -452,6 +452,20 @@ async fn the_readme_grants_are_enough_for_each_role() {
         let record = client.wait(ids[0], Duration::from_secs(30)).await.unwrap();
         assert_eq!(record.state, TaskState::Completed, "{mode:?}");
     }
+    // A workflow submitted by the client runs on the worker's grants (the promotion of its
+    // second step is the owner's function's), and the operator pauses and cancels another.
+    let mut chain = canter_tokio::canter::store::NewWorkflow::new("chain");
+    let first = chain.step(NewTask::new("echo", json!(1)), canter_tokio::canter::workflow::Join::All);
+    let second = chain.step(NewTask::new("echo", json!(2)), canter_tokio::canter::workflow::Join::All);
+    chain.edge(first, second, canter_tokio::canter::workflow::EdgePolicy::RequireSuccess);
+    let submitted = client.store().submit_workflow(&chain).await.expect("the client submits a workflow");
+    let record = client.wait(submitted.tasks[1], Duration::from_secs(30)).await.unwrap();
+    assert_eq!(record.state, TaskState::Completed, "the second step ran");
+    let later = {
+        let mut later = canter_tokio::canter::store::NewWorkflow::new("later");
+        later.step(NewTask::new("noop", json!({})).run_at(canter_tokio::RunAt::DelayMs(3_600_000)), Default::default());
+        client.store().submit_workflow(&later).await.unwrap().workflow
+    };
     let hour = canter_tokio::RunAt::DelayMs(3_600_000);
     let (a, b) = (
         client.store().enqueue(NewTask::new("noop", json!({})).run_at(hour)).await.unwrap(),
@@ -492,6 +506,11 @@ async fn the_readme_grants_are_enough_for_each_role() {
         assert_eq!(denied.status.code(), Some(1), "{role} {args:?}: {}", text(&denied));
         assert!(text(&denied).contains("permission denied"), "{role} {args:?}: {}", text(&denied));
     }
+    let operator = canter_tokio::canter::postgres::PgStore::new(roles.pool("operator").await, db.schema.clone(), app());
+    let paused = operator.pause_workflow(later).await.expect("the operator pauses a workflow");
+    assert_eq!(paused, canter_tokio::canter::workflow::WorkflowStatus::Paused);
+    let cancelled = operator.cancel_workflow(later).await.expect("the operator cancels a workflow");
+    assert_eq!(cancelled, canter_tokio::canter::workflow::WorkflowStatus::Cancelled);
     for args in [
         &["pause", "default"][..],
         &["resume", "default"],

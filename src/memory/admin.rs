@@ -65,6 +65,9 @@ impl MemoryStore {
     /// Puts a Failed task back to Pending, claimable at once (`run_at = now`), with its
     /// retries reset to 0; its attempts, history and last error are kept.
     pub(super) fn requeue_failed(&mut self, id: TaskId, now: DbTime) -> Result<(), AdminError> {
+        if let Some((workflow, _)) = self.step_of(id) {
+            return Err(AdminError::WorkflowStep { task: id, workflow });
+        }
         let state = self.row(id).ok_or(AdminError::NotFound(id))?.state;
         transition(state, TaskEvent::Requeue).map_err(|_| AdminError::WrongState {
             task: id,

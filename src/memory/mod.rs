@@ -6,7 +6,8 @@
 //! (Pending, Claimed and Running tasks, the only ones a claim scans) and the finished table
 //! (terminal tasks with their result or error); a terminal transition moves the row. It also
 //! keeps the attempts history (one record per finished run), the task keys, the worker
-//! registry, paused queues, schedule records and the notifications PostgreSQL would send.
+//! registry, paused queues, schedule records, workflows and the notifications PostgreSQL would
+//! send.
 //!
 //! Every request applies atomically: [`MemoryStore::apply`] takes `&mut self`, so no two
 //! requests interleave. That is what `FOR UPDATE SKIP LOCKED` achieves across workers in
@@ -27,6 +28,7 @@ mod protocol;
 mod records;
 mod schedules;
 mod store;
+mod workflow;
 
 pub use store::{LOCK_TIMEOUT_MESSAGE, LOCK_TIMEOUT_MS, MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth};
 

@@ -75,7 +75,9 @@ impl MemoryStore {
                 TaskState::Pending if row.run_at <= now => depth.due += 1,
                 TaskState::Pending => depth.scheduled += 1,
                 TaskState::Claimed => depth.claimed += 1,
-                _ => depth.running += 1,
+                TaskState::Running => depth.running += 1,
+                // Workflow steps waiting for their parents are no queue's work yet.
+                _ => {}
             }
         }
         depths.into_values().collect()

@@ -8,8 +8,11 @@ use serde_json::Value;
 
 use crate::config::{AppConfig, RetryPolicy};
 use crate::scheduler::ScheduleRecord;
-use crate::store::{AttemptRecord, DbTime, Notification, TaskRecord, WorkerInfo, WorkerRecord};
+use crate::store::{AttemptRecord, DbTime, Notification, TaskRecord, WorkerInfo, WorkerRecord, WorkflowId};
 use crate::task::{Attempt, Lease, TaskError, TaskEvent, TaskId, TaskState, WorkerId, transition};
+use crate::workflow::StepId;
+
+use super::workflow::StoredWorkflow;
 
 /// One task's full row, as the live or the finished table holds it.
 ///
@@ -159,6 +162,11 @@ pub struct MemoryStore {
     pub(super) locked: BTreeSet<TaskId>,
     /// Workers' liveness tokens: see [`MemoryStore::take_token`].
     pub(super) tokens: Tokens,
+    /// Workflows by id (the `workflows` table with its edges).
+    pub(super) workflows: BTreeMap<WorkflowId, StoredWorkflow>,
+    /// The workflow and step of each step's task.
+    pub(super) steps: BTreeMap<TaskId, (WorkflowId, StepId)>,
+    pub(super) next_workflow_id: i64,
 }
 
 /// The liveness tokens: in PostgreSQL, a session advisory lock each worker holds on a
@@ -206,6 +214,9 @@ impl MemoryStore {
             notifications: Vec::new(),
             locked: BTreeSet::new(),
             tokens: Tokens::default(),
+            workflows: BTreeMap::new(),
+            steps: BTreeMap::new(),
+            next_workflow_id: 1,
         }
     }
 
@@ -345,6 +356,8 @@ impl MemoryStore {
         let state = row.state;
         self.finished.insert(id, row);
         self.notifications.push(Notification::TaskFinished { task: id, state });
+        // The same move decides the step's children, if it is a workflow's step.
+        self.step_finished(id, state, now);
         state
     }
 

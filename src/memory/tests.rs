@@ -1114,3 +1114,162 @@ fn inspection_lists_filters_and_counts() {
     assert_eq!(page(TaskFilter { after: Some(TaskId(5)), ..TaskFilter::default() }), vec![6, 7]);
     assert_eq!(page(TaskFilter { name: Some("other".into()), ..TaskFilter::default() }), vec![7]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Workflows
+// ---------------------------------------------------------------------------------------------
+
+use crate::workflow::{EdgePolicy, Join, StepId, WorkflowStatus};
+
+fn state_of(store: &MemoryStore, id: TaskId) -> TaskState {
+    store.task(id).expect("the step's row").state
+}
+
+/// A diamond `a -> (b, c) -> d`, with `d`'s edge from `c` as given.
+fn diamond(store: &mut MemoryStore, c_to_d: EdgePolicy) -> SubmittedWorkflow {
+    let mut workflow = NewWorkflow::new("diamond");
+    let step =
+        |workflow: &mut NewWorkflow, name: &str| workflow.step(NewTask::new(name, json!({"step": name})), Join::All);
+    let (a, b, c, d) =
+        (step(&mut workflow, "a"), step(&mut workflow, "b"), step(&mut workflow, "c"), step(&mut workflow, "d"));
+    workflow.edge(a, b, EdgePolicy::RequireSuccess);
+    workflow.edge(a, c, EdgePolicy::RequireSuccess);
+    workflow.edge(b, d, EdgePolicy::RequireSuccess);
+    workflow.edge(c, d, c_to_d);
+    store.submit_workflow(workflow, T0).expect("submit")
+}
+
+/// Claims, starts and finishes the one claimable task, which must be `expected`.
+fn run_one(store: &mut MemoryStore, expected: TaskId, outcome: FinishOutcome, now: DbTime) {
+    let claimed = claim_n(store, "w", 1, 1, 1, now);
+    assert_eq!(ids(&claimed), vec![expected.0], "the one claimable step");
+    assert!(matches!(finish(store, "w", lease(&claimed[0]), outcome, now), DbReply::Finished { .. }));
+}
+
+#[test]
+fn a_workflow_promotes_each_step_when_its_parents_complete() {
+    let mut store = MemoryStore::new(AppConfig::default());
+    let submitted = diamond(&mut store, EdgePolicy::RequireSuccess);
+    let [a, b, c, d] = submitted.tasks[..] else { panic!("four steps") };
+    assert_eq!(submitted.tasks, vec![TaskId(1), TaskId(2), TaskId(3), TaskId(4)]);
+    let states = |store: &MemoryStore| [a, b, c, d].map(|id| state_of(store, id));
+    use TaskState::{Completed, Pending, Waiting};
+    assert_eq!(states(&store), [Pending, Waiting, Waiting, Waiting]);
+    // One notification for the root's queue; a waiting step is never claimed.
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: Some(0) }]
+    );
+    run_one(&mut store, a, FinishOutcome::Completed(json!(1)), at(1));
+    assert_eq!(states(&store), [Completed, Pending, Pending, Waiting]);
+    let notified = store.take_notifications();
+    assert_eq!(notified.iter().filter(|n| matches!(n, Notification::TaskReady { .. })).count(), 1, "{notified:?}");
+    run_one_of(&mut store, &[b, c], at(2));
+    assert_eq!(state_of(&store, d), Waiting, "d waits for both parents");
+    run_one_of(&mut store, &[b, c], at(3));
+    run_one(&mut store, d, FinishOutcome::Completed(json!(4)), at(4));
+    let record = store.workflow(submitted.workflow).expect("the workflow");
+    assert_eq!(record.status, WorkflowStatus::Completed);
+    assert_eq!(record.steps, [(Completed, 4)].into_iter().collect());
+    // A promoted step's run-at is when it became claimable, not when it was submitted.
+    assert_eq!(store.task(d).unwrap().run_at, at(3));
+}
+
+/// Claims one of `choices` and completes it.
+fn run_one_of(store: &mut MemoryStore, choices: &[TaskId], now: DbTime) {
+    let claimed = claim_n(store, "w", 1, 1, 1, now);
+    assert!(claimed.len() == 1 && choices.contains(&claimed[0].id), "{claimed:?}");
+    finish(store, "w", lease(&claimed[0]), FinishOutcome::Completed(json!(null)), now);
+}
+
+#[test]
+fn a_failed_step_skips_what_needs_it_and_an_allow_failed_edge_runs_on() {
+    let mut store = MemoryStore::new(AppConfig::default());
+    let required = diamond(&mut store, EdgePolicy::RequireSuccess);
+    let [a, b, c, d] = required.tasks[..] else { panic!("four steps") };
+    run_one(&mut store, a, FinishOutcome::Completed(json!(1)), at(1));
+    let claimed = claim_n(&mut store, "w", 1, 2, 2, at(2));
+    let c_lease = claimed.iter().find(|t| t.id == c).map(lease).expect("c claimed");
+    let failure = TaskError::new(ErrorCode::TaskError, "no");
+    finish(&mut store, "w", c_lease, FinishOutcome::Failed(failure.clone()), at(2));
+    // d needs c's success: skipped at once, though b still runs.
+    assert_eq!((state_of(&store, c), state_of(&store, d)), (TaskState::Failed, TaskState::Skipped));
+    assert_eq!(state_of(&store, b), TaskState::Running);
+    assert!(store.task(d).unwrap().finished_at == Some(at(2)));
+    let b_lease = claimed.iter().find(|t| t.id == b).map(lease).expect("b claimed");
+    finish(&mut store, "w", b_lease, FinishOutcome::Completed(json!(2)), at(3));
+    let record = store.workflow(required.workflow).unwrap();
+    assert_eq!(record.status, WorkflowStatus::Failed, "its sink was skipped");
+
+    // With an allow_failed edge from c, d runs after c failed.
+    let allowing = diamond(&mut store, EdgePolicy::AllowFailed);
+    let [a, b, c, d] = allowing.tasks[..] else { panic!("four steps") };
+    run_one(&mut store, a, FinishOutcome::Completed(json!(1)), at(4));
+    store.admin(&AdminRequest::Fail { task: c, message: "by hand".into() }, at(5)).unwrap();
+    run_one(&mut store, b, FinishOutcome::Completed(json!(2)), at(6));
+    run_one(&mut store, d, FinishOutcome::Completed(json!(3)), at(7));
+    assert_eq!(store.workflow(allowing.workflow).unwrap().status, WorkflowStatus::Completed);
+}
+
+#[test]
+fn skips_cascade_down_a_chain_in_one_request() {
+    let mut store = MemoryStore::new(AppConfig::default());
+    let mut workflow = NewWorkflow::new("chain");
+    let steps: Vec<StepId> = (0..50).map(|i| workflow.step(NewTask::new("t", json!(i)), Join::All)).collect();
+    for pair in steps.windows(2) {
+        workflow.edge(pair[0], pair[1], EdgePolicy::RequireSuccess);
+    }
+    let submitted = store.submit_workflow(workflow, T0).unwrap();
+    store.admin(&AdminRequest::Cancel { task: submitted.tasks[0] }, at(1)).unwrap();
+    assert!(submitted.tasks[1..].iter().all(|id| state_of(&store, *id) == TaskState::Skipped));
+    let record = store.workflow(submitted.workflow).unwrap();
+    assert_eq!((record.status, record.steps.get(&TaskState::Skipped)), (WorkflowStatus::Failed, Some(&49)));
+}
+
+#[test]
+fn a_paused_workflow_holds_its_decisions_and_a_cancel_ends_it() {
+    let mut store = MemoryStore::new(AppConfig::default());
+    let submitted = diamond(&mut store, EdgePolicy::RequireSuccess);
+    let [a, b, c, d] = submitted.tasks[..] else { panic!("four steps") };
+    assert_eq!(store.pause_workflow(submitted.workflow), Ok(WorkflowStatus::Paused));
+    // The root was Pending already: it runs; its children wait for the resume.
+    run_one(&mut store, a, FinishOutcome::Completed(json!(1)), at(1));
+    assert_eq!((state_of(&store, b), state_of(&store, c)), (TaskState::Waiting, TaskState::Waiting));
+    store.take_notifications();
+    assert_eq!(store.resume_workflow(submitted.workflow, at(2)), Ok(WorkflowStatus::Running));
+    assert_eq!((state_of(&store, b), state_of(&store, c)), (TaskState::Pending, TaskState::Pending));
+    assert_eq!(store.take_notifications().len(), 1, "one notification per queue");
+
+    // Cancel: pending and waiting steps cancelled, a running one runs on; nothing after.
+    let claimed = claim_n(&mut store, "w", 1, 1, 1, at(3));
+    assert_eq!(store.cancel_workflow(submitted.workflow, at(4)), Ok(WorkflowStatus::Cancelled));
+    let (running, other) = if claimed[0].id == b { (b, c) } else { (c, b) };
+    assert_eq!((state_of(&store, running), state_of(&store, other)), (TaskState::Running, TaskState::Cancelled));
+    assert_eq!(store.task(other).unwrap().error.as_ref().map(|e| e.message.as_str()), Some(CANCELLED_WITH_WORKFLOW));
+    assert_eq!(state_of(&store, d), TaskState::Cancelled);
+    finish(&mut store, "w", lease(&claimed[0]), FinishOutcome::Completed(json!(2)), at(5));
+    assert_eq!(state_of(&store, running), TaskState::Completed);
+    assert_eq!(store.workflow(submitted.workflow).unwrap().status, WorkflowStatus::Cancelled);
+    assert!(matches!(store.pause_workflow(submitted.workflow), Err(WorkflowActionError::Refused { .. })));
+    assert_eq!(store.resume_workflow(WorkflowId(99), at(6)), Err(WorkflowActionError::NotFound(WorkflowId(99))));
+}
+
+#[test]
+fn a_workflow_is_checked_whole_before_anything_is_written() {
+    let mut store = MemoryStore::new(AppConfig::default());
+    let mut cyclic = NewWorkflow::new("cycle");
+    let (x, y) =
+        (cyclic.step(NewTask::new("t", json!(1)), Join::All), cyclic.step(NewTask::new("t", json!(2)), Join::All));
+    cyclic.edge(x, y, EdgePolicy::RequireSuccess);
+    cyclic.edge(y, x, EdgePolicy::RequireSuccess);
+    assert!(matches!(store.submit_workflow(cyclic, T0), Err(SubmitError::Graph(_))));
+    let mut keyed = NewWorkflow::new("keyed");
+    keyed.step(NewTask::new("t", json!(1)), Join::All);
+    keyed.step(NewTask::new("t", json!(1)).key("k"), Join::All);
+    assert_eq!(store.submit_workflow(keyed, T0), Err(SubmitError::StepKey(StepId(1))));
+    let mut bad_queue = NewWorkflow::new("queue");
+    bad_queue.step(NewTask::new("t", json!(1)).queue("nowhere"), Join::All);
+    assert!(matches!(store.submit_workflow(bad_queue, T0), Err(SubmitError::Step { step: StepId(0), .. })));
+    assert!(matches!(store.submit_workflow(NewWorkflow::new(""), T0), Err(SubmitError::InvalidName(_))));
+    assert_eq!(store.tasks().count(), 0, "nothing written");
+}

@@ -82,6 +82,9 @@ impl PgStore {
     /// Puts a Failed task back to Pending, claimable at once, with its retries reset to 0; its
     /// attempts, history and last error are kept.
     async fn retry_failed(&self, id: TaskId) -> Result<(), PgAdminError> {
+        if let Some((workflow, _)) = self.step_of(id).await? {
+            return Err(AdminError::WorkflowStep { task: id, workflow }.into());
+        }
         let sql = self.schema().sql();
         let done: Option<i64> =
             replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(sql.requeue_failed.clone())

@@ -64,6 +64,7 @@ mod sql;
 mod store;
 mod tcp;
 mod vacuum;
+mod workflow;
 
 pub use admin::PgAdminError;
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
@@ -79,3 +80,4 @@ pub use schema::{
 pub use store::{MAX_DB_TIME_MS, MAX_DURATION_MS, PgStore, SESSION_SETTINGS, with_session_settings};
 pub use tcp::{pool_options, set_tcp_nodelay, tcp_nodelay};
 pub use vacuum::HOT_TABLES;
+pub use workflow::{PgSubmitError, PgWorkflowError, submit_workflow_in};

@@ -52,8 +52,8 @@ pub const DEFAULT_SCHEMA: &str = "canter";
 
 /// Every table a schema of this release holds, as [`migrate`] leaves it: live tasks, finished
 /// tasks, their runs, keys, the worker registry, paused queues, schedule records, the claim
-/// and reaper lock rows, registered listeners, the schema's versions and sqlx's migration
-/// record. [`HOT_TABLES`](crate::postgres::HOT_TABLES) are those workers vacuum themselves.
+/// and reaper lock rows, registered listeners, workflows with their steps and edges, the
+/// schema's versions and sqlx's migration record. [`HOT_TABLES`](crate::postgres::HOT_TABLES) are those workers vacuum themselves.
 pub const TABLES: &[&str] = &[
     "tasks",
     "finished_tasks",
@@ -65,6 +65,9 @@ pub const TABLES: &[&str] = &[
     "claim_locks",
     "reaper_lock",
     "listeners",
+    "workflows",
+    "workflow_steps",
+    "workflow_edges",
     "schema_versions",
     "_sqlx_migrations",
 ];
@@ -803,6 +806,7 @@ mod tests {
         (7, "2b38b84367b7f67a59cf61c25bbff6084ba0959fc932744eb5ab4d22b5c1a51b9dde9d515758356033362e8ebe2e57cd"),
         (8, "7abad88eb8479ff8c6586de6dce251d033d86856028de975c7edc587f398f21a9b2b15aa61994b753b065c11c3ba78bc"),
         (9, "caf7fd53c8dd649041e78e1b882dd4499a2a922cad369f0f042407b4da9a1d4f951bef6e5edf45fe7e583ab9834c974f"),
+        (10, "a426b2bffabf102397bc7f6e93419c93175105667322b83a4e1efc38cc8876991a7cd166b003b678f4b985c5e1e30ed1"),
     ];
 
     fn hex(bytes: &[u8]) -> String {

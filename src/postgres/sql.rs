@@ -644,7 +644,7 @@ const UNREGISTER_LISTENER: &str = "SELECT {s}.unregister_listener()";
 
 const CANCEL: &str = "\
 WITH gone AS (
-    DELETE FROM {s}.tasks t WHERE t.id = $1 AND t.state IN ('PENDING', 'CLAIMED') RETURNING t.*
+    DELETE FROM {s}.tasks t WHERE t.id = $1 AND t.state IN ('WAITING', 'PENDING', 'CLAIMED') RETURNING t.*
 ),
 finished AS (
     INSERT INTO {s}.finished_tasks ({finished_columns})
@@ -655,6 +655,122 @@ notified AS (
     SELECT count(pg_notify($3, g.id::text)) AS n FROM gone g WHERE {heard:$3}
 )
 SELECT g.id, g.state, g.claimed_by FROM gone g CROSS JOIN notified";
+
+/// Submits a workflow (migration 0010) in one statement: the steps' tasks as
+/// [`ENQUEUE_KEYLESS`] writes tasks (refused whole when a run-at is not before its good-until),
+/// the steps with parents WAITING, then the workflow, its steps and its edges (steps named by
+/// their index, `$13` to `$15`), and one notification per queue of a step due now. Returns
+/// each step's task id in step order with the workflow's id, or the refusal.
+const SUBMIT_WORKFLOW: &str = "\
+WITH items AS (
+    SELECT i.ord, i.name, i.queue, i.priority, i.args, i.retry, {s}.at_ms(i.good_until) AS good_until,
+           {s}.due_at(i.delay, i.at, {s}.db_now()) AS run_at, string_to_array(i.flags, ',') AS flags,
+           i.parents, i.required, i.sink
+    FROM unnest($1::text[], $3::text[], $4::smallint[], $2::jsonb[], $5::bigint[], $6::bigint[], $7::bigint[],
+                $8::jsonb[], $9::text[], $10::integer[], $11::integer[], $12::boolean[])
+         WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, flags, parents, required,
+                              sink, ord)
+),
+refused AS (
+    SELECT it.ord, it.run_at, it.good_until FROM items it
+    WHERE it.good_until IS NOT NULL AND it.run_at >= it.good_until
+    ORDER BY it.ord
+    LIMIT 1
+),
+workflow AS (
+    INSERT INTO {s}.workflows (name, on_error, submitted_at, queue_channel_prefix, done_channel)
+    SELECT $16, $17, {s}.db_now(), $18, $19 WHERE NOT EXISTS (SELECT FROM refused)
+    RETURNING id
+),
+-- The insert draws ids from the sequence in step order (as ENQUEUE_PLAIN's), so the n-th
+-- smallest id is step n's.
+inserted AS (
+    INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, flags)
+    SELECT it.name, it.queue, it.priority, it.args, CASE WHEN it.parents = 0 THEN 'PENDING' ELSE 'WAITING' END,
+           it.run_at, {s}.db_now(), it.good_until, it.retry, it.flags
+    FROM items it
+    WHERE NOT EXISTS (SELECT FROM refused)
+    ORDER BY it.ord
+    RETURNING id, queue, priority, state
+),
+numbered AS (
+    SELECT ins.id, it.ord, it.parents, it.required, it.sink
+    FROM (SELECT ins.id, row_number() OVER (ORDER BY ins.id) AS ord FROM inserted ins) ins
+    JOIN items it ON it.ord = ins.ord
+),
+steps AS (
+    INSERT INTO {s}.workflow_steps (task_id, workflow_id, step, parents, required, sink)
+    SELECT n.id, w.id, n.ord - 1, n.parents, n.required, n.sink FROM numbered n CROSS JOIN workflow w
+),
+edges AS (
+    INSERT INTO {s}.workflow_edges (parent, child, allow_failed)
+    SELECT p.id, c.id, e.allow_failed
+    FROM unnest($13::integer[], $14::integer[], $15::boolean[]) AS e(parent, child, allow_failed)
+    JOIN numbered p ON p.ord = e.parent + 1
+    JOIN numbered c ON c.ord = e.child + 1
+),
+notified AS (
+    SELECT count(pg_notify($18 || q.queue, q.priority::text)) AS n
+    FROM (SELECT ins.queue, min(ins.priority) AS priority FROM inserted ins WHERE ins.state = 'PENDING'
+          GROUP BY ins.queue) q
+)
+SELECT n.ord, n.id, w.id AS workflow_id, NULL::bigint AS run_at_ms, NULL::bigint AS good_until_ms
+FROM numbered n CROSS JOIN workflow w CROSS JOIN notified
+UNION ALL
+SELECT r.ord, NULL, NULL, {s}.ms(r.run_at), {s}.ms(r.good_until) FROM refused r
+ORDER BY 1";
+
+/// A workflow's row and its steps counted by state and by whether they are sinks (none for an
+/// unknown workflow).
+const WORKFLOW_RECORD: &str = "\
+SELECT w.name, w.on_error, w.paused, w.cancelled, {s}.ms(w.submitted_at) AS submitted_at_ms, c.state, c.sink, c.n
+FROM {s}.workflows w
+LEFT JOIN LATERAL (
+    SELECT coalesce(t.state, f.state) AS state, s.sink, count(*) AS n
+    FROM {s}.workflow_steps s
+    LEFT JOIN {s}.tasks t ON t.id = s.task_id
+    LEFT JOIN {s}.finished_tasks f ON f.id = s.task_id
+    WHERE s.workflow_id = w.id AND (t.id IS NOT NULL OR f.id IS NOT NULL)
+    GROUP BY 1, 2
+) c ON true
+WHERE w.id = $1";
+
+/// Pauses workflow `$1` unless it is cancelled: its row is locked for the statement, so a
+/// concurrent finish decides before or after it, never half.
+const PAUSE_WORKFLOW: &str = "\
+UPDATE {s}.workflows w SET paused = true WHERE w.id = $1 AND NOT w.cancelled RETURNING w.id";
+
+const RESUME_WORKFLOW: &str = "SELECT {s}.workflow_resume($1)";
+
+/// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending and Claimed steps as
+/// [`CANCEL`] cancels a task (`$2` the error); Running steps run to their end.
+const CANCEL_WORKFLOW: &str = "\
+WITH flagged AS (
+    UPDATE {s}.workflows w SET cancelled = true WHERE w.id = $1 AND NOT w.cancelled RETURNING w.id
+),
+doomed AS (
+    SELECT t.id FROM {s}.tasks t
+    WHERE t.id IN (SELECT s.task_id FROM {s}.workflow_steps s JOIN flagged f ON f.id = s.workflow_id)
+      AND t.state IN ('WAITING', 'PENDING', 'CLAIMED')
+    ORDER BY t.id
+    FOR UPDATE
+),
+gone AS (
+    DELETE FROM {s}.tasks t USING doomed d WHERE t.id = d.id RETURNING t.*
+),
+finished AS (
+    INSERT INTO {s}.finished_tasks ({finished_columns})
+    SELECT m.id, m.name, m.queue, m.priority, m.args, 'CANCELLED', {kept}, $2, NULL, {s}.db_now()
+    FROM gone m
+),
+notified AS (
+    SELECT count(pg_notify($3, n.ids)) AS n FROM (SELECT string_agg(g.id::text, ',') AS ids FROM gone g) n
+    WHERE n.ids IS NOT NULL AND {heard:$3}
+)
+SELECT count(*) FROM flagged CROSS JOIN notified";
+
+/// The workflow of task `$1`, if it is a step.
+const STEP_OF: &str = "SELECT s.workflow_id, s.step FROM {s}.workflow_steps s WHERE s.task_id = $1";
 
 const REQUEUE_FAILED: &str = "\
 WITH gone AS (
@@ -910,6 +1026,12 @@ pub(crate) struct Statements {
     pub(crate) now: SqlStr,
     pub(crate) register_listener: SqlStr,
     pub(crate) unregister_listener: SqlStr,
+    pub(crate) submit_workflow: SqlStr,
+    pub(crate) workflow_record: SqlStr,
+    pub(crate) pause_workflow: SqlStr,
+    pub(crate) resume_workflow: SqlStr,
+    pub(crate) cancel_workflow: SqlStr,
+    pub(crate) step_of: SqlStr,
 }
 
 /// Expands every `{heard:$N}` of a statement: whether a listener of the channel in parameter
@@ -1015,6 +1137,12 @@ impl Statements {
             now: fill(NOW),
             register_listener: fill(REGISTER_LISTENER),
             unregister_listener: fill(UNREGISTER_LISTENER),
+            submit_workflow: fill(SUBMIT_WORKFLOW),
+            workflow_record: fill(WORKFLOW_RECORD),
+            pause_workflow: fill(PAUSE_WORKFLOW),
+            resume_workflow: fill(RESUME_WORKFLOW),
+            cancel_workflow: fill(CANCEL_WORKFLOW),
+            step_of: fill(STEP_OF),
         }
     }
 }

@@ -206,6 +206,15 @@ pub enum AdminError {
     /// No task holds this idempotency key.
     #[error("no task holds idempotency key {0:?}")]
     KeyNotFound(String),
+    /// The task is a workflow's step: only its workflow is retried, so that its children's
+    /// counts follow.
+    #[error("task {task} is a step of workflow {workflow}: retry the workflow instead")]
+    WorkflowStep {
+        /// The task.
+        task: TaskId,
+        /// Its workflow.
+        workflow: crate::store::WorkflowId,
+    },
     /// A reschedule would set more retries spent than a task can have.
     #[error("invalid retries spent {0}: expected 0 to {MAX_RETRIES_SPENT}")]
     InvalidRetries(u32),

@@ -8,6 +8,8 @@
 //! - [`enqueue`]: a new task ([`NewTask`]) and the checks every store applies to it.
 //! - [`records`]: what inspection reads (tasks, runs, workers, paused queues, filters).
 //! - [`values`]: the JSON values and text a store can hold.
+//! - [`workflow`]: a graph of new tasks to submit ([`NewWorkflow`]) and what reading a
+//!   workflow gives ([`WorkflowRecord`]).
 //!
 //! Two stores implement it side by side, file for file: [`memory`](crate::memory) (the
 //! reference, in memory) and `postgres` (feature `postgres`), each with `protocol.rs` (applies
@@ -34,9 +36,11 @@ pub mod enqueue;
 pub mod protocol;
 pub mod records;
 pub mod values;
+pub mod workflow;
 
 pub use admin::*;
 pub use enqueue::*;
 pub use protocol::*;
 pub use records::*;
 pub use values::*;
+pub use workflow::*;

@@ -166,6 +166,20 @@ pub enum WorkflowStatus {
 }
 
 impl WorkflowStatus {
+    /// The status of a workflow with these flags and counts (see the module docs): what a store
+    /// that keeps the flags and counts its steps' rows reports.
+    pub fn of(cancelled: bool, paused: bool, unfinished: u32, sinks: u32, sinks_completed: u32) -> WorkflowStatus {
+        if cancelled {
+            WorkflowStatus::Cancelled
+        } else if unfinished == 0 {
+            if sinks_completed == sinks { WorkflowStatus::Completed } else { WorkflowStatus::Failed }
+        } else if paused {
+            WorkflowStatus::Paused
+        } else {
+            WorkflowStatus::Running
+        }
+    }
+
     /// Whether the workflow is over (completed, failed or cancelled); only a retry reopens it.
     pub fn is_finished(self) -> bool {
         matches!(self, WorkflowStatus::Completed | WorkflowStatus::Failed | WorkflowStatus::Cancelled)
@@ -317,15 +331,7 @@ impl WorkflowState {
 
     /// The workflow's status.
     pub fn status(&self) -> WorkflowStatus {
-        if self.cancelled {
-            WorkflowStatus::Cancelled
-        } else if self.step_counts.unfinished() == 0 {
-            if self.sinks_completed == self.sinks { WorkflowStatus::Completed } else { WorkflowStatus::Failed }
-        } else if self.paused {
-            WorkflowStatus::Paused
-        } else {
-            WorkflowStatus::Running
-        }
+        WorkflowStatus::of(self.cancelled, self.paused, self.step_counts.unfinished(), self.sinks, self.sinks_completed)
     }
 
     /// How many steps the workflow has.

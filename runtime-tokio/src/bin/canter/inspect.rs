@@ -50,19 +50,20 @@ pub(crate) async fn status(database: &Database, schema: &SchemaArg, output: Outp
     if by_queue.is_empty() {
         outln!("(no tasks)");
     } else {
-        let mut table = Table::new(&[
-            "QUEUE",
-            ">PENDING",
-            ">CLAIMED",
-            ">RUNNING",
-            ">COMPLETED",
-            ">FAILED",
-            ">CANCELLED",
-            ">EXPIRED",
-        ]);
+        // The workflow steps' own states only when some task is in them.
+        let shown: Vec<TaskState> = TaskState::ALL
+            .into_iter()
+            .filter(|state| {
+                !matches!(state, TaskState::Waiting | TaskState::Skipped)
+                    || by_queue.values().any(|states| states.contains_key(state))
+            })
+            .collect();
+        let header: Vec<String> =
+            std::iter::once("QUEUE".to_owned()).chain(shown.iter().map(|state| format!(">{state}"))).collect();
+        let mut table = Table::new(&header);
         for (queue, states) in &by_queue {
             let mut row = vec![queue.to_string()];
-            row.extend(TaskState::ALL.iter().map(|s| states.get(s).copied().unwrap_or(0).to_string()));
+            row.extend(shown.iter().map(|s| states.get(s).copied().unwrap_or(0).to_string()));
             table.row(row);
         }
         table.print();

@@ -139,7 +139,7 @@ pub(crate) fn time_or_dash(t: Option<DbTime>) -> String {
 
 /// A table printed with aligned columns: a header, then rows; each cell's text escaped.
 pub(crate) struct Table {
-    header: Vec<&'static str>,
+    header: Vec<String>,
     rows: Vec<Vec<String>>,
     /// Columns aligned to the right (numbers).
     right: Vec<bool>,
@@ -147,9 +147,10 @@ pub(crate) struct Table {
 
 impl Table {
     /// A table with these column names; a name starting with `>` is a right-aligned column.
-    pub(crate) fn new(columns: &[&'static str]) -> Table {
+    pub(crate) fn new<S: AsRef<str>>(columns: &[S]) -> Table {
+        let columns: Vec<&str> = columns.iter().map(AsRef::as_ref).collect();
         Table {
-            header: columns.iter().map(|c| c.trim_start_matches('>')).collect(),
+            header: columns.iter().map(|c| c.trim_start_matches('>').to_owned()).collect(),
             right: columns.iter().map(|c| c.starts_with('>')).collect(),
             rows: Vec::new(),
         }
@@ -183,7 +184,7 @@ impl Table {
             }
             out.trim_end().to_owned()
         };
-        outln!("{}", line(&mut self.header.iter().copied()));
+        outln!("{}", line(&mut self.header.iter().map(String::as_str)));
         for row in &self.rows {
             outln!("{}", line(&mut row.iter().map(String::as_str)));
         }

@@ -1,0 +1,175 @@
+//! Workflows: each holds the core's [`WorkflowState`] (the specification the SQL agrees with)
+//! and its steps' task ids. Every move of a step's row to the finished table reports its
+//! outcome to the workflow ([`MemoryStore::step_finished`], from
+//! [`finish_row`](MemoryStore::finish_row)), and what the workflow decides moves the other
+//! steps' rows in the same request: promoted to Pending (one notification per queue), or
+//! skipped, which is itself a finish its children see.
+
+use std::collections::BTreeMap;
+
+use crate::store::{
+    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, SubmitError, SubmittedWorkflow, WorkflowActionError,
+    WorkflowId, WorkflowRecord, check_new_workflow,
+};
+use crate::task::{ErrorCode, TaskError, TaskEvent, TaskId, TaskState};
+use crate::workflow::{Changes, StepId, StepOutcome, WorkflowState, WorkflowStatus};
+
+use super::store::MemoryStore;
+
+/// A submitted workflow (a row of `workflows`, with its edges in the state).
+#[derive(Debug, Clone)]
+pub(crate) struct StoredWorkflow {
+    pub(crate) name: String,
+    pub(crate) state: WorkflowState,
+    /// Each step's task, by step.
+    pub(crate) tasks: Vec<TaskId>,
+    pub(crate) submitted_at: DbTime,
+}
+
+impl MemoryStore {
+    /// Submits a workflow as one statement: everything is checked
+    /// ([`check_new_workflow`]) before anything is written, and on an error nothing is. Each
+    /// step becomes a task: the steps without parents Pending (their queues notified), the
+    /// others [`Waiting`](TaskState::Waiting) for their parents. Task ids follow the steps'
+    /// order.
+    pub fn submit_workflow(&mut self, workflow: NewWorkflow, now: DbTime) -> Result<SubmittedWorkflow, SubmitError> {
+        let queues: Vec<String> =
+            check_new_workflow(&self.app, &workflow, now)?.into_iter().map(str::to_owned).collect();
+        let (state, changes) = WorkflowState::submit(&workflow.spec)?;
+        let id = WorkflowId(self.next_workflow_id);
+        self.next_workflow_id = self.next_workflow_id.saturating_add(1);
+        let mut tasks = Vec::with_capacity(workflow.tasks.len());
+        for (index, (task, queue)) in workflow.tasks.into_iter().zip(queues).enumerate() {
+            let task_id = self.insert_new(task, queue, now);
+            // A new step's row starts waiting; the workflow's first changes promote the roots.
+            self.live_row(task_id).state = TaskState::Waiting;
+            self.steps.insert(task_id, (id, StepId(u32::try_from(index).unwrap_or(u32::MAX))));
+            tasks.push(task_id);
+        }
+        let stored = StoredWorkflow { name: workflow.name, state, tasks: tasks.clone(), submitted_at: now };
+        self.workflows.insert(id, stored);
+        self.apply_workflow_changes(id, &changes, now);
+        Ok(SubmittedWorkflow { workflow: id, tasks })
+    }
+
+    /// The workflow `id` as reading it shows: its status and its steps per state.
+    pub fn workflow(&self, id: WorkflowId) -> Option<WorkflowRecord> {
+        let flow = self.workflows.get(&id)?;
+        let mut steps = BTreeMap::new();
+        // A purged step's row is gone: it counts no more.
+        for row in flow.tasks.iter().filter_map(|task| self.row(*task)) {
+            *steps.entry(row.state).or_insert(0) += 1;
+        }
+        Some(WorkflowRecord {
+            id,
+            name: flow.name.clone(),
+            status: flow.state.status(),
+            on_error: flow.state.on_error(),
+            steps,
+            submitted_at: flow.submitted_at,
+        })
+    }
+
+    /// The workflow and step of task `id`, if it is a workflow's step.
+    pub fn step_of(&self, id: TaskId) -> Option<(WorkflowId, StepId)> {
+        self.steps.get(&id).copied()
+    }
+
+    /// Pauses workflow `id`: no step is promoted or skipped until it is resumed (steps
+    /// already Pending, Claimed or Running go on).
+    pub fn pause_workflow(&mut self, id: WorkflowId) -> Result<WorkflowStatus, WorkflowActionError> {
+        self.workflow_event(id, WorkflowState::pause)
+    }
+
+    /// Resumes workflow `id`: what its steps' joins decided meanwhile applies now.
+    pub fn resume_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
+        let changes = self.workflow_changes(id, WorkflowState::resume)?;
+        self.apply_workflow_changes(id, &changes, now);
+        Ok(changes.status)
+    }
+
+    /// Cancels workflow `id` in one statement: its Waiting, Pending and Claimed steps are
+    /// Cancelled; Running steps run to their end (their outcome is recorded on their task, and
+    /// the workflow promotes nothing after it).
+    pub fn cancel_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
+        let changes = self.workflow_changes(id, WorkflowState::cancel)?;
+        self.apply_workflow_changes(id, &changes, now);
+        Ok(changes.status)
+    }
+
+    fn workflow_changes(
+        &mut self,
+        id: WorkflowId,
+        event: impl FnOnce(&mut WorkflowState) -> Result<Changes, crate::workflow::EventError>,
+    ) -> Result<Changes, WorkflowActionError> {
+        let flow = self.workflows.get_mut(&id).ok_or(WorkflowActionError::NotFound(id))?;
+        event(&mut flow.state).map_err(|error| WorkflowActionError::Refused { workflow: id, error })
+    }
+
+    fn workflow_event(
+        &mut self,
+        id: WorkflowId,
+        event: impl FnOnce(&mut WorkflowState) -> Result<Changes, crate::workflow::EventError>,
+    ) -> Result<WorkflowStatus, WorkflowActionError> {
+        let changes = self.workflow_changes(id, event)?;
+        debug_assert!(changes.ready.is_empty() && changes.skipped.is_empty() && changes.cancelled.is_empty());
+        Ok(changes.status)
+    }
+
+    /// Reports a step's row that just moved to the finished table in `state` to its workflow,
+    /// and applies what the workflow decides. Rows the workflow itself finished (skipped,
+    /// cancelled with it) are already known to it.
+    pub(super) fn step_finished(&mut self, id: TaskId, state: TaskState, now: DbTime) {
+        let Some((workflow, step)) = self.step_of(id) else {
+            return;
+        };
+        let outcome = match state {
+            TaskState::Completed => StepOutcome::Completed,
+            TaskState::Failed => StepOutcome::Failed,
+            TaskState::Cancelled => StepOutcome::Cancelled,
+            TaskState::Expired => StepOutcome::Expired,
+            _ => return,
+        };
+        let Some(flow) = self.workflows.get_mut(&workflow) else {
+            return;
+        };
+        if flow.state.state(step).is_none_or(|known| known.is_finished()) {
+            return;
+        }
+        let changes = flow
+            .state
+            .step_finished(step, outcome)
+            .unwrap_or_else(|e| panic!("memory store invariant broken: step {step} of workflow {workflow}: {e}"));
+        self.apply_workflow_changes(workflow, &changes, now);
+    }
+
+    /// Moves the rows of the steps a workflow event promoted, skipped or cancelled, and
+    /// notifies each queue that received a promoted step once, with its most urgent priority.
+    fn apply_workflow_changes(&mut self, workflow: WorkflowId, changes: &Changes, now: DbTime) {
+        let task = |store: &MemoryStore, step: StepId| store.workflows[&workflow].tasks[step.index()];
+        // Per queue that received a promoted step, the most urgent priority (as an enqueue's).
+        let mut queues: BTreeMap<String, i16> = BTreeMap::new();
+        for &step in &changes.ready {
+            let id = task(self, step);
+            let row = self.live_row(id);
+            row.apply_event(TaskEvent::Promote);
+            row.run_at = row.run_at.max(now);
+            let priority = row.priority;
+            queues.entry(row.queue.clone()).and_modify(|p| *p = (*p).min(priority)).or_insert(priority);
+        }
+        for &step in &changes.skipped {
+            self.finish_row(task(self, step), TaskEvent::Skip, now, None, None);
+        }
+        for &step in &changes.cancelled {
+            let id = task(self, step);
+            // The workflow counts a claimed step as ready: it may have started since.
+            if self.live.get(&id).is_some_and(|row| row.state != TaskState::Running) {
+                let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
+                self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+            }
+        }
+        for (queue, priority) in queues {
+            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+        }
+    }
+}
