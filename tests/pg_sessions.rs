@@ -106,11 +106,24 @@ async fn terminate_sessions(db: &TestDb, killer: &mut PgConnection) -> i64 {
     .expect("terminate the store's sessions")
 }
 
-/// Opens and keeps every connection `store` may hold, so that all of them die with a kill.
-async fn fill_connections(store: &PgStore) {
-    let reads = (0..4).map(|_| store.counts());
-    for read in futures::future::join_all(reads).await {
-        read.expect("count");
+/// Opens and keeps every connection `store` may hold, so that all of them die with a kill:
+/// concurrent reads until the server shows three sessions of the store (a pool of two and the
+/// one connection it keeps), at most 50 rounds (on a loaded machine the reads of a round may
+/// not overlap).
+async fn fill_connections(store: &PgStore, db: &TestDb, observer: &mut PgConnection) {
+    for _ in 0..50 {
+        let reads = (0..4).map(|_| store.counts());
+        for read in futures::future::join_all(reads).await {
+            read.expect("count");
+        }
+        let sessions: i64 = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE application_name = $1")
+            .bind(db.schema.name())
+            .fetch_one(&mut *observer)
+            .await
+            .expect("read the activity");
+        if sessions >= 3 {
+            return;
+        }
     }
 }
 
@@ -205,24 +218,24 @@ async fn worker_requests_enqueues_and_operator_calls_are_sent_again_when_their_s
         lease_ms: 60_000,
     };
 
-    fill_connections(&store).await;
+    fill_connections(&store, &db, &mut killer).await;
     assert!(terminate_sessions(&db, &mut killer).await >= 3, "the kept connection and the pool's");
     let id = store.enqueue(NewTask::new("t", json!(1))).await.expect("a plain enqueue on a new session");
     assert_eq!(live_tasks(&db, &mut killer).await, 1, "written once");
 
-    fill_connections(&store).await;
+    fill_connections(&store, &db, &mut killer).await;
     terminate_sessions(&db, &mut killer).await;
     match store.execute(&claim).await {
         Ok(DbReply::Claimed { tasks, .. }) => assert_eq!(tasks.iter().map(|t| t.id).collect::<Vec<_>>(), [id]),
         other => panic!("a claim after the kill: {other:?}"),
     }
 
-    fill_connections(&store).await;
+    fill_connections(&store, &db, &mut killer).await;
     terminate_sessions(&db, &mut killer).await;
     let cancelled = store.cancel(id).await.expect("a cancel on a new session");
     assert_eq!(cancelled, Cancelled::Claimed { worker });
 
-    fill_connections(&store).await;
+    fill_connections(&store, &db, &mut killer).await;
     terminate_sessions(&db, &mut killer).await;
     let record = store.get(id).await.expect("a read on a new session").expect("the task");
     assert_eq!(record.state, TaskState::Cancelled);

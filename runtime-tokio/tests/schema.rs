@@ -520,7 +520,7 @@ async fn the_readme_grants_are_enough_for_each_role() {
         &["retry", &b],
         &["cancel", &b],
         &["remove-key", "key-replace"],
-        &["force-unlock", "gone-worker"],
+        &["force-unlock", "gone-worker", "--force"],
         &["purge", "--older-than", "0s"],
     ] {
         let output = as_role("operator", args);
