@@ -296,6 +296,8 @@ pub enum ErrorCode {
     ClaimLost,
     /// An operator failed the task by hand.
     FailedByOperator,
+    /// A workflow step never ran: its parents' outcomes could not satisfy its join.
+    StepSkipped,
     /// A code chosen by user code.
     User(String),
 }
@@ -306,7 +308,7 @@ pub enum ErrorCode {
 pub struct InvalidErrorCode(pub String);
 
 impl ErrorCode {
-    const BUILTIN: [(ErrorCode, &'static str); 15] = [
+    const BUILTIN: [(ErrorCode, &'static str); 16] = [
         (ErrorCode::UnhandledError, "UNHANDLED_ERROR"),
         (ErrorCode::TaskError, "TASK_ERROR"),
         (ErrorCode::TaskTimeout, "TASK_TIMEOUT"),
@@ -322,6 +324,7 @@ impl ErrorCode {
         (ErrorCode::BrokerError, "BROKER_ERROR"),
         (ErrorCode::ClaimLost, "CLAIM_LOST"),
         (ErrorCode::FailedByOperator, "FAILED_BY_OPERATOR"),
+        (ErrorCode::StepSkipped, "STEP_SKIPPED"),
     ];
 
     /// Every built-in code.

@@ -325,6 +325,12 @@ impl Pair {
         assert_eq!(self.pg.queue_depths().await.unwrap(), self.memory.queue_depths(self.now), "{at}: queue depths");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
         assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
+        for record in &memory {
+            if self.memory.step_of(record.id).is_some() {
+                let parents = self.memory.parents(record.id);
+                assert_eq!(self.pg.parents(record.id).await.unwrap(), parents, "{at}: parents of {}", record.id);
+            }
+        }
         for id in (1..).map(WorkflowId) {
             let memory = self.memory.workflow(id);
             assert_eq!(self.pg.workflow(id).await.unwrap(), memory, "{at}: workflow {id}");

@@ -33,14 +33,15 @@ pub use canter::check::ConfigError;
 pub use canter::config::{AppConfig, Config, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 pub use canter::driver::{
     ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, Runtime, SchedulerOptions,
-    SchedulerRunError, SchedulerStats, ServeError, TaskContext, TaskHandle, connect, new_worker_id,
+    SchedulerRunError, SchedulerStats, ServeError, Step, TaskContext, TaskHandle, Workflow, connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
 pub use canter::schedule::ScheduleConfig;
 pub use canter::scheduler::SchedulerError;
-pub use canter::store::{NewTask, RunAt};
+pub use canter::store::{NewTask, RunAt, WorkflowId, WorkflowRecord};
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};
+pub use canter::workflow::{Join, WorkflowStatus};
 
 /// Timers (async-io), spawning (smol's global executor) and blocking work (the `blocking`
 /// pool).
@@ -88,6 +89,9 @@ pub type Client = canter::driver::Client<SmolRuntime>;
 
 /// A task's future result on smol.
 pub type ResultHandle<T> = canter::driver::ResultHandle<SmolRuntime, T>;
+
+/// A submitted workflow on smol: its steps' results, its status, a wait for its end.
+pub type WorkflowHandle = canter::driver::WorkflowHandle<SmolRuntime>;
 
 /// A scheduler on smol, on its own: enqueues the ticks of the app's schedules until told to
 /// stop (`run()` stops at SIGINT or SIGTERM). Workers run one too with

@@ -42,14 +42,15 @@ pub use canter::check::ConfigError;
 pub use canter::config::{AppConfig, Config, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};
 pub use canter::driver::{
     ClientError, CounterSnapshot, Counters, Registry, RegistryError, ResultError, SchedulerOptions, SchedulerRunError,
-    SchedulerStats, ServeError, TaskContext, TaskHandle, connect, new_worker_id,
+    SchedulerStats, ServeError, Step, TaskContext, TaskHandle, Workflow, connect, new_worker_id,
 };
 pub use canter::postgres::PgSchema;
 pub use canter::schedule::ScheduleConfig;
 pub use canter::scheduler::SchedulerError;
-pub use canter::store::{NewTask, RunAt};
+pub use canter::store::{NewTask, RunAt, WorkflowId, WorkflowRecord};
 pub use canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 pub use canter::worker::{Event, Stats};
+pub use canter::workflow::{Join, WorkflowStatus};
 pub use runtime::TokioRuntime;
 
 /// The client on tokio: enqueue, wait for results, cancel, inspect.
@@ -57,6 +58,9 @@ pub type Client = canter::driver::Client<TokioRuntime>;
 
 /// A task's future result on tokio.
 pub type ResultHandle<T> = canter::driver::ResultHandle<TokioRuntime, T>;
+
+/// A submitted workflow on tokio: its steps' results, its status, a wait for its end.
+pub type WorkflowHandle = canter::driver::WorkflowHandle<TokioRuntime>;
 
 /// Resolves on SIGINT (Ctrl-C) or, on Unix, SIGTERM.
 pub async fn shutdown_signal() {

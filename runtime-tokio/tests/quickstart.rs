@@ -1,12 +1,24 @@
-//! The README's quickstart, as a new user pastes it, against an empty database: the snippet is
-//! read from README.md and must be `examples/quickstart.rs` byte for byte (so the two cannot
-//! drift), and that program is what runs here.
+//! The README's programs, as a new user pastes them, against an empty database: each snippet
+//! is read from README.md and must be its file of `examples/` byte for byte (so the two cannot
+//! drift), and that program is what runs here: the quickstart, then the workflow.
 
 #[path = "../../tests/common/pg.rs"]
 mod pg;
 
-// The program itself: its `main` is called by the test below (the harness has its own entry).
-include!("../examples/quickstart.rs");
+// The programs themselves: their `main`s are called by the test below (the harness has its
+// own entry).
+mod quickstart {
+    include!("../examples/quickstart.rs");
+    pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
+        main()
+    }
+}
+mod workflow {
+    include!("../examples/workflow.rs");
+    pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
+        main()
+    }
+}
 
 /// The first `rust` block after `heading` in `text`.
 fn rust_block_after<'a>(text: &'a str, heading: &str) -> &'a str {
@@ -17,10 +29,12 @@ fn rust_block_after<'a>(text: &'a str, heading: &str) -> &'a str {
 }
 
 #[test]
-fn the_readme_quickstart_runs_on_an_empty_database() {
+fn the_readme_programs_run_on_an_empty_database() {
     let readme = include_str!("../../README.md");
     let pasted = rust_block_after(readme, "## Quickstart (tokio)");
     assert_eq!(pasted, include_str!("../examples/quickstart.rs"), "README.md's quickstart is examples/quickstart.rs");
+    let pasted = rust_block_after(readme, "## Workflows");
+    assert_eq!(pasted, include_str!("../examples/workflow.rs"), "README.md's workflow is examples/workflow.rs");
 
     // A database of its own, with nothing in it.
     let database = format!("canter_quickstart_{}", std::process::id());
@@ -41,7 +55,9 @@ fn the_readme_quickstart_runs_on_an_empty_database() {
     let url = format!("{base}/{database}{}", query.map_or_else(String::new, |q| format!("?{q}")));
     // SAFETY: this test binary's only test sets it before starting anything that reads it.
     unsafe { std::env::set_var("DATABASE_URL", url) };
-    let outcome = main();
+    let quickstart = quickstart::run();
+    let workflow = workflow::run();
     admin(format!("DROP DATABASE {database} WITH (FORCE)"));
-    outcome.expect("the quickstart runs on an empty database");
+    quickstart.expect("the quickstart runs on an empty database");
+    workflow.expect("the workflow example runs on an empty database");
 }

@@ -17,13 +17,16 @@ use super::retry::Retry;
 use super::{Runtime, TaskHandle, sleep_after};
 use crate::config::AppConfig;
 use crate::postgres::{
-    DoneRouter, MIGRATE_LOCK_WAIT, MigrateSchemaError, PgAdminError, PgEnqueueError, PgSchema, PgStore, WaitError,
-    enqueue_in, migrate_within, require_current,
+    DoneRouter, MIGRATE_LOCK_WAIT, MigrateSchemaError, PgAdminError, PgEnqueueError, PgSchema, PgStore, PgSubmitError,
+    PgWorkflowError, WaitError, enqueue_in, migrate_within, require_current, submit_workflow_in,
 };
 use crate::store::{
     AdminReply, AdminRequest, AttemptRecord, Cancelled, NewTask, PausedQueue, QueueDepth, TaskFilter, TaskRecord,
-    WorkerRecord,
+    WorkerRecord, WorkflowId, WorkflowRecord,
 };
+use crate::workflow::WorkflowStatus;
+
+use super::workflow::{Workflow, WorkflowHandle};
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState};
 
 /// Why a client call failed.
@@ -39,6 +42,12 @@ pub enum ClientError {
     /// An operator action was refused.
     #[error(transparent)]
     Admin(#[from] PgAdminError),
+    /// A workflow was refused at submit (bad input, or the database failed).
+    #[error(transparent)]
+    Submit(#[from] PgSubmitError),
+    /// A pause, resume or cancel of a workflow was refused (or the database failed).
+    #[error(transparent)]
+    Workflow(#[from] PgWorkflowError),
     /// The schema could not be migrated (or, with [`Client::migrate`]`(false)`, is not
     /// migrated) before the client's first write.
     #[error(transparent)]
@@ -62,7 +71,10 @@ impl ClientError {
         match self {
             ClientError::Enqueue(error) => error.code(),
             ClientError::Arguments(_) => ErrorCode::User("VALIDATION_FAILED".into()),
+            ClientError::Submit(PgSubmitError::Invalid(_)) => ErrorCode::User("VALIDATION_FAILED".into()),
             ClientError::Admin(_)
+            | ClientError::Submit(_)
+            | ClientError::Workflow(_)
             | ClientError::Schema(_)
             | ClientError::Database(_)
             | ClientError::UnexpectedReply { .. } => ErrorCode::BrokerError,
@@ -83,6 +95,9 @@ pub enum ResultError {
     /// The task expired before it ran.
     #[error("task expired before it ran")]
     Expired,
+    /// The task is a workflow's step that never ran: its parents could not satisfy its join.
+    #[error("step was skipped: its parents' outcomes could not satisfy its join")]
+    Skipped,
     /// The wait timed out; the task may still run.
     #[error(
         "no result within {}: the task may still run",
@@ -92,6 +107,9 @@ pub enum ResultError {
     /// No task has this id.
     #[error("no task {0}")]
     NotFound(TaskId),
+    /// No workflow has this id.
+    #[error("no workflow {0}")]
+    WorkflowNotFound(WorkflowId),
     /// The stored result did not decode into the result type.
     #[error("{0}")]
     Decode(TaskError),
@@ -107,8 +125,9 @@ impl ResultError {
             ResultError::Failed(error) | ResultError::Decode(error) => error.code.clone(),
             ResultError::Cancelled => ErrorCode::TaskCancelled,
             ResultError::Expired => ErrorCode::TaskExpired,
+            ResultError::Skipped => ErrorCode::StepSkipped,
             ResultError::Timeout(_) => ErrorCode::WaitTimeout,
-            ResultError::NotFound(_) => ErrorCode::TaskNotFound,
+            ResultError::NotFound(_) | ResultError::WorkflowNotFound(_) => ErrorCode::TaskNotFound,
             ResultError::Database(_) => ErrorCode::BrokerError,
         }
     }
@@ -247,6 +266,73 @@ impl<R: Runtime> Client<R> {
         let store = &self.inner.store;
         let id = enqueue_in(executor, store.schema(), store.app(), new).await?;
         Ok(self.handle(id))
+    }
+
+    /// Submits `workflow` in one statement: its steps without parents become claimable, the
+    /// others wait for their parents (see [`Workflow`]).
+    pub async fn submit(&self, workflow: Workflow) -> Result<WorkflowHandle<R>, ClientError> {
+        let new = workflow.into_new();
+        self.schema_ready().await?;
+        let submitted = self.inner.store.submit_workflow(&new).await?;
+        Ok(self.workflow_handle(&new, submitted))
+    }
+
+    /// Submits `workflow` inside the caller's own transaction (or on any executor): it exists
+    /// only if that transaction commits.
+    pub async fn submit_in<'e, E: sqlx::PgExecutor<'e>>(
+        &self,
+        executor: E,
+        workflow: Workflow,
+    ) -> Result<WorkflowHandle<R>, ClientError> {
+        let new = workflow.into_new();
+        self.schema_ready().await?;
+        let store = &self.inner.store;
+        let submitted = submit_workflow_in(executor, store.schema(), store.app(), &new).await?;
+        Ok(self.workflow_handle(&new, submitted))
+    }
+
+    fn workflow_handle(
+        &self,
+        new: &crate::store::NewWorkflow,
+        submitted: crate::store::SubmittedWorkflow,
+    ) -> WorkflowHandle<R> {
+        let mut sinks = vec![true; submitted.tasks.len()];
+        for edge in &new.spec.edges {
+            if let Some(sink) = sinks.get_mut(edge.parent.index()) {
+                *sink = false;
+            }
+        }
+        let sink_tasks = submitted.tasks.iter().zip(&sinks).filter(|(_, sink)| **sink).map(|(id, _)| *id).collect();
+        WorkflowHandle { client: self.clone(), id: submitted.workflow, tasks: submitted.tasks, sinks: sink_tasks }
+    }
+
+    /// The workflow `id` as stored now: its status and its steps per state.
+    pub async fn workflow(&self, id: WorkflowId) -> Result<Option<WorkflowRecord>, ClientError> {
+        Ok(self.inner.store.workflow(id).await?)
+    }
+
+    /// Pauses workflow `id`: no step is promoted or skipped until it is resumed.
+    pub async fn pause_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, ClientError> {
+        self.schema_ready().await?;
+        Ok(self.inner.store.pause_workflow(id).await?)
+    }
+
+    /// Resumes workflow `id`: what its steps' joins decided meanwhile applies now.
+    pub async fn resume_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, ClientError> {
+        self.schema_ready().await?;
+        Ok(self.inner.store.resume_workflow(id).await?)
+    }
+
+    /// Cancels workflow `id`: its steps that have not started are cancelled; running ones run
+    /// to their end, and nothing is promoted after them.
+    pub async fn cancel_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, ClientError> {
+        self.schema_ready().await?;
+        Ok(self.inner.store.cancel_workflow(id).await?)
+    }
+
+    /// The client's runtime.
+    pub(crate) fn runtime(&self) -> &R {
+        &self.inner.runtime
     }
 
     /// A result handle for a task enqueued elsewhere.
@@ -389,6 +475,7 @@ impl<R: Runtime, T: DeserializeOwned> ResultHandle<R, T> {
             }),
             TaskState::Cancelled => Err(ResultError::Cancelled),
             TaskState::Expired => Err(ResultError::Expired),
+            TaskState::Skipped => Err(ResultError::Skipped),
             _ => Err(ResultError::Failed(error())),
         }
     }

@@ -36,6 +36,8 @@ mod scheduler;
 mod service;
 #[cfg(feature = "postgres")]
 mod startup;
+#[cfg(feature = "postgres")]
+mod workflow;
 
 #[cfg(feature = "postgres")]
 pub use client::{Client, ClientError, ResultError, ResultHandle};
@@ -47,6 +49,8 @@ pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerS
 pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
 #[cfg(feature = "postgres")]
 pub use startup::STARTUP_LOCK_WAIT;
+#[cfg(feature = "postgres")]
+pub use workflow::{ParentResult, Step, Workflow, WorkflowHandle};
 pub use zones::{DEFAULT_ZONEINFO_DIR, ZoneLoadError, load_scheduler, load_time_zone, zoneinfo_dir};
 
 use crate::store::{DbFailure, DbReply, DbRequest, OpId};

@@ -8,11 +8,11 @@
 use std::collections::BTreeMap;
 
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, SubmitError, SubmittedWorkflow, WorkflowActionError,
-    WorkflowId, WorkflowRecord, check_new_workflow,
+    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, ParentRecord, SubmitError, SubmittedWorkflow,
+    WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskEvent, TaskId, TaskState};
-use crate::workflow::{Changes, StepId, StepOutcome, WorkflowState, WorkflowStatus};
+use crate::workflow::{Changes, EdgePolicy, StepId, StepOutcome, WorkflowState, WorkflowStatus};
 
 use super::store::MemoryStore;
 
@@ -73,6 +73,34 @@ impl MemoryStore {
     /// The workflow and step of task `id`, if it is a workflow's step.
     pub fn step_of(&self, id: TaskId) -> Option<(WorkflowId, StepId)> {
         self.steps.get(&id).copied()
+    }
+
+    /// The parents of step `id`, by task id, as [`ParentRecord`]s (none for a task that is not
+    /// a step or has no parents).
+    pub fn parents(&self, id: TaskId) -> Vec<ParentRecord> {
+        let Some((workflow, step)) = self.step_of(id) else {
+            return Vec::new();
+        };
+        let flow = &self.workflows[&workflow];
+        let mut parents: Vec<ParentRecord> = flow
+            .state
+            .parents(step)
+            .iter()
+            .filter_map(|&(parent, policy)| {
+                let task = flow.tasks[parent.index()];
+                let row = self.row(task)?;
+                Some(ParentRecord {
+                    task,
+                    step: parent,
+                    allow_failed: policy == EdgePolicy::AllowFailed,
+                    state: row.state,
+                    result: row.result.clone(),
+                    error: row.error.clone().filter(|_| row.state.is_terminal()),
+                })
+            })
+            .collect();
+        parents.sort_by_key(|p| p.task);
+        parents
     }
 
     /// Pauses workflow `id`: no step is promoted or skipped until it is resumed (steps

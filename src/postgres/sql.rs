@@ -769,6 +769,17 @@ notified AS (
 )
 SELECT count(*) FROM flagged CROSS JOIN notified";
 
+/// The parents of step `$1`, by task id: each with its step, edge policy and, once finished,
+/// its state, result and error (a parent not finished yet has no row in `finished_tasks`).
+const PARENTS_OF: &str = "\
+SELECT e.parent, s.step, e.allow_failed, coalesce(f.state, t.state) AS state, f.result, f.error
+FROM {s}.workflow_edges e
+JOIN {s}.workflow_steps s ON s.task_id = e.parent
+LEFT JOIN {s}.finished_tasks f ON f.id = e.parent
+LEFT JOIN {s}.tasks t ON t.id = e.parent
+WHERE e.child = $1 AND (f.id IS NOT NULL OR t.id IS NOT NULL)
+ORDER BY e.parent";
+
 /// The workflow of task `$1`, if it is a step.
 const STEP_OF: &str = "SELECT s.workflow_id, s.step FROM {s}.workflow_steps s WHERE s.task_id = $1";
 
@@ -1032,6 +1043,7 @@ pub(crate) struct Statements {
     pub(crate) resume_workflow: SqlStr,
     pub(crate) cancel_workflow: SqlStr,
     pub(crate) step_of: SqlStr,
+    pub(crate) parents_of: SqlStr,
 }
 
 /// Expands every `{heard:$N}` of a statement: whether a listener of the channel in parameter
@@ -1143,6 +1155,7 @@ impl Statements {
             resume_workflow: fill(RESUME_WORKFLOW),
             cancel_workflow: fill(CANCEL_WORKFLOW),
             step_of: fill(STEP_OF),
+            parents_of: fill(PARENTS_OF),
         }
     }
 }

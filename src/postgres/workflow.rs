@@ -10,9 +10,9 @@ use sqlx::{PgExecutor, Row};
 use crate::config::AppConfig;
 use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::schema::PgSchema;
-use crate::postgres::store::{PgStore, db_time, duration, error_json, parse_state};
+use crate::postgres::store::{PgStore, db_time, duration, error_json, json, parse_state};
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, EnqueueError, NewWorkflow, RunAt, SubmitError, SubmittedWorkflow,
+    CANCELLED_WITH_WORKFLOW, DbTime, EnqueueError, NewWorkflow, ParentRecord, RunAt, SubmitError, SubmittedWorkflow,
     WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, normalized_flags};
@@ -63,6 +63,26 @@ impl PgStore {
                 .bind(id.0)
                 .fetch_optional(conn))?;
         Ok(row.map(|(workflow, step)| (WorkflowId(workflow), StepId(u32::try_from(step).unwrap_or(u32::MAX)))))
+    }
+
+    /// The parents of step `id`, by task id, as [`ParentRecord`]s (none for a task that is not
+    /// a step or has no parents): what a step's handler reads of the steps it waited for.
+    pub async fn parents(&self, id: TaskId) -> Result<Vec<ParentRecord>, sqlx::Error> {
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().parents_of.clone())
+            .bind(id.0)
+            .fetch_all(conn))?;
+        rows.iter()
+            .map(|row| {
+                Ok(ParentRecord {
+                    task: TaskId(row.try_get("parent")?),
+                    step: StepId(u32::try_from(row.try_get::<i32, _>("step")?).unwrap_or(u32::MAX)),
+                    allow_failed: row.try_get("allow_failed")?,
+                    state: parse_state(row.try_get("state")?)?,
+                    result: row.try_get("result")?,
+                    error: row.try_get::<Option<serde_json::Value>, _>("error")?.map(json).transpose()?,
+                })
+            })
+            .collect()
     }
 
     /// Pauses workflow `id`: no step is promoted or skipped until it is resumed (steps already

@@ -170,3 +170,22 @@ pub enum WorkflowActionError {
         error: EventError,
     },
 }
+
+/// A parent of a workflow's step, as its child reads it: how it ended, with its result or
+/// error once it finished.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ParentRecord {
+    /// The parent's task.
+    pub task: TaskId,
+    /// Its step in the workflow.
+    pub step: StepId,
+    /// Whether any finish of it satisfies the edge (`allow_failed`), not only its completion.
+    pub allow_failed: bool,
+    /// Its state: terminal once it finished (a child of an `any` or quorum join may run before
+    /// every parent did).
+    pub state: TaskState,
+    /// Its result, if it completed.
+    pub result: Option<serde_json::Value>,
+    /// Its error, if it failed, was cancelled or expired.
+    pub error: Option<crate::task::TaskError>,
+}

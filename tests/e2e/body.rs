@@ -23,6 +23,7 @@ macro_rules! every_scenario {
         $run!(waits_leave_nothing_behind);
         $run!(poison_outcomes_fail_alone);
         $run!(undecodable_rows_fail_alone);
+        $run!(workflows_fan_out_fan_in_and_recover);
     };
 }
 
@@ -32,7 +33,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService};
+use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService, Workflow};
 use canter::postgres::{PgSchema, PgStore};
 use canter::schedule::ScheduleConfig;
 use canter::store::AdminRequest;
@@ -854,4 +855,72 @@ pub async fn undecodable_rows_fail_alone<R: Runtime>(runtime: Arc<R>, pool: PgPo
         })
         .collect();
     assert_eq!(unreadable.iter().copied().collect::<std::collections::BTreeSet<_>>(), [deep, huge, bad].into());
+}
+
+/// A workflow through two workers: a root fans out to ten steps, a fan-in step waits for all
+/// of them, a step that fails skips what needs it, and a recovery step after it runs anyway;
+/// the typed results and the workflow's end are read through its handle.
+pub async fn workflows_fan_out_fan_in_and_recover<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let mut workflow = Workflow::new("fan");
+    let root = workflow.step(&tasks.work, &Work { id: 1_000, ms: 0 }).unwrap();
+    let leaves: Vec<_> = (0..10).map(|id| workflow.step(&tasks.work, &Work { id, ms: 1 }).unwrap()).collect();
+    let join = workflow.step(&tasks.work, &Work { id: 2_000, ms: 0 }).unwrap();
+    for leaf in &leaves {
+        workflow.after(leaf, &root).after(&join, leaf);
+    }
+    let failing = workflow.step(&tasks.fail, &Fail { code: "BROKEN".into() }).unwrap();
+    workflow.after(&failing, &root);
+    let needs_it = workflow.step(&tasks.work, &Work { id: 3_000, ms: 0 }).unwrap();
+    workflow.after(&needs_it, &failing);
+    let recovery = workflow.step(&tasks.work, &Work { id: 4_000, ms: 0 }).unwrap();
+    workflow.after_finish(&recovery, &failing);
+    let submitted = client.submit(workflow).await.unwrap();
+    let workers: Vec<_> = (0..2)
+        .map(|i| {
+            start_worker(
+                &runtime,
+                &pool,
+                &schema,
+                app.clone(),
+                fast_worker(4),
+                tasks.registry.clone(),
+                &format!("w{i}"),
+            )
+        })
+        .collect();
+    let ended = submitted.wait(Duration::from_secs(60)).await.unwrap();
+    // A sink was skipped: the workflow failed, but every branch that could run ran.
+    assert_eq!(ended.status, canter::workflow::WorkflowStatus::Failed);
+    assert_eq!(submitted.step(&join).unwrap().wait(Duration::from_secs(1)).await.unwrap(), 4_000);
+    assert_eq!(submitted.step(&recovery).unwrap().wait(Duration::from_secs(1)).await.unwrap(), 8_000);
+    let skipped = submitted.step(&needs_it).unwrap().wait(Duration::from_secs(1)).await;
+    assert!(matches!(skipped, Err(ResultError::Skipped)), "{skipped:?}");
+    assert!(matches!(
+        submitted.step(&failing).unwrap().wait(Duration::from_secs(1)).await,
+        Err(ResultError::Failed(_))
+    ));
+    // What the recovery step's handler reads of the parent it ran after: its error, typed.
+    let recovery_task = submitted.step(&recovery).unwrap().id();
+    let parents = client.parent_results::<()>(recovery_task).await.unwrap();
+    let failed_task = submitted.step(&failing).unwrap().id();
+    assert_eq!(parents.len(), 1);
+    assert_eq!((parents[0].task, parents[0].step, parents[0].state), (failed_task, failing.id(), TaskState::Failed));
+    let code = parents[0].outcome.clone().and_then(Result::err).map(|e| e.code);
+    assert_eq!(code, Some(ErrorCode::User("BROKEN".into())));
+    let fan_in = client.parent_results::<u64>(submitted.step(&join).unwrap().id()).await.unwrap();
+    let mut doubled: Vec<u64> = fan_in.into_iter().filter_map(|p| p.outcome.and_then(Result::ok)).collect();
+    doubled.sort_unstable();
+    assert_eq!(doubled, (0..10).map(|id| id * 2).collect::<Vec<u64>>(), "every leaf's result, typed");
+    let expected = [(TaskState::Completed, 13), (TaskState::Failed, 1), (TaskState::Skipped, 1)];
+    assert_eq!(ended.steps, expected.into_iter().collect());
+    for worker in workers {
+        worker.stop().await;
+    }
+    // Nothing ran twice, and the skipped step never ran.
+    let runs = tasks.seen.runs.lock().unwrap();
+    assert!(runs.values().all(|n| *n == 1), "{runs:?}");
+    assert!(!runs.contains_key(&3_000), "the skipped step never ran");
 }
