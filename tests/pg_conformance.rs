@@ -325,6 +325,8 @@ impl Pair {
         assert_eq!(self.pg.queue_depths().await.unwrap(), self.memory.queue_depths(self.now), "{at}: queue depths");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
         assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
+        let newest = self.memory.workflow_ids(3);
+        assert_eq!(self.pg.workflow_ids(3).await.unwrap(), newest, "{at}: newest workflows");
         for record in &memory {
             if self.memory.step_of(record.id).is_some() {
                 let parents = self.memory.parents(record.id);
@@ -334,6 +336,8 @@ impl Pair {
         for id in (1..).map(WorkflowId) {
             let memory = self.memory.workflow(id);
             assert_eq!(self.pg.workflow(id).await.unwrap(), memory, "{at}: workflow {id}");
+            let steps = self.memory.workflow_steps(id);
+            assert_eq!(self.pg.workflow_steps(id).await.unwrap(), steps, "{at}: steps of workflow {id}");
             if memory.is_none() {
                 break;
             }

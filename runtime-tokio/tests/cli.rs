@@ -67,6 +67,7 @@ fn help_and_usage_errors_exit_with_their_codes() {
         "resume",
         "scheduler",
         "schedules",
+        "workflow",
         "demo",
         "bench",
         "completions",
@@ -911,6 +912,82 @@ async fn refusals_write_nothing_and_say_what_to_do() {
     let scheduler = run(&["scheduler", "--once", "--config", &config.display().to_string()]);
     let _ = std::fs::remove_file(&config);
     usage_error(&scheduler, &["report", "--force"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn workflows_from_the_command_line() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    let dir = std::env::temp_dir().join(format!("canter-workflow-{}", db.schema.name()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = |name: &str, text: &str| {
+        let path = dir.join(name);
+        std::fs::write(&path, text).unwrap();
+        path.display().to_string()
+    };
+    let graph = file(
+        "graph.json",
+        r#"{"name": "graph", "steps": [
+            {"name": "a", "task": "echo", "args": {"x": 1}},
+            {"name": "b", "task": "echo", "args": 2, "after": ["a"]},
+            {"name": "c", "task": "fail", "args": {"code": "NOPE"}, "after": ["a"]},
+            {"name": "d", "task": "echo", "args": 4, "after": ["b", "c"]},
+            {"name": "e", "task": "noop", "after_finish": ["c"]},
+            {"name": "f", "task": "noop", "after": ["b", "c"], "join": "any"}
+        ]}"#,
+    );
+    let submitted = run(&["workflow", "submit", &graph, "--json"]);
+    assert_eq!(submitted.status.code(), Some(0), "{}", text(&submitted));
+    let submitted: serde_json::Value = serde_json::from_slice(&submitted.stdout).expect("submit --json is JSON");
+    let id = submitted["workflow"].to_string();
+    assert_eq!(submitted["tasks"]["a"], 1);
+    let shown = text(&run(&["workflow", "show", &id]));
+    assert!(shown.contains("running") && shown.contains("2 more of its 2 parents"), "{shown}");
+
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name()])
+        .env("CANTER_LOG", "warn")
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut ended = serde_json::Value::Null;
+    for _ in 0..200 {
+        ended = serde_json::from_slice(&run(&["workflow", "show", &id, "--json"]).stdout).unwrap();
+        if ended["workflow"]["status"] != "running" {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    worker.kill().unwrap();
+    worker.wait().unwrap();
+    // d needed c, which failed: skipped, so the workflow failed; e ran after c anyway, and f
+    // needed only one of b and c.
+    assert_eq!(ended["workflow"]["status"], "failed", "{ended}");
+    let states: Vec<&str> = ended["steps"].as_array().unwrap().iter().map(|s| s["state"].as_str().unwrap()).collect();
+    assert_eq!(states, ["COMPLETED", "COMPLETED", "FAILED", "SKIPPED", "COMPLETED", "COMPLETED"]);
+    let listed = text(&run(&["workflow", "list"]));
+    assert!(listed.contains("graph") && listed.contains("failed"), "{listed}");
+    // Over: a cancel is refused; an unknown workflow is said so.
+    let refused = run(&["workflow", "cancel", &id]);
+    assert_eq!(refused.status.code(), Some(1));
+    assert!(text(&refused).contains("cannot be cancelled"), "{}", text(&refused));
+    assert!(text(&run(&["workflow", "pause", "99"])).contains("no workflow 99"));
+
+    // Refused before anything is written: unknown tasks, their args, cycles, unknown steps.
+    let unknown = file("unknown.json", r#"{"name": "u", "steps": [{"name": "a", "task": "report"}]}"#);
+    usage_error(&run(&["workflow", "submit", &unknown]), &["unknown task name \"report\"", "--force"]);
+    let args = file("args.json", r#"{"name": "u", "steps": [{"name": "a", "task": "sleep", "args": {"ms": "x"}}]}"#);
+    usage_error(&run(&["workflow", "submit", &args]), &["step a: args do not suit"]);
+    let cycle = file(
+        "cycle.json",
+        r#"{"name": "c", "steps": [{"name": "a", "task": "noop", "after": ["b"]}, {"name": "b", "task": "noop", "after": ["a"]}]}"#,
+    );
+    usage_error(&run(&["workflow", "submit", &cycle]), &["cycle"]);
+    let dangling = file("dangling.json", r#"{"name": "d", "steps": [{"name": "a", "task": "noop", "after": ["z"]}]}"#);
+    usage_error(&run(&["workflow", "submit", &dangling]), &["comes after \"z\", which is no step"]);
+    let listed: Vec<serde_json::Value> = serde_json::from_slice(&run(&["workflow", "list", "--json"]).stdout).unwrap();
+    assert_eq!(listed.len(), 1, "refusals wrote nothing");
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -8,8 +8,8 @@
 use std::collections::BTreeMap;
 
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, ParentRecord, SubmitError, SubmittedWorkflow,
-    WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
+    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, ParentRecord, StepRecord, SubmitError,
+    SubmittedWorkflow, WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskEvent, TaskId, TaskState};
 use crate::workflow::{Changes, EdgePolicy, StepId, StepOutcome, WorkflowState, WorkflowStatus};
@@ -73,6 +73,37 @@ impl MemoryStore {
     /// The workflow and step of task `id`, if it is a workflow's step.
     pub fn step_of(&self, id: TaskId) -> Option<(WorkflowId, StepId)> {
         self.steps.get(&id).copied()
+    }
+
+    /// The steps of workflow `id`, by step (their rows purged by retention left out).
+    pub fn workflow_steps(&self, id: WorkflowId) -> Vec<StepRecord> {
+        let Some(flow) = self.workflows.get(&id) else {
+            return Vec::new();
+        };
+        flow.tasks
+            .iter()
+            .enumerate()
+            .filter_map(|(index, task)| {
+                let row = self.row(*task)?;
+                let step = StepId(u32::try_from(index).unwrap_or(u32::MAX));
+                let join = flow.state.join(step)?;
+                let counts = flow.state.join_counts(step)?;
+                Some(StepRecord {
+                    step,
+                    task: *task,
+                    name: row.name.clone(),
+                    state: row.state,
+                    parents: counts.parents,
+                    required: join.required(counts.parents),
+                    waiting: (row.state == TaskState::Waiting).then_some((counts.satisfied, counts.unsatisfied)),
+                })
+            })
+            .collect()
+    }
+
+    /// The ids of the workflows, newest first, at most `limit`.
+    pub fn workflow_ids(&self, limit: usize) -> Vec<WorkflowId> {
+        self.workflows.keys().rev().take(limit).copied().collect()
     }
 
     /// The parents of step `id`, by task id, as [`ParentRecord`]s (none for a task that is not

@@ -780,6 +780,19 @@ LEFT JOIN {s}.tasks t ON t.id = e.parent
 WHERE e.child = $1 AND (f.id IS NOT NULL OR t.id IS NOT NULL)
 ORDER BY e.parent";
 
+/// The steps of workflow `$1` with their tasks' names and states and their joins, by step.
+const WORKFLOW_STEPS: &str = "\
+SELECT s.step, s.task_id, coalesce(t.name, f.name) AS name, coalesce(t.state, f.state) AS state, s.parents,
+       s.required, s.satisfied, s.unsatisfied
+FROM {s}.workflow_steps s
+LEFT JOIN {s}.tasks t ON t.id = s.task_id
+LEFT JOIN {s}.finished_tasks f ON f.id = s.task_id
+WHERE s.workflow_id = $1 AND (t.id IS NOT NULL OR f.id IS NOT NULL)
+ORDER BY s.step";
+
+/// The ids of the newest workflows, at most `$1`.
+const WORKFLOW_IDS: &str = "SELECT w.id FROM {s}.workflows w ORDER BY w.id DESC LIMIT $1";
+
 /// The workflow of task `$1`, if it is a step.
 const STEP_OF: &str = "SELECT s.workflow_id, s.step FROM {s}.workflow_steps s WHERE s.task_id = $1";
 
@@ -1044,6 +1057,8 @@ pub(crate) struct Statements {
     pub(crate) cancel_workflow: SqlStr,
     pub(crate) step_of: SqlStr,
     pub(crate) parents_of: SqlStr,
+    pub(crate) workflow_steps: SqlStr,
+    pub(crate) workflow_ids: SqlStr,
 }
 
 /// Expands every `{heard:$N}` of a statement: whether a listener of the channel in parameter
@@ -1156,6 +1171,8 @@ impl Statements {
             cancel_workflow: fill(CANCEL_WORKFLOW),
             step_of: fill(STEP_OF),
             parents_of: fill(PARENTS_OF),
+            workflow_steps: fill(WORKFLOW_STEPS),
+            workflow_ids: fill(WORKFLOW_IDS),
         }
     }
 }

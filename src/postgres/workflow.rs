@@ -12,8 +12,8 @@ use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration, error_json, json, parse_state};
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, EnqueueError, NewWorkflow, ParentRecord, RunAt, SubmitError, SubmittedWorkflow,
-    WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
+    CANCELLED_WITH_WORKFLOW, DbTime, EnqueueError, NewWorkflow, ParentRecord, RunAt, StepRecord, SubmitError,
+    SubmittedWorkflow, WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, normalized_flags};
 use crate::workflow::{EdgePolicy, EventError, OnError, StepId, WorkflowStatus};
@@ -63,6 +63,43 @@ impl PgStore {
                 .bind(id.0)
                 .fetch_optional(conn))?;
         Ok(row.map(|(workflow, step)| (WorkflowId(workflow), StepId(u32::try_from(step).unwrap_or(u32::MAX)))))
+    }
+
+    /// The steps of workflow `id`, by step (as [`StepRecord`]s).
+    pub async fn workflow_steps(&self, id: WorkflowId) -> Result<Vec<StepRecord>, sqlx::Error> {
+        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().workflow_steps.clone())
+            .bind(id.0)
+            .fetch_all(conn))?;
+        let count = |row: &sqlx::postgres::PgRow, column: &str| -> Result<u32, sqlx::Error> {
+            Ok(u32::try_from(row.try_get::<i32, _>(column)?).unwrap_or(0))
+        };
+        rows.iter()
+            .map(|row| {
+                let state = parse_state(row.try_get("state")?)?;
+                let waiting = match state {
+                    TaskState::Waiting => Some((count(row, "satisfied")?, count(row, "unsatisfied")?)),
+                    _ => None,
+                };
+                Ok(StepRecord {
+                    step: StepId(count(row, "step")?),
+                    task: TaskId(row.try_get("task_id")?),
+                    name: row.try_get("name")?,
+                    state,
+                    parents: count(row, "parents")?,
+                    required: count(row, "required")?,
+                    waiting,
+                })
+            })
+            .collect()
+    }
+
+    /// The ids of the workflows, newest first, at most `limit`.
+    pub async fn workflow_ids(&self, limit: u32) -> Result<Vec<WorkflowId>, sqlx::Error> {
+        let ids: Vec<i64> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().workflow_ids.clone())
+                .bind(i64::from(limit))
+                .fetch_all(conn))?;
+        Ok(ids.into_iter().map(WorkflowId).collect())
     }
 
     /// The parents of step `id`, by task id, as [`ParentRecord`]s (none for a task that is not

@@ -189,3 +189,24 @@ pub struct ParentRecord {
     /// Its error, if it failed, was cancelled or expired.
     pub error: Option<crate::task::TaskError>,
 }
+
+/// One step of a workflow as reading it shows: its task and where its join stands.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StepRecord {
+    /// The step.
+    pub step: StepId,
+    /// Its task.
+    pub task: TaskId,
+    /// Its task's name.
+    pub name: String,
+    /// Its task's state.
+    pub state: TaskState,
+    /// Its parents.
+    pub parents: u32,
+    /// How many of them must satisfy their edge for it to run.
+    pub required: u32,
+    /// While it waits: its parents that finished satisfying their edge, and those that
+    /// finished without satisfying it (`None` once it left Waiting, when they no longer
+    /// matter).
+    pub waiting: Option<(u32, u32)>,
+}

@@ -188,6 +188,9 @@ pub(crate) enum Command {
         #[command(flatten)]
         output: Output,
     },
+    /// Submit, show, list, pause, resume and cancel workflows
+    #[command(subcommand)]
+    Workflow(WorkflowCommand),
     /// Run the demo: a mixed load through several workers
     #[command(long_about = "Run the demo: a mixed load through several workers, with progress and a \
         summary. On the embedded in-memory store, or on PostgreSQL in a schema of its own (dropped \
@@ -216,6 +219,81 @@ pub(crate) struct Output {
     /// Print JSON instead of text
     #[arg(long)]
     pub(crate) json: bool,
+}
+
+/// `canter workflow`.
+#[derive(Debug, Subcommand)]
+pub(crate) enum WorkflowCommand {
+    /// Submit a workflow of built-in tasks described in JSON, and print its id
+    #[command(after_help = "FILE (or - for standard input) holds {\"name\": ..., \"pause_on_error\": false, \
+        \"steps\": [{\"name\": \"a\", \"task\": \"echo\", \"args\": {...}, \"queue\": ..., \"priority\": 0, \
+        \"after\": [\"x\"], \"after_finish\": [\"y\"], \"join\": \"all\" | \"any\" | {\"quorum\": N}}, ...]}: \
+        a step runs once its join over the steps it comes after is satisfied (\"after\" needs the \
+        step to complete, \"after_finish\" only to end).")]
+    Submit {
+        /// The workflow's JSON: a file, or - for standard input
+        #[arg(value_name = "FILE")]
+        file: String,
+        /// Submit steps whose tasks the canter worker does not serve (your own workers do)
+        #[arg(long)]
+        force: bool,
+        #[command(flatten)]
+        schema: SchemaArg,
+        #[command(flatten)]
+        output: Output,
+    },
+    /// A workflow's status and each step's state (and what a waiting one waits for)
+    Show {
+        /// The workflow's id
+        id: WorkflowIdArg,
+        #[command(flatten)]
+        schema: SchemaArg,
+        #[command(flatten)]
+        output: Output,
+    },
+    /// The newest workflows with their status
+    List {
+        /// How many
+        #[arg(short = 'n', long, value_name = "N", default_value_t = 20,
+              value_parser = clap::value_parser!(u32).range(1..=10_000))]
+        limit: u32,
+        #[command(flatten)]
+        schema: SchemaArg,
+        #[command(flatten)]
+        output: Output,
+    },
+    /// Stop promoting and skipping a workflow's steps until it is resumed
+    Pause(WorkflowArgs),
+    /// Apply what a paused workflow's steps decided meanwhile, and go on
+    Resume(WorkflowArgs),
+    /// Cancel a workflow's steps that have not started (running ones run to their end)
+    Cancel(WorkflowArgs),
+}
+
+/// A workflow id with its schema and output flags (pause, resume, cancel).
+#[derive(Debug, Clone, Args)]
+pub(crate) struct WorkflowArgs {
+    /// The workflow's id
+    pub(crate) id: WorkflowIdArg,
+    #[command(flatten)]
+    pub(crate) schema: SchemaArg,
+    #[command(flatten)]
+    pub(crate) output: Output,
+}
+
+/// A workflow's id on the command line.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct WorkflowIdArg(pub(crate) canter_tokio::WorkflowId);
+
+impl std::str::FromStr for WorkflowIdArg {
+    type Err = String;
+
+    fn from_str(text: &str) -> Result<Self, String> {
+        match text.parse::<i64>() {
+            Ok(id) if id > 0 => Ok(WorkflowIdArg(canter_tokio::WorkflowId(id))),
+            _ => Err("expected a workflow id: a positive whole number".into()),
+        }
+    }
 }
 
 /// A task id with its schema and output flags (cancel, retry).

@@ -13,6 +13,7 @@ mod inspect;
 mod output;
 mod schedules;
 mod settings;
+mod workflows;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
@@ -116,6 +117,7 @@ fn subcommand_name(command: &Command) -> &'static str {
         Command::Resume(_) => "resume",
         Command::Scheduler(_) => "scheduler",
         Command::Schedules { .. } => "schedules",
+        Command::Workflow(_) => "workflow",
         Command::Demo(_) => "demo",
         Command::Bench(_) => "bench",
         Command::Completions { .. } => "completions",
@@ -133,6 +135,7 @@ async fn run(command: Command, database: Database) -> Outcome {
         Command::Result { id, wait, schema, output } => inspect::result(&database, id.0, wait, &schema, output).await,
         Command::Scheduler(args) => schedules::scheduler(&database, args).await,
         Command::Schedules { config, schema, output } => schedules::list(&database, config, &schema, output).await,
+        Command::Workflow(command) => workflows::run(&database, command).await,
         Command::Demo(args) => demo::run(&database, args).await.map_err(|e| match e {
             demo::DemoError::Failed(m) => Failure::Failed(m),
             demo::DemoError::Connect(failure) => failure,
