@@ -199,6 +199,9 @@ enum WorkloadArg {
     HeldXmin,
     NoVacuum,
     BackendKills,
+    /// The plain drain, then workflows drained the same way: fan-out, fan-in, a chain and
+    /// many small diamonds (no raw baseline: the plain drain is theirs).
+    Workflows,
 }
 
 /// `--baseline`.
@@ -230,6 +233,15 @@ enum Workload {
     /// A steady load while every session of the bench is terminated again and again (see
     /// [`steady`]; no raw baseline).
     BackendKills,
+    /// One workflow: a root and `--tasks` - 1 children of it.
+    FanOut,
+    /// One workflow: `--tasks` - 1 parents of one child.
+    FanIn,
+    /// One workflow: a chain of at most 1,000 steps, each the child of the one before; its
+    /// latency is the time from a parent's finish to its child's start.
+    Chain,
+    /// `--tasks` / 4 workflows of four steps, a diamond each.
+    Diamonds,
 }
 
 impl Workload {
@@ -244,6 +256,10 @@ impl Workload {
             Workload::HeldXmin => "held_xmin",
             Workload::NoVacuum => "no_vacuum",
             Workload::BackendKills => "backend_kills",
+            Workload::FanOut => "fan_out",
+            Workload::FanIn => "fan_in",
+            Workload::Chain => "chain",
+            Workload::Diamonds => "diamonds",
         }
     }
 }
@@ -344,6 +360,9 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         WorkloadArg::HeldXmin => vec![Workload::HeldXmin],
         WorkloadArg::NoVacuum => vec![Workload::NoVacuum],
         WorkloadArg::BackendKills => vec![Workload::BackendKills],
+        WorkloadArg::Workflows => {
+            vec![Workload::Drain, Workload::FanOut, Workload::FanIn, Workload::Chain, Workload::Diamonds]
+        }
     };
     let tls = args.tls;
     let mut modes = match args.baseline.unwrap_or(if tls { Baseline::None } else { Baseline::Both }) {
@@ -979,6 +998,21 @@ fn table(samples: &[Sample], options: &Options) -> String {
         row("drain", "tasks/s", drain.0, drain.1, 0, format!("≥ 42000/s and ≥ 0.8 × raw: {}", verdict(ok)));
         let rss = med("drain", Mode::Canter, &|s: &Sample| s.peak_rss_mib);
         row("drain", "peak RSS MiB", rss, None, 1, format!("≤ 64 MiB: {}", verdict(rss.map(|r| r <= 64.0))));
+    }
+    for workload in ["fan_out", "fan_in", "diamonds"] {
+        let rate = med(workload, Mode::Canter, &rate);
+        if rate.is_some() {
+            let ok = ratio_at_least(rate, drain.0, 0.8);
+            row(workload, "tasks/s", rate, None, 0, format!("≥ 0.8 × canter's drain: {}", verdict(ok)));
+        }
+    }
+    for (i, name) in ["step p50 ms", "step p90 ms", "step p99 ms", "step max ms"].iter().enumerate() {
+        let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+        let c = med("chain", Mode::Canter, &pick);
+        if c.is_some() {
+            let target = if i == 0 { format!("≤ 2 ms: {}", verdict(c.map(|c| c <= 2.0))) } else { String::new() };
+            row("chain", name, c, None, 3, target);
+        }
     }
     let names = ["p50 ms", "p90 ms", "p99 ms", "max ms"];
     for (i, name) in names.iter().enumerate() {

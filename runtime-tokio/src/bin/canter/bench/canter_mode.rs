@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use canter_tokio::canter::config::AppConfig;
 use canter_tokio::canter::driver::{Registry, WorkerService};
-use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener};
-use canter_tokio::canter::store::NewTask;
+use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener, submit_workflow_in};
+use canter_tokio::canter::store::{NewTask, NewWorkflow};
 use canter_tokio::canter::task::{TaskError, WorkerId};
+use canter_tokio::canter::workflow::{EdgePolicy, Join};
 use serde::Deserialize;
 use serde_json::Value;
 use sqlx::postgres::PgListener;
@@ -29,10 +30,13 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::EnqueueOne | Workload::EnqueueBulk => {
             unreachable!("the enqueue workloads run through CanterEnqueuer")
         }
-        Workload::Drain => drain(options, scratch, &store, 0).await.map(|s| vec![s]),
+        Workload::Drain => drain(options, scratch, &store, 0, None).await.map(|s| vec![s]),
+        Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
+            drain(options, scratch, &store, 0, Some(workload)).await.map(|s| vec![s])
+        }
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
-            drain(options, scratch, &store, options.history_tasks).await.map(|s| vec![s])
+            drain(options, scratch, &store, options.history_tasks, None).await.map(|s| vec![s])
         }
         Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
@@ -252,7 +256,72 @@ impl Drop for WorkerProcess {
 
 /// `options.tasks` no-op tasks committed at once while an idle worker process waits; timed from
 /// the commit to the last finished task.
-async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: usize) -> Result<Sample, BenchError> {
+/// The workflows of a workflow workload over `n` steps of `noop`, and how many steps they hold.
+fn workflows(options: &Options, workload: Workload, n: usize) -> (Vec<NewWorkflow>, usize) {
+    let noop_step = |workflow: &mut NewWorkflow, i: usize| workflow.step(noop(options, i), Join::All);
+    let required = EdgePolicy::RequireSuccess;
+    match workload {
+        Workload::FanOut | Workload::FanIn => {
+            let mut workflow = NewWorkflow::new(workload.name());
+            let hub = noop_step(&mut workflow, 0);
+            for i in 1..n.max(2) {
+                let spoke = noop_step(&mut workflow, i);
+                match workload {
+                    Workload::FanOut => workflow.edge(hub, spoke, required),
+                    _ => workflow.edge(spoke, hub, required),
+                }
+            }
+            let steps = workflow.tasks.len();
+            (vec![workflow], steps)
+        }
+        Workload::Chain => {
+            let mut workflow = NewWorkflow::new("chain");
+            let mut last = noop_step(&mut workflow, 0);
+            for i in 1..n.clamp(2, 1_000) {
+                let next = noop_step(&mut workflow, i);
+                workflow.edge(last, next, required);
+                last = next;
+            }
+            let steps = workflow.tasks.len();
+            (vec![workflow], steps)
+        }
+        _ => {
+            let flows: Vec<NewWorkflow> = (0..(n / 4).max(1))
+                .map(|k| {
+                    let mut workflow = NewWorkflow::new("diamond");
+                    let [a, b, c, d] = [0, 1, 2, 3].map(|j| noop_step(&mut workflow, 4 * k + j));
+                    for (parent, child) in [(a, b), (a, c), (b, d), (c, d)] {
+                        workflow.edge(parent, child, required);
+                    }
+                    workflow
+                })
+                .collect();
+            let steps = flows.len() * 4;
+            (flows, steps)
+        }
+    }
+}
+
+/// From each parent's finish to its child's start, in ms, sorted: the chain's step overhead.
+async fn step_gaps(store: &PgStore) -> Result<Vec<f64>, BenchError> {
+    let s = store.schema().quoted();
+    let sql = format!(
+        "SELECT extract(epoch FROM c.started_at - p.finished_at)::float8 * 1000 FROM {s}.workflow_edges e \
+         JOIN {s}.finished_tasks p ON p.id = e.parent JOIN {s}.finished_tasks c ON c.id = e.child"
+    );
+    let mut gaps: Vec<f64> =
+        sqlx::query_scalar(sqlx::AssertSqlSafe(sql)).fetch_all(store.pool()).await.map_err(|e| failed("gaps", e))?;
+    gaps.sort_by(f64::total_cmp);
+    Ok(gaps)
+}
+
+async fn drain(
+    options: &Options,
+    scratch: &Scratch,
+    store: &PgStore,
+    history: usize,
+    workflow: Option<Workload>,
+) -> Result<Sample, BenchError> {
     let schema = store.schema().clone();
     let pool = store.pool();
     let mut worker = WorkerProcesses::start(options, &scratch.url, store).await?;
@@ -267,14 +336,22 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
         waiter.listen(&schema.done_channel()).await.map_err(|e| failed("listen", e))?;
         register_listener(waiter, &schema, &[schema.done_channel()]).await.map_err(|e| failed("listen", e))?;
     }
-    let n = options.tasks;
+    let mut n = options.tasks;
     let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
-    let mut done = 0;
-    while done < n {
-        let size = 1_000.min(n - done);
-        let tasks = (done..done + size).map(|i| noop(options, i)).collect();
-        enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
-        done += size;
+    if let Some(workload) = workflow {
+        let (flows, steps) = workflows(options, workload, n);
+        n = steps;
+        for flow in &flows {
+            submit_workflow_in(&mut *tx, &schema, store.app(), flow).await.map_err(|e| failed("submit", e))?;
+        }
+    } else {
+        let mut done = 0;
+        while done < n {
+            let size = 1_000.min(n - done);
+            let tasks = (done..done + size).map(|i| noop(options, i)).collect();
+            enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
+            done += size;
+        }
     }
     // Statistics as autovacuum would soon have them (this server may run without it), taken
     // in the same transaction so the worker never plans against an empty table's numbers.
@@ -309,8 +386,15 @@ async fn drain(options: &Options, scratch: &Scratch, store: &PgStore, history: u
             n + history
         )));
     }
-    let workload = if history > 0 { "history" } else { "drain" };
-    let mut sample = Sample::new(workload, scratch.mode, n, seconds);
+    let name = match workflow {
+        Some(workflow) => workflow.name(),
+        None if history > 0 => "history",
+        None => "drain",
+    };
+    let mut sample = Sample::new(name, scratch.mode, n, seconds);
+    if workflow == Some(Workload::Chain) {
+        sample.latency = Some(super::latency_summary(step_gaps(store).await?));
+    }
     sample.peak_rss_mib = peak;
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims as u64);

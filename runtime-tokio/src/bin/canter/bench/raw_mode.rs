@@ -88,6 +88,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::LatencyUnderLoad => Ok(Vec::new()),
         // No baseline: the raw loop has no reconnects to measure.
         Workload::BackendKills => Ok(Vec::new()),
+        // Their baseline is Canter's plain drain.
+        Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => Ok(Vec::new()),
         Workload::HeldXmin | Workload::NoVacuum => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
             steady(options, scratch, &pool, &sql, plan).await.map(|s| vec![s])
