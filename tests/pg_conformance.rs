@@ -952,6 +952,10 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
             &[(0, 3, false), (1, 3, false), (2, 3, false), (0, 4, false), (1, 4, false), (2, 4, false), (0, 5, true)],
             &[(3, Join::Any), (4, Join::Quorum(2))],
         )),
+        // Only its parents decide a waiting step: completing or failing it by hand is refused
+        // (regression: PostgreSQL moved it).
+        Op::Admin(AdminRequest::Complete { task: TaskId(13), result: json!(1) }),
+        Op::Admin(AdminRequest::Fail { task: TaskId(14), message: "by hand".into() }),
         claim("a", 3, &p, 3, 60_000),
         finish("a", lease(10, 1), failed(ErrorCode::TaskError)),
         finish("a", lease(11, 1), done(1)),
