@@ -823,11 +823,12 @@ SELECT g.state, {s}.ms(g.run_at) AS run_at, {s}.ms(g.good_until) AS good_until,
        EXISTS (SELECT FROM changed) AS changed
 FROM target g CROSS JOIN notified";
 
-/// Completes or fails a live task by hand: state `$2`, error `$3`, result `$4`. Its row moves
-/// as a finish moves it, so the holder's later writes find nothing and are reported lost.
+/// Completes or fails a Pending, Claimed or Running task by hand: state `$2`, error `$3`, result
+/// `$4`. Its row moves as a finish moves it, so the holder's later writes find nothing and are
+/// reported lost. A Waiting step is refused: only its parents decide it.
 const FINISH_BY_HAND: &str = "\
 WITH gone AS (
-    DELETE FROM {s}.tasks t WHERE t.id = $1 RETURNING t.*
+    DELETE FROM {s}.tasks t WHERE t.id = $1 AND t.state IN ('PENDING', 'CLAIMED', 'RUNNING') RETURNING t.*
 ),
 finished AS (
     INSERT INTO {s}.finished_tasks ({finished_columns})
