@@ -166,13 +166,16 @@ pub enum WorkflowStatus {
 }
 
 impl WorkflowStatus {
-    /// The status of a workflow with these flags and counts (see the module docs): what a store
-    /// that keeps the flags and counts its steps' rows reports.
-    pub fn of(cancelled: bool, paused: bool, unfinished: u32, sinks: u32, sinks_completed: u32) -> WorkflowStatus {
+    /// The status of a workflow with these flags and `unfinished` steps (see the module docs):
+    /// what a store that keeps the flags and counts its steps' rows reports. `sink_failed`
+    /// says whether some sink step (one without children) finished without completing; it
+    /// matters once every step finished, and a store keeps it apart from the steps' rows,
+    /// which purge may delete.
+    pub fn of(cancelled: bool, paused: bool, unfinished: u32, sink_failed: bool) -> WorkflowStatus {
         if cancelled {
             WorkflowStatus::Cancelled
         } else if unfinished == 0 {
-            if sinks_completed == sinks { WorkflowStatus::Completed } else { WorkflowStatus::Failed }
+            if sink_failed { WorkflowStatus::Failed } else { WorkflowStatus::Completed }
         } else if paused {
             WorkflowStatus::Paused
         } else {
@@ -331,7 +334,8 @@ impl WorkflowState {
 
     /// The workflow's status.
     pub fn status(&self) -> WorkflowStatus {
-        WorkflowStatus::of(self.cancelled, self.paused, self.step_counts.unfinished(), self.sinks, self.sinks_completed)
+        let unfinished = self.step_counts.unfinished();
+        WorkflowStatus::of(self.cancelled, self.paused, unfinished, self.sinks_completed < self.sinks)
     }
 
     /// How many steps the workflow has.
