@@ -1001,6 +1001,75 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
 }
 
 #[tokio::test]
+async fn workflows_settle_per_statement_alike() {
+    // What one statement finishes is one event for each workflow, settled when the statement
+    // ends, with one notification per queue; a purge keeps a workflow's outcome.
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 8);
+    let mut pair = Pair::new(app, "statements").await;
+    let failed = || FinishOutcome::Failed(error(ErrorCode::TaskError));
+    let done = |value: i64| FinishOutcome::Completed(json!(value));
+    let finish_all = |completions: Vec<(TaskLease, FinishOutcome)>| {
+        let completions =
+            completions.into_iter().map(|(task, outcome)| Completion { task, outcome, args: None }).collect();
+        Op::Db(DbRequest::Finish { worker: w("a"), completions })
+    };
+    // 1: tasks 1 to 4; 0 -> 1, 1 -> 2 (allow_failed, priority 2), 0 -> 3 (allow_failed,
+    // priority 1).
+    let mut levels = workflow("levels", 4, &[(0, 1, false), (1, 2, true), (0, 3, true)], &[]);
+    levels.tasks[2].priority = 2;
+    levels.tasks[3].priority = 1;
+    // 2: tasks 5 to 8, pauses on error; 0 -> 2, 1 -> 3.
+    let careful = workflow("careful", 4, &[(0, 2, false), (1, 3, false)], &[]).pause_on_error();
+    let script = vec![
+        Op::Submit(levels),
+        claim("a", 1, &p, 1, 60_000),
+        // Skips 1, promotes 3 and, a level down, 2: one notification, priority 1.
+        finish("a", lease(1, 1), failed()),
+        Op::Submit(careful),
+        claim("a", 2, &p, 4, 60_000),
+        // A completion before a failure of the careful workflow: paused before anything is
+        // promoted; the first workflow completes (its sinks 2 and 3 did).
+        finish_all(vec![
+            (lease(5, 1), done(5)),
+            (lease(6, 1), failed()),
+            (lease(3, 1), done(3)),
+            (lease(4, 1), done(4)),
+        ]),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(2)),
+        // 3: a chain, tasks 9 and 10.
+        Op::Submit(workflow("chain", 2, &[(0, 1, false)], &[])),
+        claim("a", 3, &p, 4, 60_000),
+        // The claim in the statement that completes 9 does not take 10, promoted at its end.
+        Op::Db(DbRequest::FinishAndClaim {
+            worker: w("a"),
+            completions: vec![
+                Completion { task: lease(9, 1), outcome: done(9), args: None },
+                Completion { task: lease(7, 1), outcome: done(7), args: None },
+            ],
+            token: 4,
+            policy: Arc::clone(&p),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 4,
+            lease_ms: 60_000,
+        }),
+        claim("a", 5, &p, 4, 60_000),
+        finish("a", lease(10, 1), done(10)),
+        // Every finished row goes; the workflows keep their outcomes.
+        Op::Advance(1),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 100 }),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps.len()));
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(
+        (status(1), status(2), status(3)),
+        (Some((S::Completed, 0)), Some((S::Failed, 0)), Some((S::Completed, 0)))
+    );
+}
+
+#[tokio::test]
 async fn keys_of_held_tasks_and_idempotency_windows() {
     // Keys move from a held task without writing its row; remove-key, finishing and purge then
     // say the same in both stores.
