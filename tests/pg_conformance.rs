@@ -38,9 +38,9 @@ use canter::store::{
     Completion, DbFailure, DbReply, DbRequest, DbTime, EnqueueError, FinishOutcome, KeyMode, NewTask, RunAt,
     TaskRecord, WorkerInfo,
 };
-use canter::store::{NewWorkflow, WorkflowId};
+use canter::store::{NewWorkflow, WorkflowId, WorkflowRecord};
 use canter::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
-use canter::workflow::{EdgePolicy, Join, StepId};
+use canter::workflow::{EdgePolicy, Join, OnError, StepId};
 use pg::{TestDb, pin_clock};
 use serde_json::json;
 use sqlx::postgres::{PgConnectOptions, PgListener};
@@ -1015,6 +1015,75 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
 }
 
 #[tokio::test]
+async fn workflows_settle_per_statement_alike() {
+    // What one statement finishes is one event for each workflow, settled when the statement
+    // ends, with one notification per queue; a purge keeps a workflow's outcome.
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 8);
+    let mut pair = Pair::new(app, "statements").await;
+    let failed = || FinishOutcome::Failed(error(ErrorCode::TaskError));
+    let done = |value: i64| FinishOutcome::Completed(json!(value));
+    let finish_all = |completions: Vec<(TaskLease, FinishOutcome)>| {
+        let completions =
+            completions.into_iter().map(|(task, outcome)| Completion { task, outcome, args: None }).collect();
+        Op::Db(DbRequest::Finish { worker: w("a"), completions })
+    };
+    // 1: tasks 1 to 4; 0 -> 1, 1 -> 2 (allow_failed, priority 2), 0 -> 3 (allow_failed,
+    // priority 1).
+    let mut levels = workflow("levels", 4, &[(0, 1, false), (1, 2, true), (0, 3, true)], &[]);
+    levels.tasks[2].priority = 2;
+    levels.tasks[3].priority = 1;
+    // 2: tasks 5 to 8, pauses on error; 0 -> 2, 1 -> 3.
+    let careful = workflow("careful", 4, &[(0, 2, false), (1, 3, false)], &[]).pause_on_error();
+    let script = vec![
+        Op::Submit(levels),
+        claim("a", 1, &p, 1, 60_000),
+        // Skips 1, promotes 3 and, a level down, 2: one notification, priority 1.
+        finish("a", lease(1, 1), failed()),
+        Op::Submit(careful),
+        claim("a", 2, &p, 4, 60_000),
+        // A completion before a failure of the careful workflow: paused before anything is
+        // promoted; the first workflow completes (its sinks 2 and 3 did).
+        finish_all(vec![
+            (lease(5, 1), done(5)),
+            (lease(6, 1), failed()),
+            (lease(3, 1), done(3)),
+            (lease(4, 1), done(4)),
+        ]),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(2)),
+        // 3: a chain, tasks 9 and 10.
+        Op::Submit(workflow("chain", 2, &[(0, 1, false)], &[])),
+        claim("a", 3, &p, 4, 60_000),
+        // The claim in the statement that completes 9 does not take 10, promoted at its end.
+        Op::Db(DbRequest::FinishAndClaim {
+            worker: w("a"),
+            completions: vec![
+                Completion { task: lease(9, 1), outcome: done(9), args: None },
+                Completion { task: lease(7, 1), outcome: done(7), args: None },
+            ],
+            token: 4,
+            policy: Arc::clone(&p),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 4,
+            lease_ms: 60_000,
+        }),
+        claim("a", 5, &p, 4, 60_000),
+        finish("a", lease(10, 1), done(10)),
+        // Every finished row goes; the workflows keep their outcomes.
+        Op::Advance(1),
+        Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 100 }),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps.len()));
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(
+        (status(1), status(2), status(3)),
+        (Some((S::Completed, 0)), Some((S::Failed, 0)), Some((S::Completed, 0)))
+    );
+}
+
+#[tokio::test]
 async fn keys_of_held_tasks_and_idempotency_windows() {
     // Keys move from a held task without writing its row; remove-key, finishing and purge then
     // say the same in both stores.
@@ -1596,6 +1665,352 @@ async fn random_scripts_with_bad_data_and_locks_agree() {
         "late claim handed back",
         "token taken",
         "dead worker",
+    ];
+    assert_reached(&seen, &expected);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Random workflow scripts
+// ---------------------------------------------------------------------------------------------
+
+/// A random workflow over `app`'s queues: a chain, stacked diamonds, a fan-out, a fan-in or a
+/// random DAG (edges from lower to higher steps only, so no cycle) of 1 to 12 steps, with
+/// random joins and edge policies, sometimes paused on error, its steps spread over the queues
+/// with now and then a priority, a delay, a good-until or a retry policy. One in twenty is
+/// invalid (a cycle, a self edge, a bad join, a key, an unknown queue, no name): both stores
+/// must refuse it alike.
+fn random_workflow(rng: &mut Rng, app: &AppConfig, now: DbTime, number: u64) -> NewWorkflow {
+    // Small graphs more often than large ones: they run to their end within a script.
+    let most = rng.range(2, 14);
+    let steps = rng.range(1, most) as u32;
+    let mut edges: BTreeSet<(u32, u32)> = BTreeSet::new();
+    match rng.range(0, 5) {
+        0 => edges.extend((1..steps).map(|i| (i - 1, i))),
+        1 => {
+            // Hub, two or three in parallel, hub, ...: each middle step between two hubs.
+            let (mut hub, mut next) = (0, 1);
+            while next < steps {
+                let width = (rng.range(2, 4) as u32).min(steps - next);
+                let middle: Vec<u32> = (next..next + width).collect();
+                next += width;
+                edges.extend(middle.iter().map(|&m| (hub, m)));
+                if next < steps {
+                    edges.extend(middle.iter().map(|&m| (m, next)));
+                    hub = next;
+                    next += 1;
+                }
+            }
+        }
+        2 => edges.extend((1..steps).map(|i| (0, i))),
+        3 => edges.extend((0..steps.saturating_sub(1)).map(|i| (i, steps - 1))),
+        _ => {
+            let density = [0.15, 0.3, 0.5][rng.range(0, 3) as usize];
+            for child in 1..steps {
+                for parent in 0..child {
+                    if rng.chance(density) {
+                        edges.insert((parent, child));
+                    }
+                }
+            }
+        }
+    }
+    let mut parents = vec![0u32; steps as usize];
+    for &(_, child) in &edges {
+        parents[child as usize] += 1;
+    }
+    let mut workflow = NewWorkflow::new(format!("wf{number}"));
+    if rng.chance(0.3) {
+        workflow = workflow.pause_on_error();
+    }
+    let queues = app.queues();
+    for (step, &n) in parents.iter().enumerate() {
+        let join = match (n, rng.range(0, 10)) {
+            (0, _) | (_, 0..=4) => Join::All,
+            (_, 5..=7) => Join::Any,
+            _ => Join::Quorum(rng.range(1, u64::from(n) + 1) as u32),
+        };
+        let queue = queues[rng.range(0, queues.len() as u64) as usize].name.clone();
+        let mut task = NewTask::new("step", json!({"wf": number, "step": step})).queue(queue);
+        if rng.chance(0.3) {
+            task.priority = rng.range(0, 5) as i16 - 2;
+        }
+        if rng.chance(0.15) {
+            task.run_at = RunAt::DelayMs(rng.range(0, 3_000));
+        }
+        if rng.chance(0.15) {
+            task.good_until = Some(DbTime(now.0 + rng.range(500, 8_000) as i64));
+        }
+        if rng.chance(0.4) {
+            task.retry = Some(RetryPolicy::fixed(vec![1, 2]).with_jitter(rng.chance(0.5)));
+        }
+        if rng.chance(0.15) {
+            task = task.flag("slow");
+        }
+        workflow.step(task, join);
+    }
+    for (parent, child) in edges {
+        let policy = if rng.chance(0.25) { EdgePolicy::AllowFailed } else { EdgePolicy::RequireSuccess };
+        workflow.edge(StepId(parent), StepId(child), policy);
+    }
+    if rng.chance(0.08) {
+        let last = steps - 1;
+        match rng.range(0, 7) {
+            // A cycle: an edge back against an existing one (or a step waiting for itself).
+            0 => match workflow.spec.edges.first().copied() {
+                Some(edge) => workflow.edge(edge.child, edge.parent, EdgePolicy::RequireSuccess),
+                None => workflow.edge(StepId(0), StepId(0), EdgePolicy::RequireSuccess),
+            },
+            1 => workflow.tasks[last as usize] = workflow.tasks[last as usize].clone().key("k-step"),
+            2 => workflow.tasks[0].queue = Some("nope".to_owned()),
+            3 => workflow.spec.steps[0].join = Join::Any,
+            4 => workflow.spec.steps[last as usize].join = Join::Quorum(parents[last as usize] + 1),
+            5 => workflow.name = String::new(),
+            _ => workflow.edge(StepId(0), StepId(steps), EdgePolicy::RequireSuccess),
+        }
+    }
+    workflow
+}
+
+/// Every workflow the memory store holds, by id (both stores agree, or the step failed).
+fn workflow_records(memory: &MemoryStore) -> Vec<WorkflowRecord> {
+    (1..).map(WorkflowId).map_while(|id| memory.workflow(id)).collect()
+}
+
+/// The next operation of a workflow script: a submit, an action on a workflow (known or not),
+/// an operator's action on a step's task (cancel, complete, fail, retry, whatever its state), a
+/// finish of several steps one worker holds with mixed outcomes, or else what [`random_op`]
+/// chooses (with the operator actions) from what the memory store holds.
+fn random_workflow_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64) -> Op {
+    let records = workflow_records(memory);
+    let flows = records.len() as u64;
+    let steps: Vec<(TaskId, TaskState)> =
+        memory.tasks().filter(|t| memory.step_of(t.id).is_some()).map(|t| (t.id, t.state)).collect();
+    let any_step = |rng: &mut Rng, states: &[TaskState]| -> Option<TaskId> {
+        let pool: Vec<TaskId> =
+            steps.iter().filter(|(_, s)| states.is_empty() || states.contains(s)).map(|(id, _)| *id).collect();
+        (!pool.is_empty()).then(|| pool[rng.range(0, pool.len() as u64) as usize])
+    };
+    match rng.range(0, 100) {
+        0..=5 => Op::Submit(random_workflow(rng, memory.app(), now, flows + 1)),
+        6..=12 => {
+            use canter::workflow::WorkflowStatus as S;
+            let (action, fits): (_, &[S]) = match rng.range(0, 10) {
+                0..=2 => (WorkflowAction::Pause, &[S::Running]),
+                3..=7 => (WorkflowAction::Resume, &[S::Paused]),
+                _ => (WorkflowAction::Cancel, &[S::Running, S::Paused]),
+            };
+            // Mostly a workflow the action fits; else any id, unknown ones included.
+            let fit: Vec<WorkflowId> = records.iter().filter(|f| fits.contains(&f.status)).map(|f| f.id).collect();
+            let id = match fit.is_empty() || rng.chance(0.3) {
+                true => WorkflowId(rng.range(1, flows + 3) as i64),
+                false => fit[rng.range(0, fit.len() as u64) as usize],
+            };
+            Op::Workflow(action, id)
+        }
+        13..=19 => {
+            use TaskState::{Claimed, Failed, Pending, Running, Waiting};
+            let (request, states): (fn(TaskId) -> AdminRequest, &[TaskState]) = match rng.range(0, 4) {
+                0 => (|task| AdminRequest::Cancel { task }, &[Waiting, Pending, Claimed]),
+                1 => (|task| AdminRequest::Complete { task, result: json!("by hand") }, &[Waiting, Pending, Running]),
+                2 => (|task| AdminRequest::Fail { task, message: "stop".to_owned() }, &[Waiting, Claimed, Running]),
+                _ => (|task| AdminRequest::Retry { task }, &[Failed]),
+            };
+            let states = if rng.chance(0.2) { &[] } else { states };
+            match any_step(rng, states) {
+                Some(task) => Op::Admin(request(task)),
+                None => Op::Advance(rng.range(0, 500)),
+            }
+        }
+        20..=39 => {
+            // A worker finishes what it holds (steps and plain tasks), in any order, with mixed
+            // outcomes: so that workflows move on, and some finish steps of one workflow both
+            // ways in one statement. Mostly the worker holding the most steps.
+            let steps_of = |worker: &str| {
+                memory
+                    .tasks()
+                    .filter(|t| memory.step_of(t.id).is_some() && t.claimed_by.as_ref().is_some_and(|c| c.0 == worker))
+                    .filter(|t| matches!(t.state, TaskState::Claimed | TaskState::Running))
+                    .count()
+            };
+            let busiest = WORKERS.into_iter().max_by_key(|worker| steps_of(worker)).unwrap_or(WORKERS[0]);
+            let worker = if rng.chance(0.5) { busiest } else { WORKERS[rng.range(0, 3) as usize] };
+            let mut completions: Vec<Completion> = memory
+                .tasks()
+                .filter(|t| matches!(t.state, TaskState::Claimed | TaskState::Running))
+                .filter(|t| t.claimed_by.as_ref().is_some_and(|c| c.0 == worker))
+                .map(|t| {
+                    let outcome = match rng.range(0, 7) {
+                        0..=3 => FinishOutcome::Completed(json!({"r": rng.range(0, 9)})),
+                        4 | 5 => FinishOutcome::Failed(error(ErrorCode::TaskError)),
+                        _ => {
+                            FinishOutcome::Retry { error: error(ErrorCode::TaskTimeout), delay_ms: rng.range(0, 2_000) }
+                        }
+                    };
+                    Completion { task: TaskLease { task: t.id, lease: t.lease }, outcome, args: None }
+                })
+                .collect();
+            // Now and then two steps of one workflow finish both ways, the completion first.
+            let mut by_flow: BTreeMap<WorkflowId, Vec<usize>> = BTreeMap::new();
+            for (i, c) in completions.iter().enumerate() {
+                if let Some((flow, _)) = memory.step_of(c.task.task) {
+                    by_flow.entry(flow).or_default().push(i);
+                }
+            }
+            if let Some(pair) = by_flow.values().find(|steps| steps.len() >= 2).filter(|_| rng.chance(0.5)) {
+                let (first, second) = (pair[0], pair[1]);
+                completions[first].outcome = FinishOutcome::Completed(json!("first"));
+                completions[second].outcome = FinishOutcome::Failed(error(ErrorCode::TaskError));
+                completions.swap(0, first);
+                let second = if second == 0 { first } else { second };
+                completions.swap(1, second);
+            } else {
+                for i in (1..completions.len()).rev() {
+                    completions.swap(i, rng.range(0, i as u64 + 1) as usize);
+                }
+            }
+            Op::Db(DbRequest::Finish { worker: w(worker), completions })
+        }
+        40..=54 => {
+            // Claims that start what they take, so that steps run and finish.
+            let worker = WORKERS[rng.range(0, 3) as usize];
+            match random_claim(rng, memory.app(), worker, 0, 0, tokens) {
+                Op::Db(DbRequest::Claim { worker, token, policy, my_running, my_claimed, lease_ms, .. }) => {
+                    let start_now = rng.range(1, 5) as u32;
+                    Op::Db(DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms })
+                }
+                other => other,
+            }
+        }
+        _ => match random_op(rng, memory, now, tokens, true, false) {
+            // Fewer plain tasks: steps are what these scripts are about.
+            Op::Enqueue(_) if rng.chance(0.7) => Op::Advance(rng.range(0, 1_000)),
+            op => op,
+        },
+    }
+}
+
+/// What a workflow script's step reached, from the memory store before and after it (both
+/// stores agreed on the after, or the step failed).
+fn workflow_features(
+    op: &Op,
+    before: &MemoryStore,
+    steps_before: &BTreeMap<TaskId, TaskState>,
+    flows_before: &[WorkflowRecord],
+    after: &MemoryStore,
+) -> Vec<&'static str> {
+    use canter::workflow::WorkflowStatus as S;
+    let mut seen = Vec::new();
+    for (id, &was) in steps_before {
+        let now = after.task(*id).map(|t| t.state);
+        match (was, now) {
+            (TaskState::Waiting, Some(TaskState::Pending)) => seen.push("promoted"),
+            (TaskState::Waiting, Some(TaskState::Skipped)) => seen.push("skipped"),
+            (TaskState::Waiting, Some(TaskState::Cancelled)) if matches!(op, Op::Admin(_)) => {
+                seen.push("waiting step cancelled")
+            }
+            _ => {}
+        }
+    }
+    let flows = workflow_records(after);
+    for flow in &flows {
+        let was = flows_before.iter().find(|f| f.id == flow.id).map(|f| f.status);
+        match (was, flow.status, op) {
+            (Some(S::Running), S::Paused, Op::Workflow(..)) => seen.push("workflow paused"),
+            (Some(S::Running), S::Paused, _) => seen.push("paused by error"),
+            (Some(S::Paused), S::Running, _) => seen.push("workflow resumed"),
+            (Some(S::Running | S::Paused), S::Cancelled, _) => seen.push("workflow cancelled"),
+            (Some(S::Running | S::Paused), S::Completed, _) => seen.push("workflow completed"),
+            (Some(S::Running | S::Paused), S::Failed, _) => seen.push("workflow failed"),
+            _ => {}
+        }
+    }
+    match op {
+        Op::Workflow(_, id) if flows_before.iter().all(|f| f.id != *id) => seen.push("unknown workflow"),
+        Op::Workflow(_, id) if flows_before.iter().any(|f| f.id == *id && f.status.is_finished()) => {
+            seen.push("action on a finished workflow")
+        }
+        Op::Admin(AdminRequest::Retry { task }) if before.step_of(*task).is_some() => seen.push("step retry refused"),
+        Op::Admin(AdminRequest::Complete { task, .. } | AdminRequest::Fail { task, .. })
+            if steps_before.get(task) == Some(&TaskState::Waiting) =>
+        {
+            seen.push("finish of a waiting step refused")
+        }
+        Op::Db(DbRequest::Finish { completions, .. } | DbRequest::FinishAndClaim { completions, .. }) => {
+            // A completion and a failure of steps of one workflow that pauses on error, both
+            // applied by the one statement.
+            let mut outcomes: BTreeMap<WorkflowId, BTreeSet<TaskState>> = BTreeMap::new();
+            for completion in completions {
+                let id = completion.task.task;
+                let Some((flow, _)) = before.step_of(id) else { continue };
+                let careful = flows_before.iter().any(|f| f.id == flow && f.on_error == OnError::Pause);
+                let state = after.task(id).map(|t| t.state);
+                if careful && steps_before.get(&id) != state.as_ref() {
+                    outcomes.entry(flow).or_default().extend(state);
+                }
+            }
+            if outcomes.values().any(|s| s.contains(&TaskState::Completed) && s.contains(&TaskState::Failed)) {
+                seen.push("completion and failure of a careful workflow in one finish");
+            }
+        }
+        _ => {}
+    }
+    seen
+}
+
+/// Runs random workflow scripts over every app for `CANTER_CONFORMANCE_SEEDS` seeds (default
+/// 2) and returns what they reached.
+async fn random_workflow_scripts() -> BTreeMap<&'static str, usize> {
+    let seeds: u64 = std::env::var("CANTER_CONFORMANCE_SEEDS").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+    let steps = 150;
+    let mut seen: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for (name, app) in apps() {
+        for seed in 0..seeds {
+            let label = format!("{name} workflows seed {seed}");
+            let mut pair = Pair::new(app.clone(), &label).await;
+            let mut rng = Rng::new(seed.wrapping_mul(0x5851_F42D) ^ 0xF10 ^ name.len() as u64);
+            let mut tokens = 0;
+            for _ in 0..steps {
+                let op = random_workflow_op(&mut rng, &pair.memory, pair.now, &mut tokens);
+                let before = pair.memory.clone();
+                let steps_before: BTreeMap<TaskId, TaskState> =
+                    before.tasks().filter(|t| before.step_of(t.id).is_some()).map(|t| (t.id, t.state)).collect();
+                let flows_before = workflow_records(&before);
+                pair.apply(&op).await;
+                for feature in workflow_features(&op, &before, &steps_before, &flows_before, &pair.memory) {
+                    pair.see(feature);
+                }
+            }
+            pair.compare_state(true).await;
+            for (feature, n) in &pair.seen {
+                *seen.entry(feature).or_default() += n;
+            }
+        }
+    }
+    seen
+}
+
+#[tokio::test]
+async fn random_workflow_scripts_agree() {
+    let seen = random_workflow_scripts().await;
+    let expected = [
+        "workflow submitted",
+        "workflow refused",
+        "promoted",
+        "skipped",
+        "paused by error",
+        "workflow paused",
+        "workflow resumed",
+        "workflow cancelled",
+        "workflow completed",
+        "workflow failed",
+        "unknown workflow",
+        "action on a finished workflow",
+        "waiting step cancelled",
+        "finish of a waiting step refused",
+        "step retry refused",
+        "completion and failure of a careful workflow in one finish",
+        "claimed and started",
+        "expired pending",
     ];
     assert_reached(&seen, &expected);
 }

@@ -19,6 +19,13 @@ impl MemoryStore {
     /// Applies an operator's action at `now` (see [`AdminRequest`] for what each does and
     /// replies); a refused one changes nothing.
     pub fn admin(&mut self, request: &AdminRequest, now: DbTime) -> Result<AdminReply, AdminError> {
+        let reply = self.admin_request(request, now);
+        // One statement each: the workflows of the steps it finished settle as it ends.
+        self.settle_workflows(now);
+        reply
+    }
+
+    fn admin_request(&mut self, request: &AdminRequest, now: DbTime) -> Result<AdminReply, AdminError> {
         match request {
             AdminRequest::Cancel { task } => self.cancel(*task, now).map(|found| AdminReply::Cancelled { found }),
             AdminRequest::Retry { task } => self.requeue_failed(*task, now).map(|()| AdminReply::Done),

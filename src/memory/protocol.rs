@@ -79,6 +79,8 @@ impl MemoryStore {
     pub fn apply(&mut self, request: &DbRequest, now: DbTime) -> DbReply {
         let before = self.notifications.len();
         let reply = self.apply_request(request, now);
+        // The request's (last) statement ends: the workflows of the steps it finished settle.
+        self.settle_workflows(now);
         // PostgreSQL delivers identical notifications of one transaction once (a reap that
         // requeues claims and retries runs of one queue announces it once).
         let mut seen = BTreeSet::new();
@@ -116,7 +118,8 @@ impl MemoryStore {
             DbRequest::RecordStarts { worker, tasks } => self.record_starts(worker, tasks, now),
             DbRequest::Finish { worker, completions } => self.finish(worker, completions, now),
             DbRequest::FinishAndClaim { .. } => {
-                // One statement: the claim sees what the finish did.
+                // One statement: the claim sees what the finish did, but not what the finished
+                // steps' workflows decide (they settle when the statement ends).
                 let (finish, claim) = request.finish_then_claim().expect("a FinishAndClaim");
                 let finished = self.apply_request(&finish, now);
                 let claimed = self.apply_request(&claim, now);
@@ -687,6 +690,8 @@ impl MemoryStore {
             }
         }
         self.notify_ready(ready);
+        // A statement of its own in PostgreSQL: the steps it failed settle before the expiry.
+        self.settle_workflows(now);
         let expired: Vec<TaskId> = self
             .live
             .values()

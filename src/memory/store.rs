@@ -167,6 +167,10 @@ pub struct MemoryStore {
     /// The workflow and step of each step's task.
     pub(super) steps: BTreeMap<TaskId, (WorkflowId, StepId)>,
     pub(super) next_workflow_id: i64,
+    /// Steps' rows the statement under way moved to the finished table, with their states:
+    /// their workflows learn of them when it ends ([`MemoryStore::settle_workflows`]), as
+    /// PostgreSQL's statement trigger does.
+    pub(super) finished_steps: Vec<(TaskId, TaskState)>,
 }
 
 /// The liveness tokens: in PostgreSQL, a session advisory lock each worker holds on a
@@ -217,6 +221,7 @@ impl MemoryStore {
             workflows: BTreeMap::new(),
             steps: BTreeMap::new(),
             next_workflow_id: 1,
+            finished_steps: Vec::new(),
         }
     }
 
@@ -356,8 +361,10 @@ impl MemoryStore {
         let state = row.state;
         self.finished.insert(id, row);
         self.notifications.push(Notification::TaskFinished { task: id, state });
-        // The same move decides the step's children, if it is a workflow's step.
-        self.step_finished(id, state, now);
+        // A step's children decide when the statement ends (`settle_workflows`).
+        if self.steps.contains_key(&id) {
+            self.finished_steps.push((id, state));
+        }
         state
     }
 

@@ -1,9 +1,10 @@
 //! Workflows: each holds the core's [`WorkflowState`] (the specification the SQL agrees with)
-//! and its steps' task ids. Every move of a step's row to the finished table reports its
-//! outcome to the workflow ([`MemoryStore::step_finished`], from
-//! [`finish_row`](MemoryStore::finish_row)), and what the workflow decides moves the other
-//! steps' rows in the same request: promoted to Pending (one notification per queue), or
-//! skipped, which is itself a finish its children see.
+//! and its steps' task ids. Every move of a step's row to the finished table is noted
+//! ([`finish_row`](MemoryStore::finish_row)); when the statement that moved it ends, its
+//! workflow learns of all the steps that statement finished as one event
+//! ([`MemoryStore::settle_workflows`], as PostgreSQL's statement trigger), and what it decides
+//! moves the other steps' rows: promoted to Pending (one notification per queue and
+//! statement), or skipped, which is itself a finish its children see.
 
 use std::collections::BTreeMap;
 
@@ -48,7 +49,7 @@ impl MemoryStore {
         }
         let stored = StoredWorkflow { name: workflow.name, state, tasks: tasks.clone(), submitted_at: now };
         self.workflows.insert(id, stored);
-        self.apply_workflow_changes(id, &changes, now);
+        self.apply_workflow_changes(&[(id, changes)], now);
         Ok(SubmittedWorkflow { workflow: id, tasks })
     }
 
@@ -143,8 +144,10 @@ impl MemoryStore {
     /// Resumes workflow `id`: what its steps' joins decided meanwhile applies now.
     pub fn resume_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
         let changes = self.workflow_changes(id, WorkflowState::resume)?;
-        self.apply_workflow_changes(id, &changes, now);
-        Ok(changes.status)
+        let status = changes.status;
+        self.apply_workflow_changes(&[(id, changes)], now);
+        self.settle_workflows(now);
+        Ok(status)
     }
 
     /// Cancels workflow `id` in one statement: its Waiting, Pending and Claimed steps are
@@ -152,8 +155,10 @@ impl MemoryStore {
     /// the workflow promotes nothing after it).
     pub fn cancel_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
         let changes = self.workflow_changes(id, WorkflowState::cancel)?;
-        self.apply_workflow_changes(id, &changes, now);
-        Ok(changes.status)
+        let status = changes.status;
+        self.apply_workflow_changes(&[(id, changes)], now);
+        self.settle_workflows(now);
+        Ok(status)
     }
 
     fn workflow_changes(
@@ -175,56 +180,68 @@ impl MemoryStore {
         Ok(changes.status)
     }
 
-    /// Reports a step's row that just moved to the finished table in `state` to its workflow,
-    /// and applies what the workflow decides. Rows the workflow itself finished (skipped,
-    /// cancelled with it) are already known to it.
-    pub(super) fn step_finished(&mut self, id: TaskId, state: TaskState, now: DbTime) {
-        let Some((workflow, step)) = self.step_of(id) else {
-            return;
-        };
-        let outcome = match state {
-            TaskState::Completed => StepOutcome::Completed,
-            TaskState::Failed => StepOutcome::Failed,
-            TaskState::Cancelled => StepOutcome::Cancelled,
-            TaskState::Expired => StepOutcome::Expired,
-            _ => return,
-        };
-        let Some(flow) = self.workflows.get_mut(&workflow) else {
-            return;
-        };
-        if flow.state.state(step).is_none_or(|known| known.is_finished()) {
-            return;
+    /// Ends a statement for the workflows: reports the steps' rows it moved to the finished
+    /// table ([`finished_steps`](MemoryStore::finished_steps)) to their workflows, one event per
+    /// workflow ([`WorkflowState::steps_finished`]), and applies what they decide, as
+    /// PostgreSQL's statement trigger does after the statement. Rows the workflows themselves
+    /// finished (skipped, cancelled with their workflow) are already known to them.
+    pub(super) fn settle_workflows(&mut self, now: DbTime) {
+        let finished = std::mem::take(&mut self.finished_steps);
+        let mut batches: BTreeMap<WorkflowId, Vec<(StepId, StepOutcome)>> = BTreeMap::new();
+        for (id, state) in finished {
+            let Some((workflow, step)) = self.step_of(id) else { continue };
+            let outcome = match state {
+                TaskState::Completed => StepOutcome::Completed,
+                TaskState::Failed => StepOutcome::Failed,
+                TaskState::Cancelled => StepOutcome::Cancelled,
+                TaskState::Expired => StepOutcome::Expired,
+                _ => continue,
+            };
+            let known = self.workflows.get(&workflow).and_then(|flow| flow.state.state(step));
+            if known.is_some_and(|known| !known.is_finished()) {
+                batches.entry(workflow).or_default().push((step, outcome));
+            }
         }
-        let changes = flow
-            .state
-            .step_finished(step, outcome)
-            .unwrap_or_else(|e| panic!("memory store invariant broken: step {step} of workflow {workflow}: {e}"));
-        self.apply_workflow_changes(workflow, &changes, now);
+        let mut all = Vec::with_capacity(batches.len());
+        for (workflow, finishes) in batches {
+            let Some(flow) = self.workflows.get_mut(&workflow) else { continue };
+            let changes = flow
+                .state
+                .steps_finished(&finishes)
+                .unwrap_or_else(|e| panic!("memory store invariant broken: workflow {workflow}: {finishes:?}: {e}"));
+            all.push((workflow, changes));
+        }
+        self.apply_workflow_changes(&all, now);
+        // What they moved (skips) is known to them already.
+        self.finished_steps.clear();
     }
 
-    /// Moves the rows of the steps a workflow event promoted, skipped or cancelled, and
-    /// notifies each queue that received a promoted step once, with its most urgent priority.
-    fn apply_workflow_changes(&mut self, workflow: WorkflowId, changes: &Changes, now: DbTime) {
-        let task = |store: &MemoryStore, step: StepId| store.workflows[&workflow].tasks[step.index()];
+    /// Moves the rows of the steps workflow events promoted, skipped or cancelled, and
+    /// notifies each queue that received a promoted step once, with its most urgent priority:
+    /// the events of one statement together, as PostgreSQL notifies once per statement.
+    fn apply_workflow_changes(&mut self, all: &[(WorkflowId, Changes)], now: DbTime) {
         // Per queue that received a promoted step, the most urgent priority (as an enqueue's).
         let mut queues: BTreeMap<String, i16> = BTreeMap::new();
-        for &step in &changes.ready {
-            let id = task(self, step);
-            let row = self.live_row(id);
-            row.apply_event(TaskEvent::Promote);
-            row.run_at = row.run_at.max(now);
-            let priority = row.priority;
-            queues.entry(row.queue.clone()).and_modify(|p| *p = (*p).min(priority)).or_insert(priority);
-        }
-        for &step in &changes.skipped {
-            self.finish_row(task(self, step), TaskEvent::Skip, now, None, None);
-        }
-        for &step in &changes.cancelled {
-            let id = task(self, step);
-            // The workflow counts a claimed step as ready: it may have started since.
-            if self.live.get(&id).is_some_and(|row| row.state != TaskState::Running) {
-                let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
-                self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+        for (workflow, changes) in all {
+            let task = |store: &MemoryStore, step: StepId| store.workflows[workflow].tasks[step.index()];
+            for &step in &changes.ready {
+                let id = task(self, step);
+                let row = self.live_row(id);
+                row.apply_event(TaskEvent::Promote);
+                row.run_at = row.run_at.max(now);
+                let priority = row.priority;
+                queues.entry(row.queue.clone()).and_modify(|p| *p = (*p).min(priority)).or_insert(priority);
+            }
+            for &step in &changes.skipped {
+                self.finish_row(task(self, step), TaskEvent::Skip, now, None, None);
+            }
+            for &step in &changes.cancelled {
+                let id = task(self, step);
+                // The workflow counts a claimed step as ready: it may have started since.
+                if self.live.get(&id).is_some_and(|row| row.state != TaskState::Running) {
+                    let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
+                    self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+                }
             }
         }
         for (queue, priority) in queues {

@@ -720,18 +720,19 @@ UNION ALL
 SELECT r.ord, NULL, NULL, {s}.ms(r.run_at), {s}.ms(r.good_until) FROM refused r
 ORDER BY 1";
 
-/// A workflow's row and its steps counted by state and by whether they are sinks (none for an
-/// unknown workflow).
+/// A workflow's row and its steps' rows counted by state (none for an unknown workflow; purged
+/// rows count no more).
 const WORKFLOW_RECORD: &str = "\
-SELECT w.name, w.on_error, w.paused, w.cancelled, {s}.ms(w.submitted_at) AS submitted_at_ms, c.state, c.sink, c.n
+SELECT w.name, w.on_error, w.paused, w.cancelled, w.sink_failed, {s}.ms(w.submitted_at) AS submitted_at_ms,
+       c.state, c.n
 FROM {s}.workflows w
 LEFT JOIN LATERAL (
-    SELECT coalesce(t.state, f.state) AS state, s.sink, count(*) AS n
+    SELECT coalesce(t.state, f.state) AS state, count(*) AS n
     FROM {s}.workflow_steps s
     LEFT JOIN {s}.tasks t ON t.id = s.task_id
     LEFT JOIN {s}.finished_tasks f ON f.id = s.task_id
     WHERE s.workflow_id = w.id AND (t.id IS NOT NULL OR f.id IS NOT NULL)
-    GROUP BY 1, 2
+    GROUP BY 1
 ) c ON true
 WHERE w.id = $1";
 

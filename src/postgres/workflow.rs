@@ -198,8 +198,9 @@ impl PgStore {
             return Ok(None);
         };
         let (paused, cancelled): (bool, bool) = (first.try_get("paused")?, first.try_get("cancelled")?);
+        let sink_failed: bool = first.try_get("sink_failed")?;
         let mut steps: BTreeMap<TaskState, u32> = BTreeMap::new();
-        let (mut unfinished, mut sinks, mut sinks_completed) = (0u32, 0u32, 0u32);
+        let mut unfinished = 0u32;
         for row in &rows {
             let Some(state) = row.try_get::<Option<String>, _>("state")? else {
                 continue;
@@ -210,12 +211,6 @@ impl PgStore {
             if !state.is_terminal() {
                 unfinished += n;
             }
-            if row.try_get::<bool, _>("sink")? {
-                sinks += n;
-                if state == TaskState::Completed {
-                    sinks_completed += n;
-                }
-            }
         }
         let on_error = match first.try_get::<String, _>("on_error")?.as_str() {
             "PAUSE" => OnError::Pause,
@@ -224,7 +219,7 @@ impl PgStore {
         let record = WorkflowRecord {
             id,
             name: first.try_get("name")?,
-            status: WorkflowStatus::of(cancelled, paused, unfinished, sinks, sinks_completed),
+            status: WorkflowStatus::of(cancelled, paused, unfinished, sink_failed),
             on_error,
             steps,
             submitted_at: DbTime(first.try_get("submitted_at_ms")?),

@@ -61,6 +61,8 @@
 //! - [`step_finished`](WorkflowState::step_finished): a step's task finished; its children's
 //!   counts change and the decided ones are promoted or skipped. A waiting step may be
 //!   cancelled or expire on its own (its children see that outcome).
+//!   [`steps_finished`](WorkflowState::steps_finished) is the same for several steps at once,
+//!   as one event: what one statement of a store finished.
 //! - [`pause`](WorkflowState::pause), [`resume`](WorkflowState::resume): while paused, no
 //!   step is promoted *or skipped*; a waiting step whose join decides is *held* (its
 //!   [`WaitReason::held`] says how) and the decision is applied on resume. Steps already
@@ -72,7 +74,11 @@
 //!   again and their joins decide anew; steps not finished are never touched.
 //!
 //! With [`OnError::Pause`], a step that fails, is cancelled or expires pauses the workflow
-//! before its children decide, so an operator can retry it before anything is skipped.
+//! before its children decide, so an operator can retry it before anything is skipped. The
+//! rule is per event, and the steps one statement finishes are one event: if one of them
+//! failed, was cancelled or expired, none of their children decides, not even those of a step
+//! the same statement completed before it (a worker's finish of a batch, a reaper's pass: the
+//! order of rows within a statement means nothing).
 //!
 //! The status ([`WorkflowStatus`]), in order:
 //!
@@ -95,11 +101,15 @@
 //!
 //! A store keeps, per workflow, its status and [`StepCounts`], and per waiting step its
 //! [`JoinCounts`] (the parents count is fixed at submit), and per edge its policy. When a
-//! batch of steps finishes, for each finished parent and each of its edges it applies
-//! [`on_parent_finished`] to the child's counts, then [`decide`]s every waiting child whose
-//! counts changed: Ready makes it claimable (one notification per queue), Skip marks it
-//! skipped and is itself a finish of that child, to be propagated the same way until no step
-//! is skipped (a chain of skips is as long as the graph is deep), Wait leaves it. In SQL the
+//! statement has finished steps (when it ends: a statement that finishes steps and then claims
+//! does not claim the children it promotes), it takes them as one batch: it pauses the
+//! workflows that pause on error if one of their steps in the batch did not complete, then for
+//! each finished parent and each of its edges it applies [`on_parent_finished`] to the child's
+//! counts, then [`decide`]s every waiting child whose counts changed: Ready makes it claimable,
+//! Skip marks it skipped and is itself a finish of that child, to be propagated the same way
+//! until no step is skipped (a chain of skips is as long as the graph is deep), Wait leaves it.
+//! The statement notifies each queue that received promoted steps once, with their most urgent
+//! priority (the same for a resume, skips and their consequences included). In SQL the
 //! decision is the threshold of [`decide`] on the child's row: ready when `satisfied >=
 //! required`, skipped when `parents - unsatisfied < required`. [`WorkflowState`] is the
 //! specification of the whole: the memory store may run it directly, and the SQL must agree

@@ -1,7 +1,7 @@
 //! The workflow machine: a submitted graph's steps and status, moved by events, each event
 //! answered with what changed. See the module docs for the semantics.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 
 use serde::{Deserialize, Serialize};
@@ -166,13 +166,16 @@ pub enum WorkflowStatus {
 }
 
 impl WorkflowStatus {
-    /// The status of a workflow with these flags and counts (see the module docs): what a store
-    /// that keeps the flags and counts its steps' rows reports.
-    pub fn of(cancelled: bool, paused: bool, unfinished: u32, sinks: u32, sinks_completed: u32) -> WorkflowStatus {
+    /// The status of a workflow with these flags and `unfinished` steps (see the module docs):
+    /// what a store that keeps the flags and counts its steps' rows reports. `sink_failed`
+    /// says whether some sink step (one without children) finished without completing; it
+    /// matters once every step finished, and a store keeps it apart from the steps' rows,
+    /// which purge may delete.
+    pub fn of(cancelled: bool, paused: bool, unfinished: u32, sink_failed: bool) -> WorkflowStatus {
         if cancelled {
             WorkflowStatus::Cancelled
         } else if unfinished == 0 {
-            if sinks_completed == sinks { WorkflowStatus::Completed } else { WorkflowStatus::Failed }
+            if sink_failed { WorkflowStatus::Failed } else { WorkflowStatus::Completed }
         } else if paused {
             WorkflowStatus::Paused
         } else {
@@ -331,7 +334,8 @@ impl WorkflowState {
 
     /// The workflow's status.
     pub fn status(&self) -> WorkflowStatus {
-        WorkflowStatus::of(self.cancelled, self.paused, self.step_counts.unfinished(), self.sinks, self.sinks_completed)
+        let unfinished = self.step_counts.unfinished();
+        WorkflowStatus::of(self.cancelled, self.paused, unfinished, self.sinks_completed < self.sinks)
     }
 
     /// How many steps the workflow has.
@@ -418,26 +422,48 @@ impl WorkflowState {
     /// finished). Its children's counts change; a failure, cancellation or expiry pauses a
     /// workflow whose policy is [`OnError::Pause`]; then the children whose joins decided are
     /// promoted or skipped (skips propagate), unless the workflow is paused or cancelled. In a
-    /// cancelled workflow the step's state is recorded and nothing else happens.
+    /// cancelled workflow the step's state is recorded and nothing else happens. The same as
+    /// [`steps_finished`](Self::steps_finished) with this one finish.
     pub fn step_finished(&mut self, step: StepId, outcome: StepOutcome) -> Result<Changes, EventError> {
-        let state = self.known(step)?;
-        let allowed = match state {
-            StepState::Ready | StepState::Running => true,
-            StepState::Waiting => matches!(outcome, StepOutcome::Cancelled | StepOutcome::Expired),
-            _ => false,
-        };
-        if !allowed {
-            return Err(EventError::CannotFinish { step, state, outcome });
+        self.steps_finished(&[(step, outcome)])
+    }
+
+    /// Several steps' tasks finished at once (one statement of a store finished them all), as
+    /// one event: every step as [`step_finished`](Self::step_finished) allows it (each at most
+    /// once), or none is recorded. All of them are recorded and counted in their children
+    /// first; if one of them failed, was cancelled or expired, a workflow whose policy is
+    /// [`OnError::Pause`] pauses; only then do the children decide. So a completion finished
+    /// together with a failure promotes nothing in such a workflow, whatever their order.
+    pub fn steps_finished(&mut self, finishes: &[(StepId, StepOutcome)]) -> Result<Changes, EventError> {
+        let mut seen = BTreeMap::new();
+        for &(step, outcome) in finishes {
+            let state = self.known(step)?;
+            let allowed = match state {
+                StepState::Ready | StepState::Running => true,
+                StepState::Waiting => matches!(outcome, StepOutcome::Cancelled | StepOutcome::Expired),
+                _ => false,
+            };
+            if let Some(&first) = seen.get(&step) {
+                // Finished earlier in this batch: it is in that outcome's state now.
+                let state = StepState::from(ParentOutcome::from(first));
+                return Err(EventError::CannotFinish { step, state, outcome });
+            }
+            seen.insert(step, outcome);
+            if !allowed {
+                return Err(EventError::CannotFinish { step, state, outcome });
+            }
         }
-        self.held.remove(&step);
-        let outcome = ParentOutcome::from(outcome);
-        self.set_state(step, outcome.into());
-        if outcome != ParentOutcome::Completed && self.on_error == OnError::Pause && !self.cancelled {
-            self.paused = true;
+        let mut work = BTreeSet::new();
+        for &(step, outcome) in finishes {
+            self.held.remove(&step);
+            let outcome = ParentOutcome::from(outcome);
+            self.set_state(step, outcome.into());
+            if outcome != ParentOutcome::Completed && self.on_error == OnError::Pause && !self.cancelled {
+                self.paused = true;
+            }
+            self.count_finish(step, outcome, &mut work);
         }
         let mut changes = Changes::new(WorkflowStatus::Running);
-        let mut work = BTreeSet::new();
-        self.count_finish(step, outcome, &mut work);
         if !self.cancelled {
             self.settle(work, &mut changes);
         }

@@ -155,6 +155,45 @@ fn a_failure_pauses_an_on_error_pause_workflow_and_resume_applies_what_was_held(
 }
 
 #[test]
+fn finishes_of_one_statement_pause_before_any_child_decides_whatever_their_order() {
+    // 0 -> 2, 1 -> 3: a completion of 0 and a failure of 1 in one event.
+    let spec = graph(OnError::Pause, &ALL4, &[(0, 2, RequireSuccess), (1, 3, RequireSuccess)]);
+    for batch in [
+        [(s(0), StepOutcome::Completed), (s(1), StepOutcome::Failed)],
+        [(s(1), StepOutcome::Failed), (s(0), StepOutcome::Completed)],
+    ] {
+        let (mut wf, _) = submit(&spec);
+        let changes = wf.steps_finished(&batch).unwrap();
+        assert_eq!(changes.status, WorkflowStatus::Paused);
+        assert!(changes.ready.is_empty() && changes.skipped.is_empty(), "{batch:?}: {changes:?}");
+        assert_eq!(wf.held().collect::<Vec<_>>(), ids(&[2, 3]));
+        let resumed = wf.resume().unwrap();
+        assert_eq!((resumed.ready, resumed.skipped), (ids(&[2]), ids(&[3])));
+    }
+    // Without the pause, the batch decides as its finishes one by one would.
+    let spec = WorkflowSpec { on_error: OnError::Continue, ..spec };
+    let (mut wf, _) = submit(&spec);
+    let changes = wf.steps_finished(&[(s(0), StepOutcome::Completed), (s(1), StepOutcome::Failed)]).unwrap();
+    assert_eq!((changes.ready, changes.skipped), (ids(&[2]), ids(&[3])));
+}
+
+#[test]
+fn a_batch_with_a_finish_the_state_does_not_allow_changes_nothing() {
+    let spec = graph(OnError::Pause, &[Join::All; 3], &[(0, 1, RequireSuccess)]);
+    let (mut wf, _) = submit(&spec);
+    let before = wf.clone();
+    let twice = wf.steps_finished(&[(s(0), StepOutcome::Failed), (s(0), StepOutcome::Completed)]).unwrap_err();
+    assert_eq!(twice.to_string(), "step 0 is failed, so it cannot finish completed");
+    let waiting = wf.steps_finished(&[(s(2), StepOutcome::Failed), (s(1), StepOutcome::Completed)]).unwrap_err();
+    assert_eq!(waiting.to_string(), "step 1 is waiting, so it cannot finish completed");
+    assert_eq!(wf, before);
+    // A waiting step may be cancelled with the others (which pauses this workflow).
+    let changes = wf.steps_finished(&[(s(1), StepOutcome::Cancelled), (s(0), StepOutcome::Completed)]).unwrap();
+    assert_eq!(changes.status, WorkflowStatus::Paused);
+    assert_eq!(wf.states()[..2], [StepState::Completed, StepState::Cancelled]);
+}
+
+#[test]
 fn a_retry_during_a_pause_loses_nothing_to_skips() {
     let spec = graph(OnError::Pause, &[Join::All; 2], &[(0, 1, RequireSuccess)]);
     let (mut wf, _) = submit(&spec);
@@ -500,17 +539,26 @@ impl Model {
                 }
                 self.states[step] = StepState::Running;
             }
-            Event::Finish(step, outcome) => {
-                let state = *self.states.get(step)?;
-                let allowed = matches!(state, StepState::Ready | StepState::Running)
-                    || (state == StepState::Waiting
-                        && matches!(outcome, StepOutcome::Cancelled | StepOutcome::Expired));
-                if !allowed {
-                    return None;
+            Event::Finish(step, outcome) => return self.apply(Event::Finishes([Some((step, outcome)), None, None])),
+            Event::Finishes(batch) => {
+                // Every finish allowed, each step once, or nothing happens.
+                let batch: Vec<(usize, StepOutcome)> = batch.iter().flatten().copied().collect();
+                let mut seen = BTreeSet::new();
+                for &(step, outcome) in &batch {
+                    let state = *self.states.get(step)?;
+                    let allowed = matches!(state, StepState::Ready | StepState::Running)
+                        || (state == StepState::Waiting
+                            && matches!(outcome, StepOutcome::Cancelled | StepOutcome::Expired));
+                    if !allowed || !seen.insert(step) {
+                        return None;
+                    }
                 }
-                self.states[step] = StepState::from(ParentOutcome::from(outcome));
-                if outcome != StepOutcome::Completed && self.on_error == OnError::Pause && !self.cancelled {
-                    self.paused = true;
+                // All recorded, and the pause taken, before any child decides.
+                for &(step, outcome) in &batch {
+                    self.states[step] = StepState::from(ParentOutcome::from(outcome));
+                    if outcome != StepOutcome::Completed && self.on_error == OnError::Pause && !self.cancelled {
+                        self.paused = true;
+                    }
                 }
             }
             Event::Pause => {
@@ -589,6 +637,8 @@ impl Model {
 enum Event {
     Start(usize),
     Finish(usize, StepOutcome),
+    /// Up to three finishes as one event (one statement of a store).
+    Finishes([Option<(usize, StepOutcome)>; 3]),
     Pause,
     Resume,
     Cancel,
@@ -600,6 +650,10 @@ fn apply_machine(wf: &mut WorkflowState, event: Event) -> Result<Changes, EventE
     match event {
         Event::Start(i) => wf.step_started(step(i)),
         Event::Finish(i, outcome) => wf.step_finished(step(i), outcome),
+        Event::Finishes(batch) => {
+            let batch: Vec<(StepId, StepOutcome)> = batch.iter().flatten().map(|&(i, o)| (step(i), o)).collect();
+            wf.steps_finished(&batch)
+        }
         Event::Pause => wf.pause(),
         Event::Resume => wf.resume(),
         Event::Cancel => wf.cancel(),
@@ -619,6 +673,9 @@ enum Op {
     Cancel,
     Retry(bool),
     Raw(usize, u8, StepOutcome),
+    /// Two or three finishes in one event (the third when the flag says so); a cancel or an
+    /// expiry may take a waiting step.
+    Finishes([(usize, StepOutcome); 3], bool),
 }
 
 fn outcome() -> impl Strategy<Value = StepOutcome> {
@@ -640,6 +697,8 @@ fn op() -> impl Strategy<Value = Op> {
         1 => Just(Op::Cancel),
         2 => any::<bool>().prop_map(Op::Retry),
         2 => (0usize..44, 0u8..6, outcome()).prop_map(|(i, k, o)| Op::Raw(i, k, o)),
+        4 => ([(any::<usize>(), outcome()), (any::<usize>(), outcome()), (any::<usize>(), outcome())], any::<bool>())
+            .prop_map(|(batch, three)| Op::Finishes(batch, three)),
     ]
 }
 
@@ -661,6 +720,15 @@ fn event(states: &[StepState], op: Op) -> Option<Event> {
         Op::Resume => Event::Resume,
         Op::Cancel => Event::Cancel,
         Op::Retry(downstream) => Event::Retry(downstream),
+        Op::Finishes(batch, three) => {
+            let mut finishes = [None; 3];
+            for (k, &(i, outcome)) in batch.iter().take(if three { 3 } else { 2 }).enumerate() {
+                let gone = matches!(outcome, StepOutcome::Cancelled | StepOutcome::Expired);
+                let fits = |s: StepState| in_flight(s) || (gone && s == StepState::Waiting);
+                finishes[k] = Some((pick(states, i, fits)?, outcome));
+            }
+            Event::Finishes(finishes)
+        }
         Op::Raw(i, kind, outcome) => match kind {
             0 => Event::Start(i),
             1 | 2 => Event::Finish(i, outcome),
