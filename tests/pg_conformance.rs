@@ -67,7 +67,7 @@ enum Op {
     DropToken(WorkerId),
     /// A workflow is submitted.
     Submit(NewWorkflow),
-    /// A workflow is paused, resumed or cancelled.
+    /// A workflow is paused, resumed, cancelled or retried.
     Workflow(WorkflowAction, WorkflowId),
 }
 
@@ -76,6 +76,8 @@ enum WorkflowAction {
     Pause,
     Resume,
     Cancel,
+    /// Its steps that did not complete, and with `true` everything finished below them.
+    Retry(bool),
 }
 
 /// How deep the hand-written rows' arguments are nested: past what serde_json decodes (128).
@@ -286,6 +288,10 @@ impl Pair {
                     WorkflowAction::Cancel => {
                         (self.memory.cancel_workflow(*id, self.now), self.pg.cancel_workflow(*id).await)
                     }
+                    WorkflowAction::Retry(downstream) => (
+                        self.memory.retry_workflow(*id, *downstream, self.now),
+                        self.pg.retry_workflow(*id, *downstream).await,
+                    ),
                 };
                 let pg = pg.map_err(|e| match e {
                     PgWorkflowError::Refused(e) => e,
@@ -970,7 +976,8 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
         finish("a", lease(16, 1), done(0)),
         Op::Advance(1_000),
         Op::Workflow(WorkflowAction::Resume, WorkflowId(4)),
-        // Cancelled with one step claimed, one running: the claimed one is cancelled.
+        // Cancelled with one step running and one pending: both are cancelled (the running
+        // one's worker finds its lease gone).
         claim("a", 5, &p, 1, 60_000),
         Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
         Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
@@ -1009,9 +1016,85 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
     // Any: promoted by one completion; quorum(2): skipped after two failures; the recovery
     // step: promoted by the failure. Both promoted ones were claimed and started since.
     assert_eq!(status(3), Some((S::Running, steps(&[(Completed, 1), (Failed, 2), (Running, 2), (Skipped, 1)]))));
-    assert_eq!(status(4), Some((S::Cancelled, steps(&[(Completed, 1), (Running, 1), (Cancelled, 1)]))));
+    assert_eq!(status(4), Some((S::Cancelled, steps(&[(Completed, 1), (Cancelled, 2)]))));
     assert_eq!(status(5), Some((S::Failed, steps(&[(Failed, 1), (Skipped, 1)]))));
     assert_eq!(status(6), None, "refused submits write nothing");
+}
+
+#[tokio::test]
+async fn workflows_retry_alike() {
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 4);
+    let mut pair = Pair::new(app, "retries").await;
+    let failed = || FinishOutcome::Failed(error(ErrorCode::TaskError));
+    let done = |value: i64| FinishOutcome::Completed(json!(value));
+    let retry = |id, downstream| Op::Workflow(WorkflowAction::Retry(downstream), WorkflowId(id));
+    let script = vec![
+        // 1: a diamond 0 -> (1, 2) -> 3, tasks 1 to 4: 2 fails, 3 is skipped.
+        Op::Submit(workflow("diamond", 4, &[(0, 1, false), (0, 2, false), (1, 3, false), (2, 3, false)], &[])),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), done(0)),
+        claim("a", 2, &p, 2, 60_000),
+        finish("a", lease(3, 1), failed()),
+        finish("a", lease(2, 1), done(1)),
+        // The failed step runs again; the skipped one waits for it.
+        retry(1, false),
+        claim("a", 3, &p, 1, 60_000),
+        finish("a", lease(3, 2), done(2)),
+        claim("a", 4, &p, 1, 60_000),
+        finish("a", lease(4, 1), done(3)),
+        // Completed: nothing to retry, either way.
+        retry(1, false),
+        retry(1, true),
+        // 2: 0 -> 1 (allow_failed) -> 2, tasks 5 to 7: 0 fails, its recovery 1 and then 2
+        // complete; a downstream retry runs all three again, in order.
+        Op::Submit(workflow("recovered", 3, &[(0, 1, true), (1, 2, false)], &[])),
+        claim("a", 5, &p, 1, 60_000),
+        finish("a", lease(5, 1), failed()),
+        claim("a", 6, &p, 1, 60_000),
+        finish("a", lease(6, 1), done(6)),
+        claim("a", 7, &p, 1, 60_000),
+        finish("a", lease(7, 1), done(7)),
+        retry(2, true),
+        claim("a", 8, &p, 1, 60_000),
+        finish("a", lease(5, 2), done(5)),
+        // 3: pauses on error, 0 -> 1 and 2 alone, tasks 8 to 10: a retry during the pause
+        // holds the retried step until the resume.
+        Op::Submit(workflow("careful", 3, &[(0, 1, false)], &[]).pause_on_error()),
+        claim("a", 9, &p, 4, 60_000),
+        finish("a", lease(8, 1), failed()),
+        retry(3, false),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(3)),
+        // 4: cancelled with its root running, tasks 11 and 12; the worker's late finish is
+        // lost; a retry reopens the workflow.
+        Op::Submit(workflow("cancelled", 2, &[(0, 1, false)], &[])),
+        // Takes 8 (promoted by the resume) and 11.
+        claim("a", 10, &p, 2, 60_000),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
+        finish("a", lease(11, 1), done(11)),
+        retry(4, false),
+        claim("a", 11, &p, 1, 60_000),
+        Op::Advance(1_000),
+        finish("a", lease(11, 2), done(11)),
+        retry(99, false),
+        // 5: pauses on error, task 13; its one step failed, so it is over and no longer paused:
+        // a retry runs it (regression: PostgreSQL left it paused).
+        Op::Submit(workflow("over", 1, &[], &[]).pause_on_error()),
+        claim("a", 12, &p, 2, 60_000),
+        finish("a", lease(13, 1), failed()),
+        retry(5, false),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps));
+    let steps = |states: &[(TaskState, u32)]| states.iter().copied().collect::<BTreeMap<_, _>>();
+    use TaskState::{Completed, Pending, Running, Waiting};
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(status(1), Some((S::Completed, steps(&[(Completed, 4)]))));
+    // 6, promoted by 5's completion, was claimed with 8 and 10.
+    assert_eq!(status(2), Some((S::Running, steps(&[(Completed, 1), (Running, 1), (Waiting, 1)]))));
+    assert_eq!(status(3), Some((S::Running, steps(&[(Running, 2), (Waiting, 1)]))));
+    assert_eq!(status(4), Some((S::Running, steps(&[(Completed, 1), (Running, 1)]))));
+    assert_eq!(status(5), Some((S::Running, steps(&[(Pending, 1)]))));
 }
 
 #[tokio::test]
@@ -1073,6 +1156,8 @@ async fn workflows_settle_per_statement_alike() {
         // Every finished row goes; the workflows keep their outcomes.
         Op::Advance(1),
         Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 100 }),
+        // Their outcomes stay, but a retry needs the rows: refused.
+        Op::Workflow(WorkflowAction::Retry(false), WorkflowId(2)),
     ];
     pair.run(&script).await;
     let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps.len()));
@@ -1794,10 +1879,11 @@ fn random_workflow_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: 
         0..=5 => Op::Submit(random_workflow(rng, memory.app(), now, flows + 1)),
         6..=12 => {
             use canter::workflow::WorkflowStatus as S;
-            let (action, fits): (_, &[S]) = match rng.range(0, 10) {
+            let (action, fits): (_, &[S]) = match rng.range(0, 13) {
                 0..=2 => (WorkflowAction::Pause, &[S::Running]),
                 3..=7 => (WorkflowAction::Resume, &[S::Paused]),
-                _ => (WorkflowAction::Cancel, &[S::Running, S::Paused]),
+                8 | 9 => (WorkflowAction::Cancel, &[S::Running, S::Paused]),
+                _ => (WorkflowAction::Retry(rng.chance(0.5)), &[S::Failed, S::Cancelled, S::Paused]),
             };
             // Mostly a workflow the action fits; else any id, unknown ones included.
             let fit: Vec<WorkflowId> = records.iter().filter(|f| fits.contains(&f.status)).map(|f| f.id).collect();
@@ -1918,6 +2004,9 @@ fn workflow_features(
             (Some(S::Running), S::Paused, Op::Workflow(..)) => seen.push("workflow paused"),
             (Some(S::Running), S::Paused, _) => seen.push("paused by error"),
             (Some(S::Paused), S::Running, _) => seen.push("workflow resumed"),
+            (Some(S::Failed | S::Cancelled), S::Running | S::Paused, Op::Workflow(WorkflowAction::Retry(down), _)) => {
+                seen.push(if *down { "workflow retried downstream" } else { "workflow retried" })
+            }
             (Some(S::Running | S::Paused), S::Cancelled, _) => seen.push("workflow cancelled"),
             (Some(S::Running | S::Paused), S::Completed, _) => seen.push("workflow completed"),
             (Some(S::Running | S::Paused), S::Failed, _) => seen.push("workflow failed"),
@@ -2001,6 +2090,8 @@ async fn random_workflow_scripts_agree() {
         "workflow paused",
         "workflow resumed",
         "workflow cancelled",
+        "workflow retried",
+        "workflow retried downstream",
         "workflow completed",
         "workflow failed",
         "unknown workflow",

@@ -150,11 +150,45 @@ impl MemoryStore {
         Ok(status)
     }
 
-    /// Cancels workflow `id` in one statement: its Waiting, Pending and Claimed steps are
-    /// Cancelled; Running steps run to their end (their outcome is recorded on their task, and
-    /// the workflow promotes nothing after it).
+    /// Cancels workflow `id` in one statement: its Waiting, Pending, Claimed and Running steps
+    /// are Cancelled. A running step's worker finds its lease gone at its next heartbeat and
+    /// aborts the handler; what the handler reports after is lost. Nothing is promoted after.
     pub fn cancel_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
         let changes = self.workflow_changes(id, WorkflowState::cancel)?;
+        let status = changes.status;
+        self.apply_workflow_changes(&[(id, changes)], now);
+        self.settle_workflows(now);
+        Ok(status)
+    }
+
+    /// Retries workflow `id` in one statement: its steps that finished without completing
+    /// (failed, cancelled, expired, skipped) and, if `downstream`, every finished step below
+    /// them wait again (a completed one runs again on its parents' new results), with their
+    /// retries spent reset, attempts and last error kept; then their joins decide. A
+    /// cancelled workflow is reopened; a paused one stays paused (resume it to run them).
+    /// Refused if a step's row was purged (its outcome is gone with it).
+    pub fn retry_workflow(
+        &mut self,
+        id: WorkflowId,
+        downstream: bool,
+        now: DbTime,
+    ) -> Result<WorkflowStatus, WorkflowActionError> {
+        let flow = self.workflows.get(&id).ok_or(WorkflowActionError::NotFound(id))?;
+        let purged = flow.tasks.iter().filter(|task| self.row(**task).is_none()).count();
+        if purged > 0 {
+            return Err(WorkflowActionError::Purged { workflow: id, steps: purged });
+        }
+        let changes = self.workflow_changes(id, |state| state.retry_failed(downstream))?;
+        for &step in &changes.reset {
+            let task = self.workflows[&id].tasks[step.index()];
+            let mut row = self.finished.remove(&task).expect("a reset step finished: its row is in the finished table");
+            row.apply_event(TaskEvent::Reset);
+            row.clear_claim();
+            row.retries = 0;
+            row.result = None;
+            row.finished_at = None;
+            self.live.insert(task, row);
+        }
         let status = changes.status;
         self.apply_workflow_changes(&[(id, changes)], now);
         self.settle_workflows(now);
@@ -237,11 +271,14 @@ impl MemoryStore {
             }
             for &step in &changes.cancelled {
                 let id = task(self, step);
-                // The workflow counts a claimed step as ready: it may have started since.
-                if self.live.get(&id).is_some_and(|row| row.state != TaskState::Running) {
-                    let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
-                    self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
-                }
+                // The workflow counts a claimed or running step as ready.
+                let event = match self.live.get(&id).map(|row| row.state) {
+                    Some(TaskState::Running) => TaskEvent::Abort,
+                    Some(_) => TaskEvent::Cancel,
+                    None => continue,
+                };
+                let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
+                self.finish_row(id, event, now, Some(error), None);
             }
         }
         for (queue, priority) in queues {

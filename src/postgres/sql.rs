@@ -743,8 +743,14 @@ UPDATE {s}.workflows w SET paused = true WHERE w.id = $1 AND NOT w.cancelled RET
 
 const RESUME_WORKFLOW: &str = "SELECT {s}.workflow_resume($1)";
 
-/// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending and Claimed steps as
-/// [`CANCEL`] cancels a task (`$2` the error); Running steps run to their end.
+/// Retries workflow `$1` (`$2`: with everything downstream) in one statement (migration
+/// 0011): whether it exists, how many of its steps were purged (then nothing changed), and how
+/// many steps were reset.
+const RETRY_WORKFLOW: &str = "SELECT r.known, r.purged, r.reset FROM {s}.workflow_retry($1, $2) r";
+
+/// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending, Claimed and Running
+/// steps as [`CANCEL`] cancels a task (`$2` the error). A running step's worker finds its lease
+/// gone at its next heartbeat and aborts the handler.
 const CANCEL_WORKFLOW: &str = "\
 WITH flagged AS (
     UPDATE {s}.workflows w SET cancelled = true WHERE w.id = $1 AND NOT w.cancelled RETURNING w.id
@@ -752,7 +758,7 @@ WITH flagged AS (
 doomed AS (
     SELECT t.id FROM {s}.tasks t
     WHERE t.id IN (SELECT s.task_id FROM {s}.workflow_steps s JOIN flagged f ON f.id = s.workflow_id)
-      AND t.state IN ('WAITING', 'PENDING', 'CLAIMED')
+      AND t.state IN ('WAITING', 'PENDING', 'CLAIMED', 'RUNNING')
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -1056,6 +1062,7 @@ pub(crate) struct Statements {
     pub(crate) workflow_record: SqlStr,
     pub(crate) pause_workflow: SqlStr,
     pub(crate) resume_workflow: SqlStr,
+    pub(crate) retry_workflow: SqlStr,
     pub(crate) cancel_workflow: SqlStr,
     pub(crate) step_of: SqlStr,
     pub(crate) parents_of: SqlStr,
@@ -1170,6 +1177,7 @@ impl Statements {
             workflow_record: fill(WORKFLOW_RECORD),
             pause_workflow: fill(PAUSE_WORKFLOW),
             resume_workflow: fill(RESUME_WORKFLOW),
+            retry_workflow: fill(RETRY_WORKFLOW),
             cancel_workflow: fill(CANCEL_WORKFLOW),
             step_of: fill(STEP_OF),
             parents_of: fill(PARENTS_OF),
