@@ -182,11 +182,7 @@ impl MemoryStore {
         for &step in &changes.reset {
             let task = self.workflows[&id].tasks[step.index()];
             let mut row = self.finished.remove(&task).expect("a reset step finished: its row is in the finished table");
-            row.apply_event(TaskEvent::Reset);
-            row.clear_claim();
-            row.retries = 0;
-            row.result = None;
-            row.finished_at = None;
+            row.reopen(TaskEvent::Reset);
             self.live.insert(task, row);
         }
         let status = changes.status;
