@@ -130,9 +130,13 @@ BEGIN
             FROM doomed d
             RETURNING id
         ),
+        -- The skipped steps' waiters, 300 ids per payload (PostgreSQL takes 8,000 bytes at most:
+        -- in one payload a big skip failed the finish that caused it).
         notified AS (
             SELECT count(pg_notify(c.done_channel, c.ids)) AS n
-            FROM (SELECT d.done_channel, string_agg(d.id::text, ',') AS ids FROM doomed d GROUP BY d.done_channel) c
+            FROM (SELECT d.done_channel, string_agg(d.id::text, ',') AS ids
+                  FROM (SELECT d.done_channel, d.id, (row_number() OVER () - 1) / 300 AS chunk FROM doomed d) d
+                  GROUP BY d.done_channel, d.chunk) c
             WHERE EXISTS (SELECT FROM listeners l WHERE l.channel = c.done_channel)
         ),
         woken AS (

@@ -1098,6 +1098,35 @@ async fn workflows_retry_alike() {
 }
 
 #[tokio::test]
+async fn big_workflows_notify_in_chunks() {
+    // A skip or a cancel of thousands of steps names them to the result waiters in payloads
+    // PostgreSQL takes (8,000 bytes at most): in one payload, the statement failed, and a
+    // worker's finish of the root with it, again and again (regression).
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 1);
+    let mut pair = Pair::new(app, "big").await;
+    let wide = |name: &str| {
+        let edges: Vec<(u32, u32, bool)> = (1..=2_000).map(|child| (0, child, false)).collect();
+        workflow(name, 2_001, &edges, &[])
+    };
+    let script = vec![
+        // 1: tasks 1 to 2,001; the root fails, its 2,000 children are skipped.
+        Op::Submit(wide("skipped")),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), FinishOutcome::Failed(error(ErrorCode::TaskError))),
+        // 2: tasks 2,002 to 4,002, cancelled while they wait.
+        Op::Submit(wide("cancelled")),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(2)),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps));
+    let steps = |states: &[(TaskState, u32)]| states.iter().copied().collect::<BTreeMap<_, _>>();
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(status(1), Some((S::Failed, steps(&[(TaskState::Failed, 1), (TaskState::Skipped, 2_000)]))));
+    assert_eq!(status(2), Some((S::Cancelled, steps(&[(TaskState::Cancelled, 2_001)]))));
+}
+
+#[tokio::test]
 async fn workflows_settle_per_statement_alike() {
     // What one statement finishes is one event for each workflow, settled when the statement
     // ends, with one notification per queue; a purge keeps a workflow's outcome.

@@ -771,8 +771,7 @@ finished AS (
     FROM gone m
 ),
 notified AS (
-    SELECT count(pg_notify($3, n.ids)) AS n FROM (SELECT string_agg(g.id::text, ',') AS ids FROM gone g) n
-    WHERE n.ids IS NOT NULL AND {heard:$3}
+    SELECT count(pg_notify($3, n.ids)) AS n FROM ({id_chunks_of_gone}) n WHERE {heard:$3}
 )
 SELECT count(*) FROM flagged CROSS JOIN notified";
 
@@ -1102,7 +1101,8 @@ impl Statements {
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
-                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"));
+                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
+                .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"));
             let text = heard(&text).replace("{s}", quoted);
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };
