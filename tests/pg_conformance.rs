@@ -121,7 +121,7 @@ impl Pair {
         let pg = PgStore::new(pool.clone(), db.schema.clone(), app.clone());
         let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
         let marker = format!("{}_marker", db.schema.name());
-        let mut channels = vec![marker.clone(), db.schema.done_channel()];
+        let mut channels = vec![marker.clone(), db.schema.done_channel(), db.schema.abort_channel()];
         channels.extend(app.queues().iter().map(|q| db.schema.queue_channel(&q.name)));
         for channel in &channels {
             listener.listen(channel).await.unwrap();
@@ -379,7 +379,7 @@ impl Pair {
     /// one payload).
     async fn compare_notifications(&mut self) {
         let at = self.at();
-        let (mut ready, mut done) = (Vec::new(), Vec::new());
+        let (mut ready, mut done, mut revoked) = (Vec::new(), Vec::new(), Vec::new());
         for note in self.memory.take_notifications() {
             match note {
                 // The channel and the payload: the most urgent priority an enqueue wrote.
@@ -388,11 +388,12 @@ impl Pair {
                     priority.map(|p| p.to_string()).unwrap_or_default(),
                 )),
                 Notification::TaskFinished { task, .. } => done.push(task.0),
+                Notification::TasksRevoked { tasks } => revoked.extend(tasks.iter().map(|t| t.0)),
                 other => panic!("{at}: a notification this suite does not know: {other:?}"),
             }
         }
         sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.pool).await.unwrap();
-        let (mut pg_ready, mut pg_done) = (Vec::new(), Vec::new());
+        let (mut pg_ready, mut pg_done, mut pg_revoked) = (Vec::new(), Vec::new(), Vec::new());
         loop {
             let note = tokio::time::timeout(Duration::from_secs(10), self.listener.recv())
                 .await
@@ -403,6 +404,8 @@ impl Pair {
             }
             if note.channel() == self.pg.schema().done_channel() {
                 pg_done.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
+            } else if note.channel() == self.pg.schema().abort_channel() {
+                pg_revoked.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
             } else {
                 pg_ready.push((note.channel().to_owned(), note.payload().to_owned()));
             }
@@ -410,10 +413,12 @@ impl Pair {
         for list in [&mut ready, &mut pg_ready] {
             list.sort();
         }
-        done.sort_unstable();
-        pg_done.sort_unstable();
+        for list in [&mut done, &mut pg_done, &mut revoked, &mut pg_revoked] {
+            list.sort_unstable();
+        }
         assert_eq!(pg_ready, ready, "{at}: ready notifications");
         assert_eq!(pg_done, done, "{at}: finished notifications");
+        assert_eq!(pg_revoked, revoked, "{at}: revoked notifications");
     }
 
     async fn run(&mut self, script: &[Op]) {

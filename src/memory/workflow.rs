@@ -151,8 +151,10 @@ impl MemoryStore {
     }
 
     /// Cancels workflow `id` in one statement: its Waiting, Pending, Claimed and Running steps
-    /// are Cancelled. A running step's worker finds its lease gone at its next heartbeat and
-    /// aborts the handler; what the handler reports after is lost. Nothing is promoted after.
+    /// are Cancelled, and the claimed and running ones announced revoked
+    /// ([`Notification::TasksRevoked`]): their worker beats at once, finds their leases gone
+    /// and aborts the handlers; what a handler reports after is lost. Nothing is promoted
+    /// after.
     pub fn cancel_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
         let changes = self.workflow_changes(id, WorkflowState::cancel)?;
         let status = changes.status;
@@ -252,6 +254,8 @@ impl MemoryStore {
     fn apply_workflow_changes(&mut self, all: &[(WorkflowId, Changes)], now: DbTime) {
         // Per queue that received a promoted step, the most urgent priority (as an enqueue's).
         let mut queues: BTreeMap<String, i16> = BTreeMap::new();
+        // Claimed and running steps a cancel took from their holders.
+        let mut revoked = Vec::new();
         for (workflow, changes) in all {
             let task = |store: &MemoryStore, step: StepId| store.workflows[workflow].tasks[step.index()];
             for &step in &changes.ready {
@@ -273,12 +277,18 @@ impl MemoryStore {
                     Some(_) => TaskEvent::Cancel,
                     None => continue,
                 };
+                if self.live.get(&id).is_some_and(|row| matches!(row.state, TaskState::Claimed | TaskState::Running)) {
+                    revoked.push(id);
+                }
                 let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
                 self.finish_row(id, event, now, Some(error), None);
             }
         }
         for (queue, priority) in queues {
             self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+        }
+        if !revoked.is_empty() {
+            self.notifications.push(Notification::TasksRevoked { tasks: revoked });
         }
     }
 }

@@ -749,8 +749,9 @@ const RESUME_WORKFLOW: &str = "SELECT {s}.workflow_resume($1)";
 const RETRY_WORKFLOW: &str = "SELECT r.known, r.purged, r.reset FROM {s}.workflow_retry($1, $2) r";
 
 /// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending, Claimed and Running
-/// steps as [`CANCEL`] cancels a task (`$2` the error). A running step's worker finds its lease
-/// gone at its next heartbeat and aborts the handler.
+/// steps as [`CANCEL`] cancels a task (`$2` the error, `$3` the done channel), and names the
+/// claimed and running ones on the abort channel `$4`: their workers beat at once, find their
+/// leases gone and abort the handlers.
 const CANCEL_WORKFLOW: &str = "\
 WITH flagged AS (
     UPDATE {s}.workflows w SET cancelled = true WHERE w.id = $1 AND NOT w.cancelled RETURNING w.id
@@ -772,8 +773,14 @@ finished AS (
 ),
 notified AS (
     SELECT count(pg_notify($3, n.ids)) AS n FROM ({id_chunks_of_gone}) n WHERE {heard:$3}
+),
+held AS (
+    SELECT g.id FROM gone g WHERE g.state IN ('CLAIMED', 'RUNNING')
+),
+revoked AS (
+    SELECT count(pg_notify($4, n.ids)) AS n FROM ({id_chunks_of_held}) n
 )
-SELECT count(*) FROM flagged CROSS JOIN notified";
+SELECT count(*) FROM flagged CROSS JOIN notified CROSS JOIN revoked";
 
 /// The parents of step `$1`, by task id: each with its step, edge policy and, once finished,
 /// its state, result and error (a parent not finished yet has no row in `finished_tasks`).
@@ -1102,7 +1109,8 @@ impl Statements {
                 .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
                 .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
-                .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"));
+                .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"))
+                .replace("{id_chunks_of_held}", &ID_CHUNKS.replace("{rows}", "held"));
             let text = heard(&text).replace("{s}", quoted);
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };

@@ -146,8 +146,10 @@ impl PgStore {
     }
 
     /// Cancels workflow `id` in one statement: its Waiting, Pending, Claimed and Running steps
-    /// are Cancelled; a running step's worker finds its lease gone at its next heartbeat and
-    /// aborts the handler. Cancelling a cancelled workflow does nothing.
+    /// are Cancelled, and the claimed and running ones named on the abort channel
+    /// ([`PgSchema::abort_channel`](super::PgSchema::abort_channel)): their workers beat at
+    /// once, find their leases gone and abort the handlers. Cancelling a cancelled workflow
+    /// does nothing.
     pub async fn cancel_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, PgWorkflowError> {
         let status = self
             .allowed(id, "cancelled", |status| {
@@ -161,6 +163,7 @@ impl PgStore {
                 .bind(id.0)
                 .bind(&error)
                 .bind(self.schema().done_channel())
+                .bind(self.schema().abort_channel())
                 .fetch_one(conn))?;
         }
         self.status_now(id).await

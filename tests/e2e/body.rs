@@ -926,8 +926,9 @@ pub async fn workflows_fan_out_fan_in_and_recover<R: Runtime>(runtime: Arc<R>, p
     assert!(!runs.contains_key(&3_000), "the skipped step never ran");
 }
 
-/// A workflow's cancel aborts its running step through the worker (its next heartbeat finds the
-/// lease gone), and a retry of the cancelled workflow runs its steps again to completion.
+/// A workflow's cancel aborts its running step through the worker (the cancel names it on the
+/// abort channel: the worker beats at once and finds the lease gone), and a retry of the
+/// cancelled workflow runs its steps again to completion.
 pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_again<R: Runtime>(
     runtime: Arc<R>,
     pool: PgPool,
@@ -935,7 +936,8 @@ pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_ag
 ) {
     use canter::workflow::WorkflowStatus;
     let tasks = tasks(runtime.clone());
-    let app = fast_app();
+    // Heartbeats every 30 s (the default): only the notification can abort the step in time.
+    let app = AppConfig::default();
     let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
     let mut workflow = Workflow::new("slow");
     let slow = workflow.step(&tasks.work, &Work { id: 1, ms: 4_000 }).unwrap();
@@ -946,8 +948,8 @@ pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_ag
     let worker = start_worker(&runtime, &pool, &schema, app.clone(), fast_worker(2), tasks.registry.clone(), "w0");
     wait_until(&*runtime, Duration::from_secs(30), async || tasks.seen.runs.lock().unwrap().contains_key(&1)).await;
     assert_eq!(client.cancel_workflow(submitted.id()).await.unwrap(), WorkflowStatus::Cancelled);
-    // Heartbeats every second here: the next one finds the lease gone and aborts the handler,
-    // long before its 4 s are up.
+    // The worker beats at once, finds the lease gone and aborts the handler, long before its
+    // 4 s are up.
     let lost = |worker: &RunningWorker| {
         worker.events.lock().unwrap().iter().any(|e| matches!(e, Event::Lost { task, .. } if *task == slow_task))
     };
