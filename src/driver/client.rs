@@ -323,8 +323,9 @@ impl<R: Runtime> Client<R> {
         Ok(self.inner.store.resume_workflow(id).await?)
     }
 
-    /// Cancels workflow `id` in one statement: every step not finished is cancelled, and a
-    /// running step's worker aborts its handler at its next heartbeat (its lease is gone).
+    /// Cancels workflow `id` in one statement: every step not finished is cancelled, and the
+    /// workers of the claimed and running ones, told on the abort channel, beat at once, find
+    /// their leases gone and abort the handlers.
     pub async fn cancel_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, ClientError> {
         self.schema_ready().await?;
         Ok(self.inner.store.cancel_workflow(id).await?)

@@ -266,8 +266,8 @@ pub(crate) enum WorkflowCommand {
     Pause(WorkflowArgs),
     /// Apply what a paused workflow's steps decided meanwhile, and go on
     Resume(WorkflowArgs),
-    /// Cancel every step of a workflow that has not finished (running ones are aborted by
-    /// their workers at their next heartbeat)
+    /// Cancel every step of a workflow that has not finished (their workers abort the running
+    /// ones at once)
     Cancel(WorkflowArgs),
     /// Run again a workflow's steps that did not complete (failed, cancelled, expired,
     /// skipped); a paused workflow runs them once resumed
