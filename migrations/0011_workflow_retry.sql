@@ -50,7 +50,7 @@ BEGIN
             FROM (SELECT s.workflow_id, bool_or(f.state IN ('FAILED', 'CANCELLED', 'EXPIRED')) AS failed,
                          bool_or(s.sink AND f.state <> 'COMPLETED') AS sink_failed
                   FROM unnest(p_finished, p_states) AS f(id, state)
-                  CROSS JOIN LATERAL (SELECT s.workflow_id, s.sink FROM workflow_steps s WHERE s.task_id = f.id OFFSET 0) s
+                  JOIN workflow_steps s ON s.task_id = f.id
                   GROUP BY s.workflow_id) x
             WHERE w.id = x.workflow_id
               AND ((x.failed AND w.on_error = 'PAUSE' AND NOT w.cancelled AND NOT w.paused)
@@ -58,17 +58,13 @@ BEGIN
         END IF;
         EXIT WHEN cardinality(p_finished) = 0 AND cardinality(v_decide) = 0;
 
-        -- The edges and steps are probed by index, row by row (LATERAL, OFFSET 0 keeps the
-        -- planner from merging them back into a join): a statement finishes a few hundred of
-        -- many thousand steps, and a merge join read every edge of their workflows (all of a
-        -- 50,000-child fan-out's, for each batch of its children).
         WITH deltas AS (
             SELECT x.child,
                    count(*) FILTER (WHERE x.satisfies) AS satisfied,
                    count(*) FILTER (WHERE NOT x.satisfies) AS unsatisfied
             FROM (SELECT e.child, f.state = 'COMPLETED' OR e.allow_failed AS satisfies
                   FROM unnest(p_finished, p_states) AS f(id, state)
-                  CROSS JOIN LATERAL (SELECT e.child, e.allow_failed FROM workflow_edges e WHERE e.parent = f.id OFFSET 0) e
+                  JOIN workflow_edges e ON e.parent = f.id
                   UNION ALL
                   SELECT d.id, NULL FROM unnest(v_decide) AS d(id)) x
             GROUP BY x.child
@@ -76,8 +72,7 @@ BEGIN
         children AS (
             SELECT s.task_id, s.workflow_id, s.parents, s.required,
                    s.satisfied + d.satisfied AS satisfied, s.unsatisfied + d.unsatisfied AS unsatisfied
-            FROM deltas d
-            CROSS JOIN LATERAL (SELECT s.* FROM workflow_steps s WHERE s.task_id = d.child OFFSET 0) s
+            FROM deltas d JOIN workflow_steps s ON s.task_id = d.child
         ),
         -- A child of several parents may be counted by finishes of its other parents in other
         -- transactions: its row is locked, in id order (as every statement locks rows: two
