@@ -71,6 +71,13 @@ impl MemoryStore {
         })
     }
 
+    /// The machine workflow `id` runs on: every step's state as the workflow counts it, its
+    /// step counts and its status (what the simulation checks against the steps' rows).
+    #[cfg(feature = "sim")]
+    pub fn workflow_state(&self, id: WorkflowId) -> Option<&WorkflowState> {
+        self.workflows.get(&id).map(|flow| &flow.state)
+    }
+
     /// The workflow and step of task `id`, if it is a workflow's step.
     pub fn step_of(&self, id: TaskId) -> Option<(WorkflowId, StepId)> {
         self.steps.get(&id).copied()
