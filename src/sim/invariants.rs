@@ -18,7 +18,21 @@
 //! - **The workers** ([`check_worker`], after every step): a worker runs at most its
 //!   concurrency; the handlers the harness runs for it are exactly the ones it believes run;
 //!   a handler whose lease is the row's current lease on a Running row belongs to the row's
-//!   holder, so no task runs under two live leases.
+//!   holder, so no task runs under two live leases (steps of workflows included: they are
+//!   ordinary rows).
+//! - **The workflows** ([`Checker::check_store`] too, from the graph the harness submitted and
+//!   the steps' rows, not from the store's own bookkeeping): a step leaves Waiting for Pending
+//!   (or further) only when its join is satisfied by its parents' rows (at least `required`
+//!   of them finished satisfying their edge: Completed, or any terminal state through an
+//!   `allow_failed` edge), and is Skipped only when its join can no longer be; no step of a
+//!   running workflow waits with its join decided (a promotion or a skip missed); a skipped
+//!   step never ran (no claim, no attempt since it last waited); no step of a cancelled
+//!   workflow is promoted after the cancel, and none of its steps waits, is pending or is
+//!   claimed after it; the workflow's machine agrees with the rows, step by step and in its
+//!   counts (Waiting is Waiting; Pending, Claimed and Running are Ready or Running; each
+//!   terminal state is itself), and its status with the rows (Cancelled exactly when the
+//!   operator cancelled it; else, once every step is terminal, Completed exactly when every
+//!   sink completed, Failed otherwise; Running or Paused before).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -28,9 +42,10 @@ use serde_json::Value;
 use crate::budget::ClaimPolicy;
 use crate::config::AppConfig;
 use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth};
-use crate::store::{DbReply, DbRequest, DbTime, FinishOutcome};
+use crate::store::{DbReply, DbRequest, DbTime, FinishOutcome, NewWorkflow, WorkflowId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use crate::worker::Worker;
+use crate::workflow::{EdgePolicy, Join, StepId, StepState, WorkflowStatus};
 
 /// How often [`Checker::check_store`] walks the finished table too.
 const FULL_CHECK_EVERY: u64 = 16;
@@ -193,6 +208,49 @@ pub(crate) struct Checker {
     pub(crate) fenced: u64,
     /// The run each task's latest applied finish ended: by whom, under which lease.
     finished_by: BTreeMap<TaskId, (WorkerId, Lease)>,
+    /// The workflows submitted, as the harness built them.
+    flows: BTreeMap<WorkflowId, Flow>,
+    /// Each step's row as the last check saw it.
+    steps: BTreeMap<TaskId, StepSeen>,
+}
+
+/// What the checker knows of one submitted workflow: its graph as the harness built it, and
+/// what the operator did to it.
+#[derive(Debug, Clone)]
+struct Flow {
+    /// Each step's task, by step.
+    tasks: Vec<TaskId>,
+    /// Each step's join.
+    joins: Vec<Join>,
+    /// Each step's parents (by step) with their edges' policies.
+    parents: Vec<Vec<(usize, EdgePolicy)>>,
+    /// Whether each step is a sink (has no children).
+    sinks: Vec<bool>,
+    /// The most steps on one path through it.
+    depth: u32,
+    /// The operator cancelled it (and the store accepted). RETRY: a retry of the workflow
+    /// reopens it, and must clear this and `ran_past_cancel`.
+    cancelled: bool,
+    /// The steps whose rows were Running when it was cancelled: the store lets them run to
+    /// their end (and their retries), while the workflow counts them cancelled.
+    ran_past_cancel: BTreeSet<usize>,
+    /// Every step terminal and its status over: checked again only in full checks.
+    settled: bool,
+}
+
+/// A step's row as the last check saw it.
+#[derive(Debug, Clone, Copy)]
+struct StepSeen {
+    state: TaskState,
+    /// Its attempts and lease the last time it was seen Waiting: a skipped step has run no
+    /// more and been claimed no more since.
+    waiting_attempts: u32,
+    waiting_lease: Lease,
+}
+
+impl StepSeen {
+    /// A step just submitted: Waiting, never claimed.
+    const NEW: StepSeen = StepSeen { state: TaskState::Waiting, waiting_attempts: 0, waiting_lease: Lease(0) };
 }
 
 /// Runs `check` and turns a `false` into an error naming what broke.
@@ -221,6 +279,8 @@ impl Checker {
             finishes_applied: 0,
             fenced: 0,
             finished_by: BTreeMap::new(),
+            flows: BTreeMap::new(),
+            steps: BTreeMap::new(),
         }
     }
 
@@ -242,7 +302,111 @@ impl Checker {
                 None => Seen::default(),
             })
             .collect();
+        // The workflows the database still has as submitted (a later submit may reuse a
+        // forgotten one's id), with the operator's cancel only if it survived; their steps as
+        // the rows are now.
+        for (&id, flow) in &self.flows {
+            let same = flow.tasks.iter().enumerate().all(|(step, &task)| {
+                store.step_of(task) == Some((id, StepId(step as u32))) && store.task(task).is_some()
+            });
+            let Some(state) = store.workflow_state(id).filter(|_| same) else { continue };
+            let mut flow = flow.clone();
+            flow.settled = false;
+            if state.status() != WorkflowStatus::Cancelled {
+                flow.cancelled = false;
+                flow.ran_past_cancel.clear();
+            }
+            for &task in &flow.tasks {
+                let row = store.task(task).expect("checked above");
+                let seen = StepSeen { state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease };
+                checker.steps.insert(task, seen);
+            }
+            checker.flows.insert(id, flow);
+        }
         checker
+    }
+
+    /// Records workflow `id`, submitted as `workflow`, whose steps' tasks are `tasks` (each a
+    /// new task id, in order).
+    pub(crate) fn submitted(
+        &mut self,
+        id: WorkflowId,
+        workflow: &NewWorkflow,
+        tasks: &[TaskId],
+        depth: u32,
+    ) -> Result<(), String> {
+        let steps = workflow.spec.steps.len();
+        ensure!(tasks.len() == steps, "workflow {id} of {steps} steps was given {} tasks", tasks.len());
+        let next = self.seen.len() as i64 + 1;
+        for &task in tasks {
+            ensure!(task.0 >= next, "workflow {id}'s step task {task} is not a new task (next id {next})");
+            self.enqueued(task)?;
+            self.steps.insert(task, StepSeen::NEW);
+        }
+        let mut parents = vec![Vec::new(); steps];
+        let mut sinks = vec![true; steps];
+        for edge in &workflow.spec.edges {
+            parents[edge.child.index()].push((edge.parent.index(), edge.policy));
+            sinks[edge.parent.index()] = false;
+        }
+        let flow = Flow {
+            tasks: tasks.to_vec(),
+            joins: workflow.spec.steps.iter().map(|s| s.join).collect(),
+            parents,
+            sinks,
+            depth,
+            cancelled: false,
+            ran_past_cancel: BTreeSet::new(),
+            settled: false,
+        };
+        ensure!(self.flows.insert(id, flow).is_none(), "workflow id {id} was handed out twice");
+        Ok(())
+    }
+
+    /// The operator cancelled workflow `id` and the store accepted: from now on none of its
+    /// steps may be promoted; the steps whose rows still run (the store lets them finish) are
+    /// noted.
+    pub(crate) fn workflow_cancelled(&mut self, id: WorkflowId, store: &MemoryStore) -> Result<(), String> {
+        let flow = self.flows.get_mut(&id).ok_or_else(|| format!("cancelled workflow {id} was never submitted"))?;
+        flow.cancelled = true;
+        flow.settled = false;
+        for (step, &task) in flow.tasks.iter().enumerate() {
+            if store.task(task).is_some_and(|row| row.state == TaskState::Running) {
+                flow.ran_past_cancel.insert(step);
+            }
+        }
+        Ok(())
+    }
+
+    /// The workflows whose status is not over yet (not Completed, Failed or Cancelled), with
+    /// their status.
+    pub(crate) fn unfinished_workflows(&self, store: &MemoryStore) -> Vec<(WorkflowId, Option<WorkflowStatus>)> {
+        self.flows
+            .keys()
+            .map(|&id| (id, store.workflow_state(id).map(|s| s.status())))
+            .filter(|(_, status)| !status.is_some_and(WorkflowStatus::is_finished))
+            .collect()
+    }
+
+    /// The most steps on one path of a workflow not over yet: how many steps, one after the
+    /// other, the slowest of them may still have to run.
+    pub(crate) fn workflow_levels(&self, store: &MemoryStore) -> u32 {
+        let open: BTreeSet<WorkflowId> = self.unfinished_workflows(store).into_iter().map(|(id, _)| id).collect();
+        self.flows.iter().filter(|(id, _)| open.contains(id)).map(|(_, flow)| flow.depth).max().unwrap_or(0)
+    }
+
+    /// The workflows submitted.
+    pub(crate) fn workflow_count(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// Checks every workflow not settled (all of them when `full`) against its steps' rows:
+    /// see the module docs.
+    fn check_workflows(&mut self, store: &MemoryStore, full: bool) -> Result<(), String> {
+        for (&id, flow) in self.flows.iter_mut().filter(|(_, flow)| full || !flow.settled) {
+            check_flow(id, flow, &mut self.steps, store)?;
+        }
+        Ok(())
     }
 
     /// Records a task id an enqueue returned: the next new one, or one seen before (an
@@ -942,6 +1106,13 @@ impl Checker {
                         "running task {id} without holder or attempt"
                     )
                 }
+                TaskState::Waiting => {
+                    ensure!(self.steps.contains_key(&id), "task {id} is Waiting but is no workflow's step");
+                    ensure!(
+                        row.claimed_by.is_none() && row.claim_expires_at.is_none(),
+                        "waiting step {id} names a holder or a claim"
+                    );
+                }
                 state => return Err(format!("task {id} is {state} in the live table")),
             }
             let live_claim = row.state == TaskState::Claimed && row.claim_expires_at.is_some_and(|at| at > now);
@@ -965,6 +1136,7 @@ impl Checker {
         if let Some(cap) = self.cluster_cap {
             ensure!(cluster_in_flight <= cap, "CAP: {cluster_in_flight} in flight across the cluster, cap {cap}");
         }
+        self.check_workflows(store, full)?;
         if full {
             let mut finished = 0usize;
             for row in store.tasks().skip(live) {
@@ -1020,6 +1192,15 @@ impl Checker {
                 row.good_until.map(|at| at.0 - now.0),
                 row.heartbeat_at.map(|at| at.0 - now.0),
             );
+            if let Some((workflow, step)) = store.step_of(row.id) {
+                let status = store.workflow_state(workflow).map(|s| s.status());
+                let parents: Vec<String> =
+                    store.parents(row.id).iter().map(|p| format!("{}:{}", p.task, p.state)).collect();
+                let _ = write!(out, " (step {step} of workflow {workflow} {status:?}, parents {parents:?})");
+            }
+        }
+        for (id, status) in self.unfinished_workflows(store).into_iter().take(limit) {
+            let _ = write!(out, "\n  workflow {id} is {status:?}");
         }
         out
     }
@@ -1061,6 +1242,207 @@ fn run_counted_once(id: TaskId, what: &str, was: &Facts, row: &StoredTask) -> Re
         was.attempts,
         row.attempts
     );
+    Ok(())
+}
+
+/// How a step's join stands by its parents' rows: parents finished satisfying their edge,
+/// parents not finished, and how many must satisfy it. The checker's own reading of the rule
+/// (`crate::workflow`): an edge is satisfied by a Completed parent, or by any terminal one
+/// through an `allow_failed` edge.
+fn join_standing(flow: &Flow, step: usize, rows: &[&StoredTask]) -> (u32, u32, u32) {
+    let (mut satisfied, mut unfinished) = (0, 0);
+    for &(parent, policy) in &flow.parents[step] {
+        let state = rows[parent].state;
+        if !state.is_terminal() {
+            unfinished += 1;
+        } else if state == TaskState::Completed || policy == EdgePolicy::AllowFailed {
+            satisfied += 1;
+        }
+    }
+    let required = flow.joins[step].required(flow.parents[step].len() as u32);
+    (satisfied, unfinished, required)
+}
+
+/// Whether the workflow's machine may count a step `core` whose row is in `row`: Waiting is
+/// Waiting, a live row is Ready or Running, a terminal row is its own state.
+fn core_agrees(core: StepState, row: TaskState) -> bool {
+    match row {
+        TaskState::Waiting => core == StepState::Waiting,
+        TaskState::Pending | TaskState::Claimed | TaskState::Running => {
+            matches!(core, StepState::Ready | StepState::Running)
+        }
+        TaskState::Completed => core == StepState::Completed,
+        TaskState::Failed => core == StepState::Failed,
+        TaskState::Cancelled => core == StepState::Cancelled,
+        TaskState::Expired => core == StepState::Expired,
+        TaskState::Skipped => core == StepState::Skipped,
+    }
+}
+
+/// Checks workflow `id` against its steps' rows (see the module docs) and notes how each row
+/// stands in `seen`.
+fn check_flow(
+    id: WorkflowId,
+    flow: &mut Flow,
+    seen: &mut BTreeMap<TaskId, StepSeen>,
+    store: &MemoryStore,
+) -> Result<(), String> {
+    let state = store.workflow_state(id).ok_or_else(|| format!("workflow {id} vanished from the store"))?;
+    let steps = flow.tasks.len();
+    ensure!(state.len() == steps, "workflow {id} has {} steps in the store, {steps} submitted", state.len());
+    let rows = flow
+        .tasks
+        .iter()
+        .map(|&task| store.task(task).ok_or_else(|| format!("step task {task} of workflow {id} vanished")))
+        .collect::<Result<Vec<&StoredTask>, String>>()?;
+    let status = state.status();
+    // The rows as the workflow should count them.
+    let mut tally: BTreeMap<StepState, u32> = BTreeMap::new();
+    for (step, row) in rows.iter().enumerate() {
+        let task = row.id;
+        let was = seen.get(&task).copied().unwrap_or(StepSeen::NEW);
+        let (satisfied, unfinished, required) = join_standing(flow, step, &rows);
+        let standing = || {
+            format!(
+                "step {step} (task {task}) of workflow {id}, join {} over {} parents: {satisfied} satisfied, {unfinished} \
+             unfinished, {required} required; parents {:?}",
+                flow.joins[step],
+                flow.parents[step].len(),
+                flow.parents[step].iter().map(|&(p, policy)| (rows[p].id, rows[p].state, policy)).collect::<Vec<_>>()
+            )
+        };
+        // Left Waiting (or, a retry, came back from a finish) for a live row or a run's end: its
+        // join must be satisfied, and its workflow not cancelled.
+        let from_rest = was.state == TaskState::Waiting || was.state.is_terminal();
+        let promoted = match row.state {
+            TaskState::Pending | TaskState::Claimed | TaskState::Running => from_rest,
+            TaskState::Completed | TaskState::Failed => was.state == TaskState::Waiting,
+            _ => false,
+        };
+        if promoted {
+            ensure!(
+                !flow.cancelled,
+                "PROMOTED AFTER CANCEL: {} went {} -> {} after the operator cancelled the workflow",
+                standing(),
+                was.state,
+                row.state
+            );
+            ensure!(
+                satisfied >= required,
+                "STARTED BEFORE ITS JOIN: {} went {} -> {} (lease {}, attempts {})",
+                standing(),
+                was.state,
+                row.state,
+                row.lease,
+                row.attempts
+            );
+        }
+        if row.state == TaskState::Skipped && was.state != TaskState::Skipped {
+            ensure!(
+                !flow.cancelled && satisfied + unfinished < required,
+                "SKIPPED WITH A SATISFIABLE JOIN: {} (workflow cancelled: {})",
+                standing(),
+                flow.cancelled
+            );
+            // Never claimed in any of its lives: no claim, no start, no run in its history.
+            let never_claimed = was.waiting_lease == Lease(0);
+            ensure!(
+                row.attempts == was.waiting_attempts
+                    && row.lease == was.waiting_lease
+                    && row.claimed_by.is_none()
+                    && row.claim_token.is_none()
+                    && (!never_claimed || (row.started_at.is_none() && row.claimed_at.is_none())),
+                "SKIPPED STEP RAN: {} is Skipped with attempts {} lease {} holder {:?} started {:?} (when it \
+                 last waited: attempts {} lease {})",
+                standing(),
+                row.attempts,
+                row.lease,
+                row.claimed_by,
+                row.started_at,
+                was.waiting_attempts,
+                was.waiting_lease
+            );
+            ensure!(
+                !never_claimed || store.attempts(task).is_empty(),
+                "SKIPPED STEP RAN: {} is Skipped with a run in its history",
+                standing(),
+            );
+        }
+        if row.state == TaskState::Waiting {
+            ensure!(!flow.cancelled, "{} still waits after the operator cancelled the workflow", standing());
+            // The harness's reading of the rule decides it: nothing may be left undecided in a
+            // workflow that promotes (paused ones hold their decisions).
+            ensure!(
+                status != WorkflowStatus::Running || (satisfied < required && satisfied + unfinished >= required),
+                "UNDECIDED: {} still waits in a running workflow",
+                standing(),
+            );
+        }
+        if flow.cancelled && !flow.ran_past_cancel.contains(&step) {
+            ensure!(
+                row.state.is_terminal(),
+                "{} is {} after the operator cancelled the workflow",
+                standing(),
+                row.state
+            );
+        }
+        let core = state.states()[step];
+        let excused = flow.ran_past_cancel.contains(&step) && core == StepState::Cancelled;
+        ensure!(
+            core_agrees(core, row.state) || excused,
+            "WORKFLOW COUNTS: {}: the row is {}, the workflow counts it {core}",
+            standing(),
+            row.state
+        );
+        let counted = match row.state {
+            _ if excused => StepState::Cancelled,
+            TaskState::Waiting => StepState::Waiting,
+            TaskState::Pending | TaskState::Claimed | TaskState::Running => StepState::Ready,
+            TaskState::Completed => StepState::Completed,
+            TaskState::Failed => StepState::Failed,
+            TaskState::Cancelled => StepState::Cancelled,
+            TaskState::Expired => StepState::Expired,
+            TaskState::Skipped => StepState::Skipped,
+        };
+        *tally.entry(counted).or_insert(0) += 1;
+        let next = match row.state {
+            TaskState::Waiting => {
+                StepSeen { state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease }
+            }
+            _ => StepSeen { state: row.state, ..was },
+        };
+        seen.insert(task, next);
+    }
+    let counts = state.step_counts();
+    let rows_say = |s: StepState| tally.get(&s).copied().unwrap_or(0);
+    let agree = StepState::ALL.iter().all(|&s| match s {
+        StepState::Ready => counts.ready + counts.running == rows_say(StepState::Ready),
+        StepState::Running => true,
+        s => counts.get(s) == rows_say(s),
+    });
+    ensure!(agree, "WORKFLOW COUNTS: workflow {id} counts {counts:?}, its rows say {tally:?}");
+    let all_terminal = rows.iter().all(|row| row.state.is_terminal());
+    let expected = if flow.cancelled {
+        Some(WorkflowStatus::Cancelled)
+    } else if all_terminal {
+        let sinks_completed =
+            rows.iter().zip(&flow.sinks).all(|(row, &sink)| !sink || row.state == TaskState::Completed);
+        Some(if sinks_completed { WorkflowStatus::Completed } else { WorkflowStatus::Failed })
+    } else {
+        None
+    };
+    match expected {
+        Some(expected) => ensure!(
+            status == expected,
+            "WORKFLOW STATUS: workflow {id} is {status}, its rows say {expected} (cancelled by the operator: {})",
+            flow.cancelled
+        ),
+        None => ensure!(
+            matches!(status, WorkflowStatus::Running | WorkflowStatus::Paused),
+            "WORKFLOW STATUS: workflow {id} is {status} with steps unfinished and no cancel"
+        ),
+    }
+    flow.settled = all_terminal && status.is_finished();
     Ok(())
 }
 
