@@ -125,6 +125,10 @@ pub(crate) struct Before {
     stale_claimed: BTreeSet<TaskId>,
     stale_running: BTreeSet<TaskId>,
     expiring: BTreeSet<TaskId>,
+    /// Reap: waiting steps past their good-until. The reaper's first statement may promote
+    /// them (it fails their parents' crashed runs), and its expiry, a statement of its own,
+    /// then expires them.
+    waiting_expiring: BTreeSet<TaskId>,
     /// Abandon (or a heartbeat's sweep of abandoned claims): the rows it must hand back.
     abandoned: BTreeSet<TaskId>,
     /// Rows other transactions held locked.
@@ -395,6 +399,16 @@ impl Checker {
         self.flows.iter().filter(|(id, _)| open.contains(id)).map(|(_, flow)| flow.depth).max().unwrap_or(0)
     }
 
+    /// Whether the join of step `task` is satisfied by its parents' rows (`None` when it is no
+    /// step the checker knows).
+    fn join_satisfied(&self, store: &MemoryStore, task: TaskId) -> Option<bool> {
+        let flow = self.flows.values().find(|flow| flow.tasks.contains(&task))?;
+        let step = flow.tasks.iter().position(|&t| t == task)?;
+        let rows: Vec<&StoredTask> = flow.tasks.iter().map(|&t| store.task(t)).collect::<Option<_>>()?;
+        let (satisfied, _, required) = join_standing(flow, step, &rows);
+        Some(satisfied >= required)
+    }
+
     /// The workflows submitted.
     pub(crate) fn workflow_count(&self) -> usize {
         self.flows.len()
@@ -547,6 +561,9 @@ impl Checker {
                     }
                     if pending && row.good_until.is_some_and(|at| at <= now) {
                         before.expiring.insert(row.id);
+                    }
+                    if row.state == TaskState::Waiting && row.good_until.is_some_and(|at| at <= now) {
+                        before.waiting_expiring.insert(row.id);
                     }
                     if before.stale_claimed.contains(&row.id) || before.stale_running.contains(&row.id) {
                         before.rows.insert(row.id, Facts::of(row));
@@ -950,7 +967,22 @@ impl Checker {
                     before.stale_running
                 );
                 let expired: BTreeSet<TaskId> = report.expired.iter().copied().collect();
-                ensure!(expired == before.expiring, "reaper expired {expired:?}, expected {:?}", before.expiring);
+                // What was due, and the due steps the reap's own failures promoted (their joins
+                // satisfied by the rows now).
+                let promoted: BTreeSet<TaskId> = expired.difference(&before.expiring).copied().collect();
+                ensure!(
+                    expired.is_superset(&before.expiring) && promoted.is_subset(&before.waiting_expiring),
+                    "reaper expired {expired:?}, expected {:?} (and of the waiting steps past their good-until {:?}, \
+                     those it promoted)",
+                    before.expiring,
+                    before.waiting_expiring
+                );
+                for &id in &promoted {
+                    ensure!(
+                        self.join_satisfied(store, id) == Some(true),
+                        "reaper expired waiting step {id}, whose join its parents' rows do not satisfy"
+                    );
+                }
                 self.check_crashed(report, pre, post)?;
                 touched
                     .extend(report.requeued.iter().chain(&report.retried).chain(&report.failed).chain(&report.expired));
