@@ -25,7 +25,8 @@
 //!   (or further) only when its join is satisfied by its parents' rows (at least `required`
 //!   of them finished satisfying their edge: Completed, or any terminal state through an
 //!   `allow_failed` edge), and is Skipped only when its join can no longer be; no step of a
-//!   running workflow waits with its join decided (a promotion or a skip missed); a skipped
+//!   running workflow waits with its join decided (a promotion or a skip missed), and no step
+//!   of a workflow paused since the last check is promoted or skipped; a skipped
 //!   step never ran (no claim, no attempt since it last waited); no step of a cancelled
 //!   workflow is promoted after the cancel, and none of its steps waits, is pending or is
 //!   claimed after it; the workflow's machine agrees with the rows, step by step and in its
@@ -240,6 +241,8 @@ struct Flow {
     ran_past_cancel: BTreeSet<usize>,
     /// Every step terminal and its status over: checked again only in full checks.
     settled: bool,
+    /// Its status at the last check (none before the first, or after a failover).
+    last_status: Option<WorkflowStatus>,
 }
 
 /// A step's row as the last check saw it.
@@ -316,6 +319,7 @@ impl Checker {
             let Some(state) = store.workflow_state(id).filter(|_| same) else { continue };
             let mut flow = flow.clone();
             flow.settled = false;
+            flow.last_status = None;
             if state.status() != WorkflowStatus::Cancelled {
                 flow.cancelled = false;
                 flow.ran_past_cancel.clear();
@@ -362,6 +366,7 @@ impl Checker {
             cancelled: false,
             ran_past_cancel: BTreeSet::new(),
             settled: false,
+            last_status: None,
         };
         ensure!(self.flows.insert(id, flow).is_none(), "workflow id {id} was handed out twice");
         Ok(())
@@ -1328,6 +1333,9 @@ fn check_flow(
         .map(|&task| store.task(task).ok_or_else(|| format!("step task {task} of workflow {id} vanished")))
         .collect::<Result<Vec<&StoredTask>, String>>()?;
     let status = state.status();
+    // Paused at the last check and still paused: nothing was promoted or skipped since (no
+    // request of a worker resumes a workflow; only the operator does, checked on its own).
+    let held = flow.last_status == Some(WorkflowStatus::Paused) && status == WorkflowStatus::Paused;
     // The rows as the workflow should count them.
     let mut tally: BTreeMap<StepState, u32> = BTreeMap::new();
     for (step, row) in rows.iter().enumerate() {
@@ -1351,6 +1359,9 @@ fn check_flow(
             TaskState::Completed | TaskState::Failed => was.state == TaskState::Waiting,
             _ => false,
         };
+        if (promoted || row.state == TaskState::Skipped) && was.state == TaskState::Waiting {
+            ensure!(!held, "PROMOTED WHILE PAUSED: {} went {} -> {}", standing(), was.state, row.state);
+        }
         if promoted {
             ensure!(
                 !flow.cancelled,
@@ -1475,6 +1486,7 @@ fn check_flow(
         ),
     }
     flow.settled = all_terminal && status.is_finished();
+    flow.last_status = Some(status);
     Ok(())
 }
 
