@@ -217,6 +217,9 @@ pub(crate) struct Checker {
     flows: BTreeMap<WorkflowId, Flow>,
     /// Each step's row as the last check saw it.
     steps: BTreeMap<TaskId, StepSeen>,
+    /// The workflows a mutation touched since the last check (a step's row it moved, an
+    /// operator's action): the next check looks at them (the others did not change).
+    dirty: BTreeSet<WorkflowId>,
 }
 
 /// What the checker knows of one submitted workflow: its graph as the harness built it, and
@@ -248,6 +251,8 @@ struct Flow {
 /// A step's row as the last check saw it.
 #[derive(Debug, Clone, Copy)]
 struct StepSeen {
+    /// Its workflow.
+    flow: WorkflowId,
     state: TaskState,
     /// Its attempts and lease the last time it was seen Waiting: a skipped step has run no
     /// more and been claimed no more since.
@@ -256,8 +261,10 @@ struct StepSeen {
 }
 
 impl StepSeen {
-    /// A step just submitted: Waiting, never claimed.
-    const NEW: StepSeen = StepSeen { state: TaskState::Waiting, waiting_attempts: 0, waiting_lease: Lease(0) };
+    /// A step of workflow `flow` just submitted: Waiting, never claimed.
+    fn new(flow: WorkflowId) -> StepSeen {
+        StepSeen { flow, state: TaskState::Waiting, waiting_attempts: 0, waiting_lease: Lease(0) }
+    }
 }
 
 /// Runs `check` and turns a `false` into an error naming what broke.
@@ -288,6 +295,7 @@ impl Checker {
             finished_by: BTreeMap::new(),
             flows: BTreeMap::new(),
             steps: BTreeMap::new(),
+            dirty: BTreeSet::new(),
         }
     }
 
@@ -326,10 +334,12 @@ impl Checker {
             }
             for &task in &flow.tasks {
                 let row = store.task(task).expect("checked above");
-                let seen = StepSeen { state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease };
+                let seen =
+                    StepSeen { flow: id, state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease };
                 checker.steps.insert(task, seen);
             }
             checker.flows.insert(id, flow);
+            checker.dirty.insert(id);
         }
         checker
     }
@@ -349,7 +359,7 @@ impl Checker {
         for &task in tasks {
             ensure!(task.0 >= next, "workflow {id}'s step task {task} is not a new task (next id {next})");
             self.enqueued(task)?;
-            self.steps.insert(task, StepSeen::NEW);
+            self.steps.insert(task, StepSeen::new(id));
         }
         let mut parents = vec![Vec::new(); steps];
         let mut sinks = vec![true; steps];
@@ -369,6 +379,7 @@ impl Checker {
             last_status: None,
         };
         ensure!(self.flows.insert(id, flow).is_none(), "workflow id {id} was handed out twice");
+        self.dirty.insert(id);
         Ok(())
     }
 
@@ -379,6 +390,7 @@ impl Checker {
         let flow = self.flows.get_mut(&id).ok_or_else(|| format!("cancelled workflow {id} was never submitted"))?;
         flow.cancelled = true;
         flow.settled = false;
+        self.dirty.insert(id);
         for (step, &task) in flow.tasks.iter().enumerate() {
             if store.task(task).is_some_and(|row| row.state == TaskState::Running) {
                 flow.ran_past_cancel.insert(step);
@@ -419,11 +431,28 @@ impl Checker {
         self.flows.len()
     }
 
-    /// Checks every workflow not settled (all of them when `full`) against its steps' rows:
-    /// see the module docs.
-    fn check_workflows(&mut self, store: &MemoryStore, full: bool) -> Result<(), String> {
-        for (&id, flow) in self.flows.iter_mut().filter(|(_, flow)| full || !flow.settled) {
-            check_flow(id, flow, &mut self.steps, store)?;
+    /// A mutation moved (or may have moved) task `id`'s row: if it is a step, its workflow is
+    /// checked at the next check.
+    pub(crate) fn touch_task(&mut self, id: TaskId) {
+        if let Some(seen) = self.steps.get(&id) {
+            self.dirty.insert(seen.flow);
+        }
+    }
+
+    /// The operator acted on workflow `id`: it is checked at the next check.
+    pub(crate) fn touch_workflow(&mut self, id: WorkflowId) {
+        self.dirty.insert(id);
+    }
+
+    /// Checks the workflows against their steps' rows (see the module docs): those a mutation
+    /// touched since the last check; with `periodic`, every one not settled; with `deep`,
+    /// every one.
+    fn check_workflows(&mut self, store: &MemoryStore, periodic: bool, deep: bool) -> Result<(), String> {
+        let dirty = std::mem::take(&mut self.dirty);
+        for (&id, flow) in self.flows.iter_mut() {
+            if deep || (periodic && !flow.settled) || dirty.contains(&id) {
+                check_flow(id, flow, &mut self.steps, store)?;
+            }
         }
         Ok(())
     }
@@ -1021,6 +1050,10 @@ impl Checker {
             (DbRequest::Vacuum { .. }, DbReply::Vacuumed { .. }) => {}
             (request, reply) => return Err(format!("the store answered {} with {reply:?}", request.kind())),
         }
+        for &id in &touched {
+            // A step's move (and its workflow's promotions and skips, in the same workflow).
+            self.touch_task(id);
+        }
         for id in touched {
             if let Some(row) = store.task(id).filter(|row| row.state.is_terminal()) {
                 self.freeze(row)?;
@@ -1121,6 +1154,7 @@ impl Checker {
     /// a request touches are checked by [`after`](Self::after) at once).
     pub(crate) fn check_store(&mut self, store: &MemoryStore, now: DbTime, full: bool) -> Result<(), String> {
         self.mutations += 1;
+        let deep = full;
         let full = full || self.mutations % FULL_CHECK_EVERY == 0;
         let mut queue_in_flight: BTreeMap<&str, u32> = BTreeMap::new();
         let mut cluster_in_flight = 0u32;
@@ -1173,7 +1207,7 @@ impl Checker {
         if let Some(cap) = self.cluster_cap {
             ensure!(cluster_in_flight <= cap, "CAP: {cluster_in_flight} in flight across the cluster, cap {cap}");
         }
-        self.check_workflows(store, full)?;
+        self.check_workflows(store, full, deep)?;
         if full {
             let mut finished = 0usize;
             for row in store.tasks().skip(live) {
@@ -1340,7 +1374,7 @@ fn check_flow(
     let mut tally: BTreeMap<StepState, u32> = BTreeMap::new();
     for (step, row) in rows.iter().enumerate() {
         let task = row.id;
-        let was = seen.get(&task).copied().unwrap_or(StepSeen::NEW);
+        let was = seen.get(&task).copied().unwrap_or(StepSeen::new(id));
         let (satisfied, unfinished, required) = join_standing(flow, step, &rows);
         let standing = || {
             format!(
@@ -1450,7 +1484,7 @@ fn check_flow(
         *tally.entry(counted).or_insert(0) += 1;
         let next = match row.state {
             TaskState::Waiting => {
-                StepSeen { state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease }
+                StepSeen { flow: id, state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease }
             }
             _ => StepSeen { state: row.state, ..was },
         };

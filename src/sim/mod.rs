@@ -2136,6 +2136,7 @@ impl Sim {
         }
         // A Claimed task's holder may run it already (started without telling the store).
         let holder = self.store.task(id).and_then(|row| row.claimed_by.clone());
+        self.checker.touch_task(id);
         match self.store.admin(&AdminRequest::Cancel { task: id }, now) {
             Ok(AdminReply::Cancelled { found }) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> cancelled: {found:?}"));
@@ -2258,6 +2259,7 @@ impl Sim {
             }
         };
         self.note("operator", format_args!("{action} workflow {id} ({before}) -> {result:?}"));
+        self.checker.touch_workflow(id);
         match result {
             Ok(after) => {
                 if !allowed {
@@ -2303,6 +2305,7 @@ impl Sim {
             let status =
                 self.store.resume_workflow(id, now).map_err(|e| format!("resume of paused workflow {id}: {e}"))?;
             self.note("operator", format_args!("resume paused workflow {id} -> {status}"));
+            self.checker.touch_workflow(id);
             self.checker.check_store(&self.store, now, false)?;
         }
         self.notify();
