@@ -185,11 +185,17 @@ pub enum TaskEvent {
     Promote,
     /// A waiting workflow step's join can no longer be satisfied: it never runs.
     Skip,
+    /// Its workflow was cancelled while it ran: it is Cancelled, and its worker, whose lease
+    /// is gone, aborts the handler.
+    Abort,
+    /// Its workflow's retry puts the finished step back to Waiting: its parents decide it
+    /// again.
+    Reset,
 }
 
 impl TaskEvent {
     /// Every event, in declaration order.
-    pub const ALL: [TaskEvent; 14] = [
+    pub const ALL: [TaskEvent; 16] = [
         TaskEvent::Claim,
         TaskEvent::ClaimAndStart,
         TaskEvent::Start,
@@ -204,6 +210,8 @@ impl TaskEvent {
         TaskEvent::FailByHand,
         TaskEvent::Promote,
         TaskEvent::Skip,
+        TaskEvent::Abort,
+        TaskEvent::Reset,
     ];
 }
 
@@ -256,6 +264,8 @@ pub fn transition(from: TaskState, event: TaskEvent) -> Result<TaskState, Transi
         ),
         E::Promote => ((from == S::Waiting).then_some(S::Pending), "expected WAITING"),
         E::Skip => ((from == S::Waiting).then_some(S::Skipped), "expected WAITING"),
+        E::Abort => ((from == S::Running).then_some(S::Cancelled), "expected RUNNING"),
+        E::Reset => (from.is_terminal().then_some(S::Waiting), "expected a terminal state"),
     };
     to.ok_or(TransitionError { from, event, expected })
 }
@@ -467,12 +477,22 @@ mod tests {
     use super::*;
 
     #[test]
-    fn terminal_states_have_no_way_out_but_requeue_of_failed() {
+    fn terminal_states_have_no_way_out_but_requeue_of_failed_and_a_workflow_s_reset() {
         for from in TaskState::ALL.into_iter().filter(|s| s.is_terminal()) {
             for event in TaskEvent::ALL {
-                let allowed = transition(from, event).is_ok();
-                assert_eq!(allowed, from == TaskState::Failed && event == TaskEvent::Requeue, "{from} {event:?}");
+                let allowed = transition(from, event).ok();
+                let expected = match event {
+                    TaskEvent::Requeue => (from == TaskState::Failed).then_some(TaskState::Pending),
+                    TaskEvent::Reset => Some(TaskState::Waiting),
+                    _ => None,
+                };
+                assert_eq!(allowed, expected, "{from} {event:?}");
             }
+        }
+        // Only a finished task is reset, and only a running one aborted.
+        for from in TaskState::ALL.into_iter().filter(|s| !s.is_terminal()) {
+            assert!(transition(from, TaskEvent::Reset).is_err());
+            assert_eq!(transition(from, TaskEvent::Abort).is_ok(), from == TaskState::Running, "{from}");
         }
     }
 

@@ -67,7 +67,7 @@ enum Op {
     DropToken(WorkerId),
     /// A workflow is submitted.
     Submit(NewWorkflow),
-    /// A workflow is paused, resumed or cancelled.
+    /// A workflow is paused, resumed, cancelled or retried.
     Workflow(WorkflowAction, WorkflowId),
 }
 
@@ -76,6 +76,8 @@ enum WorkflowAction {
     Pause,
     Resume,
     Cancel,
+    /// Its steps that did not complete, and with `true` everything finished below them.
+    Retry(bool),
 }
 
 /// How deep the hand-written rows' arguments are nested: past what serde_json decodes (128).
@@ -119,7 +121,7 @@ impl Pair {
         let pg = PgStore::new(pool.clone(), db.schema.clone(), app.clone());
         let mut listener = PgListener::connect_with(&db.pool(1).await).await.unwrap();
         let marker = format!("{}_marker", db.schema.name());
-        let mut channels = vec![marker.clone(), db.schema.done_channel()];
+        let mut channels = vec![marker.clone(), db.schema.done_channel(), db.schema.abort_channel()];
         channels.extend(app.queues().iter().map(|q| db.schema.queue_channel(&q.name)));
         for channel in &channels {
             listener.listen(channel).await.unwrap();
@@ -286,6 +288,10 @@ impl Pair {
                     WorkflowAction::Cancel => {
                         (self.memory.cancel_workflow(*id, self.now), self.pg.cancel_workflow(*id).await)
                     }
+                    WorkflowAction::Retry(downstream) => (
+                        self.memory.retry_workflow(*id, *downstream, self.now),
+                        self.pg.retry_workflow(*id, *downstream).await,
+                    ),
                 };
                 let pg = pg.map_err(|e| match e {
                     PgWorkflowError::Refused(e) => e,
@@ -373,7 +379,7 @@ impl Pair {
     /// one payload).
     async fn compare_notifications(&mut self) {
         let at = self.at();
-        let (mut ready, mut done) = (Vec::new(), Vec::new());
+        let (mut ready, mut done, mut revoked) = (Vec::new(), Vec::new(), Vec::new());
         for note in self.memory.take_notifications() {
             match note {
                 // The channel and the payload: the most urgent priority an enqueue wrote.
@@ -382,11 +388,12 @@ impl Pair {
                     priority.map(|p| p.to_string()).unwrap_or_default(),
                 )),
                 Notification::TaskFinished { task, .. } => done.push(task.0),
+                Notification::TasksRevoked { tasks } => revoked.extend(tasks.iter().map(|t| t.0)),
                 other => panic!("{at}: a notification this suite does not know: {other:?}"),
             }
         }
         sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.pool).await.unwrap();
-        let (mut pg_ready, mut pg_done) = (Vec::new(), Vec::new());
+        let (mut pg_ready, mut pg_done, mut pg_revoked) = (Vec::new(), Vec::new(), Vec::new());
         loop {
             let note = tokio::time::timeout(Duration::from_secs(10), self.listener.recv())
                 .await
@@ -397,6 +404,8 @@ impl Pair {
             }
             if note.channel() == self.pg.schema().done_channel() {
                 pg_done.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
+            } else if note.channel() == self.pg.schema().abort_channel() {
+                pg_revoked.extend(note.payload().split(',').map(|id| id.parse::<i64>().unwrap()));
             } else {
                 pg_ready.push((note.channel().to_owned(), note.payload().to_owned()));
             }
@@ -404,10 +413,12 @@ impl Pair {
         for list in [&mut ready, &mut pg_ready] {
             list.sort();
         }
-        done.sort_unstable();
-        pg_done.sort_unstable();
+        for list in [&mut done, &mut pg_done, &mut revoked, &mut pg_revoked] {
+            list.sort_unstable();
+        }
         assert_eq!(pg_ready, ready, "{at}: ready notifications");
         assert_eq!(pg_done, done, "{at}: finished notifications");
+        assert_eq!(pg_revoked, revoked, "{at}: revoked notifications");
     }
 
     async fn run(&mut self, script: &[Op]) {
@@ -970,7 +981,8 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
         finish("a", lease(16, 1), done(0)),
         Op::Advance(1_000),
         Op::Workflow(WorkflowAction::Resume, WorkflowId(4)),
-        // Cancelled with one step claimed, one running: the claimed one is cancelled.
+        // Cancelled with one step running and one pending: both are cancelled (the running
+        // one's worker finds its lease gone).
         claim("a", 5, &p, 1, 60_000),
         Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
         Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
@@ -1009,9 +1021,114 @@ async fn workflows_promote_skip_pause_and_cancel_alike() {
     // Any: promoted by one completion; quorum(2): skipped after two failures; the recovery
     // step: promoted by the failure. Both promoted ones were claimed and started since.
     assert_eq!(status(3), Some((S::Running, steps(&[(Completed, 1), (Failed, 2), (Running, 2), (Skipped, 1)]))));
-    assert_eq!(status(4), Some((S::Cancelled, steps(&[(Completed, 1), (Running, 1), (Cancelled, 1)]))));
+    assert_eq!(status(4), Some((S::Cancelled, steps(&[(Completed, 1), (Cancelled, 2)]))));
     assert_eq!(status(5), Some((S::Failed, steps(&[(Failed, 1), (Skipped, 1)]))));
     assert_eq!(status(6), None, "refused submits write nothing");
+}
+
+#[tokio::test]
+async fn workflows_retry_alike() {
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 4);
+    let mut pair = Pair::new(app, "retries").await;
+    let failed = || FinishOutcome::Failed(error(ErrorCode::TaskError));
+    let done = |value: i64| FinishOutcome::Completed(json!(value));
+    let retry = |id, downstream| Op::Workflow(WorkflowAction::Retry(downstream), WorkflowId(id));
+    let script = vec![
+        // 1: a diamond 0 -> (1, 2) -> 3, tasks 1 to 4: 2 fails, 3 is skipped.
+        Op::Submit(workflow("diamond", 4, &[(0, 1, false), (0, 2, false), (1, 3, false), (2, 3, false)], &[])),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), done(0)),
+        claim("a", 2, &p, 2, 60_000),
+        finish("a", lease(3, 1), failed()),
+        finish("a", lease(2, 1), done(1)),
+        // The failed step runs again; the skipped one waits for it.
+        retry(1, false),
+        claim("a", 3, &p, 1, 60_000),
+        finish("a", lease(3, 2), done(2)),
+        claim("a", 4, &p, 1, 60_000),
+        finish("a", lease(4, 1), done(3)),
+        // Completed: nothing to retry, either way.
+        retry(1, false),
+        retry(1, true),
+        // 2: 0 -> 1 (allow_failed) -> 2, tasks 5 to 7: 0 fails, its recovery 1 and then 2
+        // complete; a downstream retry runs all three again, in order.
+        Op::Submit(workflow("recovered", 3, &[(0, 1, true), (1, 2, false)], &[])),
+        claim("a", 5, &p, 1, 60_000),
+        finish("a", lease(5, 1), failed()),
+        claim("a", 6, &p, 1, 60_000),
+        finish("a", lease(6, 1), done(6)),
+        claim("a", 7, &p, 1, 60_000),
+        finish("a", lease(7, 1), done(7)),
+        retry(2, true),
+        claim("a", 8, &p, 1, 60_000),
+        finish("a", lease(5, 2), done(5)),
+        // 3: pauses on error, 0 -> 1 and 2 alone, tasks 8 to 10: a retry during the pause
+        // holds the retried step until the resume.
+        Op::Submit(workflow("careful", 3, &[(0, 1, false)], &[]).pause_on_error()),
+        claim("a", 9, &p, 4, 60_000),
+        finish("a", lease(8, 1), failed()),
+        retry(3, false),
+        Op::Workflow(WorkflowAction::Resume, WorkflowId(3)),
+        // 4: cancelled with its root running, tasks 11 and 12; the worker's late finish is
+        // lost; a retry reopens the workflow.
+        Op::Submit(workflow("cancelled", 2, &[(0, 1, false)], &[])),
+        // Takes 8 (promoted by the resume) and 11.
+        claim("a", 10, &p, 2, 60_000),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(4)),
+        finish("a", lease(11, 1), done(11)),
+        retry(4, false),
+        claim("a", 11, &p, 1, 60_000),
+        Op::Advance(1_000),
+        finish("a", lease(11, 2), done(11)),
+        retry(99, false),
+        // 5: pauses on error, task 13; its one step failed, so it is over and no longer paused:
+        // a retry runs it (regression: PostgreSQL left it paused).
+        Op::Submit(workflow("over", 1, &[], &[]).pause_on_error()),
+        claim("a", 12, &p, 2, 60_000),
+        finish("a", lease(13, 1), failed()),
+        retry(5, false),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps));
+    let steps = |states: &[(TaskState, u32)]| states.iter().copied().collect::<BTreeMap<_, _>>();
+    use TaskState::{Completed, Pending, Running, Waiting};
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(status(1), Some((S::Completed, steps(&[(Completed, 4)]))));
+    // 6, promoted by 5's completion, was claimed with 8 and 10.
+    assert_eq!(status(2), Some((S::Running, steps(&[(Completed, 1), (Running, 1), (Waiting, 1)]))));
+    assert_eq!(status(3), Some((S::Running, steps(&[(Running, 2), (Waiting, 1)]))));
+    assert_eq!(status(4), Some((S::Running, steps(&[(Completed, 1), (Running, 1)]))));
+    assert_eq!(status(5), Some((S::Running, steps(&[(Pending, 1)]))));
+}
+
+#[tokio::test]
+async fn big_workflows_notify_in_chunks() {
+    // A skip or a cancel of thousands of steps names them to the result waiters in payloads
+    // PostgreSQL takes (8,000 bytes at most): in one payload, the statement failed, and a
+    // worker's finish of the root with it, again and again (regression).
+    let app = custom(vec![CustomQueue::new("a")]);
+    let p = policy(&app, 1);
+    let mut pair = Pair::new(app, "big").await;
+    let wide = |name: &str| {
+        let edges: Vec<(u32, u32, bool)> = (1..=2_000).map(|child| (0, child, false)).collect();
+        workflow(name, 2_001, &edges, &[])
+    };
+    let script = vec![
+        // 1: tasks 1 to 2,001; the root fails, its 2,000 children are skipped.
+        Op::Submit(wide("skipped")),
+        claim("a", 1, &p, 1, 60_000),
+        finish("a", lease(1, 1), FinishOutcome::Failed(error(ErrorCode::TaskError))),
+        // 2: tasks 2,002 to 4,002, cancelled while they wait.
+        Op::Submit(wide("cancelled")),
+        Op::Workflow(WorkflowAction::Cancel, WorkflowId(2)),
+    ];
+    pair.run(&script).await;
+    let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps));
+    let steps = |states: &[(TaskState, u32)]| states.iter().copied().collect::<BTreeMap<_, _>>();
+    use canter::workflow::WorkflowStatus as S;
+    assert_eq!(status(1), Some((S::Failed, steps(&[(TaskState::Failed, 1), (TaskState::Skipped, 2_000)]))));
+    assert_eq!(status(2), Some((S::Cancelled, steps(&[(TaskState::Cancelled, 2_001)]))));
 }
 
 #[tokio::test]
@@ -1073,6 +1190,8 @@ async fn workflows_settle_per_statement_alike() {
         // Every finished row goes; the workflows keep their outcomes.
         Op::Advance(1),
         Op::Admin(AdminRequest::Purge { retention_ms: 0, batch: 100 }),
+        // Their outcomes stay, but a retry needs the rows: refused.
+        Op::Workflow(WorkflowAction::Retry(false), WorkflowId(2)),
     ];
     pair.run(&script).await;
     let status = |id| pair.memory.workflow(WorkflowId(id)).map(|w| (w.status, w.steps.len()));
@@ -1794,10 +1913,11 @@ fn random_workflow_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: 
         0..=5 => Op::Submit(random_workflow(rng, memory.app(), now, flows + 1)),
         6..=12 => {
             use canter::workflow::WorkflowStatus as S;
-            let (action, fits): (_, &[S]) = match rng.range(0, 10) {
+            let (action, fits): (_, &[S]) = match rng.range(0, 13) {
                 0..=2 => (WorkflowAction::Pause, &[S::Running]),
                 3..=7 => (WorkflowAction::Resume, &[S::Paused]),
-                _ => (WorkflowAction::Cancel, &[S::Running, S::Paused]),
+                8 | 9 => (WorkflowAction::Cancel, &[S::Running, S::Paused]),
+                _ => (WorkflowAction::Retry(rng.chance(0.5)), &[S::Failed, S::Cancelled, S::Paused]),
             };
             // Mostly a workflow the action fits; else any id, unknown ones included.
             let fit: Vec<WorkflowId> = records.iter().filter(|f| fits.contains(&f.status)).map(|f| f.id).collect();
@@ -1918,6 +2038,9 @@ fn workflow_features(
             (Some(S::Running), S::Paused, Op::Workflow(..)) => seen.push("workflow paused"),
             (Some(S::Running), S::Paused, _) => seen.push("paused by error"),
             (Some(S::Paused), S::Running, _) => seen.push("workflow resumed"),
+            (Some(S::Failed | S::Cancelled), S::Running | S::Paused, Op::Workflow(WorkflowAction::Retry(down), _)) => {
+                seen.push(if *down { "workflow retried downstream" } else { "workflow retried" })
+            }
             (Some(S::Running | S::Paused), S::Cancelled, _) => seen.push("workflow cancelled"),
             (Some(S::Running | S::Paused), S::Completed, _) => seen.push("workflow completed"),
             (Some(S::Running | S::Paused), S::Failed, _) => seen.push("workflow failed"),
@@ -2001,6 +2124,8 @@ async fn random_workflow_scripts_agree() {
         "workflow paused",
         "workflow resumed",
         "workflow cancelled",
+        "workflow retried",
+        "workflow retried downstream",
         "workflow completed",
         "workflow failed",
         "unknown workflow",

@@ -512,6 +512,28 @@ fn heartbeats_cover_everything_held_and_lost_tasks_are_aborted() {
 }
 
 #[test]
+fn a_revoked_task_it_holds_makes_the_worker_beat_at_once_and_abort_what_it_lost() {
+    let config = WorkerConfig { concurrency: 2, handler_timeout_ms: None, ..WorkerConfig::default() };
+    let (mut h, first) = Harness::new(app(), config);
+    let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
+    assert_eq!(runs.len(), 2);
+    // Tasks it does not hold: nothing to do.
+    let none = h.input(Input::Revoked { tasks: vec![TaskId(7)] });
+    assert!(!has(&none, "heartbeat"), "{none:?}");
+    // One it holds: a beat goes out now, not at the interval.
+    let beat = h.input(Input::Revoked { tasks: vec![TaskId(7), TaskId(2)] });
+    assert!(has(&beat, "heartbeat"), "{beat:?}");
+    // A second revocation while that beat is out waits for its answer.
+    assert!(!has(&h.input(Input::Revoked { tasks: vec![TaskId(1)] }), "heartbeat"));
+    let lost = DbReply::Heartbeat { lost: vec![TaskId(2)], busy: vec![], handed_back: vec![] };
+    let after = h.reply(find(&beat, "heartbeat"), lost);
+    assert!(after.contains(&Command::Abort { task: TaskId(2), lease: Lease(1) }), "{after:?}");
+    // ... and then goes out at once: task 1 may have been revoked after the first was sent.
+    assert!(has(&after, "heartbeat"), "{after:?}");
+    assert_eq!(h.worker.running(), 1);
+}
+
+#[test]
 fn a_task_handed_back_under_the_lease_of_an_aborted_run_goes_back_instead_of_running_twice() {
     // Simulation seed 13448: a database gone back in time hands a task out again under the
     // lease of a run this worker aborted, whose answer (a driver that cannot stop a handler)

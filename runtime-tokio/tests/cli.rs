@@ -972,6 +972,17 @@ async fn workflows_from_the_command_line() {
     assert_eq!(refused.status.code(), Some(1));
     assert!(text(&refused).contains("cannot be cancelled"), "{}", text(&refused));
     assert!(text(&run(&["workflow", "pause", "99"])).contains("no workflow 99"));
+    // A retry with everything downstream: c failed, d was skipped, e and f completed below c.
+    let retried = run(&["workflow", "retry", &id, "--downstream", "--json"]);
+    assert_eq!(retried.status.code(), Some(0), "{}", text(&retried));
+    let retried: serde_json::Value = serde_json::from_slice(&retried.stdout).expect("retry --json is JSON");
+    assert_eq!(retried["status"], "running", "{retried}");
+    let shown: serde_json::Value = serde_json::from_slice(&run(&["workflow", "show", &id, "--json"]).stdout).unwrap();
+    let states: Vec<&str> = shown["steps"].as_array().unwrap().iter().map(|s| s["state"].as_str().unwrap()).collect();
+    // f needs any of b and c: b's completion promotes it again at once.
+    assert_eq!(states, ["COMPLETED", "COMPLETED", "PENDING", "WAITING", "WAITING", "PENDING"]);
+    assert!(text(&run(&["workflow", "retry", &id])).contains(&format!("workflow {id} retried: now running")));
+    assert!(text(&run(&["workflow", "retry", "99"])).contains("no workflow 99"));
 
     // Refused before anything is written: unknown tasks, their args, cycles, unknown steps.
     let unknown = file("unknown.json", r#"{"name": "u", "steps": [{"name": "a", "task": "report"}]}"#);

@@ -453,7 +453,8 @@ async fn the_readme_grants_are_enough_for_each_role() {
         assert_eq!(record.state, TaskState::Completed, "{mode:?}");
     }
     // A workflow submitted by the client runs on the worker's grants (the promotion of its
-    // second step is the owner's function's), and the operator pauses and cancels another.
+    // second step is the owner's function's), and the operator pauses, cancels, retries and
+    // resumes another.
     let mut chain = canter_tokio::canter::store::NewWorkflow::new("chain");
     let first = chain.step(NewTask::new("echo", json!(1)), canter_tokio::canter::workflow::Join::All);
     let second = chain.step(NewTask::new("echo", json!(2)), canter_tokio::canter::workflow::Join::All);
@@ -511,6 +512,11 @@ async fn the_readme_grants_are_enough_for_each_role() {
     assert_eq!(paused, canter_tokio::canter::workflow::WorkflowStatus::Paused);
     let cancelled = operator.cancel_workflow(later).await.expect("the operator cancels a workflow");
     assert_eq!(cancelled, canter_tokio::canter::workflow::WorkflowStatus::Cancelled);
+    let retried = operator.retry_workflow(later, true).await.expect("the operator retries a workflow");
+    assert_eq!(retried, canter_tokio::canter::workflow::WorkflowStatus::Running);
+    operator.pause_workflow(later).await.unwrap();
+    let resumed = operator.resume_workflow(later).await.expect("the operator resumes a workflow");
+    assert_eq!(resumed, canter_tokio::canter::workflow::WorkflowStatus::Running);
     for args in [
         &["pause", "default"][..],
         &["resume", "default"],

@@ -323,11 +323,21 @@ impl<R: Runtime> Client<R> {
         Ok(self.inner.store.resume_workflow(id).await?)
     }
 
-    /// Cancels workflow `id`: its steps that have not started are cancelled; running ones run
-    /// to their end, and nothing is promoted after them.
+    /// Cancels workflow `id` in one statement: every step not finished is cancelled, and the
+    /// workers of the claimed and running ones, told on the abort channel, beat at once, find
+    /// their leases gone and abort the handlers.
     pub async fn cancel_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, ClientError> {
         self.schema_ready().await?;
         Ok(self.inner.store.cancel_workflow(id).await?)
+    }
+
+    /// Retries workflow `id` in one statement: its steps that did not complete (failed,
+    /// cancelled, expired, skipped) and, if `downstream`, every finished step below them
+    /// (completed ones run again on their parents' new results) wait again, and their joins
+    /// decide. A cancelled workflow is reopened; a paused one stays paused until resumed.
+    pub async fn retry_workflow(&self, id: WorkflowId, downstream: bool) -> Result<WorkflowStatus, ClientError> {
+        self.schema_ready().await?;
+        Ok(self.inner.store.retry_workflow(id, downstream).await?)
     }
 
     /// The client's runtime.

@@ -415,10 +415,12 @@ impl MemoryBackend {
 impl MemoryInner {
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            if let crate::store::Notification::TaskReady { queue, priority } = notification {
-                self.subscribers
-                    .retain(|tx| tx.unbounded_send(Input::Notified { queue: queue.clone(), priority }).is_ok());
-            }
+            let input = match notification {
+                crate::store::Notification::TaskReady { queue, priority } => Input::Notified { queue, priority },
+                crate::store::Notification::TasksRevoked { tasks } => Input::Revoked { tasks },
+                _ => continue,
+            };
+            self.subscribers.retain(|tx| tx.unbounded_send(input.clone()).is_ok());
         }
     }
 }

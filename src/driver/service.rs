@@ -24,7 +24,7 @@ use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::mix;
 use crate::scheduler::SchedulerError;
-use crate::task::WorkerId;
+use crate::task::{TaskId, WorkerId};
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 
 /// Everything a worker process serves with. Build it, then [`serve`](WorkerService::serve).
@@ -318,8 +318,9 @@ impl<H: Handlers> Handlers for Traced<H> {
     }
 }
 
-/// LISTENs on the queues' channels and turns notifications into wake-ups, reconnecting with
-/// backoff; reports the listener's state so the worker polls while it is deaf.
+/// LISTENs on the queues' channels and the abort channel and turns notifications into wake-ups
+/// and revocations, reconnecting with backoff; reports the listener's state so the worker polls
+/// while it is deaf.
 async fn listen<R: Runtime>(
     runtime: Arc<R>,
     store: PgStore,
@@ -330,7 +331,9 @@ async fn listen<R: Runtime>(
     seed: u64,
 ) {
     let prefix = store.schema().queue_channel_prefix();
-    let channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
+    let abort = store.schema().abort_channel();
+    let mut channels: Vec<String> = queues.iter().map(|q| store.schema().queue_channel(q)).collect();
+    channels.push(abort.clone());
     let mut retry = Retry::new(&resilience, seed);
     // Sessions lost as they started to listen or soon after, in a row.
     let mut lost_in_a_row = 0;
@@ -362,7 +365,14 @@ async fn listen<R: Runtime>(
             }
             // A full channel drops the note: wake-ups coalesce anyway.
             while let Ok(Some(note)) = listener.try_recv().await {
-                if let Some(queue) = note.channel().strip_prefix(&prefix) {
+                if note.channel() == abort {
+                    // Ids that do not parse are left out: the worker's heartbeat still finds
+                    // what it lost, at its interval.
+                    let tasks: Vec<TaskId> =
+                        note.payload().split(',').filter_map(|id| id.parse::<i64>().ok()).map(TaskId).collect();
+                    tracing::trace!(target: "canter::listen", ?tasks, "revoked");
+                    let _ = notes.try_send(Input::Revoked { tasks });
+                } else if let Some(queue) = note.channel().strip_prefix(&prefix) {
                     // Enqueues announce the most urgent priority they wrote (anything else, an
                     // empty payload included, announces none).
                     let priority = note.payload().parse::<i16>().ok();

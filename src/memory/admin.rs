@@ -82,12 +82,8 @@ impl MemoryStore {
             expected: "FAILED",
         })?;
         let mut row = self.finished.remove(&id).expect("a FAILED task is in the finished table");
-        row.apply_event(TaskEvent::Requeue);
-        row.clear_claim();
-        row.retries = 0;
+        row.reopen(TaskEvent::Requeue);
         row.run_at = now;
-        row.result = None;
-        row.finished_at = None;
         let queue = row.queue.clone();
         self.live.insert(id, row);
         self.notify_ready([queue]);

@@ -130,6 +130,16 @@ impl StoredTask {
         self.claim_expires_at = None;
         self.heartbeat_at = None;
     }
+
+    /// Brings a finished row back to life by `event` (a requeue, a workflow's reset): no
+    /// holder, no retry spent, no result or finish time; its attempts and last error stay.
+    pub(super) fn reopen(&mut self, event: TaskEvent) {
+        self.apply_event(event);
+        self.clear_claim();
+        self.retries = 0;
+        self.result = None;
+        self.finished_at = None;
+    }
 }
 
 /// Which task a key names (the `task_keys` table).

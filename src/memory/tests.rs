@@ -1240,15 +1240,21 @@ fn a_paused_workflow_holds_its_decisions_and_a_cancel_ends_it() {
     assert_eq!((state_of(&store, b), state_of(&store, c)), (TaskState::Pending, TaskState::Pending));
     assert_eq!(store.take_notifications().len(), 1, "one notification per queue");
 
-    // Cancel: pending and waiting steps cancelled, a running one runs on; nothing after.
+    // Cancel: pending, waiting and running steps cancelled (the running one's worker finds
+    // its lease gone); nothing after.
     let claimed = claim_n(&mut store, "w", 1, 1, 1, at(3));
+    assert_eq!(state_of(&store, claimed[0].id), TaskState::Running);
     assert_eq!(store.cancel_workflow(submitted.workflow, at(4)), Ok(WorkflowStatus::Cancelled));
     let (running, other) = if claimed[0].id == b { (b, c) } else { (c, b) };
-    assert_eq!((state_of(&store, running), state_of(&store, other)), (TaskState::Running, TaskState::Cancelled));
-    assert_eq!(store.task(other).unwrap().error.as_ref().map(|e| e.message.as_str()), Some(CANCELLED_WITH_WORKFLOW));
+    assert_eq!((state_of(&store, running), state_of(&store, other)), (TaskState::Cancelled, TaskState::Cancelled));
+    for step in [running, other] {
+        let message = store.task(step).unwrap().error.as_ref().map(|e| e.message.clone());
+        assert_eq!(message.as_deref(), Some(CANCELLED_WITH_WORKFLOW));
+    }
     assert_eq!(state_of(&store, d), TaskState::Cancelled);
+    // The worker's late finish is lost: the cancel stands.
     finish(&mut store, "w", lease(&claimed[0]), FinishOutcome::Completed(json!(2)), at(5));
-    assert_eq!(state_of(&store, running), TaskState::Completed);
+    assert_eq!(state_of(&store, running), TaskState::Cancelled);
     assert_eq!(store.workflow(submitted.workflow).unwrap().status, WorkflowStatus::Cancelled);
     assert!(matches!(store.pause_workflow(submitted.workflow), Err(WorkflowActionError::Refused { .. })));
     assert_eq!(store.resume_workflow(WorkflowId(99), at(6)), Err(WorkflowActionError::NotFound(WorkflowId(99))));

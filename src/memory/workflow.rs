@@ -157,11 +157,43 @@ impl MemoryStore {
         Ok(status)
     }
 
-    /// Cancels workflow `id` in one statement: its Waiting, Pending and Claimed steps are
-    /// Cancelled; Running steps run to their end (their outcome is recorded on their task, and
-    /// the workflow promotes nothing after it).
+    /// Cancels workflow `id` in one statement: its Waiting, Pending, Claimed and Running steps
+    /// are Cancelled, and the claimed and running ones announced revoked
+    /// ([`Notification::TasksRevoked`]): their worker beats at once, finds their leases gone
+    /// and aborts the handlers; what a handler reports after is lost. Nothing is promoted
+    /// after.
     pub fn cancel_workflow(&mut self, id: WorkflowId, now: DbTime) -> Result<WorkflowStatus, WorkflowActionError> {
         let changes = self.workflow_changes(id, WorkflowState::cancel)?;
+        let status = changes.status;
+        self.apply_workflow_changes(&[(id, changes)], now);
+        self.settle_workflows(now);
+        Ok(status)
+    }
+
+    /// Retries workflow `id` in one statement: its steps that finished without completing
+    /// (failed, cancelled, expired, skipped) and, if `downstream`, every finished step below
+    /// them wait again (a completed one runs again on its parents' new results), with their
+    /// retries spent reset, attempts and last error kept; then their joins decide. A
+    /// cancelled workflow is reopened; a paused one stays paused (resume it to run them).
+    /// Refused if a step's row was purged (its outcome is gone with it).
+    pub fn retry_workflow(
+        &mut self,
+        id: WorkflowId,
+        downstream: bool,
+        now: DbTime,
+    ) -> Result<WorkflowStatus, WorkflowActionError> {
+        let flow = self.workflows.get(&id).ok_or(WorkflowActionError::NotFound(id))?;
+        let purged = flow.tasks.iter().filter(|task| self.row(**task).is_none()).count();
+        if purged > 0 {
+            return Err(WorkflowActionError::Purged { workflow: id, steps: purged });
+        }
+        let changes = self.workflow_changes(id, |state| state.retry_failed(downstream))?;
+        for &step in &changes.reset {
+            let task = self.workflows[&id].tasks[step.index()];
+            let mut row = self.finished.remove(&task).expect("a reset step finished: its row is in the finished table");
+            row.reopen(TaskEvent::Reset);
+            self.live.insert(task, row);
+        }
         let status = changes.status;
         self.apply_workflow_changes(&[(id, changes)], now);
         self.settle_workflows(now);
@@ -229,6 +261,8 @@ impl MemoryStore {
     fn apply_workflow_changes(&mut self, all: &[(WorkflowId, Changes)], now: DbTime) {
         // Per queue that received a promoted step, the most urgent priority (as an enqueue's).
         let mut queues: BTreeMap<String, i16> = BTreeMap::new();
+        // Claimed and running steps a cancel took from their holders.
+        let mut revoked = Vec::new();
         for (workflow, changes) in all {
             let task = |store: &MemoryStore, step: StepId| store.workflows[workflow].tasks[step.index()];
             for &step in &changes.ready {
@@ -244,15 +278,24 @@ impl MemoryStore {
             }
             for &step in &changes.cancelled {
                 let id = task(self, step);
-                // The workflow counts a claimed step as ready: it may have started since.
-                if self.live.get(&id).is_some_and(|row| row.state != TaskState::Running) {
-                    let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
-                    self.finish_row(id, TaskEvent::Cancel, now, Some(error), None);
+                // The workflow counts a claimed or running step as ready.
+                let event = match self.live.get(&id).map(|row| row.state) {
+                    Some(TaskState::Running) => TaskEvent::Abort,
+                    Some(_) => TaskEvent::Cancel,
+                    None => continue,
+                };
+                if self.live.get(&id).is_some_and(|row| matches!(row.state, TaskState::Claimed | TaskState::Running)) {
+                    revoked.push(id);
                 }
+                let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
+                self.finish_row(id, event, now, Some(error), None);
             }
         }
         for (queue, priority) in queues {
             self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+        }
+        if !revoked.is_empty() {
+            self.notifications.push(Notification::TasksRevoked { tasks: revoked });
         }
     }
 }

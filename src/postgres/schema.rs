@@ -352,6 +352,7 @@ struct SchemaInner {
     quoted: String,
     queue_channel_prefix: String,
     done_channel: String,
+    abort_channel: String,
     statements: Statements,
 }
 
@@ -389,7 +390,7 @@ impl PgSchema {
             return Err(InvalidSchemaName(name.to_owned()));
         }
         let quoted = format!("\"{name}\"");
-        let (queue_channel_prefix, done_channel) = channel_names(name);
+        let (queue_channel_prefix, done_channel, abort_channel) = channel_names(name);
         let statements = Statements::new(&quoted);
         Ok(PgSchema {
             inner: Arc::new(SchemaInner {
@@ -397,6 +398,7 @@ impl PgSchema {
                 quoted,
                 queue_channel_prefix,
                 done_channel,
+                abort_channel,
                 statements,
             }),
         })
@@ -428,6 +430,13 @@ impl PgSchema {
         self.inner.done_channel.clone()
     }
 
+    /// The notification channel of revoked tasks (claimed or running tasks a workflow's cancel
+    /// took from their holders), which workers listen on: its payloads are comma-separated
+    /// task ids.
+    pub fn abort_channel(&self) -> String {
+        self.inner.abort_channel.clone()
+    }
+
     /// The key of the `claim_locks` row that serializes capped claims of `queue`.
     pub fn queue_lock_key(&self, queue: &str) -> i64 {
         fnv1a64(format!("canter:claim:{}:{queue}", self.inner.name).as_bytes())
@@ -456,17 +465,17 @@ impl PgSchema {
 }
 
 /// The queue channel prefix and the done channel of schema `name` (see the module docs).
-fn channel_names(name: &str) -> (String, String) {
+fn channel_names(name: &str) -> (String, String, String) {
     if name == DEFAULT_SCHEMA {
         // The names of earlier releases, kept for rolling upgrades: no `:`, unlike every other.
-        return (format!("{name}_q_"), format!("{name}_done"));
+        return (format!("{name}_q_"), format!("{name}_done"), format!("{name}_abort"));
     }
     let tag = if name.len() <= 8 {
         name.to_owned()
     } else {
         format!("#{:07x}", fnv1a64(name.as_bytes()) as u64 & 0x0fff_ffff)
     };
-    (format!("{tag}:q:"), format!("{tag}:done"))
+    (format!("{tag}:q:"), format!("{tag}:done"), format!("{tag}:abort"))
 }
 
 /// Reads where `schema` stands against this binary's migrations (see the module docs): reads
@@ -739,12 +748,14 @@ mod tests {
         let other = PgSchema::new("shop").unwrap();
         assert_eq!(other.queue_channel("emails"), "shop:q:emails");
         assert_eq!(other.done_channel(), "shop:done");
+        assert_eq!((schema.abort_channel(), other.abort_channel()), ("canter_abort".into(), "shop:abort".into()));
     }
 
     /// Every channel of `schema` for these queues.
     fn channels(schema: &PgSchema, queues: &[&str]) -> Vec<String> {
         let mut all: Vec<String> = queues.iter().map(|q| schema.queue_channel(q)).collect();
         all.push(schema.done_channel());
+        all.push(schema.abort_channel());
         all
     }
 
@@ -780,6 +791,7 @@ mod tests {
                 let channel = schema.queue_channel(queue);
                 assert_eq!(channel.strip_prefix(&schema.queue_channel_prefix()), Some(queue));
                 assert_ne!(channel, schema.done_channel());
+                assert_ne!(channel, schema.abort_channel());
             }
         }
     }
@@ -807,6 +819,7 @@ mod tests {
         (8, "7abad88eb8479ff8c6586de6dce251d033d86856028de975c7edc587f398f21a9b2b15aa61994b753b065c11c3ba78bc"),
         (9, "caf7fd53c8dd649041e78e1b882dd4499a2a922cad369f0f042407b4da9a1d4f951bef6e5edf45fe7e583ab9834c974f"),
         (10, "7da11ff356bff61efcd90ee1a094ceb0887f67f064076f25175f0f082aa21c84afbaff0d6627dde05049a8cb879c7915"),
+        (11, "abcce6ffa284c24334fc2738103a9dafbcfcbcea87e68966e63ad2dde07607baf4c923fe83725b61288a7103597961ff"),
     ];
 
     fn hex(bytes: &[u8]) -> String {

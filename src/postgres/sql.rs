@@ -743,8 +743,15 @@ UPDATE {s}.workflows w SET paused = true WHERE w.id = $1 AND NOT w.cancelled RET
 
 const RESUME_WORKFLOW: &str = "SELECT {s}.workflow_resume($1)";
 
-/// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending and Claimed steps as
-/// [`CANCEL`] cancels a task (`$2` the error); Running steps run to their end.
+/// Retries workflow `$1` (`$2`: with everything downstream) in one statement (migration
+/// 0011): whether it exists, how many of its steps were purged (then nothing changed), and how
+/// many steps were reset.
+const RETRY_WORKFLOW: &str = "SELECT r.known, r.purged, r.reset FROM {s}.workflow_retry($1, $2) r";
+
+/// Cancels workflow `$1`: flags it, then cancels its Waiting, Pending, Claimed and Running
+/// steps as [`CANCEL`] cancels a task (`$2` the error, `$3` the done channel), and names the
+/// claimed and running ones on the abort channel `$4`: their workers beat at once, find their
+/// leases gone and abort the handlers.
 const CANCEL_WORKFLOW: &str = "\
 WITH flagged AS (
     UPDATE {s}.workflows w SET cancelled = true WHERE w.id = $1 AND NOT w.cancelled RETURNING w.id
@@ -752,7 +759,7 @@ WITH flagged AS (
 doomed AS (
     SELECT t.id FROM {s}.tasks t
     WHERE t.id IN (SELECT s.task_id FROM {s}.workflow_steps s JOIN flagged f ON f.id = s.workflow_id)
-      AND t.state IN ('WAITING', 'PENDING', 'CLAIMED')
+      AND t.state IN ('WAITING', 'PENDING', 'CLAIMED', 'RUNNING')
     ORDER BY t.id
     FOR UPDATE
 ),
@@ -765,10 +772,15 @@ finished AS (
     FROM gone m
 ),
 notified AS (
-    SELECT count(pg_notify($3, n.ids)) AS n FROM (SELECT string_agg(g.id::text, ',') AS ids FROM gone g) n
-    WHERE n.ids IS NOT NULL AND {heard:$3}
+    SELECT count(pg_notify($3, n.ids)) AS n FROM ({id_chunks_of_gone}) n WHERE {heard:$3}
+),
+held AS (
+    SELECT g.id FROM gone g WHERE g.state IN ('CLAIMED', 'RUNNING')
+),
+revoked AS (
+    SELECT count(pg_notify($4, n.ids)) AS n FROM ({id_chunks_of_held}) n
 )
-SELECT count(*) FROM flagged CROSS JOIN notified";
+SELECT count(*) FROM flagged CROSS JOIN notified CROSS JOIN revoked";
 
 /// The parents of step `$1`, by task id: each with its step, edge policy and, once finished,
 /// its state, result and error (a parent not finished yet has no row in `finished_tasks`).
@@ -1056,6 +1068,7 @@ pub(crate) struct Statements {
     pub(crate) workflow_record: SqlStr,
     pub(crate) pause_workflow: SqlStr,
     pub(crate) resume_workflow: SqlStr,
+    pub(crate) retry_workflow: SqlStr,
     pub(crate) cancel_workflow: SqlStr,
     pub(crate) step_of: SqlStr,
     pub(crate) parents_of: SqlStr,
@@ -1095,7 +1108,9 @@ impl Statements {
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))
-                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"));
+                .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
+                .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"))
+                .replace("{id_chunks_of_held}", &ID_CHUNKS.replace("{rows}", "held"));
             let text = heard(&text).replace("{s}", quoted);
             AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
         };
@@ -1170,6 +1185,7 @@ impl Statements {
             workflow_record: fill(WORKFLOW_RECORD),
             pause_workflow: fill(PAUSE_WORKFLOW),
             resume_workflow: fill(RESUME_WORKFLOW),
+            retry_workflow: fill(RETRY_WORKFLOW),
             cancel_workflow: fill(CANCEL_WORKFLOW),
             step_of: fill(STEP_OF),
             parents_of: fill(PARENTS_OF),

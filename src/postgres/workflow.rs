@@ -145,9 +145,11 @@ impl PgStore {
         self.status_now(id).await
     }
 
-    /// Cancels workflow `id` in one statement: its Waiting, Pending and Claimed steps are
-    /// Cancelled; Running steps run to their end (their outcome is recorded on their task, and
-    /// the workflow promotes nothing after it). Cancelling a cancelled workflow does nothing.
+    /// Cancels workflow `id` in one statement: its Waiting, Pending, Claimed and Running steps
+    /// are Cancelled, and the claimed and running ones named on the abort channel
+    /// ([`PgSchema::abort_channel`](super::PgSchema::abort_channel)): their workers beat at
+    /// once, find their leases gone and abort the handlers. Cancelling a cancelled workflow
+    /// does nothing.
     pub async fn cancel_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, PgWorkflowError> {
         let status = self
             .allowed(id, "cancelled", |status| {
@@ -161,7 +163,29 @@ impl PgStore {
                 .bind(id.0)
                 .bind(&error)
                 .bind(self.schema().done_channel())
+                .bind(self.schema().abort_channel())
                 .fetch_one(conn))?;
+        }
+        self.status_now(id).await
+    }
+
+    /// Retries workflow `id` in one statement, as the memory store's `retry_workflow` does:
+    /// the steps that did not complete (and, if `downstream`, every
+    /// finished step below them) wait again and their joins decide; a cancelled workflow is
+    /// reopened, a paused one stays paused. Refused if rows of its steps were purged.
+    pub async fn retry_workflow(&self, id: WorkflowId, downstream: bool) -> Result<WorkflowStatus, PgWorkflowError> {
+        let sql = self.schema().sql();
+        let (found, purged, _reset): (bool, i32, i32) =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(sql.retry_workflow.clone())
+                .bind(id.0)
+                .bind(downstream)
+                .fetch_one(conn))?;
+        if !found {
+            return Err(WorkflowActionError::NotFound(id).into());
+        }
+        if purged > 0 {
+            let steps = usize::try_from(purged).unwrap_or(usize::MAX);
+            return Err(WorkflowActionError::Purged { workflow: id, steps }.into());
         }
         self.status_now(id).await
     }

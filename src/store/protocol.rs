@@ -635,6 +635,13 @@ pub enum Notification {
         /// Its terminal state.
         state: TaskState,
     },
+    /// Claimed or running tasks were taken from their holders (a workflow's cancel): a worker
+    /// holding one beats at once, and the beat's answer says which it lost, so it aborts their
+    /// handlers without waiting for its heartbeat interval.
+    TasksRevoked {
+        /// The tasks.
+        tasks: Vec<TaskId>,
+    },
 }
 
 #[cfg(test)]

@@ -154,13 +154,23 @@ pub struct WorkflowRecord {
     pub submitted_at: DbTime,
 }
 
-/// Why an action on a whole workflow (pause, resume, cancel) was refused; nothing changed.
+/// Why an action on a whole workflow (pause, resume, cancel, retry) was refused; nothing
+/// changed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum WorkflowActionError {
     /// No workflow has this id.
     #[error("no workflow {0}")]
     NotFound(WorkflowId),
+    /// A retry needs every step's outcome, and rows of this workflow's steps were purged
+    /// (`finished_retention_ms`).
+    #[error("workflow {workflow}: {steps} of its steps were purged, so it cannot be retried")]
+    Purged {
+        /// The workflow.
+        workflow: WorkflowId,
+        /// How many steps' rows are gone.
+        steps: usize,
+    },
     /// The workflow's state does not allow it (it is over, say).
     #[error("workflow {workflow}: {error}")]
     Refused {

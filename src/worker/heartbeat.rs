@@ -12,6 +12,14 @@ impl Worker {
         self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
     }
 
+    /// Tasks were taken from their holders: if this worker holds one, a beat is owed now (one
+    /// in flight may have been sent before; the next says what became of them).
+    pub(super) fn on_revoked(&mut self, tasks: &[TaskId]) {
+        if tasks.iter().any(|task| self.held.get(task).is_some()) {
+            self.slots.heartbeat.owe();
+        }
+    }
+
     pub(super) fn send_heartbeat(&mut self) {
         if self.slots.heartbeat.is_out() || self.db_down || self.phase == Phase::Stopped {
             return;

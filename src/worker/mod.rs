@@ -131,6 +131,14 @@ pub enum Input {
         /// claimed at once, beside a claim already in flight.
         priority: Option<i16>,
     },
+    /// A notification said these tasks were taken from their holders (a workflow's cancel,
+    /// [`Notification::TasksRevoked`](crate::store::Notification::TasksRevoked)): if the
+    /// worker holds one, it beats at once, and the beat's answer says which it lost (their
+    /// handlers are aborted). The store's answer decides, not the notification.
+    Revoked {
+        /// The tasks.
+        tasks: Vec<TaskId>,
+    },
     /// The notification listener connected (`true`) or lost its connection (`false`). While it
     /// is down the worker polls even in [`DeploymentMode::EventDrivenOnly`].
     Listener {
@@ -740,6 +748,7 @@ impl Worker {
                     }
                 }
             }
+            Input::Revoked { tasks } => self.on_revoked(&tasks),
             Input::Shutdown => self.begin_shutdown(now),
         }
     }

@@ -24,6 +24,7 @@ macro_rules! every_scenario {
         $run!(poison_outcomes_fail_alone);
         $run!(undecodable_rows_fail_alone);
         $run!(workflows_fan_out_fan_in_and_recover);
+        $run!(a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_again);
     };
 }
 
@@ -923,4 +924,46 @@ pub async fn workflows_fan_out_fan_in_and_recover<R: Runtime>(runtime: Arc<R>, p
     let runs = tasks.seen.runs.lock().unwrap();
     assert!(runs.values().all(|n| *n == 1), "{runs:?}");
     assert!(!runs.contains_key(&3_000), "the skipped step never ran");
+}
+
+/// A workflow's cancel aborts its running step through the worker (the cancel names it on the
+/// abort channel: the worker beats at once and finds the lease gone), and a retry of the
+/// cancelled workflow runs its steps again to completion.
+pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_again<R: Runtime>(
+    runtime: Arc<R>,
+    pool: PgPool,
+    schema: PgSchema,
+) {
+    use canter::workflow::WorkflowStatus;
+    let tasks = tasks(runtime.clone());
+    // Heartbeats every 30 s (the default): only the notification can abort the step in time.
+    let app = AppConfig::default();
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let mut workflow = Workflow::new("slow");
+    let slow = workflow.step(&tasks.work, &Work { id: 1, ms: 4_000 }).unwrap();
+    let next = workflow.step(&tasks.work, &Work { id: 2, ms: 0 }).unwrap();
+    workflow.after(&next, &slow);
+    let submitted = client.submit(workflow).await.unwrap();
+    let slow_task = submitted.step(&slow).unwrap().id();
+    let worker = start_worker(&runtime, &pool, &schema, app.clone(), fast_worker(2), tasks.registry.clone(), "w0");
+    wait_until(&*runtime, Duration::from_secs(30), async || tasks.seen.runs.lock().unwrap().contains_key(&1)).await;
+    assert_eq!(client.cancel_workflow(submitted.id()).await.unwrap(), WorkflowStatus::Cancelled);
+    // The worker beats at once, finds the lease gone and aborts the handler, long before its
+    // 4 s are up.
+    let lost = |worker: &RunningWorker| {
+        worker.events.lock().unwrap().iter().any(|e| matches!(e, Event::Lost { task, .. } if *task == slow_task))
+    };
+    wait_until(&*runtime, Duration::from_secs(3), async || lost(&worker)).await;
+    let record = client.workflow(submitted.id()).await.unwrap().unwrap();
+    assert_eq!(record.steps, [(TaskState::Cancelled, 2)].into_iter().collect());
+    // The retry reopens it: both steps run, in order, to completion.
+    assert_eq!(client.retry_workflow(submitted.id(), false).await.unwrap(), WorkflowStatus::Running);
+    let ended = submitted.wait(Duration::from_secs(30)).await.unwrap();
+    assert_eq!(ended.status, WorkflowStatus::Completed);
+    assert_eq!(submitted.step(&next).unwrap().wait(Duration::from_secs(1)).await.unwrap(), 4);
+    worker.stop().await;
+    let runs = tasks.seen.runs.lock().unwrap().clone();
+    assert_eq!(runs, [(1, 2), (2, 1)].into_iter().collect(), "the cancelled step ran again, its child once");
+    // The aborted run was dropped before its end (the others counted themselves out).
+    assert_eq!(tasks.seen.running.load(Ordering::SeqCst), 1, "the aborted handler never got to its end");
 }

@@ -188,7 +188,7 @@ pub(crate) enum Command {
         #[command(flatten)]
         output: Output,
     },
-    /// Submit, show, list, pause, resume and cancel workflows
+    /// Submit, show, list, pause, resume, cancel and retry workflows
     #[command(subcommand)]
     Workflow(WorkflowCommand),
     /// Run the demo: a mixed load through several workers
@@ -266,11 +266,21 @@ pub(crate) enum WorkflowCommand {
     Pause(WorkflowArgs),
     /// Apply what a paused workflow's steps decided meanwhile, and go on
     Resume(WorkflowArgs),
-    /// Cancel a workflow's steps that have not started (running ones run to their end)
+    /// Cancel every step of a workflow that has not finished (their workers abort the running
+    /// ones at once)
     Cancel(WorkflowArgs),
+    /// Run again a workflow's steps that did not complete (failed, cancelled, expired,
+    /// skipped); a paused workflow runs them once resumed
+    Retry {
+        #[command(flatten)]
+        workflow: WorkflowArgs,
+        /// Also run again every finished step below them, completed ones included
+        #[arg(long)]
+        downstream: bool,
+    },
 }
 
-/// A workflow id with its schema and output flags (pause, resume, cancel).
+/// A workflow id with its schema and output flags (pause, resume, cancel, retry).
 #[derive(Debug, Clone, Args)]
 pub(crate) struct WorkflowArgs {
     /// The workflow's id

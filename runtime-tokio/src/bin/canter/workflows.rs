@@ -1,5 +1,5 @@
 //! `canter workflow`: submit a workflow of built-in tasks from JSON, show one, list the newest,
-//! pause, resume and cancel.
+//! pause, resume, cancel and retry.
 
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -79,9 +79,10 @@ pub(crate) async fn run(database: &Database, command: WorkflowCommand) -> Outcom
         }
         WorkflowCommand::Show { id, schema, output } => show(database, id.0, &schema, output.json).await,
         WorkflowCommand::List { limit, schema, output } => list(database, limit, &schema, output.json).await,
-        WorkflowCommand::Pause(args) => act(database, args, "paused").await,
-        WorkflowCommand::Resume(args) => act(database, args, "resumed").await,
-        WorkflowCommand::Cancel(args) => act(database, args, "cancelled").await,
+        WorkflowCommand::Pause(args) => act(database, args, Action::Pause).await,
+        WorkflowCommand::Resume(args) => act(database, args, Action::Resume).await,
+        WorkflowCommand::Cancel(args) => act(database, args, Action::Cancel).await,
+        WorkflowCommand::Retry { workflow, downstream } => act(database, workflow, Action::Retry { downstream }).await,
     }
 }
 
@@ -261,15 +262,25 @@ async fn list(database: &Database, limit: u32, schema: &SchemaArg, json: bool) -
     Ok(())
 }
 
-async fn act(database: &Database, args: WorkflowArgs, done: &str) -> Outcome {
+/// An action on a whole workflow.
+#[derive(Debug, Clone, Copy)]
+enum Action {
+    Pause,
+    Resume,
+    Cancel,
+    Retry { downstream: bool },
+}
+
+async fn act(database: &Database, args: WorkflowArgs, action: Action) -> Outcome {
     let client = client(database.pool(4).await?, &args.schema);
     let id = args.id.0;
-    let status = match done {
-        "paused" => client.pause_workflow(id).await,
-        "resumed" => client.resume_workflow(id).await,
-        _ => client.cancel_workflow(id).await,
-    }
-    .map_err(|e| failed(crate::connect::explain(&e.to_string())))?;
+    let (status, done) = match action {
+        Action::Pause => (client.pause_workflow(id).await, "paused"),
+        Action::Resume => (client.resume_workflow(id).await, "resumed"),
+        Action::Cancel => (client.cancel_workflow(id).await, "cancelled"),
+        Action::Retry { downstream } => (client.retry_workflow(id, downstream).await, "retried"),
+    };
+    let status = status.map_err(|e| failed(crate::connect::explain(&e.to_string())))?;
     if args.output.json {
         outln!("{}", json!({"workflow": id, "status": status}));
     } else {

@@ -254,10 +254,9 @@ impl Drop for WorkerProcess {
     }
 }
 
-/// `options.tasks` no-op tasks committed at once while an idle worker process waits; timed from
-/// the commit to the last finished task.
-/// The workflows of a workflow workload over `n` steps of `noop`, and how many steps they hold.
-fn workflows(options: &Options, workload: Workload, n: usize) -> (Vec<NewWorkflow>, usize) {
+/// The workflows of a workflow workload over `n` steps of `noop`, and how many steps they hold
+/// (the raw baseline runs the same graphs).
+pub(super) fn workflows(options: &Options, workload: Workload, n: usize) -> (Vec<NewWorkflow>, usize) {
     let noop_step = |workflow: &mut NewWorkflow, i: usize| workflow.step(noop(options, i), Join::All);
     let required = EdgePolicy::RequireSuccess;
     match workload {

@@ -41,6 +41,38 @@ WITH c AS (SELECT id FROM {s}.jobs WHERE state = 'pending' ORDER BY id LIMIT $1 
 UPDATE {s}.jobs j SET state = 'running', attempts = j.attempts + 1 FROM c WHERE j.id = c.id
 RETURNING j.id, j.payload";
 
+/// The workflow workloads' baseline: each job waits for its parents (`waiting_on` of them
+/// unfinished), and the statement that completes a parent makes its children whose last parent
+/// it was pending; loops poll (1 ms) while jobs wait. Jobs and edges are written with the ids
+/// the graphs give them.
+const CREATE_GRAPH: &str = "\
+ALTER TABLE {s}.jobs ADD COLUMN waiting_on integer NOT NULL DEFAULT 0, ADD COLUMN started_at timestamptz;
+CREATE TABLE {s}.deps (parent bigint NOT NULL, child bigint NOT NULL, PRIMARY KEY (parent, child));";
+
+const SUBMIT_GRAPH: &str = "\
+WITH jobs AS (
+    INSERT INTO {s}.jobs (id, state, payload, waiting_on)
+    SELECT j.id, CASE WHEN j.waiting_on = 0 THEN 'pending' ELSE 'waiting' END, j.payload, j.waiting_on
+    FROM unnest($1::bigint[], $2::jsonb[], $3::integer[]) AS j(id, payload, waiting_on)
+)
+INSERT INTO {s}.deps (parent, child) SELECT * FROM unnest($4::bigint[], $5::bigint[])";
+
+const CLAIM_GRAPH: &str = "\
+WITH c AS (SELECT id FROM {s}.jobs WHERE state = 'pending' ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED)
+UPDATE {s}.jobs j SET state = 'running', attempts = j.attempts + 1, started_at = clock_timestamp() FROM c
+WHERE j.id = c.id
+RETURNING j.id, j.payload";
+
+const COMPLETE_GRAPH: &str = "\
+WITH done AS (
+    UPDATE {s}.jobs j SET state = 'done', result = r.result, finished_at = clock_timestamp()
+    FROM unnest($1::bigint[], $2::jsonb[]) AS r(id, result) WHERE j.id = r.id
+    RETURNING j.id
+),
+kids AS (SELECT d.child, count(*) AS n FROM {s}.deps d JOIN done ON d.parent = done.id GROUP BY d.child)
+UPDATE {s}.jobs j SET waiting_on = j.waiting_on - k.n, state = CASE WHEN j.waiting_on = k.n THEN 'pending' ELSE j.state END
+FROM kids k WHERE j.id = k.child";
+
 const COMPLETE: &str = "\
 UPDATE {s}.jobs j SET state = 'done', result = r.result, finished_at = now()
 FROM unnest($1::bigint[], $2::jsonb[]) AS r(id, result) WHERE j.id = r.id";
@@ -88,8 +120,9 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::LatencyUnderLoad => Ok(Vec::new()),
         // No baseline: the raw loop has no reconnects to measure.
         Workload::BackendKills => Ok(Vec::new()),
-        // Their baseline is Canter's plain drain.
-        Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => Ok(Vec::new()),
+        Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
+            graph_drain(options, &pool, scratch, workload).await.map(|s| vec![s])
+        }
         Workload::HeldXmin | Workload::NoVacuum => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
             steady(options, scratch, &pool, &sql, plan).await.map(|s| vec![s])
@@ -428,5 +461,111 @@ async fn steady(
     let stopped = worker.stop().await;
     let sample = result?;
     stopped?;
+    Ok(sample)
+}
+
+/// A workflow workload's graphs as jobs and edges, drained by the raw loops; timed from the
+/// commit of the graphs to the last completion, checked by a count. The chain's latency is
+/// each parent's finish to its child's start, as Canter's.
+async fn graph_drain(
+    options: &Options,
+    pool: &PgPool,
+    scratch: &Scratch,
+    workload: Workload,
+) -> Result<Sample, BenchError> {
+    let s = scratch.quoted();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(CREATE_GRAPH.replace("{s}", &s)))
+        .execute(pool)
+        .await
+        .map_err(|e| failed("create", e))?;
+    let mut sql = Sql::new(scratch);
+    sql.claim = CLAIM_GRAPH.replace("{s}", &s);
+    sql.complete = COMPLETE_GRAPH.replace("{s}", &s);
+    let (flows, n) = super::canter_mode::workflows(options, workload, options.tasks);
+    let (mut ids, mut payloads, mut waiting, mut parents, mut children) = (vec![], vec![], vec![], vec![], vec![]);
+    for flow in &flows {
+        let base = ids.len() as i64 + 1;
+        let mut waits = vec![0i32; flow.tasks.len()];
+        for edge in &flow.spec.edges {
+            parents.push(base + i64::from(edge.parent.0));
+            children.push(base + i64::from(edge.child.0));
+            waits[edge.child.index()] += 1;
+        }
+        for (i, task) in flow.tasks.iter().enumerate() {
+            ids.push(base + i as i64);
+            payloads.push(task.args.clone());
+            waiting.push(waits[i]);
+        }
+    }
+    let loops = (options.raw_loops * options.workers) as usize;
+    let mut conns = Vec::with_capacity(loops);
+    for _ in 0..loops {
+        conns.push(pool.acquire().await.map_err(|e| failed("connect", e))?);
+    }
+    checkpoint(pool).await;
+    let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
+    q(&SUBMIT_GRAPH.replace("{s}", &s))
+        .bind(&ids)
+        .bind(payloads)
+        .bind(waiting)
+        .bind(parents)
+        .bind(children)
+        .execute(&mut *tx)
+        .await
+        .map_err(|e| failed("submit", e))?;
+    let analyze = format!("ANALYZE {s}.jobs, {s}.deps");
+    sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
+    tx.commit().await.map_err(|e| failed("commit", e))?;
+    let start = Instant::now();
+
+    let left = Arc::new(AtomicU64::new(n as u64));
+    let claims = Arc::new(AtomicU64::new(0));
+    let mut handles = Vec::with_capacity(loops);
+    for mut conn in conns {
+        let (sql, left, claims, batch) = (sql.clone(), left.clone(), claims.clone(), options.raw_batch);
+        handles.push(tokio::spawn(async move {
+            let mut last = None;
+            while left.load(Ordering::Acquire) > 0 {
+                let took = claim_run_complete(&mut conn, &sql, batch, |_| {}).await?;
+                if took == 0 {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                    continue;
+                }
+                left.fetch_sub(took as u64, Ordering::AcqRel);
+                claims.fetch_add(1, Ordering::Relaxed);
+                last = Some(Instant::now());
+            }
+            Ok::<_, sqlx::Error>(last)
+        }));
+    }
+    let mut end = start;
+    for handle in handles {
+        let last = handle.await.map_err(|e| failed("drain loop", e))?.map_err(|e| failed("drain", e))?;
+        end = end.max(last.unwrap_or(start));
+    }
+    let seconds = (end - start).as_secs_f64();
+
+    let check =
+        format!("SELECT count(*) FILTER (WHERE state = 'done'), count(*) FILTER (WHERE state <> 'done') FROM {s}.jobs");
+    let (finished, unfinished): (i64, i64) =
+        sqlx::query_as(sqlx::AssertSqlSafe(check)).fetch_one(pool).await.map_err(|e| failed("count", e))?;
+    if unfinished != 0 || finished as usize != n {
+        return Err(BenchError::Failed(format!(
+            "after the raw {} drain {unfinished} jobs are not done and {finished} are (expected 0 and {n})",
+            workload.name()
+        )));
+    }
+    let mut sample = Sample::new(workload.name(), scratch.mode, n, seconds);
+    if workload == Workload::Chain {
+        let gaps = format!(
+            "SELECT extract(epoch FROM c.started_at - p.finished_at)::float8 * 1000 FROM {s}.deps d \
+             JOIN {s}.jobs p ON p.id = d.parent JOIN {s}.jobs c ON c.id = d.child"
+        );
+        let gaps: Vec<f64> =
+            sqlx::query_scalar(sqlx::AssertSqlSafe(gaps)).fetch_all(pool).await.map_err(|e| failed("gaps", e))?;
+        sample.latency = Some(super::latency_summary(gaps));
+    }
+    sample.workers = Some(options.workers);
+    sample.claims = Some(claims.load(Ordering::Relaxed));
     Ok(sample)
 }
