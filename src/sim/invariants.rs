@@ -28,8 +28,9 @@
 //!   running workflow waits with its join decided (a promotion or a skip missed), and no step
 //!   of a workflow paused since the last check is promoted or skipped; a skipped
 //!   step never ran (no claim, no attempt since it last waited); no step of a cancelled
-//!   workflow is promoted after the cancel, and none of its steps waits, is pending or is
-//!   claimed after it; the workflow's machine agrees with the rows, step by step and in its
+//!   workflow is promoted after the cancel (until a retry reopens it), and none of its steps
+//!   is live after it (a cancel takes running steps too); a retry resets exactly the steps
+//!   that did not complete (and, downstream, the finished ones below them), and no other; the workflow's machine agrees with the rows, step by step and in its
 //!   counts (Waiting is Waiting; Pending, Claimed and Running are Ready or Running; each
 //!   terminal state is itself), and its status with the rows (Cancelled exactly when the
 //!   operator cancelled it; else, once every step is terminal, Completed exactly when every
@@ -236,12 +237,8 @@ struct Flow {
     sinks: Vec<bool>,
     /// The most steps on one path through it.
     depth: u32,
-    /// The operator cancelled it (and the store accepted). RETRY: a retry of the workflow
-    /// reopens it, and must clear this and `ran_past_cancel`.
+    /// The operator cancelled it (and the store accepted), and did not retry it since.
     cancelled: bool,
-    /// The steps whose rows were Running when it was cancelled: the store lets them run to
-    /// their end (and their retries), while the workflow counts them cancelled.
-    ran_past_cancel: BTreeSet<usize>,
     /// Every step terminal and its status over: checked again only in full checks.
     settled: bool,
     /// Its status at the last check (none before the first, or after a failover).
@@ -328,10 +325,8 @@ impl Checker {
             let mut flow = flow.clone();
             flow.settled = false;
             flow.last_status = None;
-            if state.status() != WorkflowStatus::Cancelled {
-                flow.cancelled = false;
-                flow.ran_past_cancel.clear();
-            }
+            // Only the operator cancels a workflow (and only a retry reopens it).
+            flow.cancelled = state.status() == WorkflowStatus::Cancelled;
             for &task in &flow.tasks {
                 let row = store.task(task).expect("checked above");
                 let seen =
@@ -374,7 +369,6 @@ impl Checker {
             sinks,
             depth,
             cancelled: false,
-            ran_past_cancel: BTreeSet::new(),
             settled: false,
             last_status: None,
         };
@@ -383,18 +377,79 @@ impl Checker {
         Ok(())
     }
 
-    /// The operator cancelled workflow `id` and the store accepted: from now on none of its
-    /// steps may be promoted; the steps whose rows still run (the store lets them finish) are
-    /// noted.
-    pub(crate) fn workflow_cancelled(&mut self, id: WorkflowId, store: &MemoryStore) -> Result<(), String> {
+    /// The operator cancelled workflow `id` and the store accepted: from now on (until a
+    /// retry) none of its steps may be promoted, and none may be left live.
+    pub(crate) fn workflow_cancelled(&mut self, id: WorkflowId) -> Result<(), String> {
         let flow = self.flows.get_mut(&id).ok_or_else(|| format!("cancelled workflow {id} was never submitted"))?;
         flow.cancelled = true;
         flow.settled = false;
         self.dirty.insert(id);
-        for (step, &task) in flow.tasks.iter().enumerate() {
-            if store.task(task).is_some_and(|row| row.state == TaskState::Running) {
-                flow.ran_past_cancel.insert(step);
+        Ok(())
+    }
+
+    /// The operator retried workflow `id` (`downstream` or not) at `now` and the store
+    /// accepted; `before` is each step's row state before the retry. The steps a retry resets,
+    /// by the checker's own reading: those finished without completing, and with `downstream`
+    /// every finished step below them. Each of them must have left its finish (live again, or
+    /// decided again by the retry's own statement: finished at `now`); they may change from now
+    /// on, as Waiting steps never claimed since. No other step's row changes (the frozen rows
+    /// are compared at the next full check). A cancelled workflow is open again.
+    pub(crate) fn workflow_retried(
+        &mut self,
+        id: WorkflowId,
+        downstream: bool,
+        before: &[TaskState],
+        store: &MemoryStore,
+        now: DbTime,
+    ) -> Result<(), String> {
+        let flow = self.flows.get_mut(&id).ok_or_else(|| format!("retried workflow {id} was never submitted"))?;
+        ensure!(before.len() == flow.tasks.len(), "retry of workflow {id}: {} states before", before.len());
+        let mut reset: BTreeSet<usize> =
+            (0..before.len()).filter(|&s| before[s].is_terminal() && before[s] != TaskState::Completed).collect();
+        if downstream {
+            let mut children = vec![Vec::new(); before.len()];
+            for (child, parents) in flow.parents.iter().enumerate() {
+                for &(parent, _) in parents {
+                    children[parent].push(child);
+                }
             }
+            let mut stack: Vec<usize> = reset.iter().copied().collect();
+            let mut seen: BTreeSet<usize> = reset.clone();
+            while let Some(step) = stack.pop() {
+                for &child in &children[step] {
+                    if seen.insert(child) {
+                        stack.push(child);
+                        if before[child].is_terminal() {
+                            reset.insert(child);
+                        }
+                    }
+                }
+            }
+        }
+        flow.cancelled = false;
+        flow.settled = false;
+        self.dirty.insert(id);
+        let tasks = flow.tasks.clone();
+        for step in reset {
+            let task = tasks[step];
+            let row = store.task(task).ok_or_else(|| format!("retried step task {task} vanished"))?;
+            ensure!(
+                !row.state.is_terminal() || row.finished_at == Some(now),
+                "RETRY: step {step} (task {task}) of workflow {id} was {} and is still {} as it was (downstream \
+                 {downstream})",
+                before[step],
+                row.state
+            );
+            self.seen(task)?.frozen = None;
+            self.steps.insert(
+                task,
+                StepSeen {
+                    flow: id,
+                    state: TaskState::Waiting,
+                    waiting_attempts: row.attempts,
+                    waiting_lease: row.lease,
+                },
+            );
         }
         Ok(())
     }
@@ -1455,7 +1510,7 @@ fn check_flow(
                 standing(),
             );
         }
-        if flow.cancelled && !flow.ran_past_cancel.contains(&step) {
+        if flow.cancelled {
             ensure!(
                 row.state.is_terminal(),
                 "{} is {} after the operator cancelled the workflow",
@@ -1464,15 +1519,13 @@ fn check_flow(
             );
         }
         let core = state.states()[step];
-        let excused = flow.ran_past_cancel.contains(&step) && core == StepState::Cancelled;
         ensure!(
-            core_agrees(core, row.state) || excused,
+            core_agrees(core, row.state),
             "WORKFLOW COUNTS: {}: the row is {}, the workflow counts it {core}",
             standing(),
             row.state
         );
         let counted = match row.state {
-            _ if excused => StepState::Cancelled,
             TaskState::Waiting => StepState::Waiting,
             TaskState::Pending | TaskState::Claimed | TaskState::Running => StepState::Ready,
             TaskState::Completed => StepState::Completed,

@@ -29,9 +29,11 @@
 //!   DAGs, with joins all, any and quorum(n), `allow_failed` edges in some seeds and
 //!   pause-on-error workflows in some. Their steps are ordinary tasks run by the same handlers
 //!   with the same sampled outcomes (failures, retries, expiry), and the plain cancels may hit
-//!   them. During the safety phase the operator pauses, resumes or cancels a random workflow
-//!   at seed-drawn times; after healing it resumes every paused workflow, and again every
-//!   [`OPERATOR_SWEEP_MS`] as errors pause more.
+//!   them. During the safety phase the operator pauses, resumes, cancels or retries
+//!   (downstream or not) a random workflow at seed-drawn times; a cancel takes claimed and
+//!   running steps from their workers, whose listeners hear of it (a revocation, with the
+//!   notifications' faults) and whose heartbeats learn it. After healing the operator resumes
+//!   every paused workflow, and again every [`OPERATOR_SWEEP_MS`] as errors pause more.
 //! - **Invariants after every step** (`src/sim/invariants.rs`): no task lost or duplicated;
 //!   no task run under two live leases and no write from a stale lease applied (every reply of
 //!   the store is checked against the rows as they were before the request); caps never
@@ -46,9 +48,10 @@
 //!   and the steps' rows: no step leaves Waiting (is promoted, claimed or run) before its join
 //!   is satisfied by its parents' rows, and none is skipped while its join can still be; no
 //!   step of a running workflow waits with its join decided; a skipped step never ran (never
-//!   claimed, no attempt); no step of a cancelled workflow is promoted after the cancel; the
-//!   workflow's step counts and status agree with the rows (no step runs under two live
-//!   leases is the general invariant above: steps are rows).
+//!   claimed, no attempt); no step of a cancelled workflow is promoted after the cancel (nor
+//!   left live by it); a retry resets exactly the steps it should; the workflow's step counts
+//!   and status agree with the rows (no step runs under two live leases is the general
+//!   invariant above: steps are rows).
 //! - **Phases**: a *safety* phase with faults for a seed-derived virtual duration; then the
 //!   faults *heal* (dead workers restart, listeners reconnect, paused workflows resume) and in
 //!   the *liveness* phase every task must become terminal, and every workflow Completed,
@@ -325,6 +328,12 @@ enum SimEvent {
         incarnation: u32,
         queue: String,
         priority: Option<i16>,
+    },
+    /// A revocation reaches a worker's listener.
+    Revoked {
+        slot: usize,
+        incarnation: u32,
+        tasks: Vec<TaskId>,
     },
     Listener {
         slot: usize,
@@ -819,6 +828,7 @@ impl Sim {
             SimEvent::Reply { slot, .. }
             | SimEvent::Finished { slot, .. }
             | SimEvent::Notify { slot, .. }
+            | SimEvent::Revoked { slot, .. }
             | SimEvent::Listener { slot, .. }
             | SimEvent::ListenerDrop { slot, .. }
             | SimEvent::Shutdown { slot } => Some(*slot),
@@ -1526,6 +1536,14 @@ impl Sim {
                 self.note(&name, format_args!("notified {queue} {priority:?}"));
                 self.handle_input(slot, Input::Notified { queue, priority })
             }
+            SimEvent::Revoked { slot, incarnation, tasks } => {
+                if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("revoked {}", ids(&tasks)));
+                self.handle_input(slot, Input::Revoked { tasks })
+            }
             SimEvent::Listener { slot, incarnation, connected } => {
                 if !self.is_current(slot, incarnation) || self.slots[slot].listening == connected {
                     return Ok(());
@@ -2016,7 +2034,14 @@ impl Sim {
     /// Delivers the store's notifications to every listening worker, with faults.
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            let Notification::TaskReady { queue, priority } = notification else { continue };
+            let (queue, priority) = match notification {
+                Notification::TaskReady { queue, priority } => (queue, priority),
+                Notification::TasksRevoked { tasks } => {
+                    self.notify_revoked(tasks);
+                    continue;
+                }
+                _ => continue,
+            };
             let mut lost = Vec::new();
             for slot in 0..self.slots.len() {
                 if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
@@ -2042,6 +2067,32 @@ impl Sim {
             if !lost.is_empty() {
                 self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
             }
+        }
+    }
+
+    /// Delivers a revocation (a workflow's cancel took claimed and running steps from their
+    /// holders) to every listening worker, with faults: lost (the next heartbeat makes up for
+    /// it in every mode), duplicated, delayed.
+    fn notify_revoked(&mut self, tasks: Vec<TaskId>) {
+        let mut lost = Vec::new();
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
+                continue;
+            }
+            let faults = &self.options.faults;
+            if self.faults_on && self.rng.chance(faults.notify_loss_chance) {
+                lost.push(slot);
+                continue;
+            }
+            let copies = if self.faults_on && self.rng.chance(faults.notify_duplicate_chance) { 2 } else { 1 };
+            let incarnation = self.slots[slot].incarnation;
+            for _ in 0..copies {
+                let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
+                self.schedule(delay, SimEvent::Revoked { slot, incarnation, tasks: tasks.clone() });
+            }
+        }
+        if !lost.is_empty() {
+            self.note("db", format_args!("revoked {}: lost for slots {lost:?}", ids(&tasks)));
         }
     }
 
@@ -2236,11 +2287,19 @@ impl Sim {
         let open = matches!(before, WorkflowStatus::Running | WorkflowStatus::Paused);
         let now = self.db_now();
         let (action, result, allowed) = match self.flow_rng.range(0, 10) {
-            0..=3 => ("pause", self.store.pause_workflow(id), open),
-            4..=6 => ("resume", self.store.resume_workflow(id, now), open),
-            // RETRY (issue 22): `MemoryStore::retry_workflow(id, downstream, now)` goes here as
-            // one more arm (allowed in every status; a cancelled workflow is reopened, so the
-            // checker must forget its cancel: see `Flow::cancelled` in invariants.rs).
+            0..=2 => ("pause", self.store.pause_workflow(id), open),
+            3..=5 => ("resume", self.store.resume_workflow(id, now), open),
+            6 | 7 => {
+                // Allowed in every status (the simulated apps purge nothing): the steps that did
+                // not complete, and with `downstream` the finished ones below them, run again.
+                let downstream = self.flow_rng.chance(0.5);
+                let rows: Vec<TaskState> = self.store.workflow_steps(id).iter().map(|step| step.state).collect();
+                let result = self.store.retry_workflow(id, downstream, now);
+                if result.is_ok() {
+                    self.checker.workflow_retried(id, downstream, &rows, &self.store, now)?;
+                }
+                (if downstream { "retry downstream" } else { "retry" }, result, true)
+            }
             _ => {
                 let live: Vec<TaskId> = self
                     .store
@@ -2271,7 +2330,13 @@ impl Sim {
                     "resume" => {
                         matches!(after, WorkflowStatus::Running | WorkflowStatus::Completed | WorkflowStatus::Failed)
                     }
-                    _ => after == WorkflowStatus::Cancelled,
+                    "cancel" => after == WorkflowStatus::Cancelled,
+                    // A retry reopens a cancelled workflow; a paused one stays paused (its reset
+                    // steps wait, held), and nothing else pauses (skips do not).
+                    _ => {
+                        after != WorkflowStatus::Cancelled
+                            && (before == WorkflowStatus::Paused) == (after == WorkflowStatus::Paused)
+                    }
                 };
                 let now_status = self.store.workflow_state(id).map(|s| s.status());
                 if !expected || now_status != Some(after) {
@@ -2280,7 +2345,7 @@ impl Sim {
                     ));
                 }
                 if action == "cancel" && open {
-                    self.checker.workflow_cancelled(id, &self.store)?;
+                    self.checker.workflow_cancelled(id)?;
                 }
             }
             Err(WorkflowActionError::Refused { .. }) if !allowed => {}
