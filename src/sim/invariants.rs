@@ -503,6 +503,11 @@ impl Checker {
     /// touched since the last check; with `periodic`, every one not settled; with `deep`,
     /// every one.
     fn check_workflows(&mut self, store: &MemoryStore, periodic: bool, deep: bool) -> Result<(), String> {
+        if store.statement_held() {
+            // The workflows have not heard of what the statement finished yet: checked when it
+            // ends.
+            return Ok(());
+        }
         let dirty = std::mem::take(&mut self.dirty);
         for (&id, flow) in self.flows.iter_mut() {
             if deep || (periodic && !flow.settled) || dirty.contains(&id) {

@@ -1723,13 +1723,24 @@ impl Sim {
     ) -> Result<Result<DbReply, DbFailure>, String> {
         if let Some((finish, claim)) = request.finish_then_claim() {
             // One statement: the finish, then the claim in what the finish left, each checked
-            // as if alone. A failure fails both (nothing applied).
-            let finished = match self.apply_checked(worker, op, &finish)? {
+            // as if alone. A failure fails both (nothing applied). The finished steps'
+            // workflows settle when both are done: the claim does not take what they promote.
+            self.store.hold_statement();
+            let finished = self.apply_checked(worker, op, &finish)?;
+            let claimed = match &finished {
+                Ok(_) => Some(self.apply_checked(worker, op, &claim)?),
+                Err(_) => None,
+            };
+            let now = self.db_now();
+            self.store.end_statement(now);
+            self.checker.check_store(&self.store, now, false)?;
+            self.notify();
+            let finished = match finished {
                 Ok(reply) => reply,
                 Err(failure) => return Ok(Err(failure)),
             };
-            let claimed = self
-                .apply_checked(worker, op, &claim)?
+            let claimed = claimed
+                .expect("claimed after a finish that applied")
                 .map_err(|failure| format!("the claim of a finish-and-claim failed after its finish: {failure}"))?;
             return DbReply::finished_and_claimed(finished, claimed)
                 .map(Ok)
