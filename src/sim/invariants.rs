@@ -1636,3 +1636,81 @@ pub(crate) fn check_worker(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::budget::ClaimPolicy;
+    use crate::config::WorkerConfig;
+    use crate::store::{DbFailure, NewTask};
+    use crate::workflow::EdgePolicy;
+
+    fn epoch() -> DbTime {
+        DbTime(super::super::DB_EPOCH_MS)
+    }
+
+    /// Applies `request` by `worker` at `now` with the checks around it, as the harness does.
+    fn checked(
+        checker: &mut Checker,
+        store: &mut MemoryStore,
+        worker: &WorkerId,
+        request: &DbRequest,
+        now: DbTime,
+    ) -> Result<DbReply, String> {
+        let before = checker.before(store, request, now);
+        let reply = store.execute(request, now).map_err(|e: DbFailure| e.to_string())?;
+        checker.after(store, worker, request, &before, &reply, now)?;
+        checker.check_store(store, now, true)?;
+        Ok(reply)
+    }
+
+    /// Seeds 4488 and 5041: a reap fails a crashed step, which promotes its child through an
+    /// `allow_failed` edge, and its expiry (a statement of its own) then expires the child,
+    /// past its good-until. The checker expected only the rows Pending before the reap to
+    /// expire.
+    #[test]
+    fn a_reap_may_expire_the_steps_its_own_failures_promote() {
+        let mut app = AppConfig::default();
+        app.recovery.crash_retries = 0;
+        let mut store = MemoryStore::new(app.clone());
+        let mut checker = Checker::new(&app);
+        let now = epoch();
+        let mut workflow = NewWorkflow::new("recover");
+        let root = workflow.step(NewTask::new("step", json!(0)), Join::All);
+        let mut cleanup = NewTask::new("step", json!(1));
+        cleanup.good_until = Some(now.plus_ms(1_000));
+        let child = workflow.step(cleanup, Join::All);
+        workflow.edge(root, child, EdgePolicy::AllowFailed);
+        let submitted = store.submit_workflow(workflow.clone(), now).expect("a valid workflow");
+        checker.submitted(submitted.workflow, &workflow, &submitted.tasks, 2).expect("recorded");
+        checker.check_store(&store, now, true).expect("submitted as it should");
+        let worker = WorkerId("w".into());
+        let claim = DbRequest::Claim {
+            worker: worker.clone(),
+            token: 1,
+            policy: Arc::new(ClaimPolicy::from_config(&app, &WorkerConfig::default())),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 1,
+            lease_ms: 60_000,
+        };
+        checked(&mut checker, &mut store, &worker, &claim, now).expect("the root is claimed and started");
+        // The worker dies; long after, past the child's good-until, the reaper fails its run.
+        let later = now.plus_ms(100_000);
+        let reap = DbRequest::Reap {
+            worker: WorkerId("reaper".into()),
+            claimed_stale_ms: None,
+            running_stale_ms: Some(1_000),
+            entropy: 0,
+        };
+        let reply = checked(&mut checker, &mut store, &worker, &reap, later).expect("the reap passes the checks");
+        let DbReply::Reaped(report) = reply else { panic!("a reap answered {reply:?}") };
+        assert_eq!(report.failed, [submitted.tasks[0]]);
+        assert_eq!(report.expired, [submitted.tasks[1]], "the store promotes the child, then expires it");
+        assert_eq!(store.task(submitted.tasks[1]).map(|row| row.state), Some(TaskState::Expired));
+    }
+}
