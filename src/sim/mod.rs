@@ -1202,10 +1202,13 @@ impl Sim {
             if !left.is_empty() {
                 return Err(format!("{name} stopped with handlers still running: {left:?}"));
             }
-            // Failing requests, or writes locks held up past the grace period (given up on).
+            // Failing requests, or writes locks held up past the grace period (given up on: a
+            // write still in flight then may land later, once the lock is gone, and end the
+            // run of hold-ups before the worker stops).
             let failing = s.stopped_on_failure
                 || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0)
-                || (s.abandoned.is_some_and(|n| n > 0) && s.worker.as_ref().is_some_and(|w| w.lock_waits() > 0));
+                || (s.abandoned.is_some_and(|n| n > 0)
+                    && s.worker.as_ref().is_some_and(|w| w.lock_waits() > 0 || w.given_up() > 0));
             self.slots[slot].stopped_on_failure = failing;
             self.note(
                 &name,
