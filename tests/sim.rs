@@ -86,6 +86,16 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     let fenced: u64 = sweep.reports.iter().map(|r| r.fenced).sum();
     let busiest = sweep.reports.iter().map(|r| r.max_requests_per_second).max().unwrap_or(0);
     let dead: u64 = sweep.reports.iter().map(|r| r.dead_workers).sum();
+    let with_workflows = sweep.reports.iter().filter(|r| r.workflows > 0).count();
+    let workflows: usize = sweep.reports.iter().map(|r| r.workflows).sum();
+    let completed: usize = sweep.reports.iter().map(|r| r.workflows_completed).sum();
+    let failed: usize = sweep.reports.iter().map(|r| r.workflows_failed).sum();
+    let cancelled: usize = sweep.reports.iter().map(|r| r.workflows_cancelled).sum();
+    let skipped: usize = sweep.reports.iter().map(|r| r.skipped).sum();
+    eprintln!(
+        "sim sweep: {with_workflows} passed seeds had workflows: {workflows} workflows, {completed} completed, {failed} \
+         failed, {cancelled} cancelled; {skipped} steps skipped"
+    );
     eprintln!(
         "sim sweep: seeds {start}..{} ({count}): {} passed ({faulty} with faults), {} failed; {:.1} s wall, {:.1} seeds/s, \
          {steps} steps, {virtual_secs} virtual s; {stale} stale spawns, {fenced} fenced writes, {dead} dead workers found by \

@@ -181,6 +181,10 @@ pub struct MemoryStore {
     /// their workflows learn of them when it ends ([`MemoryStore::settle_workflows`]), as
     /// PostgreSQL's statement trigger does.
     pub(super) finished_steps: Vec<(TaskId, TaskState)>,
+    /// While a simulation applies the parts of one request as requests of their own
+    /// ([`MemoryStore::hold_statement`]): the workflows settle when it ends.
+    #[cfg(feature = "sim")]
+    pub(super) statement_held: bool,
 }
 
 /// The liveness tokens: in PostgreSQL, a session advisory lock each worker holds on a
@@ -232,6 +236,8 @@ impl MemoryStore {
             steps: BTreeMap::new(),
             next_workflow_id: 1,
             finished_steps: Vec::new(),
+            #[cfg(feature = "sim")]
+            statement_held: false,
         }
     }
 

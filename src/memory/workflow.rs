@@ -71,6 +71,38 @@ impl MemoryStore {
         })
     }
 
+    /// The machine workflow `id` runs on: every step's state as the workflow counts it, its
+    /// step counts and its status (what the simulation checks against the steps' rows).
+    #[cfg(feature = "sim")]
+    pub fn workflow_state(&self, id: WorkflowId) -> Option<&WorkflowState> {
+        self.workflows.get(&id).map(|flow| &flow.state)
+    }
+
+    /// Makes the requests applied from now until [`end_statement`](Self::end_statement) one
+    /// statement for the workflows: the steps they finish settle when it ends, not at the end
+    /// of each. For a simulation that applies the parts of one request (a finish and a claim)
+    /// one after the other, to check each as if alone: the claim must not see what the
+    /// finish's workflows decide, as in the request itself.
+    #[cfg(feature = "sim")]
+    pub fn hold_statement(&mut self) {
+        self.statement_held = true;
+    }
+
+    /// Ends the statement [`hold_statement`](Self::hold_statement) began: the workflows of
+    /// the steps it finished settle now.
+    #[cfg(feature = "sim")]
+    pub fn end_statement(&mut self, now: DbTime) {
+        self.statement_held = false;
+        self.settle_workflows(now);
+    }
+
+    /// Whether a statement is held open ([`hold_statement`](Self::hold_statement)): the
+    /// workflows have not heard of the steps it finished yet.
+    #[cfg(feature = "sim")]
+    pub fn statement_held(&self) -> bool {
+        self.statement_held
+    }
+
     /// The workflow and step of task `id`, if it is a workflow's step.
     pub fn step_of(&self, id: TaskId) -> Option<(WorkflowId, StepId)> {
         self.steps.get(&id).copied()
@@ -218,6 +250,10 @@ impl MemoryStore {
     /// PostgreSQL's statement trigger does after the statement. Rows the workflows themselves
     /// finished (skipped, cancelled with their workflow) are already known to them.
     pub(super) fn settle_workflows(&mut self, now: DbTime) {
+        #[cfg(feature = "sim")]
+        if self.statement_held {
+            return;
+        }
         let finished = std::mem::take(&mut self.finished_steps);
         let mut batches: BTreeMap<WorkflowId, Vec<(StepId, StepOutcome)>> = BTreeMap::new();
         for (id, state) in finished {

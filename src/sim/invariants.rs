@@ -18,7 +18,23 @@
 //! - **The workers** ([`check_worker`], after every step): a worker runs at most its
 //!   concurrency; the handlers the harness runs for it are exactly the ones it believes run;
 //!   a handler whose lease is the row's current lease on a Running row belongs to the row's
-//!   holder, so no task runs under two live leases.
+//!   holder, so no task runs under two live leases (steps of workflows included: they are
+//!   ordinary rows).
+//! - **The workflows** ([`Checker::check_store`] too, from the graph the harness submitted and
+//!   the steps' rows, not from the store's own bookkeeping): a step leaves Waiting for Pending
+//!   (or further) only when its join is satisfied by its parents' rows (at least `required`
+//!   of them finished satisfying their edge: Completed, or any terminal state through an
+//!   `allow_failed` edge), and is Skipped only when its join can no longer be; no step of a
+//!   running workflow waits with its join decided (a promotion or a skip missed), and no step
+//!   of a workflow paused since the last check is promoted or skipped; a skipped
+//!   step never ran (no claim, no attempt since it last waited); no step of a cancelled
+//!   workflow is promoted after the cancel (until a retry reopens it), and none of its steps
+//!   is live after it (a cancel takes running steps too); a retry resets exactly the steps
+//!   that did not complete (and, downstream, the finished ones below them), and no other; the workflow's machine agrees with the rows, step by step and in its
+//!   counts (Waiting is Waiting; Pending, Claimed and Running are Ready or Running; each
+//!   terminal state is itself), and its status with the rows (Cancelled exactly when the
+//!   operator cancelled it; else, once every step is terminal, Completed exactly when every
+//!   sink completed, Failed otherwise; Running or Paused before).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -28,9 +44,10 @@ use serde_json::Value;
 use crate::budget::ClaimPolicy;
 use crate::config::AppConfig;
 use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth};
-use crate::store::{DbReply, DbRequest, DbTime, FinishOutcome};
+use crate::store::{DbReply, DbRequest, DbTime, FinishOutcome, NewWorkflow, WorkflowId};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use crate::worker::Worker;
+use crate::workflow::{EdgePolicy, Join, StepId, StepState, WorkflowStatus};
 
 /// How often [`Checker::check_store`] walks the finished table too.
 const FULL_CHECK_EVERY: u64 = 16;
@@ -110,6 +127,10 @@ pub(crate) struct Before {
     stale_claimed: BTreeSet<TaskId>,
     stale_running: BTreeSet<TaskId>,
     expiring: BTreeSet<TaskId>,
+    /// Reap: waiting steps past their good-until. The reaper's first statement may promote
+    /// them (it fails their parents' crashed runs), and its expiry, a statement of its own,
+    /// then expires them.
+    waiting_expiring: BTreeSet<TaskId>,
     /// Abandon (or a heartbeat's sweep of abandoned claims): the rows it must hand back.
     abandoned: BTreeSet<TaskId>,
     /// Rows other transactions held locked.
@@ -193,6 +214,54 @@ pub(crate) struct Checker {
     pub(crate) fenced: u64,
     /// The run each task's latest applied finish ended: by whom, under which lease.
     finished_by: BTreeMap<TaskId, (WorkerId, Lease)>,
+    /// The workflows submitted, as the harness built them.
+    flows: BTreeMap<WorkflowId, Flow>,
+    /// Each step's row as the last check saw it.
+    steps: BTreeMap<TaskId, StepSeen>,
+    /// The workflows a mutation touched since the last check (a step's row it moved, an
+    /// operator's action): the next check looks at them (the others did not change).
+    dirty: BTreeSet<WorkflowId>,
+}
+
+/// What the checker knows of one submitted workflow: its graph as the harness built it, and
+/// what the operator did to it.
+#[derive(Debug, Clone)]
+struct Flow {
+    /// Each step's task, by step.
+    tasks: Vec<TaskId>,
+    /// Each step's join.
+    joins: Vec<Join>,
+    /// Each step's parents (by step) with their edges' policies.
+    parents: Vec<Vec<(usize, EdgePolicy)>>,
+    /// Whether each step is a sink (has no children).
+    sinks: Vec<bool>,
+    /// The most steps on one path through it.
+    depth: u32,
+    /// The operator cancelled it (and the store accepted), and did not retry it since.
+    cancelled: bool,
+    /// Every step terminal and its status over: checked again only in full checks.
+    settled: bool,
+    /// Its status at the last check (none before the first, or after a failover).
+    last_status: Option<WorkflowStatus>,
+}
+
+/// A step's row as the last check saw it.
+#[derive(Debug, Clone, Copy)]
+struct StepSeen {
+    /// Its workflow.
+    flow: WorkflowId,
+    state: TaskState,
+    /// Its attempts and lease the last time it was seen Waiting: a skipped step has run no
+    /// more and been claimed no more since.
+    waiting_attempts: u32,
+    waiting_lease: Lease,
+}
+
+impl StepSeen {
+    /// A step of workflow `flow` just submitted: Waiting, never claimed.
+    fn new(flow: WorkflowId) -> StepSeen {
+        StepSeen { flow, state: TaskState::Waiting, waiting_attempts: 0, waiting_lease: Lease(0) }
+    }
 }
 
 /// Runs `check` and turns a `false` into an error naming what broke.
@@ -221,6 +290,9 @@ impl Checker {
             finishes_applied: 0,
             fenced: 0,
             finished_by: BTreeMap::new(),
+            flows: BTreeMap::new(),
+            steps: BTreeMap::new(),
+            dirty: BTreeSet::new(),
         }
     }
 
@@ -242,7 +314,207 @@ impl Checker {
                 None => Seen::default(),
             })
             .collect();
+        // The workflows the database still has as submitted (a later submit may reuse a
+        // forgotten one's id), with the operator's cancel only if it survived; their steps as
+        // the rows are now.
+        for (&id, flow) in &self.flows {
+            let same = flow.tasks.iter().enumerate().all(|(step, &task)| {
+                store.step_of(task) == Some((id, StepId(step as u32))) && store.task(task).is_some()
+            });
+            let Some(state) = store.workflow_state(id).filter(|_| same) else { continue };
+            let mut flow = flow.clone();
+            flow.settled = false;
+            flow.last_status = None;
+            // Only the operator cancels a workflow (and only a retry reopens it).
+            flow.cancelled = state.status() == WorkflowStatus::Cancelled;
+            for &task in &flow.tasks {
+                let row = store.task(task).expect("checked above");
+                let seen =
+                    StepSeen { flow: id, state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease };
+                checker.steps.insert(task, seen);
+            }
+            checker.flows.insert(id, flow);
+            checker.dirty.insert(id);
+        }
         checker
+    }
+
+    /// Records workflow `id`, submitted as `workflow`, whose steps' tasks are `tasks` (each a
+    /// new task id, in order).
+    pub(crate) fn submitted(
+        &mut self,
+        id: WorkflowId,
+        workflow: &NewWorkflow,
+        tasks: &[TaskId],
+        depth: u32,
+    ) -> Result<(), String> {
+        let steps = workflow.spec.steps.len();
+        ensure!(tasks.len() == steps, "workflow {id} of {steps} steps was given {} tasks", tasks.len());
+        let next = self.seen.len() as i64 + 1;
+        for &task in tasks {
+            ensure!(task.0 >= next, "workflow {id}'s step task {task} is not a new task (next id {next})");
+            self.enqueued(task)?;
+            self.steps.insert(task, StepSeen::new(id));
+        }
+        let mut parents = vec![Vec::new(); steps];
+        let mut sinks = vec![true; steps];
+        for edge in &workflow.spec.edges {
+            parents[edge.child.index()].push((edge.parent.index(), edge.policy));
+            sinks[edge.parent.index()] = false;
+        }
+        let flow = Flow {
+            tasks: tasks.to_vec(),
+            joins: workflow.spec.steps.iter().map(|s| s.join).collect(),
+            parents,
+            sinks,
+            depth,
+            cancelled: false,
+            settled: false,
+            last_status: None,
+        };
+        ensure!(self.flows.insert(id, flow).is_none(), "workflow id {id} was handed out twice");
+        self.dirty.insert(id);
+        Ok(())
+    }
+
+    /// The operator cancelled workflow `id` and the store accepted: from now on (until a
+    /// retry) none of its steps may be promoted, and none may be left live.
+    pub(crate) fn workflow_cancelled(&mut self, id: WorkflowId) -> Result<(), String> {
+        let flow = self.flows.get_mut(&id).ok_or_else(|| format!("cancelled workflow {id} was never submitted"))?;
+        flow.cancelled = true;
+        flow.settled = false;
+        self.dirty.insert(id);
+        Ok(())
+    }
+
+    /// The operator retried workflow `id` (`downstream` or not) at `now` and the store
+    /// accepted; `before` is each step's row state before the retry. The steps a retry resets,
+    /// by the checker's own reading: those finished without completing, and with `downstream`
+    /// every finished step below them. Each of them must have left its finish (live again, or
+    /// decided again by the retry's own statement: finished at `now`); they may change from now
+    /// on, as Waiting steps never claimed since. No other step's row changes (the frozen rows
+    /// are compared at the next full check). A cancelled workflow is open again.
+    pub(crate) fn workflow_retried(
+        &mut self,
+        id: WorkflowId,
+        downstream: bool,
+        before: &[TaskState],
+        store: &MemoryStore,
+        now: DbTime,
+    ) -> Result<(), String> {
+        let flow = self.flows.get_mut(&id).ok_or_else(|| format!("retried workflow {id} was never submitted"))?;
+        ensure!(before.len() == flow.tasks.len(), "retry of workflow {id}: {} states before", before.len());
+        let mut reset: BTreeSet<usize> =
+            (0..before.len()).filter(|&s| before[s].is_terminal() && before[s] != TaskState::Completed).collect();
+        if downstream {
+            let mut children = vec![Vec::new(); before.len()];
+            for (child, parents) in flow.parents.iter().enumerate() {
+                for &(parent, _) in parents {
+                    children[parent].push(child);
+                }
+            }
+            let mut stack: Vec<usize> = reset.iter().copied().collect();
+            let mut seen: BTreeSet<usize> = reset.clone();
+            while let Some(step) = stack.pop() {
+                for &child in &children[step] {
+                    if seen.insert(child) {
+                        stack.push(child);
+                        if before[child].is_terminal() {
+                            reset.insert(child);
+                        }
+                    }
+                }
+            }
+        }
+        flow.cancelled = false;
+        flow.settled = false;
+        self.dirty.insert(id);
+        let tasks = flow.tasks.clone();
+        for step in reset {
+            let task = tasks[step];
+            let row = store.task(task).ok_or_else(|| format!("retried step task {task} vanished"))?;
+            ensure!(
+                !row.state.is_terminal() || row.finished_at == Some(now),
+                "RETRY: step {step} (task {task}) of workflow {id} was {} and is still {} as it was (downstream \
+                 {downstream})",
+                before[step],
+                row.state
+            );
+            self.seen(task)?.frozen = None;
+            self.steps.insert(
+                task,
+                StepSeen {
+                    flow: id,
+                    state: TaskState::Waiting,
+                    waiting_attempts: row.attempts,
+                    waiting_lease: row.lease,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// The workflows whose status is not over yet (not Completed, Failed or Cancelled), with
+    /// their status.
+    pub(crate) fn unfinished_workflows(&self, store: &MemoryStore) -> Vec<(WorkflowId, Option<WorkflowStatus>)> {
+        self.flows
+            .keys()
+            .map(|&id| (id, store.workflow_state(id).map(|s| s.status())))
+            .filter(|(_, status)| !status.is_some_and(WorkflowStatus::is_finished))
+            .collect()
+    }
+
+    /// The most steps on one path of a workflow not over yet: how many steps, one after the
+    /// other, the slowest of them may still have to run.
+    pub(crate) fn workflow_levels(&self, store: &MemoryStore) -> u32 {
+        let open: BTreeSet<WorkflowId> = self.unfinished_workflows(store).into_iter().map(|(id, _)| id).collect();
+        self.flows.iter().filter(|(id, _)| open.contains(id)).map(|(_, flow)| flow.depth).max().unwrap_or(0)
+    }
+
+    /// Whether the join of step `task` is satisfied by its parents' rows (`None` when it is no
+    /// step the checker knows).
+    fn join_satisfied(&self, store: &MemoryStore, task: TaskId) -> Option<bool> {
+        let flow = self.flows.values().find(|flow| flow.tasks.contains(&task))?;
+        let step = flow.tasks.iter().position(|&t| t == task)?;
+        let rows: Vec<&StoredTask> = flow.tasks.iter().map(|&t| store.task(t)).collect::<Option<_>>()?;
+        let (satisfied, _, required) = join_standing(flow, step, &rows);
+        Some(satisfied >= required)
+    }
+
+    /// The workflows submitted.
+    pub(crate) fn workflow_count(&self) -> usize {
+        self.flows.len()
+    }
+
+    /// A mutation moved (or may have moved) task `id`'s row: if it is a step, its workflow is
+    /// checked at the next check.
+    pub(crate) fn touch_task(&mut self, id: TaskId) {
+        if let Some(seen) = self.steps.get(&id) {
+            self.dirty.insert(seen.flow);
+        }
+    }
+
+    /// The operator acted on workflow `id`: it is checked at the next check.
+    pub(crate) fn touch_workflow(&mut self, id: WorkflowId) {
+        self.dirty.insert(id);
+    }
+
+    /// Checks the workflows against their steps' rows (see the module docs): those a mutation
+    /// touched since the last check; with `periodic`, every one not settled; with `deep`,
+    /// every one.
+    fn check_workflows(&mut self, store: &MemoryStore, periodic: bool, deep: bool) -> Result<(), String> {
+        if store.statement_held() {
+            // The workflows have not heard of what the statement finished yet: checked when it
+            // ends.
+            return Ok(());
+        }
+        let dirty = std::mem::take(&mut self.dirty);
+        for (&id, flow) in self.flows.iter_mut() {
+            if deep || (periodic && !flow.settled) || dirty.contains(&id) {
+                check_flow(id, flow, &mut self.steps, store)?;
+            }
+        }
+        Ok(())
     }
 
     /// Records a task id an enqueue returned: the next new one, or one seen before (an
@@ -383,6 +655,9 @@ impl Checker {
                     }
                     if pending && row.good_until.is_some_and(|at| at <= now) {
                         before.expiring.insert(row.id);
+                    }
+                    if row.state == TaskState::Waiting && row.good_until.is_some_and(|at| at <= now) {
+                        before.waiting_expiring.insert(row.id);
                     }
                     if before.stale_claimed.contains(&row.id) || before.stale_running.contains(&row.id) {
                         before.rows.insert(row.id, Facts::of(row));
@@ -786,7 +1061,22 @@ impl Checker {
                     before.stale_running
                 );
                 let expired: BTreeSet<TaskId> = report.expired.iter().copied().collect();
-                ensure!(expired == before.expiring, "reaper expired {expired:?}, expected {:?}", before.expiring);
+                // What was due, and the due steps the reap's own failures promoted (their joins
+                // satisfied by the rows now).
+                let promoted: BTreeSet<TaskId> = expired.difference(&before.expiring).copied().collect();
+                ensure!(
+                    expired.is_superset(&before.expiring) && promoted.is_subset(&before.waiting_expiring),
+                    "reaper expired {expired:?}, expected {:?} (and of the waiting steps past their good-until {:?}, \
+                     those it promoted)",
+                    before.expiring,
+                    before.waiting_expiring
+                );
+                for &id in &promoted {
+                    ensure!(
+                        self.join_satisfied(store, id) == Some(true),
+                        "reaper expired waiting step {id}, whose join its parents' rows do not satisfy"
+                    );
+                }
                 self.check_crashed(report, pre, post)?;
                 touched
                     .extend(report.requeued.iter().chain(&report.retried).chain(&report.failed).chain(&report.expired));
@@ -819,6 +1109,10 @@ impl Checker {
             (DbRequest::Purge { .. }, DbReply::Purged { .. }) => {}
             (DbRequest::Vacuum { .. }, DbReply::Vacuumed { .. }) => {}
             (request, reply) => return Err(format!("the store answered {} with {reply:?}", request.kind())),
+        }
+        for &id in &touched {
+            // A step's move (and its workflow's promotions and skips, in the same workflow).
+            self.touch_task(id);
         }
         for id in touched {
             if let Some(row) = store.task(id).filter(|row| row.state.is_terminal()) {
@@ -920,6 +1214,7 @@ impl Checker {
     /// a request touches are checked by [`after`](Self::after) at once).
     pub(crate) fn check_store(&mut self, store: &MemoryStore, now: DbTime, full: bool) -> Result<(), String> {
         self.mutations += 1;
+        let deep = full;
         let full = full || self.mutations % FULL_CHECK_EVERY == 0;
         let mut queue_in_flight: BTreeMap<&str, u32> = BTreeMap::new();
         let mut cluster_in_flight = 0u32;
@@ -941,6 +1236,13 @@ impl Checker {
                         row.claimed_by.is_some() && row.attempts >= 1,
                         "running task {id} without holder or attempt"
                     )
+                }
+                TaskState::Waiting => {
+                    ensure!(self.steps.contains_key(&id), "task {id} is Waiting but is no workflow's step");
+                    ensure!(
+                        row.claimed_by.is_none() && row.claim_expires_at.is_none(),
+                        "waiting step {id} names a holder or a claim"
+                    );
                 }
                 state => return Err(format!("task {id} is {state} in the live table")),
             }
@@ -965,6 +1267,7 @@ impl Checker {
         if let Some(cap) = self.cluster_cap {
             ensure!(cluster_in_flight <= cap, "CAP: {cluster_in_flight} in flight across the cluster, cap {cap}");
         }
+        self.check_workflows(store, full, deep)?;
         if full {
             let mut finished = 0usize;
             for row in store.tasks().skip(live) {
@@ -1020,6 +1323,15 @@ impl Checker {
                 row.good_until.map(|at| at.0 - now.0),
                 row.heartbeat_at.map(|at| at.0 - now.0),
             );
+            if let Some((workflow, step)) = store.step_of(row.id) {
+                let status = store.workflow_state(workflow).map(|s| s.status());
+                let parents: Vec<String> =
+                    store.parents(row.id).iter().map(|p| format!("{}:{}", p.task, p.state)).collect();
+                let _ = write!(out, " (step {step} of workflow {workflow} {status:?}, parents {parents:?})");
+            }
+        }
+        for (id, status) in self.unfinished_workflows(store).into_iter().take(limit) {
+            let _ = write!(out, "\n  workflow {id} is {status:?}");
         }
         out
     }
@@ -1061,6 +1373,212 @@ fn run_counted_once(id: TaskId, what: &str, was: &Facts, row: &StoredTask) -> Re
         was.attempts,
         row.attempts
     );
+    Ok(())
+}
+
+/// How a step's join stands by its parents' rows: parents finished satisfying their edge,
+/// parents not finished, and how many must satisfy it. The checker's own reading of the rule
+/// (`crate::workflow`): an edge is satisfied by a Completed parent, or by any terminal one
+/// through an `allow_failed` edge.
+fn join_standing(flow: &Flow, step: usize, rows: &[&StoredTask]) -> (u32, u32, u32) {
+    let (mut satisfied, mut unfinished) = (0, 0);
+    for &(parent, policy) in &flow.parents[step] {
+        let state = rows[parent].state;
+        if !state.is_terminal() {
+            unfinished += 1;
+        } else if state == TaskState::Completed || policy == EdgePolicy::AllowFailed {
+            satisfied += 1;
+        }
+    }
+    let required = flow.joins[step].required(flow.parents[step].len() as u32);
+    (satisfied, unfinished, required)
+}
+
+/// Whether the workflow's machine may count a step `core` whose row is in `row`: Waiting is
+/// Waiting, a live row is Ready or Running, a terminal row is its own state.
+fn core_agrees(core: StepState, row: TaskState) -> bool {
+    match row {
+        TaskState::Waiting => core == StepState::Waiting,
+        TaskState::Pending | TaskState::Claimed | TaskState::Running => {
+            matches!(core, StepState::Ready | StepState::Running)
+        }
+        TaskState::Completed => core == StepState::Completed,
+        TaskState::Failed => core == StepState::Failed,
+        TaskState::Cancelled => core == StepState::Cancelled,
+        TaskState::Expired => core == StepState::Expired,
+        TaskState::Skipped => core == StepState::Skipped,
+    }
+}
+
+/// Checks workflow `id` against its steps' rows (see the module docs) and notes how each row
+/// stands in `seen`.
+fn check_flow(
+    id: WorkflowId,
+    flow: &mut Flow,
+    seen: &mut BTreeMap<TaskId, StepSeen>,
+    store: &MemoryStore,
+) -> Result<(), String> {
+    let state = store.workflow_state(id).ok_or_else(|| format!("workflow {id} vanished from the store"))?;
+    let steps = flow.tasks.len();
+    ensure!(state.len() == steps, "workflow {id} has {} steps in the store, {steps} submitted", state.len());
+    let rows = flow
+        .tasks
+        .iter()
+        .map(|&task| store.task(task).ok_or_else(|| format!("step task {task} of workflow {id} vanished")))
+        .collect::<Result<Vec<&StoredTask>, String>>()?;
+    let status = state.status();
+    // Paused at the last check and still paused: nothing was promoted or skipped since (no
+    // request of a worker resumes a workflow; only the operator does, checked on its own).
+    let held = flow.last_status == Some(WorkflowStatus::Paused) && status == WorkflowStatus::Paused;
+    // The rows as the workflow should count them.
+    let mut tally: BTreeMap<StepState, u32> = BTreeMap::new();
+    for (step, row) in rows.iter().enumerate() {
+        let task = row.id;
+        let was = seen.get(&task).copied().unwrap_or(StepSeen::new(id));
+        let (satisfied, unfinished, required) = join_standing(flow, step, &rows);
+        let standing = || {
+            format!(
+                "step {step} (task {task}) of workflow {id}, join {} over {} parents: {satisfied} satisfied, {unfinished} \
+             unfinished, {required} required; parents {:?}",
+                flow.joins[step],
+                flow.parents[step].len(),
+                flow.parents[step].iter().map(|&(p, policy)| (rows[p].id, rows[p].state, policy)).collect::<Vec<_>>()
+            )
+        };
+        // Left Waiting (or, a retry, came back from a finish) for a live row or a run's end: its
+        // join must be satisfied, and its workflow not cancelled.
+        let from_rest = was.state == TaskState::Waiting || was.state.is_terminal();
+        let promoted = match row.state {
+            TaskState::Pending | TaskState::Claimed | TaskState::Running => from_rest,
+            TaskState::Completed | TaskState::Failed => was.state == TaskState::Waiting,
+            _ => false,
+        };
+        if (promoted || row.state == TaskState::Skipped) && was.state == TaskState::Waiting {
+            ensure!(!held, "PROMOTED WHILE PAUSED: {} went {} -> {}", standing(), was.state, row.state);
+        }
+        if promoted {
+            ensure!(
+                !flow.cancelled,
+                "PROMOTED AFTER CANCEL: {} went {} -> {} after the operator cancelled the workflow",
+                standing(),
+                was.state,
+                row.state
+            );
+            ensure!(
+                satisfied >= required,
+                "STARTED BEFORE ITS JOIN: {} went {} -> {} (lease {}, attempts {})",
+                standing(),
+                was.state,
+                row.state,
+                row.lease,
+                row.attempts
+            );
+        }
+        if row.state == TaskState::Skipped && was.state != TaskState::Skipped {
+            ensure!(
+                !flow.cancelled && satisfied + unfinished < required,
+                "SKIPPED WITH A SATISFIABLE JOIN: {} (workflow cancelled: {})",
+                standing(),
+                flow.cancelled
+            );
+            // Never claimed in any of its lives: no claim, no start, no run in its history.
+            let never_claimed = was.waiting_lease == Lease(0);
+            ensure!(
+                row.attempts == was.waiting_attempts
+                    && row.lease == was.waiting_lease
+                    && row.claimed_by.is_none()
+                    && row.claim_token.is_none()
+                    && (!never_claimed || (row.started_at.is_none() && row.claimed_at.is_none())),
+                "SKIPPED STEP RAN: {} is Skipped with attempts {} lease {} holder {:?} started {:?} (when it \
+                 last waited: attempts {} lease {})",
+                standing(),
+                row.attempts,
+                row.lease,
+                row.claimed_by,
+                row.started_at,
+                was.waiting_attempts,
+                was.waiting_lease
+            );
+            ensure!(
+                !never_claimed || store.attempts(task).is_empty(),
+                "SKIPPED STEP RAN: {} is Skipped with a run in its history",
+                standing(),
+            );
+        }
+        if row.state == TaskState::Waiting {
+            ensure!(!flow.cancelled, "{} still waits after the operator cancelled the workflow", standing());
+            // The harness's reading of the rule decides it: nothing may be left undecided in a
+            // workflow that promotes (paused ones hold their decisions).
+            ensure!(
+                status != WorkflowStatus::Running || (satisfied < required && satisfied + unfinished >= required),
+                "UNDECIDED: {} still waits in a running workflow",
+                standing(),
+            );
+        }
+        if flow.cancelled {
+            ensure!(
+                row.state.is_terminal(),
+                "{} is {} after the operator cancelled the workflow",
+                standing(),
+                row.state
+            );
+        }
+        let core = state.states()[step];
+        ensure!(
+            core_agrees(core, row.state),
+            "WORKFLOW COUNTS: {}: the row is {}, the workflow counts it {core}",
+            standing(),
+            row.state
+        );
+        let counted = match row.state {
+            TaskState::Waiting => StepState::Waiting,
+            TaskState::Pending | TaskState::Claimed | TaskState::Running => StepState::Ready,
+            TaskState::Completed => StepState::Completed,
+            TaskState::Failed => StepState::Failed,
+            TaskState::Cancelled => StepState::Cancelled,
+            TaskState::Expired => StepState::Expired,
+            TaskState::Skipped => StepState::Skipped,
+        };
+        *tally.entry(counted).or_insert(0) += 1;
+        let next = match row.state {
+            TaskState::Waiting => {
+                StepSeen { flow: id, state: row.state, waiting_attempts: row.attempts, waiting_lease: row.lease }
+            }
+            _ => StepSeen { state: row.state, ..was },
+        };
+        seen.insert(task, next);
+    }
+    let counts = state.step_counts();
+    let rows_say = |s: StepState| tally.get(&s).copied().unwrap_or(0);
+    let agree = StepState::ALL.iter().all(|&s| match s {
+        StepState::Ready => counts.ready + counts.running == rows_say(StepState::Ready),
+        StepState::Running => true,
+        s => counts.get(s) == rows_say(s),
+    });
+    ensure!(agree, "WORKFLOW COUNTS: workflow {id} counts {counts:?}, its rows say {tally:?}");
+    let all_terminal = rows.iter().all(|row| row.state.is_terminal());
+    let expected = if flow.cancelled {
+        Some(WorkflowStatus::Cancelled)
+    } else if all_terminal {
+        let sinks_completed =
+            rows.iter().zip(&flow.sinks).all(|(row, &sink)| !sink || row.state == TaskState::Completed);
+        Some(if sinks_completed { WorkflowStatus::Completed } else { WorkflowStatus::Failed })
+    } else {
+        None
+    };
+    match expected {
+        Some(expected) => ensure!(
+            status == expected,
+            "WORKFLOW STATUS: workflow {id} is {status}, its rows say {expected} (cancelled by the operator: {})",
+            flow.cancelled
+        ),
+        None => ensure!(
+            matches!(status, WorkflowStatus::Running | WorkflowStatus::Paused),
+            "WORKFLOW STATUS: workflow {id} is {status} with steps unfinished and no cancel"
+        ),
+    }
+    flow.settled = all_terminal && status.is_finished();
+    flow.last_status = Some(status);
     Ok(())
 }
 
@@ -1117,4 +1635,82 @@ pub(crate) fn check_worker(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use serde_json::json;
+
+    use super::*;
+    use crate::budget::ClaimPolicy;
+    use crate::config::WorkerConfig;
+    use crate::store::{DbFailure, NewTask};
+    use crate::workflow::EdgePolicy;
+
+    fn epoch() -> DbTime {
+        DbTime(super::super::DB_EPOCH_MS)
+    }
+
+    /// Applies `request` by `worker` at `now` with the checks around it, as the harness does.
+    fn checked(
+        checker: &mut Checker,
+        store: &mut MemoryStore,
+        worker: &WorkerId,
+        request: &DbRequest,
+        now: DbTime,
+    ) -> Result<DbReply, String> {
+        let before = checker.before(store, request, now);
+        let reply = store.execute(request, now).map_err(|e: DbFailure| e.to_string())?;
+        checker.after(store, worker, request, &before, &reply, now)?;
+        checker.check_store(store, now, true)?;
+        Ok(reply)
+    }
+
+    /// Seeds 4488 and 5041: a reap fails a crashed step, which promotes its child through an
+    /// `allow_failed` edge, and its expiry (a statement of its own) then expires the child,
+    /// past its good-until. The checker expected only the rows Pending before the reap to
+    /// expire.
+    #[test]
+    fn a_reap_may_expire_the_steps_its_own_failures_promote() {
+        let mut app = AppConfig::default();
+        app.recovery.crash_retries = 0;
+        let mut store = MemoryStore::new(app.clone());
+        let mut checker = Checker::new(&app);
+        let now = epoch();
+        let mut workflow = NewWorkflow::new("recover");
+        let root = workflow.step(NewTask::new("step", json!(0)), Join::All);
+        let mut cleanup = NewTask::new("step", json!(1));
+        cleanup.good_until = Some(now.plus_ms(1_000));
+        let child = workflow.step(cleanup, Join::All);
+        workflow.edge(root, child, EdgePolicy::AllowFailed);
+        let submitted = store.submit_workflow(workflow.clone(), now).expect("a valid workflow");
+        checker.submitted(submitted.workflow, &workflow, &submitted.tasks, 2).expect("recorded");
+        checker.check_store(&store, now, true).expect("submitted as it should");
+        let worker = WorkerId("w".into());
+        let claim = DbRequest::Claim {
+            worker: worker.clone(),
+            token: 1,
+            policy: Arc::new(ClaimPolicy::from_config(&app, &WorkerConfig::default())),
+            my_running: 0,
+            my_claimed: 0,
+            start_now: 1,
+            lease_ms: 60_000,
+        };
+        checked(&mut checker, &mut store, &worker, &claim, now).expect("the root is claimed and started");
+        // The worker dies; long after, past the child's good-until, the reaper fails its run.
+        let later = now.plus_ms(100_000);
+        let reap = DbRequest::Reap {
+            worker: WorkerId("reaper".into()),
+            claimed_stale_ms: None,
+            running_stale_ms: Some(1_000),
+            entropy: 0,
+        };
+        let reply = checked(&mut checker, &mut store, &worker, &reap, later).expect("the reap passes the checks");
+        let DbReply::Reaped(report) = reply else { panic!("a reap answered {reply:?}") };
+        assert_eq!(report.failed, [submitted.tasks[0]]);
+        assert_eq!(report.expired, [submitted.tasks[1]], "the store promotes the child, then expires it");
+        assert_eq!(store.task(submitted.tasks[1]).map(|row| row.state), Some(TaskState::Expired));
+    }
 }

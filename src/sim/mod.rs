@@ -23,6 +23,17 @@
 //!   with its handlers, its in-flight requests may still land, and it restarts under a new
 //!   id) and graceful restarts, slow, hanging, failing and panicking handlers, handler answers
 //!   that arrive after their abort.
+//! - **Workflows in the load** (in about two seeds of three: none in the others, dozens in
+//!   some): beside the plain tasks the client submits random graphs drawn from the seed
+//!   (`src/sim/workflows.rs`): chains, stacked diamonds, wide fan-outs, fan-ins and random
+//!   DAGs, with joins all, any and quorum(n), `allow_failed` edges in some seeds and
+//!   pause-on-error workflows in some. Their steps are ordinary tasks run by the same handlers
+//!   with the same sampled outcomes (failures, retries, expiry), and the plain cancels may hit
+//!   them. During the safety phase the operator pauses, resumes, cancels or retries
+//!   (downstream or not) a random workflow at seed-drawn times; a cancel takes claimed and
+//!   running steps from their workers, whose listeners hear of it (a revocation, with the
+//!   notifications' faults) and whose heartbeats learn it. After healing the operator resumes
+//!   every paused workflow, and again every [`OPERATOR_SWEEP_MS`] as errors pause more.
 //! - **Invariants after every step** (`src/sim/invariants.rs`): no task lost or duplicated;
 //!   no task run under two live leases and no write from a stale lease applied (every reply of
 //!   the store is checked against the rows as they were before the request); caps never
@@ -33,11 +44,19 @@
 //!   spawn and abort contract); a worker never drops a run the store still holds for it under
 //!   its lease (that leaves the task to the reaper); the worker never busy-loops (after
 //!   `handle_timeout(now)` its next deadline is later than `now`, and no worker sends more
-//!   than [`MAX_REQUESTS_PER_SECOND`]).
+//!   than [`MAX_REQUESTS_PER_SECOND`]). For workflows, from the graphs the harness submitted
+//!   and the steps' rows: no step leaves Waiting (is promoted, claimed or run) before its join
+//!   is satisfied by its parents' rows, and none is skipped while its join can still be; no
+//!   step of a running workflow waits with its join decided; a skipped step never ran (never
+//!   claimed, no attempt); no step of a cancelled workflow is promoted after the cancel (nor
+//!   left live by it); a retry resets exactly the steps it should; the workflow's step counts
+//!   and status agree with the rows (no step runs under two live leases is the general
+//!   invariant above: steps are rows).
 //! - **Phases**: a *safety* phase with faults for a seed-derived virtual duration; then the
-//!   faults *heal* (dead workers restart, listeners reconnect) and in the *liveness* phase
-//!   every task must become terminal within a bound computed from the configuration
-//!   ("no liveness" otherwise); finally every worker is asked to shut down and must *drain*:
+//!   faults *heal* (dead workers restart, listeners reconnect, paused workflows resume) and in
+//!   the *liveness* phase every task must become terminal, and every workflow Completed,
+//!   Failed or Cancelled, within a bound computed from the configuration and the workflows'
+//!   depth ("no liveness" otherwise); finally every worker is asked to shut down and must *drain*:
 //!   stop holding nothing, deregistered.
 //!
 //! # Use
@@ -63,6 +82,7 @@ mod invariants;
 mod options;
 pub mod store_ops;
 mod trace;
+mod workflows;
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -76,10 +96,11 @@ use crate::budget::ClaimPolicy;
 use crate::config::{DeploymentMode, WorkerConfig};
 use crate::memory::{MemoryStore, READABLE_JSON_DEPTH, json_depth};
 use crate::rng::{Rng, mix};
-use crate::store::{AdminReply, AdminRequest, Cancelled, Notification};
+use crate::store::{AdminReply, AdminRequest, Cancelled, Notification, WorkflowActionError, WorkflowId};
 use crate::store::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
 use crate::worker::{ABANDONED_CLAIM_MEMORY, Command, Event, Input, LostReason, TaskOutcome, TaskRun, Worker};
+use crate::workflow::WorkflowStatus;
 
 pub use faults::{Fate, FaultOptions};
 pub use options::{LoadOptions, SimOptions, USER_ERROR_CODE};
@@ -96,6 +117,10 @@ pub const FAILURE_TRACE_LINES: usize = 50;
 /// The most database requests one worker may send in one virtual second before the run fails
 /// as a busy loop.
 pub const MAX_REQUESTS_PER_SECOND: u32 = 2_000;
+
+/// How often, after healing, the operator resumes the workflows that paused on an error (in
+/// virtual ms).
+pub const OPERATOR_SWEEP_MS: u64 = 2_000;
 
 /// What a successful run did.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -126,6 +151,18 @@ pub struct SimReport {
     pub expired: usize,
     /// Tasks left pending in paused queues (cap 0).
     pub paused: usize,
+    /// Tasks cancelled (alone, or with their workflow).
+    pub cancelled: usize,
+    /// Workflow steps skipped (their joins could no longer be satisfied).
+    pub skipped: usize,
+    /// Workflows submitted.
+    pub workflows: usize,
+    /// Workflows that completed.
+    pub workflows_completed: usize,
+    /// Workflows that failed.
+    pub workflows_failed: usize,
+    /// Workflows the operator cancelled.
+    pub workflows_cancelled: usize,
     /// Database requests sent.
     pub requests: u64,
     /// Requests that met an injected fault (outage, loss, rejection).
@@ -228,6 +265,12 @@ enum SimEvent {
     Enqueue {
         count: u32,
     },
+    /// The client submits a workflow drawn now.
+    SubmitWorkflow,
+    /// The operator pauses, resumes or cancels a random workflow.
+    WorkflowAction,
+    /// After healing: the operator resumes the workflows paused on an error.
+    ResumeWorkflows,
     Apply {
         slot: usize,
         incarnation: u32,
@@ -285,6 +328,12 @@ enum SimEvent {
         incarnation: u32,
         queue: String,
         priority: Option<i16>,
+    },
+    /// A revocation reaches a worker's listener.
+    Revoked {
+        slot: usize,
+        incarnation: u32,
+        tasks: Vec<TaskId>,
     },
     Listener {
         slot: usize,
@@ -372,6 +421,9 @@ pub struct Sim {
     now: Instant,
     rng: Rng,
     load_rng: Rng,
+    /// The workflows' draws: their graphs and the operator's actions (a stream of its own, so
+    /// that seeds without workflows draw as before).
+    flow_rng: Rng,
     store: MemoryStore,
     slots: Vec<Slot>,
     queue: BTreeMap<Key, SimEvent>,
@@ -382,6 +434,8 @@ pub struct Sim {
     faults_on: bool,
     steps: u64,
     next_task: u64,
+    /// Workflows submitted (their names' numbers).
+    next_workflow: u64,
     /// The latest run-at of any task, and the largest retry budget of any task's policy.
     latest_run_at: DbTime,
     retry_budget_ms: u64,
@@ -460,6 +514,7 @@ impl Sim {
             now: epoch,
             rng,
             load_rng,
+            flow_rng: Rng::new(mix(seed ^ 0x0F10_3F10_3F10_3F10)),
             slots,
             queue: BTreeMap::new(),
             next_seq: 0,
@@ -468,6 +523,7 @@ impl Sim {
             faults_on: true,
             steps: 0,
             next_task: 0,
+            next_workflow: 0,
             latest_run_at: DbTime(DB_EPOCH_MS),
             retry_budget_ms: options::retry_budget_ms(&options.app.retry),
             max_retries: options.app.retry.max_retries,
@@ -523,15 +579,26 @@ impl Sim {
         let mut failed = 0;
         let mut expired = 0;
         let mut paused = 0;
+        let mut cancelled = 0;
+        let mut skipped = 0;
         for ((_, state), n) in self.store.counts() {
             let n = n as usize;
             match state {
                 TaskState::Completed => completed += n,
                 TaskState::Failed => failed += n,
                 TaskState::Expired => expired += n,
+                TaskState::Cancelled => cancelled += n,
+                TaskState::Skipped => skipped += n,
                 _ => paused += n,
             }
         }
+        let statuses: Vec<WorkflowStatus> = self
+            .store
+            .workflow_ids(usize::MAX)
+            .into_iter()
+            .filter_map(|id| self.store.workflow_state(id).map(|s| s.status()))
+            .collect();
+        let with_status = |status: WorkflowStatus| statuses.iter().filter(|&&s| s == status).count();
         SimReport {
             seed: self.seed,
             steps: self.steps,
@@ -546,6 +613,12 @@ impl Sim {
             failed,
             expired,
             paused,
+            cancelled,
+            skipped,
+            workflows: statuses.len(),
+            workflows_completed: with_status(WorkflowStatus::Completed),
+            workflows_failed: with_status(WorkflowStatus::Failed),
+            workflows_cancelled: with_status(WorkflowStatus::Cancelled),
             requests: self.stats.requests,
             faulted_requests: self.stats.faulted,
             crashes: self.stats.crashes,
@@ -690,6 +763,27 @@ impl Sim {
             let at = self.load_rng.range(0, load.enqueue_window_ms.max(1));
             self.schedule_at(Duration::from_millis(at), SimEvent::Enqueue { count });
         }
+        if load.workflows > 0 {
+            self.note(
+                "sim",
+                format_args!(
+                    "workflows {} of up to {} steps, allow_failed {:.2}, pause on error {:.2}, {} operator actions",
+                    load.workflows,
+                    load.workflow_steps_max,
+                    load.allow_failed_chance,
+                    load.pause_on_error_chance,
+                    load.workflow_actions
+                ),
+            );
+        }
+        for _ in 0..load.workflows {
+            let at = self.flow_rng.range(0, load.enqueue_window_ms.max(1));
+            self.schedule_at(Duration::from_millis(at), SimEvent::SubmitWorkflow);
+        }
+        for _ in 0..load.workflow_actions {
+            let at = self.flow_rng.range(0, self.options.safety_ms);
+            self.schedule_at(Duration::from_millis(at), SimEvent::WorkflowAction);
+        }
         for &(at, slot) in &faults.crashes {
             self.schedule_at(Duration::from_millis(at), SimEvent::Crash { slot });
         }
@@ -734,6 +828,7 @@ impl Sim {
             SimEvent::Reply { slot, .. }
             | SimEvent::Finished { slot, .. }
             | SimEvent::Notify { slot, .. }
+            | SimEvent::Revoked { slot, .. }
             | SimEvent::Listener { slot, .. }
             | SimEvent::ListenerDrop { slot, .. }
             | SimEvent::Shutdown { slot } => Some(*slot),
@@ -788,6 +883,16 @@ impl Sim {
         match self.phase {
             Phase::Safety => Ok(false),
             Phase::Liveness { deadline } => {
+                let open = if self.checker.unfinished() == 0 {
+                    self.checker.unfinished_workflows(&self.store)
+                } else {
+                    Vec::new()
+                };
+                if !open.is_empty() {
+                    return Err(format!(
+                        "NO LIVENESS: every task is terminal, but these workflows are not over: {open:?}"
+                    ));
+                }
                 if self.checker.unfinished() == 0 {
                     self.settled_at = self.elapsed();
                     let grace = self.slots.iter().map(|s| s.config.shutdown_grace_ms).max().unwrap_or(0);
@@ -843,6 +948,11 @@ impl Sim {
         let bound = self.liveness_bound_ms();
         self.phase = Phase::Liveness { deadline: self.now + Duration::from_millis(bound) };
         self.note("sim", format_args!("HEAL: faults off; every task must be terminal within {bound} ms"));
+        if self.checker.workflow_count() > 0 {
+            // The operator resumes what paused (now and again, as errors keep pausing some).
+            self.resume_paused_workflows()?;
+            self.schedule(Duration::from_millis(OPERATOR_SWEEP_MS), SimEvent::ResumeWorkflows);
+        }
         for slot in 0..self.slots.len() {
             if self.slots[slot].worker.is_none() {
                 self.start_worker(slot)?;
@@ -882,7 +992,11 @@ impl Sim {
         let attempts = u64::from(self.max_retries.max(r.crash_retries)) + 2;
         let serial = self.checker.unfinished() as u64 * attempts * (longest_run + 200) / u64::from(narrowest);
         let run_at_left = u64::try_from(self.latest_run_at.0 - self.db_now().0).unwrap_or(0);
-        run_at_left + attempts * per_attempt + self.retry_budget_ms + serial + 60_000
+        // A workflow runs its levels one after the other, each as slow as one task, and may
+        // pause on an error at each until the operator resumes it.
+        let levels = u64::from(self.checker.workflow_levels(&self.store));
+        let workflows = levels * (attempts * per_attempt + self.retry_budget_ms + OPERATOR_SWEEP_MS);
+        run_at_left + attempts * per_attempt + self.retry_budget_ms + serial + workflows + 60_000
     }
 
     fn finish_checks(&mut self) -> Result<(), String> {
@@ -917,6 +1031,10 @@ impl Sim {
             if slot.abandoned != Some(0) {
                 return Err(format!("{id} drained with {:?} tasks abandoned", slot.abandoned));
             }
+        }
+        let open = self.checker.unfinished_workflows(&self.store);
+        if !open.is_empty() {
+            return Err(format!("after drain these workflows are not over: {open:?}"));
         }
         self.note("sim", format_args!("done: every task terminal, every worker drained"));
         Ok(())
@@ -1084,10 +1202,13 @@ impl Sim {
             if !left.is_empty() {
                 return Err(format!("{name} stopped with handlers still running: {left:?}"));
             }
-            // Failing requests, or writes locks held up past the grace period (given up on).
+            // Failing requests, or writes locks held up past the grace period (given up on: a
+            // write still in flight then may land later, once the lock is gone, and end the
+            // run of hold-ups before the worker stops).
             let failing = s.stopped_on_failure
                 || s.worker.as_ref().is_some_and(|w| w.db_failures() > 0)
-                || (s.abandoned.is_some_and(|n| n > 0) && s.worker.as_ref().is_some_and(|w| w.lock_waits() > 0));
+                || (s.abandoned.is_some_and(|n| n > 0)
+                    && s.worker.as_ref().is_some_and(|w| w.lock_waits() > 0 || w.given_up() > 0));
             self.slots[slot].stopped_on_failure = failing;
             self.note(
                 &name,
@@ -1340,6 +1461,22 @@ impl Sim {
     fn handle_event(&mut self, key: Key, event: SimEvent) -> Result<(), String> {
         match event {
             SimEvent::Enqueue { count } => self.enqueue(count),
+            SimEvent::SubmitWorkflow => self.submit_workflow(),
+            SimEvent::WorkflowAction => {
+                if self.faults_on {
+                    self.workflow_action()
+                } else {
+                    Ok(())
+                }
+            }
+            SimEvent::ResumeWorkflows => {
+                if !matches!(self.phase, Phase::Liveness { .. }) {
+                    return Ok(());
+                }
+                self.resume_paused_workflows()?;
+                self.schedule(Duration::from_millis(OPERATOR_SWEEP_MS), SimEvent::ResumeWorkflows);
+                Ok(())
+            }
             SimEvent::Apply { slot, incarnation, worker, op, request, fate, abandoned } => {
                 self.apply(slot, incarnation, worker, op, request, fate, &abandoned)
             }
@@ -1401,6 +1538,14 @@ impl Sim {
                 let name = self.slots[slot].name(slot);
                 self.note(&name, format_args!("notified {queue} {priority:?}"));
                 self.handle_input(slot, Input::Notified { queue, priority })
+            }
+            SimEvent::Revoked { slot, incarnation, tasks } => {
+                if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("revoked {}", ids(&tasks)));
+                self.handle_input(slot, Input::Revoked { tasks })
             }
             SimEvent::Listener { slot, incarnation, connected } => {
                 if !self.is_current(slot, incarnation) || self.slots[slot].listening == connected {
@@ -1581,13 +1726,24 @@ impl Sim {
     ) -> Result<Result<DbReply, DbFailure>, String> {
         if let Some((finish, claim)) = request.finish_then_claim() {
             // One statement: the finish, then the claim in what the finish left, each checked
-            // as if alone. A failure fails both (nothing applied).
-            let finished = match self.apply_checked(worker, op, &finish)? {
+            // as if alone. A failure fails both (nothing applied). The finished steps'
+            // workflows settle when both are done: the claim does not take what they promote.
+            self.store.hold_statement();
+            let finished = self.apply_checked(worker, op, &finish)?;
+            let claimed = match &finished {
+                Ok(_) => Some(self.apply_checked(worker, op, &claim)?),
+                Err(_) => None,
+            };
+            let now = self.db_now();
+            self.store.end_statement(now);
+            self.checker.check_store(&self.store, now, false)?;
+            self.notify();
+            let finished = match finished {
                 Ok(reply) => reply,
                 Err(failure) => return Ok(Err(failure)),
             };
-            let claimed = self
-                .apply_checked(worker, op, &claim)?
+            let claimed = claimed
+                .expect("claimed after a finish that applied")
                 .map_err(|failure| format!("the claim of a finish-and-claim failed after its finish: {failure}"))?;
             return DbReply::finished_and_claimed(finished, claimed)
                 .map(Ok)
@@ -1871,8 +2027,13 @@ impl Sim {
             .filter(|row| !locked.contains(&row.id))
             .map(|row| (row.id, row.state))
             .collect();
-        let pool: Vec<TaskId> =
-            live.iter().filter(|(_, state)| *state != TaskState::Pending).map(|(id, _)| *id).collect();
+        // Not a waiting step either: the memory store promotes it without waiting for a lock
+        // (in PostgreSQL the statement that finishes its parents would).
+        let pool: Vec<TaskId> = live
+            .iter()
+            .filter(|(_, state)| !matches!(state, TaskState::Pending | TaskState::Waiting))
+            .map(|(id, _)| *id)
+            .collect();
         if pool.is_empty() {
             return Ok(());
         }
@@ -1887,7 +2048,14 @@ impl Sim {
     /// Delivers the store's notifications to every listening worker, with faults.
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            let Notification::TaskReady { queue, priority } = notification else { continue };
+            let (queue, priority) = match notification {
+                Notification::TaskReady { queue, priority } => (queue, priority),
+                Notification::TasksRevoked { tasks } => {
+                    self.notify_revoked(tasks);
+                    continue;
+                }
+                _ => continue,
+            };
             let mut lost = Vec::new();
             for slot in 0..self.slots.len() {
                 if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
@@ -1913,6 +2081,32 @@ impl Sim {
             if !lost.is_empty() {
                 self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
             }
+        }
+    }
+
+    /// Delivers a revocation (a workflow's cancel took claimed and running steps from their
+    /// holders) to every listening worker, with faults: lost (the next heartbeat makes up for
+    /// it in every mode), duplicated, delayed.
+    fn notify_revoked(&mut self, tasks: Vec<TaskId>) {
+        let mut lost = Vec::new();
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
+                continue;
+            }
+            let faults = &self.options.faults;
+            if self.faults_on && self.rng.chance(faults.notify_loss_chance) {
+                lost.push(slot);
+                continue;
+            }
+            let copies = if self.faults_on && self.rng.chance(faults.notify_duplicate_chance) { 2 } else { 1 };
+            let incarnation = self.slots[slot].incarnation;
+            for _ in 0..copies {
+                let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
+                self.schedule(delay, SimEvent::Revoked { slot, incarnation, tasks: tasks.clone() });
+            }
+        }
+        if !lost.is_empty() {
+            self.note("db", format_args!("revoked {}: lost for slots {lost:?}", ids(&tasks)));
         }
     }
 
@@ -2007,10 +2201,12 @@ impl Sim {
         }
         // A Claimed task's holder may run it already (started without telling the store).
         let holder = self.store.task(id).and_then(|row| row.claimed_by.clone());
+        self.checker.touch_task(id);
         match self.store.admin(&AdminRequest::Cancel { task: id }, now) {
             Ok(AdminReply::Cancelled { found }) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> cancelled: {found:?}"));
-                if !matches!(state, TaskState::Pending | TaskState::Claimed) {
+                // A workflow's waiting step may be cancelled too (its children see it cancelled).
+                if !matches!(state, TaskState::Pending | TaskState::Claimed | TaskState::Waiting) {
                     return Err(format!("cancel of task {id} in state {state} was accepted"));
                 }
                 let said = match &found {
@@ -2026,12 +2222,173 @@ impl Sim {
             Ok(other) => return Err(format!("cancel of task {id} replied {other:?}")),
             Err(refusal) => {
                 self.note("client", format_args!("cancel task {id} ({state}) -> refused"));
-                if matches!(state, TaskState::Pending | TaskState::Claimed) {
+                if matches!(state, TaskState::Pending | TaskState::Claimed | TaskState::Waiting) {
                     return Err(format!("cancel of {state} task {id} was refused: {refusal}"));
                 }
             }
         }
         self.checker.check_store(&self.store, now, false)
+    }
+}
+
+impl Sim {
+    // ---------------------------------------------------------------------------------------
+    // Workflows: the client submits them, the operator acts on them
+    // ---------------------------------------------------------------------------------------
+
+    /// Submits a workflow drawn now over the queues that run; the store must take it.
+    fn submit_workflow(&mut self) -> Result<(), String> {
+        let now = self.db_now();
+        let number = self.next_workflow;
+        self.next_workflow += 1;
+        let queues: Vec<String> =
+            self.options.app.queues().into_iter().filter(|q| q.max_concurrency != Some(0)).map(|q| q.name).collect();
+        let drawn = workflows::draw(&mut self.flow_rng, &self.options.load, &queues, now, number);
+        for policy in drawn.workflow.tasks.iter().filter_map(|task| task.retry.as_ref()) {
+            self.retry_budget_ms = self.retry_budget_ms.max(options::retry_budget_ms(policy));
+            self.max_retries = self.max_retries.max(policy.max_retries);
+        }
+        self.latest_run_at = self.latest_run_at.max(drawn.latest_run_at);
+        let depth = workflows::depth(&drawn.workflow);
+        let submitted = self
+            .store
+            .submit_workflow(drawn.workflow.clone(), now)
+            .map_err(|e| format!("submit of workflow wf{number} refused: {e}"))?;
+        self.checker.submitted(submitted.workflow, &drawn.workflow, &submitted.tasks, depth)?;
+        let spec = &drawn.workflow.spec;
+        let joins: Vec<String> = spec
+            .steps
+            .iter()
+            .enumerate()
+            .filter(|(_, step)| step.join != crate::workflow::Join::All)
+            .map(|(index, step)| format!("{index}:{}", step.join))
+            .collect();
+        let edges: Vec<String> = spec
+            .edges
+            .iter()
+            .map(|e| {
+                let allow = if e.policy == crate::workflow::EdgePolicy::AllowFailed { "~" } else { "" };
+                format!("{}>{}{allow}", e.parent, e.child)
+            })
+            .collect();
+        self.note(
+            "client",
+            format_args!(
+                "submit workflow {} ({}, {} steps, depth {depth}{}) edges [{}] joins [{}] -> tasks {}",
+                submitted.workflow,
+                drawn.shape,
+                spec.steps.len(),
+                if spec.on_error == crate::workflow::OnError::Pause { ", pause on error" } else { "" },
+                edges.join(" "),
+                joins.join(" "),
+                ids(&submitted.tasks)
+            ),
+        );
+        self.checker.check_store(&self.store, now, false)?;
+        self.notify();
+        Ok(())
+    }
+
+    /// The operator pauses, resumes or cancels a random workflow (over or not): the store
+    /// accepts exactly when the workflow's status allows it, and leaves the status asked for.
+    fn workflow_action(&mut self) -> Result<(), String> {
+        let ids = self.store.workflow_ids(usize::MAX);
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let id = ids[self.flow_rng.range(0, ids.len() as u64) as usize];
+        let before = self.store.workflow_state(id).map(|s| s.status()).ok_or_else(|| format!("no workflow {id}"))?;
+        let open = matches!(before, WorkflowStatus::Running | WorkflowStatus::Paused);
+        let now = self.db_now();
+        let (action, result, allowed) = match self.flow_rng.range(0, 10) {
+            0..=2 => ("pause", self.store.pause_workflow(id), open),
+            3..=5 => ("resume", self.store.resume_workflow(id, now), open),
+            6 | 7 => {
+                // Allowed in every status (the simulated apps purge nothing): the steps that did
+                // not complete, and with `downstream` the finished ones below them, run again.
+                let downstream = self.flow_rng.chance(0.5);
+                let rows: Vec<TaskState> = self.store.workflow_steps(id).iter().map(|step| step.state).collect();
+                let result = self.store.retry_workflow(id, downstream, now);
+                if result.is_ok() {
+                    self.checker.workflow_retried(id, downstream, &rows, &self.store, now)?;
+                }
+                (if downstream { "retry downstream" } else { "retry" }, result, true)
+            }
+            _ => {
+                let live: Vec<TaskId> = self
+                    .store
+                    .workflow_steps(id)
+                    .iter()
+                    .filter(|step| !step.state.is_terminal())
+                    .map(|step| step.task)
+                    .collect();
+                if live.iter().any(|task| self.store.locked_rows().contains(task)) {
+                    // It would wait for the lock, and give up.
+                    self.note("operator", format_args!("cancel workflow {id} ({before}) -> a step's row is locked"));
+                    return Ok(());
+                }
+                let allowed = open || before == WorkflowStatus::Cancelled;
+                ("cancel", self.store.cancel_workflow(id, now), allowed)
+            }
+        };
+        self.note("operator", format_args!("{action} workflow {id} ({before}) -> {result:?}"));
+        self.checker.touch_workflow(id);
+        match result {
+            Ok(after) => {
+                if !allowed {
+                    return Err(format!("{action} of workflow {id} ({before}) was accepted: now {after}"));
+                }
+                let expected = match action {
+                    "pause" => after == WorkflowStatus::Paused,
+                    // A resume may apply held skips that finish the whole workflow.
+                    "resume" => {
+                        matches!(after, WorkflowStatus::Running | WorkflowStatus::Completed | WorkflowStatus::Failed)
+                    }
+                    "cancel" => after == WorkflowStatus::Cancelled,
+                    // A retry reopens a cancelled workflow; a paused one stays paused (its reset
+                    // steps wait, held), and nothing else pauses (skips do not).
+                    _ => {
+                        after != WorkflowStatus::Cancelled
+                            && (before == WorkflowStatus::Paused) == (after == WorkflowStatus::Paused)
+                    }
+                };
+                let now_status = self.store.workflow_state(id).map(|s| s.status());
+                if !expected || now_status != Some(after) {
+                    return Err(format!(
+                        "{action} of workflow {id} ({before}) left it {after} (the store reads {now_status:?})"
+                    ));
+                }
+                if action == "cancel" && open {
+                    self.checker.workflow_cancelled(id)?;
+                }
+            }
+            Err(WorkflowActionError::Refused { .. }) if !allowed => {}
+            Err(refusal) => return Err(format!("{action} of workflow {id} ({before}) was refused: {refusal}")),
+        }
+        self.checker.check_store(&self.store, now, false)?;
+        self.notify();
+        Ok(())
+    }
+
+    /// The operator resumes every paused workflow (after healing, as an operator would).
+    fn resume_paused_workflows(&mut self) -> Result<(), String> {
+        let now = self.db_now();
+        let paused: Vec<WorkflowId> = self
+            .store
+            .workflow_ids(usize::MAX)
+            .into_iter()
+            .rev()
+            .filter(|&id| self.store.workflow_state(id).is_some_and(|s| s.status() == WorkflowStatus::Paused))
+            .collect();
+        for id in paused {
+            let status =
+                self.store.resume_workflow(id, now).map_err(|e| format!("resume of paused workflow {id}: {e}"))?;
+            self.note("operator", format_args!("resume paused workflow {id} -> {status}"));
+            self.checker.touch_workflow(id);
+            self.checker.check_store(&self.store, now, false)?;
+        }
+        self.notify();
+        Ok(())
     }
 }
 

@@ -3,7 +3,8 @@
 //! [`SimOptions::swarm`] draws a whole world from a PRNG: the application configuration (hard
 //! or soft caps, custom queues with priorities and caps, a cluster-wide cap, leases, heartbeat
 //! and reaper intervals, database backoff, a default retry policy), one configuration per
-//! worker, the task load and the faults. Swarm testing means that the knobs vary *between*
+//! worker, the task load (with the workflows submitted beside the tasks, drawn after every
+//! other knob so that older seeds keep their worlds) and the faults. Swarm testing means that the knobs vary *between*
 //! seeds as well as within one: some seeds have no faults at all, some have many kinds at high
 //! rates, so a bug that only shows when one fault is frequent and another absent is found.
 //!
@@ -83,6 +84,19 @@ pub struct LoadOptions {
     pub slow_max_ms: u64,
     /// The longest ordinary run.
     pub duration_max_ms: u64,
+    /// Workflows submitted beside the tasks, at random times of the enqueue window (none in
+    /// many seeds: swarm testing). Their steps run on the same handlers, with the same
+    /// sampled outcomes.
+    pub workflows: u32,
+    /// The most steps of one workflow (at least 2).
+    pub workflow_steps_max: u32,
+    /// Chance an edge lets its child run whatever its parent's outcome (`allow_failed`).
+    pub allow_failed_chance: f64,
+    /// Chance a workflow pauses when one of its steps fails, is cancelled or expires.
+    pub pause_on_error_chance: f64,
+    /// Operator actions on a random workflow (pause, resume or cancel) at random times of the
+    /// safety phase.
+    pub workflow_actions: u32,
 }
 
 impl LoadOptions {
@@ -122,6 +136,9 @@ impl SimOptions {
         let mut app = app;
         // Drawn last, so that the draws above are those of seeds recorded before these knobs.
         swarm_liveness(rng, &mut app.recovery);
+        let mut load = load;
+        // Later still: seeds recorded before workflows joined the load draw what they drew.
+        swarm_workflows(rng, &mut load, &app);
         SimOptions { app, workers, load, faults, safety_ms, max_steps: 3_000_000 }
     }
 
@@ -315,7 +332,36 @@ fn swarm_load(rng: &mut Rng, safety_ms: u64) -> LoadOptions {
         slow_chance: rng.next_f64() * 0.2,
         slow_max_ms: rng.range(1_000, 20_001),
         duration_max_ms: if rng.chance(0.5) { rng.range(5, 201) } else { rng.range(200, 5_001) },
+        workflows: 0,
+        workflow_steps_max: 2,
+        allow_failed_chance: 0.0,
+        pause_on_error_chance: 0.0,
+        workflow_actions: 0,
     }
+}
+
+/// The workflow knobs of the load: none in a third of the seeds, a few in most, dozens in
+/// some; small graphs or large ones; `allow_failed` edges and pause-on-error workflows in some
+/// seeds only; operator actions in some. No workflow when every queue is paused (cap 0): its
+/// steps could never run.
+fn swarm_workflows(rng: &mut Rng, load: &mut LoadOptions, app: &AppConfig) {
+    let runnable = app.queues().iter().any(|q| q.max_concurrency != Some(0));
+    let workflows = match rng.range(0, 20) {
+        0..=6 => 0,
+        7..=15 => rng.range(1, 5),
+        16..=18 => rng.range(5, 13),
+        _ => rng.range(13, 33),
+    };
+    load.workflows = if runnable { workflows as u32 } else { 0 };
+    load.workflow_steps_max = match rng.range(0, 4) {
+        0 => rng.range(2, 5),
+        1 | 2 => rng.range(5, 11),
+        _ => rng.range(11, 25),
+    } as u32;
+    load.allow_failed_chance = if rng.chance(0.3) { 0.0 } else { rng.next_f64() * 0.6 };
+    load.pause_on_error_chance = if rng.chance(0.4) { 0.0 } else { rng.next_f64() * 0.7 };
+    load.workflow_actions =
+        if load.workflows == 0 || rng.chance(0.4) { 0 } else { rng.range(1, 2 * u64::from(load.workflows) + 2) as u32 };
 }
 
 #[cfg(test)]

@@ -699,6 +699,14 @@ impl Worker {
         self.busy_streak
     }
 
+    /// Tasks this draining worker left to the reaper because locks of other transactions kept
+    /// holding its writes up past the grace period (what its `Drained` event reports as
+    /// abandoned when it deregisters).
+    #[cfg(feature = "sim")]
+    pub fn given_up(&self) -> usize {
+        self.given_up
+    }
+
     /// Reports something that happened. Drain the outputs afterwards.
     pub fn handle_input(&mut self, input: Input, now: Instant) {
         self.handle_inputs([input], now);
