@@ -1802,37 +1802,8 @@ fn random_workflow(rng: &mut Rng, app: &AppConfig, now: DbTime, number: u64) -> 
     // Small graphs more often than large ones: they run to their end within a script.
     let most = rng.range(2, 14);
     let steps = rng.range(1, most) as u32;
-    let mut edges: BTreeSet<(u32, u32)> = BTreeSet::new();
-    match rng.range(0, 5) {
-        0 => edges.extend((1..steps).map(|i| (i - 1, i))),
-        1 => {
-            // Hub, two or three in parallel, hub, ...: each middle step between two hubs.
-            let (mut hub, mut next) = (0, 1);
-            while next < steps {
-                let width = (rng.range(2, 4) as u32).min(steps - next);
-                let middle: Vec<u32> = (next..next + width).collect();
-                next += width;
-                edges.extend(middle.iter().map(|&m| (hub, m)));
-                if next < steps {
-                    edges.extend(middle.iter().map(|&m| (m, next)));
-                    hub = next;
-                    next += 1;
-                }
-            }
-        }
-        2 => edges.extend((1..steps).map(|i| (0, i))),
-        3 => edges.extend((0..steps.saturating_sub(1)).map(|i| (i, steps - 1))),
-        _ => {
-            let density = [0.15, 0.3, 0.5][rng.range(0, 3) as usize];
-            for child in 1..steps {
-                for parent in 0..child {
-                    if rng.chance(density) {
-                        edges.insert((parent, child));
-                    }
-                }
-            }
-        }
-    }
+    let shape = rng.range(0, 5) as usize;
+    let edges = canter::sim::workflows::random_edges(rng, steps, shape, 3);
     let mut parents = vec![0u32; steps as usize];
     for &(_, child) in &edges {
         parents[child as usize] += 1;

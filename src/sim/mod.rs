@@ -82,7 +82,7 @@ mod invariants;
 mod options;
 pub mod store_ops;
 mod trace;
-mod workflows;
+pub mod workflows;
 
 use std::collections::BTreeMap;
 use std::fmt;

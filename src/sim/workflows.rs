@@ -21,6 +21,45 @@ use super::options::{self, LoadOptions};
 /// The shapes a workflow is drawn from.
 const SHAPES: [&str; 5] = ["chain", "diamonds", "fan-out", "fan-in", "dag"];
 
+/// The edges `(parent, child)` of a random graph of `steps` steps, parent before child (so no
+/// cycle), of shape `shape` (an index of the shapes this module draws: 0 a chain, 1 stacked
+/// diamonds of 2 to `widest` steps in parallel between hubs, 2 a fan-out, 3 a fan-in, else a
+/// random DAG of a random density). The simulation's load and the store conformance suite's
+/// workflow scripts draw their graphs with it.
+pub fn random_edges(rng: &mut Rng, steps: u32, shape: usize, widest: u32) -> BTreeSet<(u32, u32)> {
+    let mut edges: BTreeSet<(u32, u32)> = BTreeSet::new();
+    match shape {
+        0 => edges.extend((1..steps).map(|i| (i - 1, i))),
+        1 => {
+            let (mut hub, mut next) = (0, 1);
+            while next < steps {
+                let width = (rng.range(2, u64::from(widest.max(2)) + 1) as u32).min(steps - next);
+                let middle: Vec<u32> = (next..next + width).collect();
+                next += width;
+                edges.extend(middle.iter().map(|&m| (hub, m)));
+                if next < steps {
+                    edges.extend(middle.iter().map(|&m| (m, next)));
+                    hub = next;
+                    next += 1;
+                }
+            }
+        }
+        2 => edges.extend((1..steps).map(|i| (0, i))),
+        3 => edges.extend((0..steps.saturating_sub(1)).map(|i| (i, steps - 1))),
+        _ => {
+            let density = [0.15, 0.3, 0.5][rng.range(0, 3) as usize];
+            for child in 1..steps {
+                for parent in 0..child {
+                    if rng.chance(density) {
+                        edges.insert((parent, child));
+                    }
+                }
+            }
+        }
+    }
+    edges
+}
+
 /// One drawn workflow: what to submit, and the latest run-at of its steps.
 #[derive(Debug, Clone)]
 pub(crate) struct Drawn {
@@ -36,36 +75,7 @@ pub(crate) struct Drawn {
 pub(crate) fn draw(rng: &mut Rng, load: &LoadOptions, queues: &[String], now: DbTime, number: u64) -> Drawn {
     let steps = rng.range(2, u64::from(load.workflow_steps_max.max(2)) + 1) as u32;
     let shape_index = rng.range(0, SHAPES.len() as u64) as usize;
-    let mut edges: BTreeSet<(u32, u32)> = BTreeSet::new();
-    match shape_index {
-        0 => edges.extend((1..steps).map(|i| (i - 1, i))),
-        1 => {
-            let (mut hub, mut next) = (0, 1);
-            while next < steps {
-                let width = (rng.range(2, 5) as u32).min(steps - next);
-                let middle: Vec<u32> = (next..next + width).collect();
-                next += width;
-                edges.extend(middle.iter().map(|&m| (hub, m)));
-                if next < steps {
-                    edges.extend(middle.iter().map(|&m| (m, next)));
-                    hub = next;
-                    next += 1;
-                }
-            }
-        }
-        2 => edges.extend((1..steps).map(|i| (0, i))),
-        3 => edges.extend((0..steps - 1).map(|i| (i, steps - 1))),
-        _ => {
-            let density = [0.15, 0.3, 0.5][rng.range(0, 3) as usize];
-            for child in 1..steps {
-                for parent in 0..child {
-                    if rng.chance(density) {
-                        edges.insert((parent, child));
-                    }
-                }
-            }
-        }
-    }
+    let edges = random_edges(rng, steps, shape_index, 4);
     let mut parents = vec![0u32; steps as usize];
     for &(_, child) in &edges {
         parents[child as usize] += 1;
