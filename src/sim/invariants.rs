@@ -20,21 +20,22 @@
 //!   a handler whose lease is the row's current lease on a Running row belongs to the row's
 //!   holder, so no task runs under two live leases (steps of workflows included: they are
 //!   ordinary rows).
-//! - **The workflows** ([`Checker::check_store`] too, from the graph the harness submitted and
-//!   the steps' rows, not from the store's own bookkeeping): a step leaves Waiting for Pending
-//!   (or further) only when its join is satisfied by its parents' rows (at least `required`
-//!   of them finished satisfying their edge: Completed, or any terminal state through an
-//!   `allow_failed` edge), and is Skipped only when its join can no longer be; no step of a
-//!   running workflow waits with its join decided (a promotion or a skip missed), and no step
-//!   of a workflow paused since the last check is promoted or skipped; a skipped
+//! - **The workflows** ([`Checker::check_store`] too, from the graph the harness submitted
+//!   and the steps' rows, not from the store's own bookkeeping): a step leaves Waiting for
+//!   Pending (or further) only when its join is satisfied by its parents' rows (at least
+//!   `required` of them finished satisfying their edge: Completed, or any terminal state
+//!   through an `allow_failed` edge), and is Skipped only when its join can no longer be; no
+//!   step of a running workflow waits with its join decided (a promotion or a skip missed),
+//!   and no step of a workflow paused since the last check is promoted or skipped; a skipped
 //!   step never ran (no claim, no attempt since it last waited); no step of a cancelled
 //!   workflow is promoted after the cancel (until a retry reopens it), and none of its steps
 //!   is live after it (a cancel takes running steps too); a retry resets exactly the steps
-//!   that did not complete (and, downstream, the finished ones below them), and no other; the workflow's machine agrees with the rows, step by step and in its
-//!   counts (Waiting is Waiting; Pending, Claimed and Running are Ready or Running; each
-//!   terminal state is itself), and its status with the rows (Cancelled exactly when the
-//!   operator cancelled it; else, once every step is terminal, Completed exactly when every
-//!   sink completed, Failed otherwise; Running or Paused before).
+//!   that did not complete (and, downstream, the finished ones below them), and no other; the
+//!   workflow's machine agrees with the rows, step by step and in its counts (Waiting is
+//!   Waiting; Pending, Claimed and Running are Ready or Running; each terminal state is
+//!   itself), and its status with the rows (Cancelled exactly when the operator cancelled it;
+//!   else, once every step is terminal, Completed exactly when every sink completed, Failed
+//!   otherwise; Running or Paused before).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;

@@ -53,11 +53,11 @@
 //!   and status agree with the rows (no step runs under two live leases is the general
 //!   invariant above: steps are rows).
 //! - **Phases**: a *safety* phase with faults for a seed-derived virtual duration; then the
-//!   faults *heal* (dead workers restart, listeners reconnect, paused workflows resume) and in
-//!   the *liveness* phase every task must become terminal, and every workflow Completed,
+//!   faults *heal* (dead workers restart, listeners reconnect, paused workflows resume) and
+//!   in the *liveness* phase every task must become terminal, and every workflow Completed,
 //!   Failed or Cancelled, within a bound computed from the configuration and the workflows'
-//!   depth ("no liveness" otherwise); finally every worker is asked to shut down and must *drain*:
-//!   stop holding nothing, deregistered.
+//!   depth ("no liveness" otherwise); finally every worker is asked to shut down and must
+//!   *drain*: stop holding nothing, deregistered.
 //!
 //! # Use
 //!
@@ -2289,8 +2289,9 @@ impl Sim {
         Ok(())
     }
 
-    /// The operator pauses, resumes or cancels a random workflow (over or not): the store
-    /// accepts exactly when the workflow's status allows it, and leaves the status asked for.
+    /// The operator pauses, resumes, cancels or retries a random workflow (over or not): the
+    /// store accepts exactly when the workflow's status allows it, and leaves the status asked
+    /// for.
     fn workflow_action(&mut self) -> Result<(), String> {
         let ids = self.store.workflow_ids(usize::MAX);
         if ids.is_empty() {
