@@ -307,15 +307,13 @@ impl MemoryStore {
             }
             for &step in &changes.cancelled {
                 let id = task(self, step);
-                // The workflow counts a claimed or running step as ready.
-                let event = match self.live.get(&id).map(|row| row.state) {
-                    Some(TaskState::Running) => TaskEvent::Abort,
-                    Some(_) => TaskEvent::Cancel,
-                    None => continue,
-                };
-                if self.live.get(&id).is_some_and(|row| matches!(row.state, TaskState::Claimed | TaskState::Running)) {
+                // The workflow counts a claimed or running step as ready; a holder has its
+                // claim revoked.
+                let Some(state) = self.live.get(&id).map(|row| row.state) else { continue };
+                if matches!(state, TaskState::Claimed | TaskState::Running) {
                     revoked.push(id);
                 }
+                let event = if state == TaskState::Running { TaskEvent::Abort } else { TaskEvent::Cancel };
                 let error = TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW);
                 self.finish_row(id, event, now, Some(error), None);
             }

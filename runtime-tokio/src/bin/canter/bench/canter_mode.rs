@@ -301,6 +301,32 @@ pub(super) fn workflows(options: &Options, workload: Workload, n: usize) -> (Vec
     }
 }
 
+/// Enqueues `n` no-op tasks in `tx`, 1,000 per statement.
+async fn enqueue_noops_in(
+    tx: &mut sqlx::Transaction<'_, sqlx::Postgres>,
+    options: &Options,
+    store: &PgStore,
+    n: usize,
+) -> Result<(), BenchError> {
+    let mut done = 0;
+    while done < n {
+        let size = 1_000.min(n - done);
+        let tasks = (done..done + size).map(|i| noop(options, i)).collect();
+        enqueue_many_in(&mut **tx, store.schema(), store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
+        done += size;
+    }
+    Ok(())
+}
+
+/// Statistics as autovacuum would soon have them (this server may run without it), taken in
+/// the transaction that wrote the tasks so the worker never plans against an empty table's
+/// numbers; then the commit.
+async fn analyze_and_commit(mut tx: sqlx::Transaction<'_, sqlx::Postgres>, store: &PgStore) -> Result<(), BenchError> {
+    let analyze = format!("ANALYZE {}.tasks", store.schema().quoted());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
+    tx.commit().await.map_err(|e| failed("commit", e))
+}
+
 /// From each parent's finish to its child's start, in ms, sorted: the chain's step overhead.
 async fn step_gaps(store: &PgStore) -> Result<Vec<f64>, BenchError> {
     let s = store.schema().quoted();
@@ -344,19 +370,9 @@ async fn drain(
             submit_workflow_in(&mut *tx, &schema, store.app(), flow).await.map_err(|e| failed("submit", e))?;
         }
     } else {
-        let mut done = 0;
-        while done < n {
-            let size = 1_000.min(n - done);
-            let tasks = (done..done + size).map(|i| noop(options, i)).collect();
-            enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
-            done += size;
-        }
+        enqueue_noops_in(&mut tx, options, store, n).await?;
     }
-    // Statistics as autovacuum would soon have them (this server may run without it), taken
-    // in the same transaction so the worker never plans against an empty table's numbers.
-    let analyze = format!("ANALYZE {}.tasks", schema.quoted());
-    sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
-    tx.commit().await.map_err(|e| failed("commit", e))?;
+    analyze_and_commit(tx, store).await?;
     let start = Instant::now();
 
     // Generous: a slow machine makes slow numbers, not a failed run.
@@ -606,19 +622,10 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         .map_err(|e| failed("register", e))?;
     let worker = InProcessWorker::start(options, scratch, store, registry).await?;
     let result = async {
-        let schema = store.schema().clone();
         let pool = store.pool();
         let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
-        let mut done = 0;
-        while done < n {
-            let size = 1_000.min(n - done);
-            let tasks = (done..done + size).map(|i| noop(options, i)).collect();
-            enqueue_many_in(&mut *tx, &schema, store.app(), tasks).await.map_err(|e| failed("enqueue", e))?;
-            done += size;
-        }
-        let analyze = format!("ANALYZE {}.tasks", schema.quoted());
-        sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
-        tx.commit().await.map_err(|e| failed("commit", e))?;
+        enqueue_noops_in(&mut tx, options, store, n).await?;
+        analyze_and_commit(tx, store).await?;
         let start = Instant::now();
         let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
         let mut paced = Paced::new(options.interval, most_probes);

@@ -520,6 +520,9 @@ async fn graph_drain(
 
     let left = Arc::new(AtomicU64::new(n as u64));
     let claims = Arc::new(AtomicU64::new(0));
+    // As generous as Canter's drains: a job that never becomes pending ends the loops, and the
+    // count below says what was left.
+    let deadline = start + Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
     let mut handles = Vec::with_capacity(loops);
     for mut conn in conns {
         let (sql, left, claims, batch) = (sql.clone(), left.clone(), claims.clone(), options.raw_batch);
@@ -528,6 +531,9 @@ async fn graph_drain(
             while left.load(Ordering::Acquire) > 0 {
                 let took = claim_run_complete(&mut conn, &sql, batch, |_| {}).await?;
                 if took == 0 {
+                    if Instant::now() >= deadline {
+                        break;
+                    }
                     tokio::time::sleep(Duration::from_millis(1)).await;
                     continue;
                 }
