@@ -60,7 +60,9 @@
 //!   come straight from ready).
 //! - [`step_finished`](WorkflowState::step_finished): a step's task finished; its children's
 //!   counts change and the decided ones are promoted or skipped. A waiting step may be
-//!   cancelled or expire on its own (its children see that outcome).
+//!   cancelled on its own, by an operator (its children see that outcome); the rules allow a
+//!   waiting step to expire too, though both stores expire a step only once it is promoted
+//!   (a good-until that passed while it waited expires it at its first claim or reap).
 //!   [`steps_finished`](WorkflowState::steps_finished) is the same for several steps at once,
 //!   as one event: what one statement of a store finished.
 //! - [`pause`](WorkflowState::pause), [`resume`](WorkflowState::resume): while paused, no
