@@ -32,7 +32,8 @@
 //!   quorum joins, recovery steps): the checks, the per-edge decision and the workflow machine.
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
-//! runtime trait, shared by the tokio and smol adapters), `sim` (the simulation harness),
+//! runtime trait, shared by the tokio and smol adapters), `metrics` (a worker's counters in the
+//! Prometheus text format, `driver::metrics`), `sim` (the simulation harness),
 //! `arbitrary` (`arbitrary::Arbitrary` for the simulation's operation sequences, for fuzzing).
 //!
 //! # The calling contract

@@ -7,7 +7,8 @@
 //!
 //! Its default feature `cli` builds the `canter` program (command line, demo, bench); a library
 //! user may turn it off (`default-features = false, features = ["tls"]`) and build none of the
-//! program's dependencies.
+//! program's dependencies. Feature `http` (part of `cli`) adds [`http`]: a worker's `/metrics`,
+//! `/healthz` and `/readyz`.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -35,6 +36,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "http")]
+pub mod http;
 mod runtime;
 
 pub use canter;

@@ -1041,3 +1041,62 @@ fn the_readme_shows_the_program_s_help() {
     let help = canter(&["--help"]);
     assert_eq!(shown, String::from_utf8_lossy(&help.stdout), "README.md's help is `canter --help`");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_serves_its_metrics_and_health_where_asked() {
+    use std::io::{BufRead, BufReader, Read, Write};
+
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--metrics-addr", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // The address the system chose, as the program prints it.
+    let mut stdout = BufReader::new(worker.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).expect("read stdout") > 0, "the worker ended without its address");
+        if let Some(rest) = line.split("metrics on http://").nth(1) {
+            break rest.split('/').next().expect("an address").to_owned();
+        }
+    };
+    let get = |path: &str| {
+        let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
+        write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    };
+    assert!(run(&["enqueue", "echo", "--args", "{}", "--count", "3"]).status.success());
+    let mut metrics = String::new();
+    for _ in 0..200 {
+        metrics = get("/metrics");
+        if metrics.contains("canter_worker_tasks_completed_total 3\n") {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    assert!(metrics.starts_with("HTTP/1.1 200"), "{metrics}");
+    assert!(metrics.contains("content-type: application/openmetrics-text"), "{metrics}");
+    assert!(metrics.contains("canter_worker_tasks_completed_total 3\n"), "{metrics}");
+    assert!(metrics.contains("canter_worker_ready 1\n"), "{metrics}");
+    assert!(get("/healthz").starts_with("HTTP/1.1 200"));
+    assert!(get("/readyz").ends_with("\r\n\r\nready\n"), "{}", get("/readyz"));
+
+    assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
+    assert!(worker.wait().unwrap().success(), "the worker exits 0 on SIGTERM");
+    assert!(std::net::TcpStream::connect(&addr).is_err(), "the endpoints end with the worker");
+
+    // An address it cannot listen on ends the worker before it starts, saying why.
+    let occupied = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = occupied.local_addr().unwrap().to_string();
+    let refused = run(&["worker", "--metrics-addr", &taken]);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(text(&refused).contains(&format!("--metrics-addr {taken}: cannot listen there")), "{}", text(&refused));
+    drop(occupied);
+}

@@ -22,6 +22,8 @@ use futures::channel::mpsc;
 use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
+#[cfg(feature = "metrics")]
+pub mod metrics;
 mod observe;
 mod registry;
 #[cfg(feature = "postgres")]
@@ -41,7 +43,10 @@ mod workflow;
 
 #[cfg(feature = "postgres")]
 pub use client::{Client, ClientError, ResultError, ResultHandle};
-pub use observe::{CounterSnapshot, Counters, HOOK_BUFFER, Hook, HookSink};
+pub use observe::{
+    CounterSnapshot, Counters, HOOK_BUFFER, Hook, HookSink, REQUEST_SECONDS_BUCKETS, REQUEST_TASKS_BUCKETS,
+    RequestStats,
+};
 pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHandle};
 #[cfg(feature = "postgres")]
 pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
@@ -169,6 +174,7 @@ where
                     let timeout = sleep_after(&*runtime, sent, options.request_timeout);
                     let limit = options.request_timeout;
                     let clock = runtime.clone();
+                    let counters = options.counters.clone();
                     requests.push(Box::pin(async move {
                         let answer = futures::select! {
                             reply = reply.fuse() => reply,
@@ -181,7 +187,11 @@ where
                             }
                             _ => 0,
                         };
-                        let ms = clock.now().saturating_duration_since(sent).as_secs_f64() * 1e3;
+                        let took = clock.now().saturating_duration_since(sent);
+                        if let Some(counters) = &counters {
+                            counters.record_request(kind, took, items + claimed, answer.is_ok());
+                        }
+                        let ms = took.as_secs_f64() * 1e3;
                         tracing::trace!(target: "canter::db", %op, kind, items, claimed, ms, ok = answer.is_ok());
                         (op, answer)
                     }));
@@ -218,7 +228,7 @@ where
             }
         }
         if let Some(counters) = &options.counters {
-            counters.publish(worker.stats(), worker.held());
+            counters.publish(worker.stats(), worker.health(), worker.held());
         }
         if worker.is_stopped() {
             return worker.stats();

@@ -377,6 +377,34 @@ pub enum Timer {
     LockRetry,
 }
 
+/// What the machine knows of its own state, for health checks and gauges: a worker is ready
+/// while it runs (no shutdown begun) and its last database request did not fail.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Health {
+    /// Shutdown has begun: the worker claims nothing more.
+    pub shutting_down: bool,
+    /// Requests that failed in a row, with no success since (the database backoff's step).
+    pub db_failures_in_a_row: u32,
+    /// Whether the LISTEN connection is up.
+    pub listening: bool,
+    /// Whether the poll timer runs (polling-only and hybrid modes, or a lost listener).
+    pub polling: bool,
+    /// Handlers running now.
+    pub running: u32,
+    /// Claims held that have not started (the buffer, and starts in flight).
+    pub buffered: u32,
+    /// The worker's concurrency.
+    pub concurrency: u32,
+}
+
+impl Health {
+    /// Whether the worker should receive work: it runs, the database answers, and it hears of
+    /// new tasks (a listener or polling).
+    pub fn ready(&self) -> bool {
+        !self.shutting_down && self.db_failures_in_a_row == 0 && (self.listening || self.polling)
+    }
+}
+
 /// Counters an operator can read.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Stats {
@@ -675,6 +703,19 @@ impl Worker {
             .iter()
             .filter(|(_, t)| matches!(t.stage, Stage::Running { .. }))
             .map(|(task, held)| TaskLease { task: *task, lease: held.lease })
+    }
+
+    /// Its state for health checks and gauges.
+    pub fn health(&self) -> Health {
+        Health {
+            shutting_down: self.phase != Phase::Running,
+            db_failures_in_a_row: self.backoff.failures(),
+            listening: self.listening,
+            polling: self.polls(),
+            running: self.running() as u32,
+            buffered: self.claimed() as u32,
+            concurrency: self.config.concurrency,
+        }
     }
 
     /// Whether shutdown has begun.

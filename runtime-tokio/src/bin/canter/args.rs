@@ -345,6 +345,10 @@ pub(crate) struct WorkerArgs {
     /// workers do)
     #[arg(long)]
     pub(crate) force: bool,
+    /// Serve /metrics (Prometheus), /healthz and /readyz over HTTP on ADDR, e.g.
+    /// 127.0.0.1:9464 (port 0 lets the system choose; the address is printed)
+    #[arg(long, value_name = "ADDR")]
+    pub(crate) metrics_addr: Option<String>,
     #[command(flatten)]
     pub(crate) schema: SchemaArg,
     #[command(flatten)]

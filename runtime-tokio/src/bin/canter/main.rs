@@ -254,9 +254,27 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
         .map_err(usage)?
         .schema(args.schema.schema.clone())
         .migrate(!args.no_migrate);
+    let endpoints = match &args.metrics_addr {
+        Some(addr) => {
+            let router = canter_tokio::http::worker_router(worker.worker_id().clone(), worker.counters());
+            let endpoints = canter_tokio::http::Endpoints::bind(addr.as_str(), router)
+                .await
+                .map_err(|e| failed(format!("--metrics-addr {addr}: cannot listen there: {e}")))?;
+            output::note_line(format_args!(
+                "metrics on http://{0}/metrics, health on http://{0}/healthz and http://{0}/readyz",
+                endpoints.local_addr
+            ));
+            Some(endpoints)
+        }
+        None => None,
+    };
     let WorkerId(id) = worker.worker_id();
     output::note_line(format_args!("worker {} starting; stop it with Ctrl-C or SIGTERM", printable(id)));
-    let stats = worker.run().await.map_err(|e| failed(connect::explain(&e.to_string())))?;
+    let stats = worker.run().await.map_err(|e| failed(connect::explain(&e.to_string())));
+    if let Some(endpoints) = endpoints {
+        endpoints.stop().await;
+    }
+    let stats = stats?;
     output::note_line(format_args!(
         "worker stopped: claimed {}, completed {}, failed {}, retried {}, lost {}",
         stats.claimed, stats.completed, stats.failed, stats.retried, stats.lost
