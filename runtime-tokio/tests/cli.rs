@@ -1100,3 +1100,22 @@ async fn a_worker_serves_its_metrics_and_health_where_asked() {
     assert!(text(&refused).contains(&format!("--metrics-addr {taken}: cannot listen there")), "{}", text(&refused));
     drop(occupied);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_statement_is_no_warning_with_its_whole_text() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    let enqueued = run(&["enqueue", "echo", "--args", "{}"]);
+    let id = String::from_utf8_lossy(&enqueued.stdout).trim().to_owned();
+    // Another session holds the task's row for 1.5 s: the cancel's statement waits that long.
+    let pool = db.pool(1).await;
+    let mut holder = pool.begin().await.unwrap();
+    let lock = format!("SELECT 1 FROM {}.tasks WHERE id = $1 FOR UPDATE", db.schema.quoted());
+    sqlx::query(sqlx::AssertSqlSafe(lock)).bind(id.parse::<i64>().unwrap()).execute(&mut *holder).await.unwrap();
+    let cancel = tokio::task::spawn_blocking(move || run(&["cancel", &id]));
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    holder.rollback().await.unwrap();
+    let cancelled = cancel.await.unwrap();
+    assert_eq!(cancelled.status.code(), Some(0), "{}", text(&cancelled));
+    assert!(!text(&cancelled).contains("slow statement"), "{}", text(&cancelled));
+}

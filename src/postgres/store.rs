@@ -63,9 +63,13 @@ const MIN_DB_TIME_MS: i64 = -200_000_000_000_000;
 pub const SESSION_SETTINGS: [(&str, &str); 3] =
     [("statement_timeout", "25s"), ("lock_timeout", "5s"), ("idle_in_transaction_session_timeout", "60s")];
 
-/// `options` with [`SESSION_SETTINGS`] as startup parameters: no round trip per connection.
+/// `options` with [`SESSION_SETTINGS`] as startup parameters (no round trip per connection),
+/// and sqlx's warning about statements slower than a second lowered to a debug line: Canter's
+/// own big batches (a workflow of 50,000 steps, a finish of thousands) take that long by design,
+/// and the warning quotes the whole statement (`CANTER_LOG=sqlx=debug` shows them all).
 pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx::postgres::PgConnectOptions {
-    options.options(SESSION_SETTINGS)
+    use sqlx::ConnectOptions;
+    options.options(SESSION_SETTINGS).log_slow_statements(log::LevelFilter::Debug, std::time::Duration::from_secs(1))
 }
 
 /// A store of tasks in PostgreSQL: executes the worker machine's requests, and offers enqueue
