@@ -10,6 +10,8 @@ mod connect;
 mod demo;
 mod enqueue;
 mod inspect;
+#[cfg(feature = "otel")]
+mod otel;
 mod output;
 mod schedules;
 mod settings;
@@ -29,6 +31,20 @@ use tracing_subscriber::layer::SubscriberExt;
 use crate::args::{Cli, Command, Output, SchemaArg, WorkerArgs};
 use crate::connect::Database;
 use crate::output::printable;
+
+#[cfg(feature = "otel")]
+use crate::otel::Export as SpanExport;
+
+/// Nothing to export without feature `otel`.
+#[cfg(not(feature = "otel"))]
+enum SpanExport {}
+
+#[cfg(not(feature = "otel"))]
+impl SpanExport {
+    fn shutdown(self) {
+        match self {}
+    }
+}
 pub(crate) use crate::output::{errln, outln};
 
 /// Why a command did not succeed.
@@ -68,7 +84,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     // The demo prints its own progress: only warnings from the workers.
-    init_logging(if name == "demo" { LevelFilter::WARN } else { LevelFilter::INFO });
+    let export = init_logging(if name == "demo" { LevelFilter::WARN } else { LevelFilter::INFO });
     let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
         Ok(runtime) => runtime,
         Err(error) => {
@@ -77,7 +93,8 @@ fn main() -> ExitCode {
         }
     };
     let database = Database { url: cli.database_url };
-    match runtime.block_on(run(cli.command, database)) {
+    let outcome = runtime.block_on(run(cli.command, database));
+    let code = match outcome {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Usage(message)) => {
             let mut command = Cli::command();
@@ -92,7 +109,13 @@ fn main() -> ExitCode {
             errln!("canter {name}: interrupted; stopped and cleaned up");
             ExitCode::from(130)
         }
+    };
+    // Outside the runtime: the exporter's client blocks.
+    drop(runtime);
+    if let Some(export) = export {
+        export.shutdown();
     }
+    code
 }
 
 /// The name a command is invoked by.
@@ -150,8 +173,10 @@ async fn run(command: Command, database: Database) -> Outcome {
 }
 
 /// Logs to stderr as `CANTER_LOG` says (see [`log_filter`]); `default` when it is unset, and,
-/// said so, when it cannot be read. Colours only on a terminal, and never with `NO_COLOR`.
-fn init_logging(default: LevelFilter) {
+/// said so, when it cannot be read. Colours only on a terminal, and never with `NO_COLOR`. With
+/// feature `otel`, exports spans too when the environment names a collector: the export to
+/// shut down at exit.
+fn init_logging(default: LevelFilter) -> Option<SpanExport> {
     let value = std::env::var("CANTER_LOG").unwrap_or_default();
     let (filter, max) = log_filter(&value, default).unwrap_or_else(|| {
         errln!("canter: CANTER_LOG={value:?} is neither a level nor target=level directives; logging at {default}");
@@ -168,7 +193,24 @@ fn init_logging(default: LevelFilter) {
         .log_internal_errors(false)
         .finish()
         .with(filter);
-    let _ = tracing::subscriber::set_global_default(subscriber);
+    #[cfg(feature = "otel")]
+    {
+        let (layer, export) = match otel::layer() {
+            Ok(Some((layer, export))) => (Some(layer), Some(export)),
+            Ok(None) => (None, None),
+            Err(message) => {
+                errln!("canter: {message}; spans are not exported");
+                (None, None)
+            }
+        };
+        let _ = tracing::subscriber::set_global_default(subscriber.with(layer));
+        export
+    }
+    #[cfg(not(feature = "otel"))]
+    {
+        let _ = tracing::subscriber::set_global_default(subscriber);
+        None
+    }
 }
 
 /// Reads log directives: comma-separated levels (error, warn, info, debug, trace, off) and
