@@ -1119,3 +1119,31 @@ async fn a_slow_statement_is_no_warning_with_its_whole_text() {
     assert_eq!(cancelled.status.code(), Some(0), "{}", text(&cancelled));
     assert!(!text(&cancelled).contains("slow statement"), "{}", text(&cancelled));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listen_url_serves_waits_and_workers() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    // An unreadable URL is refused by name, by the worker and by a wait.
+    usage_error(&run(&["worker", "--listen-database-url", "nonsense"]), &["invalid --listen-database-url"]);
+    usage_error(
+        &run(&["result", "1", "--wait", "1s", "--listen-database-url", "nonsense"]),
+        &["invalid --listen-database-url"],
+    );
+    // A good one: a worker and a wait that listen there (the server's URL again here).
+    let worker = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name()])
+        .env("CANTER_LISTEN_DATABASE_URL", &db.url)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let enqueued = run(&["enqueue", "echo", "--args", r#"{"b":2}"#]);
+    let id = String::from_utf8_lossy(&enqueued.stdout).trim().to_owned();
+    let waited = run(&["result", &id, "--wait", "20s", "--listen-database-url", &db.url]);
+    assert_eq!(waited.status.code(), Some(0), "{}", text(&waited));
+    assert_eq!(String::from_utf8_lossy(&waited.stdout).trim(), r#"{"b":2}"#);
+    assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
+    assert!(worker.wait_with_output().unwrap().status.success());
+}

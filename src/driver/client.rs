@@ -173,17 +173,29 @@ impl<R: Runtime> Client<R> {
     /// and find it done), so client and worker may start in any order on an empty database.
     /// [`Client::migrate`]`(false)` only checks the schema instead.
     pub fn new(runtime: Arc<R>, pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
-        let store = PgStore::new(pool, schema, app);
+        Client::on_store(runtime, PgStore::new(pool, schema, app), true)
+    }
+
+    fn on_store(runtime: Arc<R>, store: PgStore, migrate: bool) -> Self {
         Client {
             inner: Arc::new(Inner {
                 store,
                 runtime,
                 router: DoneRouter::new(),
                 listening: Mutex::new(None),
-                migrate: AtomicBool::new(true),
+                migrate: AtomicBool::new(migrate),
                 schema_ready: AtomicBool::new(false),
             }),
         }
+    }
+
+    /// Opens the connection result waits listen on from `pool` (see
+    /// [`PgStore::with_session_pool`]): a direct connection when the client's pool goes
+    /// through PgBouncer in transaction mode, where LISTEN does not work. A client of its own:
+    /// clones made before keep listening on the client's pool.
+    pub fn session_pool(self, pool: PgPool) -> Self {
+        let store = self.inner.store.clone().with_session_pool(pool);
+        Client::on_store(self.inner.runtime.clone(), store, self.inner.migrate.load(Ordering::Relaxed))
     }
 
     /// Whether the first write migrates the schema (the default) or only checks that it is

@@ -48,6 +48,10 @@ pub struct WorkerService {
     pub driver: DriverOptions,
     /// Counters, readable while the worker runs.
     pub counters: Arc<Counters>,
+    /// Where the connections that keep session state (LISTEN, the liveness token) come from,
+    /// when not the pool `serve` is given: a direct connection when that pool goes through
+    /// PgBouncer in transaction mode (see [`PgStore::with_session_pool`]).
+    pub session_pool: Option<PgPool>,
 }
 
 /// Why a worker could not be served.
@@ -98,6 +102,7 @@ impl WorkerService {
             migrate: true,
             driver: DriverOptions::default(),
             counters: Arc::new(Counters::new()),
+            session_pool: None,
         })
     }
 
@@ -111,7 +116,7 @@ impl WorkerService {
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Stats, ServeError> {
-        let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters } = self;
+        let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters, session_pool } = self;
         // Schedules are prepared first: a bad zone or task ends the worker before it claims.
         let scheduler = if config.run_scheduler && !app.schedules.is_empty() {
             Some(Arc::new(load_scheduler(&app)?))
@@ -121,7 +126,10 @@ impl WorkerService {
             }
             None
         };
-        let store = PgStore::new(pool, schema, app.clone());
+        let mut store = PgStore::new(pool, schema, app.clone());
+        if let Some(session_pool) = session_pool {
+            store = store.with_session_pool(session_pool);
+        }
         let seed = mix(config.seed_for(&id));
         let (control_tx, mut control_rx) = mpsc::unbounded::<Input>();
         // Dropping the sender stops the scheduler: at the shutdown signal, or when the worker ends.
@@ -342,7 +350,7 @@ async fn listen<R: Runtime>(
         // terminated backend), is not an outage: listen again at once, up to a few times in a
         // row. Failing to connect is, and backs off.
         let mut at_once = false;
-        let listening = match PgListener::connect_with(store.pool()).await {
+        let listening = match PgListener::connect_with(store.session_pool()).await {
             Ok(mut listener) => match listener.listen_all(channels.iter().map(String::as_str)).await {
                 Ok(()) => Some(listener),
                 Err(error) => {
@@ -423,7 +431,7 @@ async fn keep_token<R: Runtime>(
     let mut retry = Retry::new(&app.resilience, seed);
     let mut warned = false;
     loop {
-        let taken = match store.pool().acquire().await {
+        let taken = match store.session_pool().acquire().await {
             Ok(connection) => {
                 let mut connection = connection.detach();
                 match store.take_token(&mut connection, &id).await {
@@ -541,6 +549,16 @@ impl<R: Runtime> PgWorker<R> {
     /// missing (for a role without CREATE rights; `canter worker --no-migrate`).
     pub fn migrate(mut self, migrate: bool) -> Self {
         self.service.migrate = migrate;
+        self
+    }
+
+    /// Takes the connections that keep session state (LISTEN for wake-ups, the liveness
+    /// token) from `pool`: a direct connection when the worker's pool goes through PgBouncer in
+    /// transaction mode, where neither outlives a transaction (see
+    /// [`PgStore::with_session_pool`]). A few connections suffice: the listener and the token
+    /// hold one each.
+    pub fn session_pool(mut self, pool: PgPool) -> Self {
+        self.service.session_pool = Some(pool);
         self
     }
 

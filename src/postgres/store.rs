@@ -84,6 +84,8 @@ pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx:
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pub(super) pool: PgPool,
+    /// Connections that keep session state (LISTEN, the liveness token), when not `pool`'s.
+    pub(super) session_pool: Option<PgPool>,
     pub(super) schema: PgSchema,
     pub(super) app: Arc<AppConfig>,
     pub(super) kept: Arc<KeptConnections>,
@@ -155,7 +157,22 @@ impl PgStore {
     /// database; run [`migrate`](PgStore::migrate) once at startup.
     pub fn new(pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
         let kept = Arc::new(KeptConnections::new(&pool));
-        PgStore { pool, schema, app: Arc::new(app), kept, vacuum: Arc::default() }
+        PgStore { pool, schema, app: Arc::new(app), kept, vacuum: Arc::default(), session_pool: None }
+    }
+
+    /// Takes the connections that keep state in their session (LISTEN for wake-ups and result
+    /// waits, the worker's liveness token, a session advisory lock) from `pool` instead of the
+    /// store's: a direct connection to PostgreSQL when the store's pool goes through a pooler in
+    /// transaction mode (PgBouncer), where a session does not outlive its transaction.
+    pub fn with_session_pool(mut self, pool: PgPool) -> Self {
+        self.session_pool = Some(pool);
+        self
+    }
+
+    /// Where connections that keep session state come from (see
+    /// [`with_session_pool`](PgStore::with_session_pool)): the store's pool unless one was given.
+    pub fn session_pool(&self) -> &PgPool {
+        self.session_pool.as_ref().unwrap_or(&self.pool)
     }
 
     /// How many connections the store may hold at once: the pool's and the kept ones.

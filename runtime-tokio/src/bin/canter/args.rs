@@ -32,6 +32,10 @@ pub(crate) struct Cli {
     /// The PostgreSQL connection URL (postgres://user@host:port/database)
     #[arg(long, global = true, env = "DATABASE_URL", value_name = "URL", hide_env_values = true)]
     pub(crate) database_url: Option<String>,
+    /// Another PostgreSQL URL for the connections that keep session state (LISTEN, the
+    /// worker's liveness token): a direct one when --database-url's cannot keep sessions
+    #[arg(long, global = true, env = "CANTER_LISTEN_DATABASE_URL", value_name = "URL", hide_env_values = true)]
+    pub(crate) listen_database_url: Option<String>,
     #[command(subcommand)]
     pub(crate) command: Command,
 }

@@ -19,6 +19,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 pub(crate) struct Database {
     /// The URL, if one was given.
     pub(crate) url: Option<String>,
+    /// A direct URL for the connections that keep session state (LISTEN, the liveness
+    /// token), when `url` goes through a pooler in transaction mode.
+    pub(crate) listen_url: Option<String>,
 }
 
 /// Why a connection failed, as far as waiting is concerned.
@@ -34,6 +37,25 @@ enum Cause {
 }
 
 impl Database {
+    /// A lazily connecting pool on `--listen-database-url`, when one was given: nothing is
+    /// dialled until a wait or a worker's listener needs it (and then retried as they retry).
+    pub(crate) fn session_pool(&self) -> Result<Option<sqlx::PgPool>, Failure> {
+        match self.listen_url.as_deref().filter(|url| !url.is_empty()) {
+            None => Ok(None),
+            Some(url) => canter_tokio::connect(url, 3)
+                .map(Some)
+                .map_err(|e| usage(format!("invalid --listen-database-url: {e}"))),
+        }
+    }
+
+    /// `client` listening on `--listen-database-url`'s connections when one was given.
+    pub(crate) fn with_session(&self, client: canter_tokio::Client) -> Result<canter_tokio::Client, Failure> {
+        Ok(match self.session_pool()? {
+            Some(pool) => client.session_pool(pool),
+            None => client,
+        })
+    }
+
     /// The URL, or a usage error saying how to give one.
     pub(crate) fn url(&self) -> Result<&str, Failure> {
         self.url
@@ -246,8 +268,8 @@ mod tests {
 
     #[test]
     fn targets_name_host_port_and_database() {
-        let database = Database { url: Some("postgres://me@db.example:6543/app".into()) };
+        let database = Database { url: Some("postgres://me@db.example:6543/app".into()), listen_url: None };
         assert_eq!(database.target(), "db.example:6543 database app");
-        assert!(matches!(Database { url: None }.url(), Err(Failure::Usage(_))));
+        assert!(matches!(Database { url: None, listen_url: None }.url(), Err(Failure::Usage(_))));
     }
 }

@@ -16,7 +16,9 @@ use crate::{Outcome, errln, failed, outln};
 /// A client of the database and schema the command line names.
 pub(crate) async fn client(database: &Database, schema: &SchemaArg) -> Result<Client, crate::Failure> {
     let pool = database.pool(4).await?;
-    Ok(Client::new(std::sync::Arc::new(TokioRuntime), pool, schema.schema.clone(), Default::default()).migrate(false))
+    database.with_session(
+        Client::new(std::sync::Arc::new(TokioRuntime), pool, schema.schema.clone(), Default::default()).migrate(false),
+    )
 }
 
 pub(crate) async fn status(database: &Database, schema: &SchemaArg, output: Output) -> Outcome {

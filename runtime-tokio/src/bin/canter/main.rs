@@ -92,7 +92,7 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let database = Database { url: cli.database_url };
+    let database = Database { url: cli.database_url, listen_url: cli.listen_database_url };
     let outcome = runtime.block_on(run(cli.command, database));
     let code = match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -296,6 +296,10 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
         .map_err(usage)?
         .schema(args.schema.schema.clone())
         .migrate(!args.no_migrate);
+    let worker = match database.session_pool()? {
+        Some(session_pool) => worker.session_pool(session_pool),
+        None => worker,
+    };
     let endpoints = match &args.metrics_addr {
         Some(addr) => {
             let router = canter_tokio::http::worker_router(worker.worker_id().clone(), worker.counters());

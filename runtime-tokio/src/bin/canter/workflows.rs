@@ -163,9 +163,11 @@ fn read(file: &str, force: bool) -> Result<(NewWorkflow, Vec<String>), Failure> 
     Ok((workflow, names))
 }
 
-fn client(database_pool: sqlx::PgPool, schema: &SchemaArg) -> Client {
-    Client::new(std::sync::Arc::new(TokioRuntime), database_pool, schema.schema.clone(), Default::default())
-        .migrate(false)
+async fn client(database: &Database, schema: &SchemaArg) -> Result<Client, crate::Failure> {
+    let pool = database.pool(4).await?;
+    database.with_session(
+        Client::new(std::sync::Arc::new(TokioRuntime), pool, schema.schema.clone(), Default::default()).migrate(false),
+    )
 }
 
 async fn record(database: &Database, client: &Client, id: WorkflowId) -> Result<WorkflowRecord, Failure> {
@@ -198,7 +200,7 @@ fn waits_for(step: &StepRecord) -> String {
 }
 
 async fn show(database: &Database, id: WorkflowId, schema: &SchemaArg, json: bool) -> Outcome {
-    let client = client(database.pool(4).await?, schema);
+    let client = client(database, schema).await?;
     let record = record(database, &client, id).await?;
     let steps = database.retrying("read the steps", || client.store().workflow_steps(id)).await?;
     if json {
@@ -231,7 +233,7 @@ async fn show(database: &Database, id: WorkflowId, schema: &SchemaArg, json: boo
 }
 
 async fn list(database: &Database, limit: u32, schema: &SchemaArg, json: bool) -> Outcome {
-    let client = client(database.pool(4).await?, schema);
+    let client = client(database, schema).await?;
     let ids = database.retrying("list workflows", || client.store().workflow_ids(limit)).await?;
     let mut records = Vec::with_capacity(ids.len());
     for id in ids {
@@ -272,7 +274,7 @@ enum Action {
 }
 
 async fn act(database: &Database, args: WorkflowArgs, action: Action) -> Outcome {
-    let client = client(database.pool(4).await?, &args.schema);
+    let client = client(database, &args.schema).await?;
     let id = args.id.0;
     let (status, done) = match action {
         Action::Pause => (client.pause_workflow(id).await, "paused"),
