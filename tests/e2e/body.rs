@@ -25,6 +25,7 @@ macro_rules! every_scenario {
         $run!(undecodable_rows_fail_alone);
         $run!(workflows_fan_out_fan_in_and_recover);
         $run!(a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_again);
+        $run!(metrics_follow_what_the_worker_did);
     };
 }
 
@@ -34,7 +35,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
-use canter::driver::{Client, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService, Workflow};
+use canter::driver::{
+    Client, Counters, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService, Workflow,
+};
 use canter::postgres::{PgSchema, PgStore};
 use canter::schedule::ScheduleConfig;
 use canter::store::AdminRequest;
@@ -228,6 +231,7 @@ pub struct RunningWorker {
     pub done: oneshot::Receiver<Stats>,
     pub events: Arc<Mutex<Vec<Event>>>,
     pub id: WorkerId,
+    pub counters: Arc<Counters>,
 }
 
 impl RunningWorker {
@@ -256,9 +260,10 @@ pub fn start_worker<R: Runtime>(
     let shutdown = async move {
         let _ = stopped.await;
     };
+    let counters = service.counters.clone();
     let serve = service.serve(runtime.clone(), pool.clone(), shutdown);
     let done = runtime.spawn_with_output(async move { serve.await.expect("serve") });
-    RunningWorker { stop: Some(stop), done, events, id }
+    RunningWorker { stop: Some(stop), done, events, id, counters }
 }
 
 async fn wait_until<R: Runtime>(runtime: &R, within: Duration, mut check: impl AsyncFnMut() -> bool) {
@@ -966,4 +971,49 @@ pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_ag
     assert_eq!(runs, [(1, 2), (2, 1)].into_iter().collect(), "the cancelled step ran again, its child once");
     // The aborted run was dropped before its end (the others counted themselves out).
     assert_eq!(tasks.seen.running.load(Ordering::SeqCst), 1, "the aborted handler never got to its end");
+}
+
+/// The metrics text of a worker (`canter::driver::metrics`, what `/metrics` serves) carries
+/// what it did, read back sample by sample: its outcomes, its requests by kind, its readiness
+/// while it runs and after it stopped.
+pub async fn metrics_follow_what_the_worker_did<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let tasks = tasks(runtime.clone());
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let worker = start_worker(&runtime, &pool, &schema, fast_app(), fast_worker(4), tasks.registry.clone(), "m1");
+    let mut handles = Vec::new();
+    for id in 0..10 {
+        handles.push(client.enqueue(&tasks.work, &Work { id, ms: 0 }).await.unwrap());
+    }
+    let failed = client.enqueue(&tasks.fail, &Fail { code: "NOPE".into() }).await.unwrap();
+    for handle in handles {
+        handle.wait(Duration::from_secs(20)).await.unwrap();
+    }
+    failed.wait(Duration::from_secs(20)).await.unwrap_err();
+    let id = worker.id.0.clone();
+    let samples = |counters: &Counters| -> BTreeMap<String, f64> {
+        let text = canter::driver::metrics::render(&id, &counters.snapshot(), &counters.requests());
+        text.lines()
+            .filter(|line| !line.starts_with('#'))
+            .map(|line| {
+                let (key, value) = line.rsplit_once(' ').expect("a sample");
+                (key.to_owned(), if value == "+Inf" { f64::INFINITY } else { value.parse().expect("a number") })
+            })
+            .collect()
+    };
+    // Counted after the turn that handled the finish's reply: it may come a moment later.
+    wait_until(&*runtime, Duration::from_secs(10), async || {
+        samples(&worker.counters)["canter_worker_tasks_completed_total"] == 10.0
+    })
+    .await;
+    let running = samples(&worker.counters);
+    assert_eq!(running["canter_worker_tasks_failed_total"], 1.0);
+    assert_eq!(running["canter_worker_tasks_claimed_total"], 11.0);
+    assert_eq!(running["canter_worker_ready"], 1.0);
+    assert_eq!(running["canter_worker_concurrency"], 4.0);
+    assert!(running["canter_db_request_duration_seconds_count{kind=\"register_worker\"}"] >= 1.0, "{running:?}");
+    let counters = worker.counters.clone();
+    worker.stop().await;
+    let stopped = samples(&counters);
+    assert_eq!((stopped["canter_worker_ready"], stopped["canter_worker_shutting_down"]), (0.0, 1.0));
+    assert!(stopped["canter_db_request_duration_seconds_count{kind=\"deregister_worker\"}"] >= 1.0, "{stopped:?}");
 }
