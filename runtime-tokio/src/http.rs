@@ -62,13 +62,16 @@ fn readiness(health: &Health) -> (StatusCode, String) {
         reasons.push("shutting down".to_owned());
     }
     if health.db_failures_in_a_row > 0 {
-        reasons.push(format!("the database failed the last {} requests", health.db_failures_in_a_row));
+        reasons.push(format!("the database is unavailable ({} failed tries in a row)", health.db_failures_in_a_row));
     }
     if !health.listening && !health.polling {
-        reasons.push("neither listening nor polling".to_owned());
+        reasons.push("starting: neither listening nor polling yet".to_owned());
     }
     (StatusCode::SERVICE_UNAVAILABLE, format!("not ready: {}\n", reasons.join("; ")))
 }
+
+/// How long [`Endpoints::stop`] waits for connections still open.
+pub const STOP_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// An HTTP server of a router on a task of its own, until [`stop`](Endpoints::stop)ped (or
 /// dropped, which stops it too).
@@ -98,12 +101,15 @@ impl Endpoints {
         Ok(Endpoints { local_addr, stop: Some(stop), server })
     }
 
-    /// Stops listening and waits for requests in flight (each is short).
+    /// Stops listening and waits for requests in flight, at most [`STOP_WAIT`]: a client that
+    /// sent half a request and stalled is cut off then.
     pub async fn stop(mut self) {
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
-        let _ = (&mut self.server).await;
+        if tokio::time::timeout(STOP_WAIT, &mut self.server).await.is_err() {
+            self.server.abort();
+        }
     }
 }
 

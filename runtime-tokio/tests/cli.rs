@@ -1113,6 +1113,20 @@ async fn a_slow_statement_is_no_warning_with_its_whole_text() {
     let lock = format!("SELECT 1 FROM {}.tasks WHERE id = $1 FOR UPDATE", db.schema.quoted());
     sqlx::query(sqlx::AssertSqlSafe(lock)).bind(id.parse::<i64>().unwrap()).execute(&mut *holder).await.unwrap();
     let cancel = tokio::task::spawn_blocking(move || run(&["cancel", &id]));
+    // The 1.5 s count from when the cancel's statement waits on the lock.
+    let waiting =
+        "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE '%DELETE FROM%tasks%'";
+    let observer = db.pool(1).await;
+    for _ in 0..400 {
+        if sqlx::query_scalar::<_, i64>(waiting).fetch_one(&observer).await.unwrap() > 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert!(
+        sqlx::query_scalar::<_, i64>(waiting).fetch_one(&observer).await.unwrap() > 0,
+        "the cancel waits on the lock"
+    );
     tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
     holder.rollback().await.unwrap();
     let cancelled = cancel.await.unwrap();

@@ -95,5 +95,8 @@ async fn a_worker_exports_a_span_per_task_run() {
     let contains = |needle: &[u8]| all.windows(needle.len()).any(|w| w == needle);
     assert!(contains(b"canter.task"), "{} bytes without the task span", body.len());
     assert!(contains(b"echo"), "the task's name");
-    assert!(contains(b"service.name") && contains(b"canter"), "the service name");
+    // The resource names the service: ours, not the SDK's default `unknown_service:...`.
+    // KeyValue { key: "service.name", value: AnyValue { string_value: "canter" } } as protobuf.
+    assert!(contains(b"service.name\x12\x08\x0a\x06canter"), "the service name");
+    assert!(!contains(b"unknown_service"));
 }

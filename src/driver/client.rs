@@ -213,7 +213,7 @@ impl<R: Runtime> Client<R> {
         }
         let store = &self.inner.store;
         if self.inner.migrate.load(Ordering::Relaxed) {
-            migrate_within(store.pool(), store.schema(), MIGRATE_LOCK_WAIT).await?;
+            migrate_within(store.session_pool(), store.schema(), MIGRATE_LOCK_WAIT).await?;
         } else {
             require_current(store.pool(), store.schema()).await?;
         }

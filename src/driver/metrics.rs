@@ -112,7 +112,7 @@ impl Collector for WorkerMetrics {
             ("worker_concurrency", "Handlers the worker may run at once.", i64::from(h.concurrency)),
             (
                 "worker_db_failures_in_a_row",
-                "Database requests that failed in a row with no success since (the backoff's step).",
+                "Database outages in a row with no successful request since (the backoff's step).",
                 i64::from(h.db_failures_in_a_row),
             ),
             ("worker_listening", "1 while the LISTEN connection is up.", i64::from(h.listening)),
@@ -141,7 +141,7 @@ impl Collector for WorkerMetrics {
         }
         let mut sizes = encoder.encode_descriptor(
             "db_request_tasks",
-            "Database requests by kind: the tasks each named or brought back (batch sizes).",
+            "Database requests by kind: the tasks each named (a finish's outcomes, a heartbeat's leases) or, for a claim, brought back (batch sizes).",
             None,
             MetricType::Histogram,
         )?;

@@ -189,7 +189,14 @@ where
                         };
                         let took = clock.now().saturating_duration_since(sent);
                         if let Some(counters) = &counters {
-                            counters.record_request(kind, took, items + claimed, answer.is_ok());
+                            // What it named (a finish's outcomes, a heartbeat's leases), or what
+                            // a claim brought back.
+                            counters.record_request(
+                                kind,
+                                took,
+                                if items == 0 { claimed } else { items },
+                                answer.is_ok(),
+                            );
                         }
                         let ms = took.as_secs_f64() * 1e3;
                         tracing::trace!(target: "canter::db", %op, kind, items, claimed, ms, ok = answer.is_ok());

@@ -27,8 +27,9 @@ pub struct Counters {
 pub const REQUEST_SECONDS_BUCKETS: [f64; 14] =
     [0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0];
 
-/// Upper bounds of the buckets of how many tasks a request named or brought back (a claim's
-/// tasks, a finish's outcomes): the batch sizes.
+/// Upper bounds of the buckets of how many tasks a request named (a finish's outcomes, a
+/// heartbeat's leases, a start's tasks; a finish-and-claim's finishes) or, for a claim, brought
+/// back: the batch sizes.
 pub const REQUEST_TASKS_BUCKETS: [f64; 12] =
     [0.0, 1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 5000.0];
 

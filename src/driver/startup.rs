@@ -47,7 +47,7 @@ pub(crate) async fn prepare_schema<R: Runtime>(
     let schema = store.schema().name();
     loop {
         let attempt = if migrate {
-            migrate_within(store.pool(), store.schema(), STARTUP_LOCK_WAIT).await
+            migrate_within(store.session_pool(), store.schema(), STARTUP_LOCK_WAIT).await
         } else {
             require_current(store.pool(), store.schema()).await
         };

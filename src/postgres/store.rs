@@ -161,8 +161,8 @@ impl PgStore {
     }
 
     /// Takes the connections that keep state in their session (LISTEN for wake-ups and result
-    /// waits, the worker's liveness token, a session advisory lock) from `pool` instead of the
-    /// store's: a direct connection to PostgreSQL when the store's pool goes through a pooler in
+    /// waits, the worker's liveness token, the migrate lock and the settings the migrations run
+    /// under) from `pool` instead of the store's: a direct connection to PostgreSQL when the store's pool goes through a pooler in
     /// transaction mode (PgBouncer), where a session does not outlive its transaction.
     pub fn with_session_pool(mut self, pool: PgPool) -> Self {
         self.session_pool = Some(pool);

@@ -378,12 +378,14 @@ pub enum Timer {
 }
 
 /// What the machine knows of its own state, for health checks and gauges: a worker is ready
-/// while it runs (no shutdown begun) and its last database request did not fail.
+/// while it runs (no shutdown begun), no database outage is being waited out, and it hears of
+/// new tasks.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Health {
     /// Shutdown has begun: the worker claims nothing more.
     pub shutting_down: bool,
-    /// Requests that failed in a row, with no success since (the database backoff's step).
+    /// The database backoff's step: outages in a row with no successful request since (the
+    /// requests failing together in one outage count once; a lock held too long is no outage).
     pub db_failures_in_a_row: u32,
     /// Whether the LISTEN connection is up.
     pub listening: bool,
@@ -398,8 +400,8 @@ pub struct Health {
 }
 
 impl Health {
-    /// Whether the worker should receive work: it runs, the database answers, and it hears of
-    /// new tasks (a listener or polling).
+    /// Whether the worker should receive work: it runs, no outage is being waited out, and it
+    /// hears of new tasks (a listener, or polling; one of them from its first turn on).
     pub fn ready(&self) -> bool {
         !self.shutting_down && self.db_failures_in_a_row == 0 && (self.listening || self.polling)
     }

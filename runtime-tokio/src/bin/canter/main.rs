@@ -238,7 +238,11 @@ fn log_filter(directives: &str, default: LevelFilter) -> Option<(Targets, LevelF
 }
 
 async fn migrate(database: &Database, schema: &SchemaArg, output: Output) -> Outcome {
-    let pool = database.pool(2).await?;
+    // The migrate lock is a session's: on --listen-database-url's connection when given.
+    let pool = match database.session_pool()? {
+        Some(session) => session,
+        None => database.pool(2).await?,
+    };
     let schema = &schema.schema;
     let before = database
         .retrying("read the schema's version", || canter_tokio::canter::postgres::schema_status(&pool, schema))
