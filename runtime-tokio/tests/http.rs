@@ -107,3 +107,18 @@ async fn metrics_and_health_follow_the_worker() {
     endpoints.stop().await;
     assert!(tokio::net::TcpStream::connect(addr).await.is_err(), "stopped endpoints do not listen");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_the_endpoints_cuts_off_a_stalled_client() {
+    let counters = Arc::new(canter_tokio::Counters::new());
+    let endpoints = Endpoints::bind("127.0.0.1:0", worker_router(canter_tokio::WorkerId("w".into()), counters))
+        .await
+        .expect("bind");
+    // Half a request, then nothing: graceful shutdown alone would wait for it forever.
+    let mut stalled = tokio::net::TcpStream::connect(endpoints.local_addr).await.expect("connect");
+    stalled.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n").await.expect("send");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let began = tokio::time::Instant::now();
+    tokio::time::timeout(canter_tokio::http::STOP_WAIT * 3, endpoints.stop()).await.expect("stopped within its bound");
+    assert!(began.elapsed() < canter_tokio::http::STOP_WAIT * 2, "{:?}", began.elapsed());
+}

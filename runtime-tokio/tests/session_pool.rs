@@ -91,3 +91,48 @@ async fn session_state_lives_on_the_session_pool() {
     main.close().await;
     session.close().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_first_write_migrates_on_the_session_pool() {
+    let db = pg::TestDb::unmigrated().await;
+    let (main_name, session_name) = (format!("{}-main", db.schema.name()), format!("{}-session", db.schema.name()));
+    let main = named_pool(&db.url, &main_name, 4);
+    let session = named_pool(&db.url, &session_name, 2);
+    // Another session holds the migrate lock: the migration waits for it, and shows where.
+    let observer = db.pool(1).await;
+    let mut holder = observer.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(canter::postgres::MIGRATE_LOCK_KEY)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let client = Client::new(Arc::new(TokioRuntime), main.clone(), db.schema.clone(), AppConfig::default())
+        .session_pool(session.clone());
+    let noop: canter_tokio::TaskHandle<(), ()> = canter_tokio::TaskHandle::named("noop");
+    let enqueue = tokio::spawn(async move { client.enqueue(&noop, &()).await.map(|handle| handle.id()) });
+    let waiting = "SELECT a.application_name FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                   WHERE l.locktype = 'advisory' AND NOT l.granted AND a.application_name IN ($1, $2)";
+    let mut waiters = Vec::new();
+    for _ in 0..400 {
+        waiters = sqlx::query_scalar::<_, String>(waiting)
+            .bind(&main_name)
+            .bind(&session_name)
+            .fetch_all(&mut *holder)
+            .await
+            .unwrap();
+        if !waiters.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert_eq!(waiters, vec![session_name.clone()], "the migration waits on a session of the session pool");
+    sqlx::query("SELECT pg_advisory_unlock($1)")
+        .bind(canter::postgres::MIGRATE_LOCK_KEY)
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    enqueue.await.unwrap().expect("migrated, then enqueued");
+    drop(holder);
+    main.close().await;
+    session.close().await;
+}
