@@ -19,6 +19,13 @@ fn against(db: &pg::TestDb) -> impl Fn(&[&str]) -> Output + use<> {
     }
 }
 
+/// `canter worker` against the test database's schema, to be given more flags and spawned.
+fn worker_command(db: &pg::TestDb) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_canter"));
+    command.args(["worker", "--database-url", &db.url, "--schema", db.schema.name()]);
+    command
+}
+
 fn text(output: &Output) -> String {
     format!("{}{}", String::from_utf8_lossy(&output.stdout), String::from_utf8_lossy(&output.stderr))
 }
@@ -438,8 +445,8 @@ async fn a_whole_flow_against_postgres() {
     let timed_out: serde_json::Value = serde_json::from_slice(&timed_out.stdout).expect("JSON on a timeout");
     assert_eq!((&timed_out["state"], &timed_out["timed_out"]), (&"PENDING".into(), &true.into()));
 
-    let worker = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
+    let worker = worker_command(&db)
+        .args(["--poll-interval-ms", "1000"])
         .env("CANTER_LOG", "info")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
@@ -520,8 +527,8 @@ async fn operator_commands_against_postgres() {
     let db = pg::TestDb::new().await;
     let run = against(&db);
     let worker = || {
-        Command::new(env!("CARGO_BIN_EXE_canter"))
-            .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--poll-interval-ms", "1000"])
+        worker_command(&db)
+            .args(["--poll-interval-ms", "1000"])
             .env("CANTER_LOG", "warn")
             .stdout(Stdio::null())
             .spawn()
@@ -944,12 +951,7 @@ async fn workflows_from_the_command_line() {
     let shown = text(&run(&["workflow", "show", &id]));
     assert!(shown.contains("running") && shown.contains("2 more of its 2 parents"), "{shown}");
 
-    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name()])
-        .env("CANTER_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut worker = worker_command(&db).env("CANTER_LOG", "warn").stdout(Stdio::null()).spawn().unwrap();
     let mut ended = serde_json::Value::Null;
     for _ in 0..200 {
         ended = serde_json::from_slice(&run(&["workflow", "show", &id, "--json"]).stdout).unwrap();
@@ -1006,12 +1008,7 @@ async fn force_unlock_refuses_a_live_worker() {
     let db = pg::TestDb::new().await;
     let run = against(&db);
     assert_eq!(run(&["migrate"]).status.code(), Some(0));
-    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name()])
-        .env("CANTER_LOG", "warn")
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut worker = worker_command(&db).env("CANTER_LOG", "warn").stdout(Stdio::null()).spawn().unwrap();
     let id = first_line(&run(&["enqueue", "sleep", "--args", r#"{"ms":60000}"#]));
     let shown = wait_for_state(&run, &id, "RUNNING");
     let live = shown["task"]["worker"].as_str().expect("its worker").to_owned();
@@ -1049,8 +1046,8 @@ async fn a_worker_serves_its_metrics_and_health_where_asked() {
     let db = pg::TestDb::new().await;
     let run = against(&db);
     assert_eq!(run(&["migrate"]).status.code(), Some(0));
-    let mut worker = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name(), "--metrics-addr", "127.0.0.1:0"])
+    let mut worker = worker_command(&db)
+        .args(["--metrics-addr", "127.0.0.1:0"])
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
@@ -1146,8 +1143,7 @@ async fn the_listen_url_serves_waits_and_workers() {
         &["invalid --listen-database-url"],
     );
     // A good one: a worker and a wait that listen there (the server's URL again here).
-    let worker = Command::new(env!("CARGO_BIN_EXE_canter"))
-        .args(["worker", "--database-url", &db.url, "--schema", db.schema.name()])
+    let worker = worker_command(&db)
         .env("CANTER_LISTEN_DATABASE_URL", &db.url)
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -17,12 +17,18 @@ fn named_pool(url: &str, name: &str, size: u32) -> sqlx::PgPool {
     canter::postgres::pool_options(&options).max_connections(size).connect_lazy_with(options.application_name(name))
 }
 
+/// A main pool and a session pool on `db`'s server, their sessions named `{schema}-main` and
+/// `{schema}-session`: the names, then the pools.
+fn two_pools(db: &pg::TestDb) -> ((String, String), (sqlx::PgPool, sqlx::PgPool)) {
+    let names = (format!("{}-main", db.schema.name()), format!("{}-session", db.schema.name()));
+    let pools = (named_pool(&db.url, &names.0, 4), named_pool(&db.url, &names.1, 3));
+    (names, pools)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn session_state_lives_on_the_session_pool() {
     let db = pg::TestDb::new().await;
-    let (main_name, session_name) = (format!("{}-main", db.schema.name()), format!("{}-session", db.schema.name()));
-    let main = named_pool(&db.url, &main_name, 6);
-    let session = named_pool(&db.url, &session_name, 3);
+    let ((main_name, session_name), (main, session)) = two_pools(&db);
     let mut registry = Registry::new();
     let double = registry.register("double", |n: i64, _| async move { Ok::<_, TaskError>(n * 2) }).unwrap();
     // Event-driven only: the task below starts only if the LISTEN on the session pool works.
@@ -95,9 +101,7 @@ async fn session_state_lives_on_the_session_pool() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_first_write_migrates_on_the_session_pool() {
     let db = pg::TestDb::unmigrated().await;
-    let (main_name, session_name) = (format!("{}-main", db.schema.name()), format!("{}-session", db.schema.name()));
-    let main = named_pool(&db.url, &main_name, 4);
-    let session = named_pool(&db.url, &session_name, 2);
+    let ((main_name, session_name), (main, session)) = two_pools(&db);
     // Another session holds the migrate lock: the migration waits for it, and shows where.
     let observer = db.pool(1).await;
     let mut holder = observer.acquire().await.unwrap();

@@ -46,20 +46,16 @@ pub struct RequestStats {
     /// The sum of their durations in seconds.
     pub seconds_sum: f64,
     /// Requests per duration bucket; one more than the bounds.
-    pub seconds_buckets: Vec<u64>,
+    pub seconds_buckets: [u64; REQUEST_SECONDS_BUCKETS.len() + 1],
     /// The sum of the tasks they named or brought back.
     pub tasks_sum: u64,
     /// Requests per batch-size bucket; one more than the bounds.
-    pub tasks_buckets: Vec<u64>,
+    pub tasks_buckets: [u64; REQUEST_TASKS_BUCKETS.len() + 1],
 }
 
 impl RequestStats {
     fn record(&mut self, took: Duration, tasks: usize, ok: bool) {
         let seconds = took.as_secs_f64();
-        if self.seconds_buckets.is_empty() {
-            self.seconds_buckets = vec![0; REQUEST_SECONDS_BUCKETS.len() + 1];
-            self.tasks_buckets = vec![0; REQUEST_TASKS_BUCKETS.len() + 1];
-        }
         self.count += 1;
         self.failures += u64::from(!ok);
         self.seconds_sum += seconds;
@@ -194,13 +190,13 @@ mod tests {
         let claim = &requests["claim"];
         assert_eq!((claim.count, claim.failures, claim.tasks_sum), (3, 1, 120));
         // 0.4 ms in the first bucket, 3 ms in the (2.5, 5] ms one, 30 s past the last bound.
-        let mut seconds = vec![0; REQUEST_SECONDS_BUCKETS.len() + 1];
+        let mut seconds = [0; REQUEST_SECONDS_BUCKETS.len() + 1];
         seconds[0] = 1;
         seconds[3] = 1;
         seconds[REQUEST_SECONDS_BUCKETS.len()] = 1;
         assert_eq!(claim.seconds_buckets, seconds);
         // 0 tasks twice (the bound 0), 120 in (100, 200].
-        let mut tasks = vec![0; REQUEST_TASKS_BUCKETS.len() + 1];
+        let mut tasks = [0; REQUEST_TASKS_BUCKETS.len() + 1];
         tasks[0] = 2;
         tasks[8] = 1;
         assert_eq!(claim.tasks_buckets, tasks);

@@ -2048,53 +2048,52 @@ impl Sim {
     /// Delivers the store's notifications to every listening worker, with faults.
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
-            let (queue, priority) = match notification {
-                Notification::TaskReady { queue, priority } => (queue, priority),
+            match notification {
+                Notification::TaskReady { queue, priority } => {
+                    // PostgreSQL does not drop a NOTIFY on a live LISTEN session: notifications
+                    // are lost with the connection (listener drops). Random loss is injected
+                    // only where a poll makes up for it; in EventDrivenOnly mode it would be lost
+                    // by design ("a lost notification leaves work waiting until the next one").
+                    let lost = self.deliver_to_listeners(
+                        |slot| slot.config.deployment_mode != DeploymentMode::EventDrivenOnly,
+                        |slot, incarnation| SimEvent::Notify { slot, incarnation, queue: queue.clone(), priority },
+                    );
+                    if !lost.is_empty() {
+                        self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
+                    }
+                }
+                // A workflow's cancel took claimed and running steps from their holders: lost
+                // (the next heartbeat makes up for it in every mode), duplicated, delayed.
                 Notification::TasksRevoked { tasks } => {
-                    self.notify_revoked(tasks);
-                    continue;
+                    let lost = self.deliver_to_listeners(
+                        |_| true,
+                        |slot, incarnation| SimEvent::Revoked { slot, incarnation, tasks: tasks.clone() },
+                    );
+                    if !lost.is_empty() {
+                        self.note("db", format_args!("revoked {}: lost for slots {lost:?}", ids(&tasks)));
+                    }
                 }
-                _ => continue,
-            };
-            let mut lost = Vec::new();
-            for slot in 0..self.slots.len() {
-                if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
-                    continue;
-                }
-                let faults = &self.options.faults;
-                // PostgreSQL does not drop a NOTIFY on a live LISTEN session: notifications are
-                // lost with the connection (listener drops). Random loss is injected only where
-                // a poll makes up for it; in EventDrivenOnly mode it would be lost by design
-                // ("a lost notification leaves work waiting until the next one").
-                let polls = self.slots[slot].config.deployment_mode != DeploymentMode::EventDrivenOnly;
-                if self.faults_on && polls && self.rng.chance(faults.notify_loss_chance) {
-                    lost.push(slot);
-                    continue;
-                }
-                let copies = if self.faults_on && self.rng.chance(faults.notify_duplicate_chance) { 2 } else { 1 };
-                let incarnation = self.slots[slot].incarnation;
-                for _ in 0..copies {
-                    let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
-                    self.schedule(delay, SimEvent::Notify { slot, incarnation, queue: queue.clone(), priority });
-                }
-            }
-            if !lost.is_empty() {
-                self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
+                _ => {}
             }
         }
     }
 
-    /// Delivers a revocation (a workflow's cancel took claimed and running steps from their
-    /// holders) to every listening worker, with faults: lost (the next heartbeat makes up for
-    /// it in every mode), duplicated, delayed.
-    fn notify_revoked(&mut self, tasks: Vec<TaskId>) {
+    /// Schedules `event` for every listening worker, with the notifications' faults: lost
+    /// (where `may_lose` says a loss is made up for), duplicated, delayed. Returns the slots
+    /// it was lost for. The random draws come in the same order for every kind of event, so
+    /// seeds replay.
+    fn deliver_to_listeners(
+        &mut self,
+        may_lose: impl Fn(&Slot) -> bool,
+        event: impl Fn(usize, u32) -> SimEvent,
+    ) -> Vec<usize> {
         let mut lost = Vec::new();
         for slot in 0..self.slots.len() {
             if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
                 continue;
             }
             let faults = &self.options.faults;
-            if self.faults_on && self.rng.chance(faults.notify_loss_chance) {
+            if self.faults_on && may_lose(&self.slots[slot]) && self.rng.chance(faults.notify_loss_chance) {
                 lost.push(slot);
                 continue;
             }
@@ -2102,12 +2101,10 @@ impl Sim {
             let incarnation = self.slots[slot].incarnation;
             for _ in 0..copies {
                 let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
-                self.schedule(delay, SimEvent::Revoked { slot, incarnation, tasks: tasks.clone() });
+                self.schedule(delay, event(slot, incarnation));
             }
         }
-        if !lost.is_empty() {
-            self.note("db", format_args!("revoked {}: lost for slots {lost:?}", ids(&tasks)));
-        }
+        lost
     }
 
     // ---------------------------------------------------------------------------------------
