@@ -331,6 +331,12 @@ impl Pair {
         assert_eq!(self.pg.queue_depths().await.unwrap(), self.memory.queue_depths(self.now), "{at}: queue depths");
         assert_eq!(self.pg.workers().await.unwrap(), self.memory.workers(), "{at}: workers");
         assert_eq!(self.pg.paused_queues().await.unwrap(), self.memory.paused_queues(), "{at}: paused queues");
+        assert_eq!(self.pg.worker_loads().await.unwrap(), self.memory.worker_loads(), "{at}: worker loads");
+        for (from, to) in [(DbTime(0), DbTime(i64::MAX)), (DbTime(self.now.0 - 2_000), self.now)] {
+            let mut pg = self.pg.finished_counts(from, to).await.unwrap();
+            pg.sort_by(|a, b| (&a.queue, a.state).cmp(&(&b.queue, b.state)));
+            assert_eq!(pg, self.memory.finished_counts(from, to), "{at}: finished in {from:?}..{to:?}");
+        }
         let newest = self.memory.workflow_ids(3);
         assert_eq!(self.pg.workflow_ids(3).await.unwrap(), newest, "{at}: newest workflows");
         for record in &memory {
@@ -343,6 +349,8 @@ impl Pair {
             let memory = self.memory.workflow(id);
             assert_eq!(self.pg.workflow(id).await.unwrap(), memory, "{at}: workflow {id}");
             let steps = self.memory.workflow_steps(id);
+            let edges = self.memory.workflow_edges(id, 7);
+            assert_eq!(self.pg.workflow_edges(id, 7).await.unwrap(), edges, "{at}: edges of workflow {id}");
             assert_eq!(self.pg.workflow_steps(id).await.unwrap(), steps, "{at}: steps of workflow {id}");
             if memory.is_none() {
                 break;
@@ -368,6 +376,12 @@ impl Pair {
                 ..TaskFilter::default()
             },
             TaskFilter { after: memory.first().map(|r| r.id), offset: 2, ..TaskFilter::default() },
+            TaskFilter {
+                enqueued_from: memory.get(1).map(|r| r.enqueued_at),
+                enqueued_before: memory.last().map(|r| r.enqueued_at),
+                newest_first: true,
+                ..TaskFilter::default()
+            },
         ] {
             let (pg, memory) = (records(self.pg.list(&filter).await.unwrap()), records(self.memory.list(&filter)));
             assert_eq!(pg, memory, "{at}: list {filter:?}");
@@ -910,6 +924,12 @@ async fn operator_actions() {
         Op::Advance(10_000),
         Op::Admin(AdminRequest::Complete { task: TaskId(5), result: json!(5) }),
         Op::Admin(AdminRequest::Purge { retention_ms: 5_000, batch: 2 }),
+        // Deleting: a finished task goes with its key (k2 takes a new task), a live one and an
+        // unknown id are refused.
+        Op::Admin(AdminRequest::Delete { task: TaskId(5) }),
+        Op::Admin(AdminRequest::Delete { task: TaskId(5) }),
+        Op::Admin(AdminRequest::Delete { task: TaskId(1) }),
+        Op::Admin(AdminRequest::Delete { task: TaskId(999) }),
         Op::Enqueue(vec![NewTask::new("t", json!("other")).queue("a").key("k2")]),
         Op::Db(DbRequest::Purge { older_than_ms: 5_000, batch: 2 }),
         Op::Advance(1),
@@ -1349,7 +1369,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
         tasks.retain(|_| rng.chance(0.85));
         tasks
     };
-    let base = if operator { 114 } else { 100 };
+    let base = if operator { 115 } else { 100 };
     let roll = rng.range(0, base + if faults { 16 } else { 0 });
     // Bad data and locks come after the other kinds: their rolls are 200 and up.
     let roll = if roll >= base { 200 + roll - base } else { roll };
@@ -1551,6 +1571,15 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             Op::Admin(AdminRequest::Pause { queue: if rng.chance(0.05) { "Bad".to_owned() } else { any_queue(rng) } })
         }
         112 | 113 => Op::Admin(AdminRequest::Resume { queue: any_queue(rng) }),
+        114 => {
+            // Mostly a finished task; sometimes a live one or an unknown id.
+            let finished: Vec<TaskId> = memory.tasks().filter(|t| t.state.is_terminal()).map(|t| t.id).collect();
+            let task = match finished.is_empty() || rng.chance(0.2) {
+                true => any_id(rng),
+                false => finished[rng.range(0, finished.len() as u64) as usize],
+            };
+            Op::Admin(AdminRequest::Delete { task })
+        }
         200..=202 => {
             // Mostly rows in flight, which heartbeats and finishes must get past.
             let live: Vec<(TaskId, TaskState)> = memory

@@ -36,6 +36,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "dashboard")]
+pub mod dashboard;
 #[cfg(feature = "http")]
 pub mod http;
 mod runtime;

@@ -33,6 +33,99 @@ pub fn render(worker: &str, snapshot: &CounterSnapshot, requests: &BTreeMap<&'st
     text
 }
 
+/// One queue as a dashboard sees it, for [`render_queues`].
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct QueueGauges {
+    /// The queue.
+    pub queue: String,
+    /// Pending tasks claimable now.
+    pub due: u64,
+    /// Pending tasks whose run-at is ahead.
+    pub scheduled: u64,
+    /// Claimed tasks not started.
+    pub claimed: u64,
+    /// Running tasks.
+    pub running: u64,
+    /// How long its oldest claimable task has waited, if it has one.
+    pub oldest_due_age_seconds: Option<f64>,
+    /// Whether it is paused.
+    pub paused: bool,
+    /// Tasks that reached each terminal state since the dashboard started counting.
+    pub finished: Vec<(crate::task::TaskState, u64)>,
+}
+
+/// The metrics of a dashboard: each queue's depth by state, the age of its oldest claimable
+/// task, whether it is paused, its finished tasks by state (counters from the dashboard's
+/// start), and the live workers.
+pub fn render_queues(queues: &[QueueGauges], live_workers: u64) -> String {
+    let mut registry = Registry::with_prefix("canter");
+    registry.register_collector(Box::new(QueueMetrics { queues: queues.to_vec(), live_workers }));
+    let mut text = String::new();
+    // Writing to a String does not fail, and every value here encodes.
+    prometheus_client::encoding::text::encode(&mut text, &registry).expect("encoding to a string");
+    text
+}
+
+#[derive(Debug)]
+struct QueueMetrics {
+    queues: Vec<QueueGauges>,
+    live_workers: u64,
+}
+
+impl Collector for QueueMetrics {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let mut depth = encoder.encode_descriptor(
+            "queue_tasks",
+            "Live tasks per queue and state (due and scheduled are Pending now or later).",
+            None,
+            MetricType::Gauge,
+        )?;
+        for q in &self.queues {
+            for (state, n) in
+                [("due", q.due), ("scheduled", q.scheduled), ("claimed", q.claimed), ("running", q.running)]
+            {
+                ConstGauge::new(n as i64)
+                    .encode(depth.encode_family(&[("queue", q.queue.as_str()), ("state", state)])?)?;
+            }
+        }
+        let mut age = encoder.encode_descriptor(
+            "queue_oldest_due_age",
+            "How long the oldest claimable task of each queue has waited (0 when none).",
+            Some(&Unit::Seconds),
+            MetricType::Gauge,
+        )?;
+        for q in &self.queues {
+            ConstGauge::new(q.oldest_due_age_seconds.unwrap_or(0.0))
+                .encode(age.encode_family(&[("queue", q.queue.as_str())])?)?;
+        }
+        let mut paused =
+            encoder.encode_descriptor("queue_paused", "1 while the queue is paused.", None, MetricType::Gauge)?;
+        for q in &self.queues {
+            ConstGauge::new(i64::from(q.paused)).encode(paused.encode_family(&[("queue", q.queue.as_str())])?)?;
+        }
+        let mut finished = encoder.encode_descriptor(
+            "queue_tasks_finished",
+            "Tasks that reached a terminal state, per queue and state, since the dashboard started.",
+            None,
+            MetricType::Counter,
+        )?;
+        for q in &self.queues {
+            for (state, n) in &q.finished {
+                ConstCounter::new(*n)
+                    .encode(finished.encode_family(&[("queue", q.queue.as_str()), ("state", state.as_str())])?)?;
+            }
+        }
+        let workers = ConstGauge::new(self.live_workers as i64);
+        workers.encode(encoder.encode_descriptor(
+            "workers_live",
+            "Registered workers not stopped.",
+            None,
+            workers.metric_type(),
+        )?)?;
+        Ok(())
+    }
+}
+
 #[derive(Debug)]
 struct WorkerMetrics {
     worker: String,

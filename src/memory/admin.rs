@@ -44,6 +44,7 @@ impl MemoryStore {
             AdminRequest::Purge { retention_ms, batch: _ } => {
                 Ok(AdminReply::Purged { tasks: self.purge_finished(*retention_ms, now) })
             }
+            AdminRequest::Delete { task } => self.delete_finished(*task).map(|()| AdminReply::Done),
             AdminRequest::Pause { queue } => {
                 self.pause_queue(queue, now).map(|was_running| AdminReply::Paused { was_running })
             }
@@ -226,6 +227,19 @@ impl MemoryStore {
             self.history.remove(id);
         }
         old.len() as u64
+    }
+
+    /// Deletes a finished task with its attempts history and the key it holds.
+    pub(super) fn delete_finished(&mut self, id: TaskId) -> Result<(), AdminError> {
+        let Some(row) = self.finished.remove(&id) else {
+            let state = self.row(id).ok_or(AdminError::NotFound(id))?.state;
+            return Err(AdminError::WrongState { task: id, state, expected: store::FINISHED_STATES });
+        };
+        if let Some(key) = row.key.filter(|key| self.keys.get(key).is_some_and(|hold| hold.task == id)) {
+            self.keys.remove(&key);
+        }
+        self.history.remove(&id);
+        Ok(())
     }
 
     /// Pauses `queue`: from now on no claim takes its Pending tasks (its Claimed and Running

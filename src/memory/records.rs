@@ -2,8 +2,10 @@
 
 use std::collections::BTreeMap;
 
-use crate::store::{AttemptRecord, DbTime, Notification, QueueDepth, TaskFilter, TaskRecord, WorkerRecord};
-use crate::task::{TaskId, TaskState};
+use crate::store::{
+    AttemptRecord, DbTime, FinishedCount, Notification, QueueDepth, TaskFilter, TaskRecord, WorkerLoad, WorkerRecord,
+};
+use crate::task::{TaskId, TaskState, WorkerId};
 
 use super::store::{MemoryStore, StoredTask};
 
@@ -41,6 +43,8 @@ impl MemoryStore {
             .filter(|row| filter.queue.as_ref().is_none_or(|q| &row.queue == q))
             .filter(|row| filter.state.is_none_or(|s| row.state == s))
             .filter(|row| filter.name.as_ref().is_none_or(|n| &row.name == n))
+            .filter(|row| filter.enqueued_from.is_none_or(|from| row.enqueued_at >= from))
+            .filter(|row| filter.enqueued_before.is_none_or(|before| row.enqueued_at < before))
             .filter(|row| past(row.id))
             .collect();
         rows.sort_by_key(|row| row.id);
@@ -70,9 +74,13 @@ impl MemoryStore {
                 scheduled: 0,
                 claimed: 0,
                 running: 0,
+                oldest_due: None,
             });
             match row.state {
-                TaskState::Pending if row.run_at <= now => depth.due += 1,
+                TaskState::Pending if row.run_at <= now => {
+                    depth.due += 1;
+                    depth.oldest_due = Some(depth.oldest_due.map_or(row.run_at, |oldest| oldest.min(row.run_at)));
+                }
                 TaskState::Pending => depth.scheduled += 1,
                 TaskState::Claimed => depth.claimed += 1,
                 TaskState::Running => depth.running += 1,
@@ -81,6 +89,35 @@ impl MemoryStore {
             }
         }
         depths.into_values().collect()
+    }
+
+    /// How many tasks reached each terminal state in [`from`, `to`), by queue and state.
+    pub fn finished_counts(&self, from: DbTime, to: DbTime) -> Vec<FinishedCount> {
+        let mut counts: BTreeMap<(&str, TaskState), u64> = BTreeMap::new();
+        for row in self.finished.values().filter(|row| row.finished_at.is_some_and(|at| from <= at && at < to)) {
+            *counts.entry((&row.queue, row.state)).or_insert(0) += 1;
+        }
+        counts
+            .into_iter()
+            .map(|((queue, state), tasks)| FinishedCount { queue: queue.to_owned(), state, tasks })
+            .collect()
+    }
+
+    /// What each worker holds now, by worker id (workers holding nothing left out).
+    pub fn worker_loads(&self) -> Vec<WorkerLoad> {
+        let mut loads: BTreeMap<&WorkerId, WorkerLoad> = BTreeMap::new();
+        for row in self.live.values() {
+            let (Some(worker), TaskState::Claimed | TaskState::Running) = (&row.claimed_by, row.state) else {
+                continue;
+            };
+            let load =
+                loads.entry(worker).or_insert_with(|| WorkerLoad { worker: worker.clone(), claimed: 0, running: 0 });
+            match row.state {
+                TaskState::Claimed => load.claimed += 1,
+                _ => load.running += 1,
+            }
+        }
+        loads.into_values().collect()
     }
 
     /// The worker registry, by worker id.

@@ -9,7 +9,7 @@
 use std::collections::BTreeMap;
 
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, NewWorkflow, Notification, ParentRecord, StepRecord, SubmitError,
+    CANCELLED_WITH_WORKFLOW, DbTime, EdgeRecord, NewWorkflow, Notification, ParentRecord, StepRecord, SubmitError,
     SubmittedWorkflow, WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskEvent, TaskId, TaskState};
@@ -131,6 +131,25 @@ impl MemoryStore {
                     waiting: (row.state == TaskState::Waiting).then_some((counts.satisfied, counts.unsatisfied)),
                 })
             })
+            .collect()
+    }
+
+    /// A workflow's edges by step, children in step order, at most `limit` (none for an
+    /// unknown id).
+    pub fn workflow_edges(&self, id: WorkflowId, limit: u32) -> Vec<EdgeRecord> {
+        let Some(flow) = self.workflows.get(&id) else {
+            return Vec::new();
+        };
+        (0..flow.tasks.len())
+            .map(|index| StepId(u32::try_from(index).unwrap_or(u32::MAX)))
+            .flat_map(|child| {
+                flow.state.parents(child).iter().map(move |&(parent, policy)| EdgeRecord {
+                    parent,
+                    child,
+                    allow_failed: policy == EdgePolicy::AllowFailed,
+                })
+            })
+            .take(limit as usize)
             .collect()
     }
 

@@ -6,7 +6,9 @@ use serde_json::Value;
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::store::{PgStore, db_time, duration, error_json, parse_state};
 use crate::store::RunAt;
-use crate::store::{AdminError, AdminReply, AdminRequest, Cancelled, KeyRemoval, Reschedule, TASK_CANCELLED_MESSAGE};
+use crate::store::{
+    AdminError, AdminReply, AdminRequest, Cancelled, FINISHED_STATES, KeyRemoval, Reschedule, TASK_CANCELLED_MESSAGE,
+};
 use crate::task::is_valid_queue_name;
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 
@@ -57,6 +59,7 @@ impl PgStore {
                 let tasks = replayed!(self, Replay::Safe, |conn| self.purge_on(conn, *retention_ms, *batch))?;
                 AdminReply::Purged { tasks }
             }
+            AdminRequest::Delete { task } => self.delete_finished(*task).await.map(|()| AdminReply::Done)?,
             AdminRequest::Pause { queue } => AdminReply::Paused { was_running: self.pause(queue).await? },
             AdminRequest::Resume { queue } => AdminReply::Resumed { was_paused: self.resume(queue).await? },
         })
@@ -95,6 +98,21 @@ impl PgStore {
             return Ok(());
         }
         Err(self.refusal(id, "FAILED").await?.into())
+    }
+
+    /// Deletes a finished task with its attempts history and the key it holds, in one
+    /// statement; a live one is refused with `WrongState`.
+    async fn delete_finished(&self, id: TaskId) -> Result<(), PgAdminError> {
+        let sql = self.schema().sql();
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(
+            sql.delete_finished.clone()
+        )
+        .bind(id.0)
+        .fetch_optional(conn))?;
+        if done.is_some() {
+            return Ok(());
+        }
+        Err(self.refusal(id, FINISHED_STATES).await?.into())
     }
 
     /// Changes a Pending task's run-at, priority or retries spent (see [`Reschedule`]) in one

@@ -7,9 +7,9 @@ use sqlx::Row;
 use sqlx::postgres::PgRow;
 
 use crate::postgres::replay::{Replay, replayed};
-use crate::postgres::store::{PgStore, count, json, leniently, parse_state};
+use crate::postgres::store::{PgStore, count, db_time, json, leniently, parse_state};
 use crate::store::{AttemptRecord, DbTime, TaskRecord, WorkerInfo};
-use crate::store::{PausedQueue, QueueDepth, TaskFilter, WorkerRecord};
+use crate::store::{FinishedCount, PausedQueue, QueueDepth, TaskFilter, WorkerLoad, WorkerRecord};
 use crate::task::{Attempt, TaskId, TaskState, WorkerId};
 
 /// A row of the attempts history: task, attempt, worker, outcome, error, finished at.
@@ -60,6 +60,8 @@ impl PgStore {
             // Each table's part holds the page and what the offset skips.
             .bind(limit.saturating_add(offset))
             .bind(offset)
+            .bind(filter.enqueued_from.map(|t| t.0))
+            .bind(filter.enqueued_before.map(|t| t.0))
             .fetch_all(conn))?;
         rows.iter().map(record).collect()
     }
@@ -78,16 +80,50 @@ impl PgStore {
     /// Each queue with live tasks, by name, with how many it holds in each live state on the
     /// database's clock (see [`QueueDepth`]): one statement over the live table only.
     pub async fn queue_depths(&self) -> Result<Vec<QueueDepth>, sqlx::Error> {
-        let rows: Vec<(String, i64, i64, i64, i64)> =
+        let rows: Vec<(String, i64, i64, i64, i64, Option<i64>)> =
             replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().queue_depths.clone())
                 .fetch_all(conn))?;
         let n = |count: i64| u64::try_from(count).unwrap_or(0);
         Ok(rows
             .into_iter()
-            .map(|(queue, due, scheduled, claimed, running)| QueueDepth {
+            .map(|(queue, due, scheduled, claimed, running, oldest_due)| QueueDepth {
                 queue,
                 due: n(due),
                 scheduled: n(scheduled),
+                claimed: n(claimed),
+                running: n(running),
+                oldest_due: oldest_due.map(DbTime),
+            })
+            .collect())
+    }
+
+    /// How many tasks reached each terminal state in [`from`, `to`), by queue: the block
+    /// ranges of that span of the finished table only (its BRIN index), however long its
+    /// history. A task whose finishing transaction commits after the read, with a
+    /// `finished_at` inside the span, is not counted: read a span that ended a moment ago.
+    pub async fn finished_counts(&self, from: DbTime, to: DbTime) -> Result<Vec<FinishedCount>, sqlx::Error> {
+        let rows: Vec<(String, String, i64)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().finished_counts.clone())
+                .bind(db_time(from))
+                .bind(db_time(to))
+                .fetch_all(conn))?;
+        rows.into_iter()
+            .map(|(queue, state, n)| {
+                Ok(FinishedCount { queue, state: parse_state(&state)?, tasks: u64::try_from(n).unwrap_or(0) })
+            })
+            .collect()
+    }
+
+    /// What each worker holds now, by worker id (workers holding nothing left out).
+    pub async fn worker_loads(&self) -> Result<Vec<WorkerLoad>, sqlx::Error> {
+        let rows: Vec<(String, i64, i64)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().worker_loads.clone())
+                .fetch_all(conn))?;
+        let n = |count: i64| u64::try_from(count).unwrap_or(0);
+        Ok(rows
+            .into_iter()
+            .map(|(worker, claimed, running)| WorkerLoad {
+                worker: WorkerId(worker),
                 claimed: n(claimed),
                 running: n(running),
             })

@@ -623,7 +623,8 @@ SELECT t.queue,
        count(*) FILTER (WHERE t.state = 'PENDING' AND t.run_at <= c.now) AS due,
        count(*) FILTER (WHERE t.state = 'PENDING' AND t.run_at > c.now) AS scheduled,
        count(*) FILTER (WHERE t.state = 'CLAIMED') AS claimed,
-       count(*) FILTER (WHERE t.state = 'RUNNING') AS running
+       count(*) FILTER (WHERE t.state = 'RUNNING') AS running,
+       {s}.ms(min(t.run_at) FILTER (WHERE t.state = 'PENDING' AND t.run_at <= c.now)) AS oldest_due
 FROM {s}.tasks t, (SELECT {s}.db_now() AS now) c
 GROUP BY t.queue
 ORDER BY t.queue COLLATE \"C\"";
@@ -632,6 +633,23 @@ const COUNTS: &str = "\
 SELECT queue, state, count(*) FROM {s}.tasks GROUP BY queue, state
 UNION ALL
 SELECT queue, state, count(*) FROM {s}.finished_tasks GROUP BY queue, state";
+
+/// Tasks that reached a terminal state in [`$1`, `$2`) ms, by queue and state: the finished
+/// table's BRIN index on `finished_at` reads the block ranges of that span only.
+const FINISHED_COUNTS: &str = "\
+SELECT f.queue, f.state, count(*)
+FROM {s}.finished_tasks f
+WHERE f.finished_at >= timestamptz 'epoch' + $1 * interval '1 millisecond'
+  AND f.finished_at < timestamptz 'epoch' + $2 * interval '1 millisecond'
+GROUP BY f.queue, f.state";
+
+/// What each worker holds: the in-flight index's rows only.
+const WORKER_LOADS: &str = "\
+SELECT t.claimed_by, count(*) FILTER (WHERE t.state = 'CLAIMED'), count(*) FILTER (WHERE t.state = 'RUNNING')
+FROM {s}.tasks t
+WHERE t.state IN ('CLAIMED', 'RUNNING') AND t.claimed_by IS NOT NULL
+GROUP BY t.claimed_by
+ORDER BY t.claimed_by COLLATE \"C\"";
 
 const WORKERS: &str = "\
 SELECT id, queues, concurrency, {s}.ms(last_seen), stopped_at IS NOT NULL FROM {s}.workers ORDER BY id COLLATE \"C\"";
@@ -803,6 +821,16 @@ LEFT JOIN {s}.finished_tasks f ON f.id = s.task_id
 WHERE s.workflow_id = $1 AND (t.id IS NOT NULL OR f.id IS NOT NULL)
 ORDER BY s.step";
 
+/// A workflow's edges by step, children first, at most `$2`.
+const WORKFLOW_EDGES: &str = "\
+SELECT p.step, c.step, e.allow_failed
+FROM {s}.workflow_steps c
+JOIN {s}.workflow_edges e ON e.child = c.task_id
+JOIN {s}.workflow_steps p ON p.task_id = e.parent
+WHERE c.workflow_id = $1
+ORDER BY c.step, p.step
+LIMIT $2";
+
 /// The ids of the newest workflows, at most `$1`.
 const WORKFLOW_IDS: &str = "SELECT w.id FROM {s}.workflows w ORDER BY w.id DESC LIMIT $1";
 
@@ -930,6 +958,19 @@ keys AS (
 )
 SELECT count(*) FROM gone";
 
+/// Deletes finished task `$1` with its attempts and the key it holds; returns its id.
+const DELETE_FINISHED: &str = "\
+WITH gone AS (
+    DELETE FROM {s}.finished_tasks f WHERE f.id = $1 RETURNING f.id, f.key
+),
+runs AS (
+    DELETE FROM {s}.attempts a USING gone g WHERE a.task_id = g.id
+),
+keys AS (
+    DELETE FROM {s}.task_keys k USING gone g WHERE k.key = g.key AND k.task_id = g.id
+)
+SELECT g.id FROM gone g";
+
 /// Pauses queue `$1`; returns a row when it was not paused already.
 const PAUSE_QUEUE: &str = "\
 INSERT INTO {s}.queue_states AS q (queue, paused, paused_at) VALUES ($1, true, {s}.db_now())
@@ -1044,6 +1085,9 @@ pub(crate) struct Statements {
     pub(crate) counts: SqlStr,
     pub(crate) queue_depths: SqlStr,
     pub(crate) workers: SqlStr,
+    pub(crate) finished_counts: SqlStr,
+    pub(crate) worker_loads: SqlStr,
+    pub(crate) workflow_edges: SqlStr,
     pub(crate) liveness_tokens: SqlStr,
     pub(crate) cancel: SqlStr,
     pub(crate) requeue_failed: SqlStr,
@@ -1052,6 +1096,7 @@ pub(crate) struct Statements {
     pub(crate) force_unlock: SqlStr,
     pub(crate) remove_key: SqlStr,
     pub(crate) purge_finished: SqlStr,
+    pub(crate) delete_finished: SqlStr,
     pub(crate) pause_queue: SqlStr,
     pub(crate) resume_queue: SqlStr,
     pub(crate) paused_queues: SqlStr,
@@ -1121,6 +1166,8 @@ impl Statements {
             let (direction, past) = if newest_first { ("DESC", "<") } else { ("ASC", ">") };
             let filter = "($1::text IS NULL OR {a}.queue = $1) AND ($2::text IS NULL OR {a}.state = $2) \
                 AND ($4::text IS NULL OR {a}.name = $4) AND ($5::bigint IS NULL OR {a}.id {past} $5) \
+                AND ($8::bigint IS NULL OR {s}.ms({a}.enqueued_at) >= $8) \
+                AND ($9::bigint IS NULL OR {s}.ms({a}.enqueued_at) < $9) \
                 ORDER BY {a}.id {direction} LIMIT $6"
                 .replace("{past}", past)
                 .replace("{direction}", direction);
@@ -1161,6 +1208,9 @@ impl Statements {
             counts: fill(COUNTS),
             queue_depths: fill(QUEUE_DEPTHS),
             workers: fill(WORKERS),
+            finished_counts: fill(FINISHED_COUNTS),
+            worker_loads: fill(WORKER_LOADS),
+            workflow_edges: fill(WORKFLOW_EDGES),
             liveness_tokens: fill(LIVENESS_TOKENS),
             cancel: fill(CANCEL),
             requeue_failed: fill(REQUEUE_FAILED),
@@ -1169,6 +1219,7 @@ impl Statements {
             force_unlock: fill(FORCE_UNLOCK),
             remove_key: fill(REMOVE_KEY),
             purge_finished: fill(PURGE_FINISHED),
+            delete_finished: fill(DELETE_FINISHED),
             pause_queue: fill(PAUSE_QUEUE),
             resume_queue: fill(RESUME_QUEUE),
             paused_queues: fill(PAUSED_QUEUES),

@@ -12,8 +12,8 @@ use crate::postgres::replay::{Replay, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration, error_json, json, parse_state};
 use crate::store::{
-    CANCELLED_WITH_WORKFLOW, DbTime, EnqueueError, NewWorkflow, ParentRecord, RunAt, StepRecord, SubmitError,
-    SubmittedWorkflow, WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
+    CANCELLED_WITH_WORKFLOW, DbTime, EdgeRecord, EnqueueError, NewWorkflow, ParentRecord, RunAt, StepRecord,
+    SubmitError, SubmittedWorkflow, WorkflowActionError, WorkflowId, WorkflowRecord, check_new_workflow,
 };
 use crate::task::{ErrorCode, TaskError, TaskId, TaskState, normalized_flags};
 use crate::workflow::{EdgePolicy, EventError, OnError, StepId, WorkflowStatus};
@@ -91,6 +91,21 @@ impl PgStore {
                 })
             })
             .collect()
+    }
+
+    /// A workflow's edges by step, children in step order, at most `limit` (none for an
+    /// unknown id).
+    pub async fn workflow_edges(&self, id: WorkflowId, limit: u32) -> Result<Vec<EdgeRecord>, sqlx::Error> {
+        let rows: Vec<(i32, i32, bool)> =
+            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().workflow_edges.clone())
+                .bind(id.0)
+                .bind(i64::from(limit))
+                .fetch_all(conn))?;
+        let step = |index: i32| StepId(u32::try_from(index).unwrap_or(u32::MAX));
+        Ok(rows
+            .into_iter()
+            .map(|(parent, child, allow_failed)| EdgeRecord { parent: step(parent), child: step(child), allow_failed })
+            .collect())
     }
 
     /// The ids of the workflows, newest first, at most `limit`.

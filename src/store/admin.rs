@@ -87,6 +87,13 @@ pub enum AdminRequest {
         /// taken as 1). The memory store deletes them all at once.
         batch: u32,
     },
+    /// Deletes a finished (Completed, Failed, Cancelled, Expired or Skipped) task with its
+    /// attempts history and the idempotency key it holds, as a purge would. Replies
+    /// [`AdminReply::Done`].
+    Delete {
+        /// The task.
+        task: TaskId,
+    },
     /// Pauses `queue`: from the next claim on, no worker takes its Pending tasks (its Claimed
     /// and Running ones go on). Any valid queue name may be paused, configured or not; a
     /// paused queue keeps its first pause time. Replies [`AdminReply::Paused`].
@@ -113,7 +120,8 @@ pub enum AdminReply {
         found: Cancelled,
     },
     /// [`AdminRequest::Retry`], [`Reschedule`](AdminRequest::Reschedule),
-    /// [`Complete`](AdminRequest::Complete), [`Fail`](AdminRequest::Fail): applied.
+    /// [`Complete`](AdminRequest::Complete), [`Fail`](AdminRequest::Fail),
+    /// [`Delete`](AdminRequest::Delete): applied.
     Done,
     /// [`AdminRequest::ForceUnlock`]: how many tasks went back to Pending.
     Released {
@@ -154,6 +162,7 @@ impl AdminRequest {
             AdminRequest::ForceUnlock { .. } => "force-unlock",
             AdminRequest::RemoveKey { .. } => "remove-key",
             AdminRequest::Purge { .. } => "purge",
+            AdminRequest::Delete { .. } => "delete",
             AdminRequest::Pause { .. } => "pause",
             AdminRequest::Resume { .. } => "resume",
         }
@@ -185,6 +194,9 @@ impl Cancelled {
         }
     }
 }
+
+/// The states [`AdminRequest::Delete`] applies to, as its refusal says them.
+pub const FINISHED_STATES: &str = "finished (COMPLETED, FAILED, CANCELLED, EXPIRED or SKIPPED)";
 
 /// Why an operator action was refused. Nothing is changed when one is returned.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

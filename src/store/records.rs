@@ -88,6 +88,10 @@ pub struct TaskFilter {
     pub state: Option<TaskState>,
     /// Only tasks of this name.
     pub name: Option<String>,
+    /// Only tasks enqueued at or after this time.
+    pub enqueued_from: Option<DbTime>,
+    /// Only tasks enqueued before this time.
+    pub enqueued_before: Option<DbTime>,
     /// Only tasks past this id in the listing's order: below it newest first, above it oldest
     /// first (the last id of a page gives the next page, however many tasks came and went).
     pub after: Option<TaskId>,
@@ -125,5 +129,30 @@ pub struct QueueDepth {
     /// Tasks claimed and not started.
     pub claimed: u64,
     /// Tasks running.
+    pub running: u64,
+    /// The run-at of its oldest claimable Pending task: how long the queue's work has waited.
+    pub oldest_due: Option<DbTime>,
+}
+
+/// How many tasks of one queue reached one terminal state in a span of time: what a dashboard
+/// adds up for its throughput (see `PgStore::finished_counts`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FinishedCount {
+    /// The queue.
+    pub queue: String,
+    /// The terminal state.
+    pub state: TaskState,
+    /// How many.
+    pub tasks: u64,
+}
+
+/// What one worker holds now: its Claimed and Running tasks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerLoad {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Tasks it claimed and has not started.
+    pub claimed: u64,
+    /// Tasks it runs.
     pub running: u64,
 }

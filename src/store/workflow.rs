@@ -220,3 +220,14 @@ pub struct StepRecord {
     /// matter).
     pub waiting: Option<(u32, u32)>,
 }
+
+/// One edge of a workflow's graph, by step.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct EdgeRecord {
+    /// The step waited for.
+    pub parent: StepId,
+    /// The step that waits.
+    pub child: StepId,
+    /// Whether any finish of the parent satisfies the edge, not only its completion.
+    pub allow_failed: bool,
+}

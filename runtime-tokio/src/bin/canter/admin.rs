@@ -54,6 +54,9 @@ fn action(command: Command) -> Result<Action, Failure> {
             Action::new(AdminRequest::Retry { task: id.0 }, schema, output)
         }
         Command::Reschedule(args) => reschedule(args),
+        Command::Delete(TaskArgs { id, schema, output }) => {
+            Action::new(AdminRequest::Delete { task: id.0 }, schema, output)
+        }
         Command::Complete { task: TaskArgs { id, schema, output }, result } => Action::new(
             AdminRequest::Complete { task: id.0, result: result.unwrap_or(serde_json::Value::Null) },
             schema,
@@ -197,6 +200,9 @@ fn print(request: &AdminRequest, reply: AdminReply, as_json: bool) -> Outcome {
         }
         (AdminRequest::Reschedule { task, .. }, AdminReply::Done) => {
             (format!("task {task} rescheduled"), json!({"task": task, "rescheduled": true}))
+        }
+        (AdminRequest::Delete { task }, AdminReply::Done) => {
+            (format!("task {task} deleted"), json!({"task": task, "deleted": true}))
         }
         (AdminRequest::Complete { task, .. }, AdminReply::Done) => {
             (format!("task {task} completed"), json!({"task": task, "state": "COMPLETED"}))

@@ -99,6 +99,8 @@ pub(crate) enum Command {
     Retry(TaskArgs),
     /// Change a pending task's run-at, priority or retries spent
     Reschedule(RescheduleArgs),
+    /// Delete a finished task with its attempts history and the idempotency key it holds
+    Delete(TaskArgs),
     /// Complete a pending, claimed or running task by hand
     #[command(long_about = "Complete a pending, claimed or running task by hand with a JSON result \
         (default null); a worker still running it has its result discarded. Waiters are woken.")]
@@ -192,6 +194,12 @@ pub(crate) enum Command {
         #[command(flatten)]
         output: Output,
     },
+    /// Serve the web dashboard: queues, tasks, workers, schedules and workflows, live
+    #[command(long_about = "Serve the web dashboard of a schema on ADDR (127.0.0.1:8080 by default): \
+        counts and throughput per queue, workers, tasks with filters and bulk actions, each task's \
+        attempts, queues to pause and resume, schedules and workflows, updated live; /metrics has \
+        each queue's depth and age. Every action is logged; --read-only refuses them all.")]
+    Dashboard(DashboardArgs),
     /// Submit, show, list, pause, resume, cancel and retry workflows
     #[command(subcommand)]
     Workflow(WorkflowCommand),
@@ -436,6 +444,38 @@ pub(crate) struct ListArgs {
     pub(crate) schema: SchemaArg,
     #[command(flatten)]
     pub(crate) output: Output,
+}
+
+/// `canter dashboard`.
+#[derive(Debug, Args)]
+pub(crate) struct DashboardArgs {
+    /// Listen on ADDR (port 0 lets the system choose; the address is printed)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:8080")]
+    pub(crate) addr: String,
+    /// Refuse every action: pages and metrics only
+    #[arg(long)]
+    pub(crate) read_only: bool,
+    /// Ask for USER:PASSWORD (HTTP basic auth) on every page but /healthz and /readyz
+    #[arg(long, value_name = "USER:PASSWORD", env = "CANTER_DASHBOARD_AUTH", hide_env_values = true,
+          value_parser = user_and_password)]
+    pub(crate) auth: Option<(String, String)>,
+    /// The configuration file (TOML or JSON) whose queues' caps and schedules to show
+    #[arg(long, value_name = "FILE")]
+    pub(crate) config: Option<PathBuf>,
+    /// Read the overview this often while anyone looks (it waits longer when a read is slow)
+    #[arg(long, value_name = "DURATION", value_parser = duration, default_value = "2s")]
+    pub(crate) refresh: Millis,
+    #[command(flatten)]
+    pub(crate) schema: SchemaArg,
+}
+
+fn user_and_password(text: &str) -> Result<(String, String), String> {
+    match text.split_once(':') {
+        Some((user, password)) if !user.is_empty() && !password.is_empty() => {
+            Ok((user.to_owned(), password.to_owned()))
+        }
+        _ => Err("expected USER:PASSWORD, both non-empty".to_owned()),
+    }
 }
 
 /// `canter reschedule`.

@@ -96,6 +96,7 @@ pub(crate) async fn list(database: &Database, args: ListArgs) -> Outcome {
         newest_first: true,
         offset: args.offset,
         limit: Some(args.limit as usize),
+        ..TaskFilter::default()
     };
     let client = client(database, &args.schema).await?;
     let records = database.retrying("list tasks", || client.list(&filter)).await?;

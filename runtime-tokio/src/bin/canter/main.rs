@@ -7,6 +7,7 @@ mod args;
 mod bench;
 mod builtins;
 mod connect;
+mod dashboard;
 mod demo;
 mod enqueue;
 mod inspect;
@@ -131,6 +132,7 @@ fn subcommand_name(command: &Command) -> &'static str {
         Command::Cancel(_) => "cancel",
         Command::Retry(_) => "retry",
         Command::Reschedule(_) => "reschedule",
+        Command::Delete(_) => "delete",
         Command::Complete { .. } => "complete",
         Command::Fail { .. } => "fail",
         Command::ForceUnlock { .. } => "force-unlock",
@@ -140,6 +142,7 @@ fn subcommand_name(command: &Command) -> &'static str {
         Command::Resume(_) => "resume",
         Command::Scheduler(_) => "scheduler",
         Command::Schedules { .. } => "schedules",
+        Command::Dashboard(_) => "dashboard",
         Command::Workflow(_) => "workflow",
         Command::Demo(_) => "demo",
         Command::Bench(_) => "bench",
@@ -158,6 +161,7 @@ async fn run(command: Command, database: Database) -> Outcome {
         Command::Result { id, wait, schema, output } => inspect::result(&database, id.0, wait, &schema, output).await,
         Command::Scheduler(args) => schedules::scheduler(&database, args).await,
         Command::Schedules { config, schema, output } => schedules::list(&database, config, &schema, output).await,
+        Command::Dashboard(args) => dashboard::run(&database, args).await,
         Command::Workflow(command) => workflows::run(&database, command).await,
         Command::Demo(args) => demo::run(&database, args).await.map_err(|e| match e {
             demo::DemoError::Failed(m) => Failure::Failed(m),
