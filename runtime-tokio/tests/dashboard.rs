@@ -11,23 +11,11 @@ mod dashboard_common;
 
 use std::time::Duration;
 
-use canter_tokio::canter::config::QueueMode;
 use canter_tokio::dashboard::{Dashboard, DashboardOptions};
 use canter_tokio::http::Endpoints;
-use canter_tokio::{AppConfig, CustomQueue};
-use dashboard_common::{get_json, post_json, request, seed};
+use dashboard_common::{get_json, post_json, request, seed, seed_app};
 use serde_json::{Value, json};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
-
-fn app() -> AppConfig {
-    let mut mail = CustomQueue::new("mail");
-    mail.max_concurrency = Some(3);
-    AppConfig {
-        queue_mode: QueueMode::Custom,
-        custom_queues: vec![CustomQueue::new("default"), mail, CustomQueue::new("flows")],
-        ..AppConfig::default()
-    }
-}
 
 fn queue<'a>(overview: &'a Value, name: &str) -> &'a Value {
     overview["queues"]
@@ -45,7 +33,7 @@ fn ids(listing: &Value) -> Vec<i64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_reads_acts_and_streams() {
     let db = pg::TestDb::production().await;
-    let store = db.store(app(), 4).await;
+    let store = db.store(seed_app(), 4).await;
     let seeded = seed(&store).await;
     let options = DashboardOptions { refresh: Duration::from_millis(300), ..DashboardOptions::default() };
     let dashboard = Dashboard::new(store.clone(), options);
@@ -199,7 +187,7 @@ async fn the_dashboard_reads_acts_and_streams() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn read_only_and_basic_auth_guard_the_dashboard() {
     let db = pg::TestDb::production().await;
-    let store = db.store(app(), 4).await;
+    let store = db.store(seed_app(), 4).await;
     let seeded = seed(&store).await;
     let options = DashboardOptions {
         read_only: true,

@@ -4,12 +4,24 @@
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use canter_tokio::canter::config::QueueMode;
 use canter_tokio::canter::postgres::PgStore;
 use canter_tokio::canter::store::{AdminRequest, NewTask, NewWorkflow};
 use canter_tokio::canter::workflow::{EdgePolicy, Join};
-use canter_tokio::{TaskId, WorkflowId};
+use canter_tokio::{AppConfig, CustomQueue, TaskId, WorkflowId};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// The queues [`seed`] writes to: `default`, `mail` (capped at 3) and `flows`; and `jobs`.
+pub fn seed_app() -> AppConfig {
+    let mut mail = CustomQueue::new("mail");
+    mail.max_concurrency = Some(3);
+    AppConfig {
+        queue_mode: QueueMode::Custom,
+        custom_queues: vec![CustomQueue::new("default"), mail, CustomQueue::new("flows"), CustomQueue::new("jobs")],
+        ..AppConfig::default()
+    }
+}
 
 /// What [`seed`] wrote.
 #[allow(dead_code, reason = "each test reads its part")]
