@@ -8,7 +8,8 @@
 //! Its default feature `cli` builds the `canter` program (command line, demo, bench); a library
 //! user may turn it off (`default-features = false, features = ["tls"]`) and build none of the
 //! program's dependencies. Feature `http` (part of `cli`) adds [`http`]: a worker's `/metrics`,
-//! `/healthz` and `/readyz`.
+//! `/healthz` and `/readyz`; feature `dashboard` (part of `cli`) adds [`dashboard`]: the web
+//! dashboard `canter dashboard` serves.
 //!
 //! ```no_run
 //! use std::sync::Arc;

@@ -4,8 +4,9 @@
 //! [`Dashboard::router`] in a server of your own with `nest` or `merge`.
 //!
 //! ```no_run
-//! # async fn demo(store: canter_tokio::canter::postgres::PgStore) -> std::io::Result<()> {
+//! # async fn demo(client: canter_tokio::Client) -> std::io::Result<()> {
 //! use canter_tokio::dashboard::{Dashboard, DashboardOptions};
+//! let store = client.store().clone(); // its schema and app settings (the queues' caps)
 //! let dashboard = Dashboard::new(store, DashboardOptions { read_only: true, ..Default::default() });
 //! let endpoints = canter_tokio::http::Endpoints::bind("127.0.0.1:8080", dashboard.router()).await?;
 //! canter_tokio::shutdown_signal().await;

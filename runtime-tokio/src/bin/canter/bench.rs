@@ -27,6 +27,10 @@
 //!   and a task of priority −1 every `--interval-ms` until they are done: the drain's rate,
 //!   and each urgent task's enqueue commit to handler start (no raw baseline);
 //! - `history`: the drain again with `--history-tasks` finished tasks already stored;
+//! - `drain_watched` (`--workload dashboards`, after the plain drain; no raw baseline): the
+//!   drain while three dashboards (`canter_tokio::dashboard`, each on a pool of its own, as
+//!   three `canter dashboard` processes would be) serve an open event stream each, so each
+//!   reads its overview all along; with the count of readings and their mean time;
 //! - `held-xmin` and `no-vacuum` (minutes each, so not in `all`): `--rate` tasks/s offered one
 //!   by one for `--duration-s` to an idle worker (in this process) or to the raw `LISTEN` loop,
 //!   with pickup latency (enqueue commit to start) and the live table's size and dead rows per
@@ -199,6 +203,9 @@ enum WorkloadArg {
     HeldXmin,
     NoVacuum,
     BackendKills,
+    /// The plain drain, then the drain again with three dashboards open, each reading its
+    /// overview for an open event stream (no raw baseline)
+    Dashboards,
     /// The plain drain, then workflows drained the same way: fan-out, fan-in, a chain and
     /// many small diamonds (the raw baseline runs the same graphs: jobs that count their
     /// unfinished parents, made pending by their last parent's completion, polled)
@@ -226,6 +233,8 @@ enum Workload {
     Latency,
     /// Probes of priority -1 during a drain, in this process (no raw baseline).
     LatencyUnderLoad,
+    /// The drain while three dashboards are open (no raw baseline).
+    Watched,
     History,
     /// A steady load while another session holds the xmin (see [`steady`]).
     HeldXmin,
@@ -253,6 +262,7 @@ impl Workload {
             Workload::Drain => "drain",
             Workload::Latency => "latency",
             Workload::LatencyUnderLoad => "latency_under_load",
+            Workload::Watched => "drain_watched",
             Workload::History => "history",
             Workload::HeldXmin => "held_xmin",
             Workload::NoVacuum => "no_vacuum",
@@ -361,6 +371,7 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         WorkloadArg::HeldXmin => vec![Workload::HeldXmin],
         WorkloadArg::NoVacuum => vec![Workload::NoVacuum],
         WorkloadArg::BackendKills => vec![Workload::BackendKills],
+        WorkloadArg::Dashboards => vec![Workload::Drain, Workload::Watched],
         WorkloadArg::Workflows => {
             vec![Workload::Drain, Workload::FanOut, Workload::FanIn, Workload::Chain, Workload::Diamonds]
         }
@@ -459,6 +470,9 @@ struct Sample {
     commit_ms: Option<f64>,
     /// A steady workload's plan and windows.
     windows: Option<(steady::Plan, Vec<steady::Window>)>,
+    /// Dashboards open during the run: how many, the overviews they read, and the mean time
+    /// of a read in ms.
+    dashboards: Option<(u32, u64, f64)>,
 }
 
 impl Sample {
@@ -477,6 +491,7 @@ impl Sample {
             workers: None,
             commit_ms: None,
             windows: None,
+            dashboards: None,
         }
     }
 
@@ -517,6 +532,11 @@ impl Sample {
         }
         if let Some(commit) = self.commit_ms {
             line["commit_ms"] = json!(round(commit, 3));
+        }
+        if let Some((dashboards, reads, read_ms)) = self.dashboards {
+            line["dashboards"] = json!(dashboards);
+            line["dashboard_reads"] = json!(reads);
+            line["dashboard_read_ms"] = json!(round(read_ms, 2));
         }
         if let Some((plan, windows)) = &self.windows {
             line["windows"] = windows.iter().enumerate().map(|(i, w)| w.json(i, plan)).collect();
@@ -1028,6 +1048,18 @@ fn table(samples: &[Sample], options: &Options) -> String {
             _ => String::new(),
         };
         row("latency", name, c, r, 3, target);
+    }
+    let watched = med("drain_watched", Mode::Canter, &rate);
+    if watched.is_some() {
+        let ok = ratio_at_least(watched, drain.0, 0.9);
+        let target = format!("≥ 0.9 × canter's drain: {}", verdict(ok));
+        row("3 dashboards", "drain tasks/s", watched, None, 0, target);
+        let ratio = |w: Option<f64>, d: Option<f64>| Some(w? / d?);
+        row("watched/drain", "ratio", ratio(watched, drain.0), None, 2, String::new());
+        let reads = med("drain_watched", Mode::Canter, &|s: &Sample| s.dashboards.map(|d| d.1 as f64));
+        row("3 dashboards", "reads", reads, None, 0, String::new());
+        let read_ms = med("drain_watched", Mode::Canter, &|s: &Sample| s.dashboards.map(|d| d.2));
+        row("3 dashboards", "read ms", read_ms, None, 1, String::new());
     }
     let under_load = med("latency_under_load", Mode::Canter, &rate);
     if under_load.is_some() {

@@ -34,6 +34,16 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
             drain(options, scratch, &store, 0, Some(workload)).await.map(|s| vec![s])
         }
+        Workload::Watched => {
+            let watchers = Watchers::open(scratch, &store, 3).await?;
+            let sample = drain(options, scratch, &store, 0, None).await;
+            let seen = watchers.close().await;
+            sample.map(|mut sample| {
+                sample.workload = Workload::Watched.name();
+                sample.dashboards = Some(seen);
+                vec![sample]
+            })
+        }
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
             drain(options, scratch, &store, options.history_tasks, None).await.map(|s| vec![s])
@@ -682,4 +692,63 @@ async fn steady(
     .await;
     worker.stop().await;
     result
+}
+
+/// Dashboards open during a drain, each with a pool of its own and an event stream a client
+/// reads, so each reads its overview all along.
+struct Watchers {
+    dashboards: Vec<(canter_tokio::dashboard::Dashboard, canter_tokio::http::Endpoints)>,
+    clients: Vec<tokio::task::JoinHandle<(u64, u64)>>,
+}
+
+impl Watchers {
+    async fn open(scratch: &Scratch, store: &PgStore, n: u32) -> Result<Watchers, BenchError> {
+        use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+        let mut watchers = Watchers { dashboards: Vec::new(), clients: Vec::new() };
+        for _ in 0..n {
+            let own = PgStore::new(connect(&scratch.url, 2)?, store.schema().clone(), store.app().clone());
+            let dashboard = canter_tokio::dashboard::Dashboard::new(own, Default::default());
+            let endpoints = canter_tokio::http::Endpoints::bind("127.0.0.1:0", dashboard.router())
+                .await
+                .map_err(|e| failed("serve a dashboard", e))?;
+            let mut stream = tokio::net::TcpStream::connect(endpoints.local_addr)
+                .await
+                .map_err(|e| failed("open a dashboard", e))?;
+            let request = "GET /api/events HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
+            stream.write_all(request.as_bytes()).await.map_err(|e| failed("open a dashboard", e))?;
+            // Counts the overviews and the time their readings took, until the stream ends.
+            watchers.clients.push(tokio::spawn(async move {
+                let (mut reads, mut took_ms) = (0u64, 0u64);
+                let mut lines = tokio::io::BufReader::new(stream).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    let Some(data) = line.strip_prefix("data: ") else { continue };
+                    if let Ok(overview) = serde_json::from_str::<Value>(data) {
+                        reads += 1;
+                        took_ms += overview["took_ms"].as_u64().unwrap_or(0);
+                    }
+                }
+                (reads, took_ms)
+            }));
+            watchers.dashboards.push((dashboard, endpoints));
+        }
+        Ok(watchers)
+    }
+
+    /// Closes them: how many there were, the overviews they read and the mean read in ms.
+    async fn close(self) -> (u32, u64, f64) {
+        for (dashboard, _) in &self.dashboards {
+            dashboard.close();
+        }
+        let (mut reads, mut took_ms) = (0, 0);
+        for client in self.clients {
+            let (r, t) = client.await.unwrap_or_default();
+            reads += r;
+            took_ms += t;
+        }
+        let n = self.dashboards.len() as u32;
+        for (_, endpoints) in self.dashboards {
+            endpoints.stop().await;
+        }
+        (n, reads, if reads > 0 { took_ms as f64 / reads as f64 } else { 0.0 })
+    }
 }

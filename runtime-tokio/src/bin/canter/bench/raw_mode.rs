@@ -118,6 +118,8 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::Latency => latency(options, scratch, &pool, &sql).await.map(|s| vec![s]),
         // No baseline: the raw loop has no priorities to honour beside a backlog.
         Workload::LatencyUnderLoad => Ok(Vec::new()),
+        // No baseline: the raw loop has no dashboard.
+        Workload::Watched => Ok(Vec::new()),
         // No baseline: the raw loop has no reconnects to measure.
         Workload::BackendKills => Ok(Vec::new()),
         Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
