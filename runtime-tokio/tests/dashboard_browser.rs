@@ -45,7 +45,12 @@ fn install_packages() {
 fn run_script(url: &str, env: &[(&str, String)]) {
     let chromium = std::env::var("CHROMIUM").unwrap_or_else(|_| "/usr/bin/chromium".to_owned());
     assert!(Path::new(&chromium).exists(), "{chromium} is missing: apt-get install chromium (or set CHROMIUM)");
-    let shots = Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard-screenshots");
+    // `CANTER_SCREENSHOTS=docs/screenshots` (from the repository's root) regenerates the
+    // README's: see scripts/readme-screenshots.
+    let shots = match std::env::var("CANTER_SCREENSHOTS") {
+        Ok(dir) => Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(dir),
+        Err(_) => Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/dashboard-screenshots"),
+    };
     std::fs::create_dir_all(&shots).expect("a screenshot directory");
     let output = Command::new("node")
         .arg("dashboard.spec.mjs")
@@ -96,6 +101,40 @@ async fn run_and_fail(db: &pg::TestDb, store: &PgStore) -> Vec<TaskId> {
     ids
 }
 
+/// A worker on queue `mail` and a producer of 100 short tasks a second there, until told to
+/// stop.
+fn keep_working(db: &pg::TestDb, store: &PgStore) -> (tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>) {
+    let mut registry = Registry::new();
+    registry
+        .register("work", |_: serde_json::Value, _| async move {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            Ok::<_, TaskError>(())
+        })
+        .expect("register");
+    let config = WorkerConfig { queues: vec!["mail".into()], ..WorkerConfig::default() };
+    let worker = Worker::new(store.pool().clone(), store.app().clone(), config, Arc::new(registry))
+        .expect("a worker")
+        .schema(db.schema.clone());
+    let (stop, mut stopped) = tokio::sync::oneshot::channel::<()>();
+    let (stop_worker, worker_stopped) = tokio::sync::oneshot::channel::<()>();
+    let store = store.clone();
+    let running = tokio::spawn(async move {
+        let worker = tokio::spawn(worker.run_until(async move {
+            let _ = worker_stopped.await;
+        }));
+        let mut n = 0;
+        while stopped.try_recv().is_err() {
+            let tasks = (0..10).map(|i| NewTask::new("work", json!({"n": n + i})).queue("mail")).collect();
+            store.enqueue_many(tasks).await.expect("enqueue");
+            n += 10;
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+        let _ = stop_worker.send(());
+        worker.await.expect("the worker's task").expect("the worker");
+    });
+    (stop, running)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_works_in_a_browser() {
     install_packages();
@@ -103,14 +142,28 @@ async fn the_dashboard_works_in_a_browser() {
     let store = db.store(seed_app(), 4).await;
     let seeded = seed(&store).await;
     let failed = run_and_fail(&db, &store).await;
+    // Work going on meanwhile in queue `mail`, so the overview has a live worker and a chart.
+    let (stop_work, work) = keep_working(&db, &store);
 
-    let dashboard = Dashboard::new(store.clone(), DashboardOptions::default());
+    let options = DashboardOptions { refresh: std::time::Duration::from_millis(500), ..DashboardOptions::default() };
+    let dashboard = Dashboard::new(store.clone(), options);
     let endpoints = Endpoints::bind("127.0.0.1:0", dashboard.router()).await.expect("bind");
     let url = format!("http://{}/", endpoints.local_addr);
+    // A few readings first: the chart has points to draw.
+    let _ = dashboard_common::request(endpoints.local_addr, "GET", "/api/overview", &[], None).await;
+    tokio::time::sleep(std::time::Duration::from_secs(3)).await;
     let env = [("FAILED_IDS", joined(&failed)), ("WORKFLOW_ID", seeded.workflow.0.to_string())];
     tokio::task::spawn_blocking(move || run_script(&url, &env)).await.expect("the script's thread");
     dashboard.close();
     endpoints.stop().await;
+    let _ = stop_work.send(());
+    work.await.expect("the work's task");
+    // The browser's actions reached the database: the failed tasks were retried (no worker
+    // serves their queue now), the queue paused and resumed.
+    for &id in &failed {
+        assert_eq!(store.get(id).await.unwrap().map(|t| t.state), Some(TaskState::Pending), "task {id}");
+    }
+    assert!(store.paused_queues().await.unwrap().is_empty());
 
     // Read-only, behind basic auth.
     let options = DashboardOptions {
