@@ -1157,3 +1157,70 @@ async fn the_listen_url_serves_waits_and_workers() {
     assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
     assert!(worker.wait_with_output().unwrap().status.success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_serves_acts_and_stops_with_its_streams_open() {
+    use std::io::{BufRead, BufReader, Read, Write};
+
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    usage_error(&run(&["dashboard", "--auth", "nocolon"]), &["--auth", "USER:PASSWORD"]);
+    let done = first_line(&run(&["enqueue", "echo", "--args", "1"]));
+    assert!(run(&["complete", &done]).status.success());
+    let pending = first_line(&run(&["enqueue", "echo", "--args", "2"]));
+    // A live task is not deleted; a finished one is, from the command line or the dashboard.
+    let refused = run(&["delete", &pending]);
+    assert_eq!(refused.status.code(), Some(1), "{}", text(&refused));
+    assert!(text(&refused).contains("expected finished"), "{}", text(&refused));
+
+    let mut dashboard = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["dashboard", "--addr", "127.0.0.1:0", "--database-url", &db.url, "--schema", db.schema.name()])
+        .env("CANTER_DASHBOARD_AUTH", "ops:s3cret")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stdout = BufReader::new(dashboard.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    let addr = loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).expect("read stdout") > 0, "the dashboard ended without its address");
+        if let Some(rest) = line.split("dashboard on http://").nth(1) {
+            break rest.split('/').next().expect("an address").to_owned();
+        }
+    };
+    let send = |request: String| {
+        let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
+        stream.write_all(request.as_bytes()).unwrap();
+        let mut response = String::new();
+        stream.read_to_string(&mut response).unwrap();
+        response
+    };
+    let auth = "Authorization: Basic b3BzOnMzY3JldA==\r\n";
+    let get =
+        |path: &str, auth: &str| send(format!("GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"));
+    assert!(get("/api/overview", "").starts_with("HTTP/1.1 401"));
+    let overview = get("/api/overview", auth);
+    assert!(overview.starts_with("HTTP/1.1 200") && overview.contains("\"queue\":\"default\""), "{overview}");
+    let body = format!(r#"{{"action":"delete","task":{done}}}"#);
+    let deleted = send(format!(
+        "POST /api/admin HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    ));
+    assert!(deleted.starts_with("HTTP/1.1 200"), "{deleted}");
+    assert!(text(&run(&["show", &done])).contains(&format!("no task {done}")));
+
+    // An open event stream does not hold up the stop.
+    let mut events = std::net::TcpStream::connect(&addr).unwrap();
+    write!(events, "GET /api/events HTTP/1.1\r\nHost: x\r\n{auth}\r\n").unwrap();
+    let mut first = [0u8; 64];
+    assert!(events.read(&mut first).unwrap() > 0);
+    let asked = tokio::time::Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &dashboard.id().to_string()]).status().unwrap().success());
+    let status = dashboard.wait().unwrap();
+    assert!(status.success(), "the dashboard exits 0 on SIGTERM");
+    assert!(asked.elapsed() < std::time::Duration::from_secs(3), "it took {:?} to stop", asked.elapsed());
+    let mut log = String::new();
+    dashboard.stderr.take().unwrap().read_to_string(&mut log).unwrap();
+    assert!(log.contains("action=\"delete\""), "every action is logged: {log}");
+}
