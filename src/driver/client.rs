@@ -212,7 +212,7 @@ impl<R: Runtime> Client<R> {
             return Ok(());
         }
         let store = &self.inner.store;
-        if self.inner.migrate.load(Ordering::Relaxed) {
+        if self.inner.migrate.load(Ordering::Relaxed) && store.can_migrate() {
             migrate_within(store.session_pool(), store.schema(), MIGRATE_LOCK_WAIT).await?;
         } else {
             require_current(store.pool(), store.schema()).await?;

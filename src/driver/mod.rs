@@ -51,7 +51,7 @@ pub use registry::{BoundRegistry, Registry, RegistryError, TaskContext, TaskHand
 #[cfg(feature = "postgres")]
 pub use scheduler::{PgScheduler, SchedulerOptions, SchedulerRunError, SchedulerStats, run_scheduler};
 #[cfg(feature = "postgres")]
-pub use service::{PgWorker, ServeError, WorkerService, connect, new_worker_id};
+pub use service::{PgWorker, ServeError, WorkerService, connect, connect_through_pooler, new_worker_id};
 #[cfg(feature = "postgres")]
 pub use startup::STARTUP_LOCK_WAIT;
 #[cfg(feature = "postgres")]

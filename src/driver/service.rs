@@ -19,7 +19,7 @@ use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::check::ConfigError;
-use crate::config::{AppConfig, ResilienceConfig, WorkerConfig};
+use crate::config::{AppConfig, DeploymentMode, ResilienceConfig, WorkerConfig};
 use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::mix;
@@ -116,7 +116,23 @@ impl WorkerService {
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Stats, ServeError> {
-        let WorkerService { app, config, schema, registry, id, hooks, migrate, driver, counters, session_pool } = self;
+        let WorkerService { mut app, mut config, schema, registry, id, hooks, migrate, driver, counters, session_pool } =
+            self;
+        // Through a pooler in transaction mode with no session pool of its own, a LISTEN would
+        // hear nothing and a session lock would not outlive its statement: poll, and leave
+        // dead workers to the heartbeat thresholds.
+        if schema.is_transaction_pooled() && session_pool.is_none() {
+            if config.deployment_mode != DeploymentMode::PollingOnly || app.recovery.auto_recover_dead_workers {
+                tracing::warn!(
+                    worker = %id,
+                    poll_interval_ms = config.poll_interval_ms,
+                    "connections go through a transaction pooler and no session pool was given: polling, without a \
+                     liveness token (give a direct connection for LISTEN, e.g. --listen-database-url)"
+                );
+            }
+            config.deployment_mode = DeploymentMode::PollingOnly;
+            app.recovery.auto_recover_dead_workers = false;
+        }
         // Schedules are prepared first: a bad zone or task ends the worker before it claims.
         let scheduler = if config.run_scheduler && !app.schedules.is_empty() {
             Some(Arc::new(load_scheduler(&app)?))
@@ -483,12 +499,24 @@ async fn keep_token<R: Runtime>(
 /// (statement, lock and idle-transaction timeouts), and every connection `TCP_NODELAY`
 /// ([`pool_options`](crate::postgres::pool_options)).
 pub fn connect(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
-    let options = crate::postgres::with_session_settings(url.parse()?);
-    Ok(crate::postgres::pool_options(&options)
+    Ok(lazy_pool(crate::postgres::with_session_settings(url.parse()?), max_connections))
+}
+
+/// As [`connect`], for a `url` that goes through a pooler in transaction mode (PgBouncer):
+/// without startup parameters, which PgBouncer refuses unless told to ignore them (Canter's
+/// session settings are then set per transaction: see
+/// [`PgSchema::transaction_pooled`](crate::postgres::PgSchema::transaction_pooled)).
+pub fn connect_through_pooler(url: &str, max_connections: u32) -> Result<PgPool, sqlx::Error> {
+    let options: sqlx::postgres::PgConnectOptions = url.parse()?;
+    Ok(lazy_pool(options.extra_float_digits(None), max_connections))
+}
+
+fn lazy_pool(options: sqlx::postgres::PgConnectOptions, max_connections: u32) -> PgPool {
+    crate::postgres::pool_options(&options)
         .max_connections(max_connections.max(2))
         .acquire_timeout(std::time::Duration::from_secs(5))
         .test_before_acquire(false)
-        .connect_lazy_with(options))
+        .connect_lazy_with(options)
 }
 
 /// A worker id unique across the cluster: host, process and a random part.

@@ -46,7 +46,7 @@ pub(crate) async fn prepare_schema<R: Runtime>(
     let mut retry = Retry::new(resilience, seed);
     let schema = store.schema().name();
     loop {
-        let attempt = if migrate {
+        let attempt = if migrate && store.can_migrate() {
             migrate_within(store.session_pool(), store.schema(), STARTUP_LOCK_WAIT).await
         } else {
             require_current(store.pool(), store.schema()).await

@@ -71,7 +71,9 @@ impl PgStore {
         let sql = self.schema().sql();
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let done: Option<(i64, String, Option<String>)> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.cancel.clone())
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+                .cancel
+                .query_as()
                 .bind(id.0)
                 .bind(&error)
                 .bind(self.schema().done_channel())
@@ -89,11 +91,12 @@ impl PgStore {
             return Err(AdminError::WorkflowStep { task: id, workflow }.into());
         }
         let sql = self.schema().sql();
-        let done: Option<i64> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(sql.requeue_failed.clone())
-                .bind(id.0)
-                .bind(self.schema().queue_channel_prefix())
-                .fetch_optional(conn))?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+            .requeue_failed
+            .query_scalar()
+            .bind(id.0)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_optional(conn))?;
         if done.is_some() {
             return Ok(());
         }
@@ -104,11 +107,11 @@ impl PgStore {
     /// statement; a live one is refused with `WrongState`.
     async fn delete_finished(&self, id: TaskId) -> Result<(), PgAdminError> {
         let sql = self.schema().sql();
-        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(
-            sql.delete_finished.clone()
-        )
-        .bind(id.0)
-        .fetch_optional(conn))?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+            .delete_finished
+            .query_scalar()
+            .bind(id.0)
+            .fetch_optional(conn))?;
         if done.is_some() {
             return Ok(());
         }
@@ -128,7 +131,9 @@ impl PgStore {
         };
         let sql = self.schema().sql();
         let row: Option<(String, i64, Option<i64>, bool)> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.reschedule.clone())
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+                .reschedule
+                .query_as()
                 .bind(id.0)
                 .bind(change.run_at.is_some())
                 .bind(delay)
@@ -160,14 +165,15 @@ impl PgStore {
         result: Option<Value>,
     ) -> Result<(), PgAdminError> {
         let sql = self.schema().sql();
-        let done: Option<i64> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_scalar(sql.finish_by_hand.clone())
-                .bind(id.0)
-                .bind(state.as_str())
-                .bind(&error)
-                .bind(&result)
-                .bind(self.schema().done_channel())
-                .fetch_optional(conn))?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+            .finish_by_hand
+            .query_scalar()
+            .bind(id.0)
+            .bind(state.as_str())
+            .bind(&error)
+            .bind(&result)
+            .bind(self.schema().done_channel())
+            .fetch_optional(conn))?;
         if done.is_some() {
             return Ok(());
         }
@@ -180,11 +186,14 @@ impl PgStore {
     /// them are marked stopped. Returns how many tasks went back.
     async fn unlock_workers(&self, workers: &[WorkerId]) -> Result<u64, sqlx::Error> {
         let ids: Vec<&str> = workers.iter().map(|w| w.0.as_str()).collect();
-        let n: i64 =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().force_unlock.clone())
-                .bind(&ids)
-                .bind(self.schema().queue_channel_prefix())
-                .fetch_one(conn))?;
+        let n: i64 = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .force_unlock
+            .query_scalar()
+            .bind(&ids)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_one(conn))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
 
@@ -196,13 +205,14 @@ impl PgStore {
     async fn free_key(&self, key: &str) -> Result<KeyRemoval, PgAdminError> {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let sql = self.schema().sql();
-        let row: Option<(i64, String)> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sqlx::query_as(sql.remove_key.clone())
-                .bind(key)
-                .bind(&error)
-                .bind(self.schema().done_channel())
-                .bind(self.schema().key_lock_prefix())
-                .fetch_optional(conn))?;
+        let row: Option<(i64, String)> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
+            .remove_key
+            .query_as()
+            .bind(key)
+            .bind(&error)
+            .bind(self.schema().done_channel())
+            .bind(self.schema().key_lock_prefix())
+            .fetch_optional(conn))?;
         let Some((id, action)) = row else {
             return Err(AdminError::KeyNotFound(key.to_owned()).into());
         };
@@ -221,10 +231,13 @@ impl PgStore {
         if !is_valid_queue_name(queue) {
             return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
         }
-        let row: Option<String> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().pause_queue.clone())
-                .bind(queue)
-                .fetch_optional(conn))?;
+        let row: Option<String> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .pause_queue
+            .query_scalar()
+            .bind(queue)
+            .fetch_optional(conn))?;
         Ok(row.is_some())
     }
 
@@ -234,20 +247,26 @@ impl PgStore {
         if !is_valid_queue_name(queue) {
             return Err(AdminError::InvalidQueueName(queue.to_owned()).into());
         }
-        let row: Option<String> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().resume_queue.clone())
-                .bind(queue)
-                .bind(self.schema().queue_channel_prefix())
-                .fetch_optional(conn))?;
+        let row: Option<String> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .resume_queue
+            .query_scalar()
+            .bind(queue)
+            .bind(self.schema().queue_channel_prefix())
+            .fetch_optional(conn))?;
         Ok(row.is_some())
     }
 
     /// Why an action found nothing to change: the task is missing or in another state.
     async fn refusal(&self, id: TaskId, expected: &'static str) -> Result<AdminError, sqlx::Error> {
-        let state: Option<String> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().state_of.clone())
-                .bind(id.0)
-                .fetch_optional(conn))?;
+        let state: Option<String> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .state_of
+            .query_scalar()
+            .bind(id.0)
+            .fetch_optional(conn))?;
         Ok(match state {
             None => AdminError::NotFound(id),
             Some(state) => AdminError::WrongState { task: id, state: parse_state(&state)?, expected },

@@ -160,7 +160,10 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     if write && of_one_kind_due_now(tasks, &queues) {
         let first = &tasks[0];
         if n == 1 {
-            let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one_now.clone())
+            let id: i64 = schema
+                .sql()
+                .enqueue_one_now
+                .query_scalar()
                 .bind(first.name.as_str())
                 .bind(queues[0])
                 .bind(first.priority)
@@ -170,7 +173,10 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
                 .await?;
             return Ok(vec![TaskId(id)]);
         }
-        let rows = sqlx::query(schema.sql().enqueue_uniform.clone())
+        let rows = schema
+            .sql()
+            .enqueue_uniform
+            .query()
             .bind(first.name.as_str())
             .bind(queues[0])
             .bind(first.priority)
@@ -214,7 +220,10 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     if write && !keyed && good_until.iter().all(Option::is_none) && n == 1 {
         // Nothing left to check, one task with a run-at, retry policy or flags: the plain
         // insert of one row.
-        let id: i64 = sqlx::query_scalar(schema.sql().enqueue_one.clone())
+        let id: i64 = schema
+            .sql()
+            .enqueue_one
+            .query_scalar()
             .bind(names[0])
             .bind(queues[0])
             .bind(priorities[0])
@@ -230,7 +239,10 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     }
     if write && !keyed && good_until.iter().all(Option::is_none) {
         // Nothing left to check: the plain insert.
-        let rows = sqlx::query(schema.sql().enqueue_plain.clone())
+        let rows = schema
+            .sql()
+            .enqueue_plain
+            .query()
             .bind(names)
             .bind(&queues)
             .bind(priorities)
@@ -244,11 +256,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
             .await?;
         return ids_in_task_order(&rows, n);
     }
-    let query = if write && !keyed {
-        sqlx::query(schema.sql().enqueue_keyless.clone())
-    } else {
-        sqlx::query(schema.sql().enqueue.clone())
-    };
+    let query = if write && !keyed { schema.sql().enqueue_keyless.query() } else { schema.sql().enqueue.query() };
     let query = query
         .bind(names)
         .bind(args)

@@ -28,8 +28,7 @@ pub async fn register_listener(
     let mut tries = 0;
     loop {
         tries += 1;
-        let registered =
-            sqlx::query(schema.sql().register_listener.clone()).bind(channels).execute(&mut *listener).await;
+        let registered = schema.sql().register_listener.query().bind(channels).execute(&mut *listener).await;
         match registered {
             Err(error) if tries < REGISTER_TRIES && sqlstate(&error).as_deref() == Some(LOCK_NOT_AVAILABLE) => {}
             other => return other.map(|_| ()),
@@ -40,5 +39,5 @@ pub async fn register_listener(
 /// Deletes the registrations of `listener`'s session, before it goes back to a pool. Needs no
 /// lock: a statement that still sees them only notifies for nobody.
 pub async fn unregister_listener(listener: &mut PgListener, schema: &PgSchema) -> Result<(), sqlx::Error> {
-    sqlx::query(schema.sql().unregister_listener.clone()).execute(&mut *listener).await.map(|_| ())
+    schema.sql().unregister_listener.query().execute(&mut *listener).await.map(|_| ())
 }

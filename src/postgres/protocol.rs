@@ -23,7 +23,9 @@ impl PgStore {
         // Sent again on another connection when its session ended before it was applied (see
         // `replay`): a terminated backend is not an outage. A lost reply is `Unknown`, which the
         // machine resolves with its fencing.
-        let reply: Result<DbReply, RequestError> = replayed!(self, Replay::IfNotApplied, |conn| async {
+        // VACUUM refuses to run in a transaction.
+        let own_transaction = !matches!(request, DbRequest::Vacuum { .. });
+        let reply: Result<DbReply, RequestError> = replayed!(@transaction own_transaction, self, Replay::IfNotApplied, |conn| async {
             self.run(conn, request).await.map_err(RequestError::Sent)
         });
         reply.map_err(|error| match error {
@@ -37,7 +39,7 @@ impl PgStore {
         match request {
             DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms } => {
                 let claim = ClaimArgs::new(&self.schema, policy, *my_running, *my_claimed);
-                let query = claim.bind(sqlx::query(sql.claim.clone()), worker, *token, *start_now, *lease_ms);
+                let query = claim.bind(sql.claim.query(), worker, *token, *start_now, *lease_ms);
                 let rows = query.fetch_all(&mut *conn).await?;
                 self.claimed_from(&rows)
             }
@@ -53,7 +55,7 @@ impl PgStore {
             } => {
                 let finish = FinishArgs::new(completions)?;
                 let claim = ClaimArgs::new(&self.schema, policy, *my_running, *my_claimed);
-                let query = self.bind_finish(sqlx::query(sql.finish_and_claim.clone()), worker, finish);
+                let query = self.bind_finish(sql.finish_and_claim.query(), worker, finish);
                 let rows = claim.bind(query, worker, *token, *start_now, *lease_ms).fetch_all(&mut *conn).await?;
                 let split = rows.iter().position(|row| row.try_get::<i32, _>("part").is_ok_and(|part| part == 1));
                 let (finished, claimed) = rows.split_at(split.unwrap_or(rows.len()));
@@ -76,7 +78,9 @@ impl PgStore {
                 let mut keys: Vec<i64> = capped.iter().map(|(q, _)| self.schema.queue_lock_key(q)).collect();
                 keys.sort_unstable();
                 keys.dedup();
-                let rows = sqlx::query(sql.start.clone())
+                let rows = sql
+                    .start
+                    .query()
                     .bind(&worker.0)
                     .bind(ids)
                     .bind(leases)
@@ -105,12 +109,8 @@ impl PgStore {
             }
             DbRequest::RecordStarts { worker, tasks } => {
                 let (ids, leases) = split(tasks);
-                let rows: Vec<(i64, Option<i32>)> = sqlx::query_as(sql.record_starts.clone())
-                    .bind(&worker.0)
-                    .bind(ids)
-                    .bind(leases)
-                    .fetch_all(&mut *conn)
-                    .await?;
+                let rows: Vec<(i64, Option<i32>)> =
+                    sql.record_starts.query_as().bind(&worker.0).bind(ids).bind(leases).fetch_all(&mut *conn).await?;
                 let (mut started, mut lost) = (Vec::new(), Vec::new());
                 for (id, attempt) in rows {
                     match attempt {
@@ -125,7 +125,9 @@ impl PgStore {
                 let (claimed_ids, claimed_leases) = split(claimed);
                 let (running_ids, running_leases) = split(running);
                 let abandoned: Vec<i64> = abandoned.iter().map(|&token| token as i64).collect();
-                let rows: Vec<(i64, String)> = sqlx::query_as(sql.heartbeat.clone())
+                let rows: Vec<(i64, String)> = sql
+                    .heartbeat
+                    .query_as()
                     .bind(&worker.0)
                     .bind(claimed_ids)
                     .bind(claimed_leases)
@@ -149,7 +151,9 @@ impl PgStore {
             }
             DbRequest::Release { worker, tasks } => {
                 let (ids, leases) = split(tasks);
-                let rows: Vec<(i64, bool)> = sqlx::query_as(sql.release.clone())
+                let rows: Vec<(i64, bool)> = sql
+                    .release
+                    .query_as()
                     .bind(&worker.0)
                     .bind(ids)
                     .bind(leases)
@@ -163,7 +167,9 @@ impl PgStore {
                 Ok(DbReply::Released { released, lost })
             }
             DbRequest::AbandonClaim { worker, token } => {
-                let released: Vec<i64> = sqlx::query_scalar(sql.abandon.clone())
+                let released: Vec<i64> = sql
+                    .abandon
+                    .query_scalar()
                     .bind(&worker.0)
                     .bind(*token as i64)
                     .bind(self.schema.queue_channel_prefix())
@@ -184,7 +190,8 @@ impl PgStore {
                 Ok(DbReply::Vacuumed { tables: self.vacuum_on(conn, *min_dead_rows).await? })
             }
             DbRequest::RegisterWorker(info) => {
-                sqlx::query(sql.register_worker.clone())
+                sql.register_worker
+                    .query()
                     .bind(&info.worker.0)
                     .bind(&info.queues)
                     .bind(int(info.concurrency))
@@ -193,7 +200,7 @@ impl PgStore {
                 Ok(DbReply::Done)
             }
             DbRequest::DeregisterWorker(worker) => {
-                sqlx::query(sql.deregister_worker.clone()).bind(&worker.0).execute(&mut *conn).await?;
+                sql.deregister_worker.query().bind(&worker.0).execute(&mut *conn).await?;
                 Ok(DbReply::Done)
             }
         }
@@ -205,8 +212,7 @@ impl PgStore {
         worker: &WorkerId,
         completions: &[Completion],
     ) -> Result<DbReply, sqlx::Error> {
-        let query =
-            self.bind_finish(sqlx::query(self.schema.sql().finish.clone()), worker, FinishArgs::new(completions)?);
+        let query = self.bind_finish(self.schema.sql().finish.query(), worker, FinishArgs::new(completions)?);
         let rows = query.fetch_all(&mut *conn).await?;
         let mut answers = Vec::with_capacity(rows.len());
         for row in &rows {
@@ -280,7 +286,11 @@ impl PgStore {
         let batch = i64::from(batch.max(1));
         let mut total = 0u64;
         loop {
-            let n: i64 = sqlx::query_scalar(self.schema.sql().purge_finished.clone())
+            let n: i64 = self
+                .schema
+                .sql()
+                .purge_finished
+                .query_scalar()
                 .bind(duration(retention_ms))
                 .bind(batch)
                 .bind(self.app.recovery.idempotency_retention_ms.map(duration))
@@ -305,7 +315,7 @@ impl PgStore {
         let sql = self.schema.sql();
         let mut report = ReapReport::default();
         let mut tx = conn.begin().await?;
-        let ours: Option<bool> = sqlx::query_scalar(sql.reap_lock.clone()).fetch_optional(&mut *tx).await?;
+        let ours: Option<bool> = sql.reap_lock.query_scalar().fetch_optional(&mut *tx).await?;
         if ours.is_none() {
             tx.rollback().await?;
             report.skipped = true;
@@ -318,13 +328,12 @@ impl PgStore {
             self.crash_runs(&mut tx, running_stale_ms, &[], entropy, &mut report).await?;
         }
         let error = error_json(&TaskError::new(ErrorCode::TaskExpired, TASK_EXPIRED_MESSAGE))?;
-        let expired: Vec<i64> = sqlx::query_scalar(sql.reap_expire.clone())
-            .bind(error)
-            .bind(self.schema.done_channel())
-            .fetch_all(&mut *tx)
-            .await?;
+        let expired: Vec<i64> =
+            sql.reap_expire.query_scalar().bind(error).bind(self.schema.done_channel()).fetch_all(&mut *tx).await?;
         report.expired = expired.into_iter().map(TaskId).collect();
-        let pruned: i64 = sqlx::query_scalar(sql.prune_workers.clone())
+        let pruned: i64 = sql
+            .prune_workers
+            .query_scalar()
             .bind(duration(self.app.recovery.worker_retention_ms))
             .fetch_one(&mut *tx)
             .await?;
@@ -339,7 +348,9 @@ impl PgStore {
         let sql = self.schema.sql();
         let mut report = ReapReport::default();
         let mut tx = conn.begin().await?;
-        let dead: Vec<String> = sqlx::query_scalar(sql.reap_dead_find.clone())
+        let dead: Vec<String> = sql
+            .reap_dead_find
+            .query_scalar()
             .bind(self.schema.liveness_lock_prefix())
             .bind(duration(grace_ms))
             .fetch_all(&mut *tx)
@@ -347,7 +358,7 @@ impl PgStore {
         if !dead.is_empty() {
             report.requeued = self.requeue_claims(&mut tx, None, &dead).await?;
             self.crash_runs(&mut tx, None, &dead, entropy, &mut report).await?;
-            sqlx::query(sql.reap_dead_forget.clone()).bind(&dead).execute(&mut *tx).await?;
+            sql.reap_dead_forget.query().bind(&dead).execute(&mut *tx).await?;
         }
         tx.commit().await?;
         report.dead_workers = dead.into_iter().map(WorkerId).collect();
@@ -362,7 +373,11 @@ impl PgStore {
         stale_ms: Option<u64>,
         dead: &[String],
     ) -> Result<Vec<TaskId>, sqlx::Error> {
-        let ids: Vec<i64> = sqlx::query_scalar(self.schema.sql().reap_claimed.clone())
+        let ids: Vec<i64> = self
+            .schema
+            .sql()
+            .reap_claimed
+            .query_scalar()
             .bind(stale_ms.map(duration))
             .bind(self.schema.queue_channel_prefix())
             .bind(dead)
@@ -382,11 +397,7 @@ impl PgStore {
         report: &mut ReapReport,
     ) -> Result<(), sqlx::Error> {
         let sql = self.schema.sql();
-        let stale = sqlx::query(sql.reap_running_select.clone())
-            .bind(stale_ms.map(duration))
-            .bind(dead)
-            .fetch_all(&mut *tx)
-            .await?;
+        let stale = sql.reap_running_select.query().bind(stale_ms.map(duration)).bind(dead).fetch_all(&mut *tx).await?;
         if stale.is_empty() {
             return Ok(());
         }
@@ -405,7 +416,9 @@ impl PgStore {
             may_retry.push(delay.is_some());
         }
         let error = error_json(&TaskError::new(ErrorCode::WorkerCrashed, WORKER_CRASHED_MESSAGE))?;
-        let rows: Vec<(i64, String)> = sqlx::query_as(sql.reap_running_apply.clone())
+        let rows: Vec<(i64, String)> = sql
+            .reap_running_apply
+            .query_as()
             .bind(ids)
             .bind(delays)
             .bind(may_retry)
@@ -425,7 +438,11 @@ impl PgStore {
     /// holds it. The token is held for as long as that session lives: keep the connection open,
     /// idle, for the worker's lifetime (the drivers do), and take it again after a reconnect.
     pub async fn take_token(&self, connection: &mut PgConnection, worker: &WorkerId) -> Result<bool, sqlx::Error> {
-        let held: Option<bool> = sqlx::query_scalar(self.schema.sql().take_token.clone())
+        let held: Option<bool> = self
+            .schema
+            .sql()
+            .take_token
+            .query_scalar()
             .bind(self.schema.liveness_lock_prefix())
             .bind(&worker.0)
             .fetch_optional(connection)

@@ -18,18 +18,15 @@ type AttemptRow = (i64, i32, Option<String>, String, Option<Value>, i64);
 impl PgStore {
     /// The task with this id, live or finished.
     pub async fn get(&self, id: TaskId) -> Result<Option<TaskRecord>, sqlx::Error> {
-        let row = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().get.clone())
-            .bind(id.0)
-            .fetch_optional(conn))?;
+        let row =
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().get.query().bind(id.0).fetch_optional(conn))?;
         row.map(|row| record(&row)).transpose()
     }
 
     /// The attempts history of a task, oldest first (empty for an unknown id).
     pub async fn attempts(&self, id: TaskId) -> Result<Vec<AttemptRecord>, sqlx::Error> {
         let rows: Vec<AttemptRow> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().attempts.clone())
-                .bind(id.0)
-                .fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().attempts.query_as().bind(id.0).fetch_all(conn))?;
         rows.into_iter()
             .map(|(task, attempt, worker, outcome, error, finished_at)| {
                 Ok(AttemptRecord {
@@ -51,7 +48,8 @@ impl PgStore {
         let offset = count(filter.offset);
         let sql = self.schema().sql();
         let statement = if filter.newest_first { &sql.list_newest } else { &sql.list };
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(statement.clone())
+        let rows = replayed!(self, Replay::Safe, |conn| statement
+            .query()
             .bind(filter.queue.as_deref())
             .bind(filter.state.map(TaskState::as_str))
             .bind(limit)
@@ -69,7 +67,7 @@ impl PgStore {
     /// How many tasks each queue has in each state (pairs with none are left out).
     pub async fn counts(&self) -> Result<BTreeMap<(String, TaskState), u64>, sqlx::Error> {
         let rows: Vec<(String, String, i64)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().counts.clone()).fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().counts.query_as().fetch_all(conn))?;
         let mut counts = BTreeMap::new();
         for (queue, state, n) in rows {
             *counts.entry((queue, parse_state(&state)?)).or_insert(0) += u64::try_from(n).unwrap_or(0);
@@ -81,8 +79,7 @@ impl PgStore {
     /// database's clock (see [`QueueDepth`]): one statement over the live table only.
     pub async fn queue_depths(&self) -> Result<Vec<QueueDepth>, sqlx::Error> {
         let rows: Vec<(String, i64, i64, i64, i64, Option<i64>)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().queue_depths.clone())
-                .fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().queue_depths.query_as().fetch_all(conn))?;
         let n = |count: i64| u64::try_from(count).unwrap_or(0);
         Ok(rows
             .into_iter()
@@ -102,11 +99,14 @@ impl PgStore {
     /// history. A task whose finishing transaction commits after the read, with a
     /// `finished_at` inside the span, is not counted: read a span that ended a moment ago.
     pub async fn finished_counts(&self, from: DbTime, to: DbTime) -> Result<Vec<FinishedCount>, sqlx::Error> {
-        let rows: Vec<(String, String, i64)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().finished_counts.clone())
-                .bind(db_time(from))
-                .bind(db_time(to))
-                .fetch_all(conn))?;
+        let rows: Vec<(String, String, i64)> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .finished_counts
+            .query_as()
+            .bind(db_time(from))
+            .bind(db_time(to))
+            .fetch_all(conn))?;
         rows.into_iter()
             .map(|(queue, state, n)| {
                 Ok(FinishedCount { queue, state: parse_state(&state)?, tasks: u64::try_from(n).unwrap_or(0) })
@@ -117,8 +117,7 @@ impl PgStore {
     /// What each worker holds now, by worker id (workers holding nothing left out).
     pub async fn worker_loads(&self) -> Result<Vec<WorkerLoad>, sqlx::Error> {
         let rows: Vec<(String, i64, i64)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().worker_loads.clone())
-                .fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().worker_loads.query_as().fetch_all(conn))?;
         let n = |count: i64| u64::try_from(count).unwrap_or(0);
         Ok(rows
             .into_iter()
@@ -133,7 +132,7 @@ impl PgStore {
     /// The worker registry, by worker id.
     pub async fn workers(&self) -> Result<Vec<WorkerRecord>, sqlx::Error> {
         let rows: Vec<(String, Vec<String>, i32, i64, bool)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().workers.clone()).fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().workers.query_as().fetch_all(conn))?;
         Ok(rows
             .into_iter()
             .map(|(id, queues, concurrency, last_seen, stopped)| WorkerRecord {
@@ -152,19 +151,21 @@ impl PgStore {
     pub async fn liveness_tokens(&self, workers: &[WorkerId]) -> Result<BTreeMap<WorkerId, bool>, sqlx::Error> {
         let ids: Vec<&str> = workers.iter().map(|w| w.0.as_str()).collect();
         let prefix = self.schema().liveness_lock_prefix();
-        let rows: Vec<(String, bool)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().liveness_tokens.clone())
-                .bind(&prefix)
-                .bind(&ids)
-                .fetch_all(conn))?;
+        let rows: Vec<(String, bool)> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .liveness_tokens
+            .query_as()
+            .bind(&prefix)
+            .bind(&ids)
+            .fetch_all(conn))?;
         Ok(rows.into_iter().map(|(id, held)| (WorkerId(id), held)).collect())
     }
 
     /// The paused queues, by name.
     pub async fn paused_queues(&self) -> Result<Vec<PausedQueue>, sqlx::Error> {
         let rows: Vec<(String, i64)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().paused_queues.clone())
-                .fetch_all(conn))?;
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().paused_queues.query_as().fetch_all(conn))?;
         Ok(rows.into_iter().map(|(queue, at)| PausedQueue { queue, paused_at: DbTime(at) }).collect())
     }
 }

@@ -107,15 +107,39 @@ macro_rules! replayed {
     ($store:expr, $replay:expr, $error:ty, |$conn:ident| $statement:expr) => {
         $crate::postgres::replay::replayed!($store, $replay, |$conn| async { $statement.await.map_err(<$error>::from) })
     };
-    ($store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
+    ($store:expr, $replay:expr, |$conn:ident| $statement:expr) => {
+        $crate::postgres::replay::replayed!(@transaction true, $store, $replay, |$conn| $statement)
+    };
+    // `$own_transaction`: through a pooler in transaction mode, in a transaction of its own (a
+    // statement that cannot run in one, such as VACUUM, passes false).
+    (@transaction $own_transaction:expr, $store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
         let store: &$crate::postgres::PgStore = $store;
+        let own_transaction = $own_transaction && store.schema().is_transaction_pooled();
         let mut tries = $crate::postgres::replay::Tries::new(store, $replay);
         loop {
             let mut held = match store.connection().await {
                 Ok(held) => held,
                 Err(error) => break Err(error.into()),
             };
-            let result = {
+            let result = if own_transaction {
+                match sqlx::Connection::begin_with(&mut *held, $crate::postgres::store::pooled_begin()).await {
+                    Err(error) => Err(error.into()),
+                    Ok(mut transaction) => {
+                        let done = {
+                            let $conn: &mut sqlx::PgConnection = &mut transaction;
+                            $statement.await
+                        };
+                        match done {
+                            Ok(value) => transaction.commit().await.map(|()| value).map_err(Into::into),
+                            Err(error) => {
+                                // A broken connection cannot roll back; the server does.
+                                let _ = transaction.rollback().await;
+                                Err(error)
+                            }
+                        }
+                    }
+                }
+            } else {
                 let $conn: &mut sqlx::PgConnection = &mut held;
                 $statement.await
             };

@@ -85,7 +85,11 @@ impl PgStore {
         if names.is_empty() {
             return Ok((self.now().await?, Vec::new()));
         }
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().schedule_states.clone())
+        let rows = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .schedule_states
+            .query()
             .bind(names)
             .fetch_all(conn))?;
         let mut now = None;
@@ -106,8 +110,7 @@ impl PgStore {
 
     /// Every schedule record, configured or not, by name.
     pub async fn schedule_records(&self) -> Result<Vec<ScheduleRecord>, sqlx::Error> {
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().schedule_records.clone())
-            .fetch_all(conn))?;
+        let rows = replayed!(self, Replay::Safe, |conn| self.schema().sql().schedule_records.query().fetch_all(conn))?;
         rows.iter().map(record).collect()
     }
 
@@ -131,7 +134,9 @@ impl PgStore {
             let reads: Vec<Option<i64>> = quiet.iter().map(|w| w.read.map(db_time)).collect();
             let advances: Vec<i64> = quiet.iter().map(|w| db_time(w.advance_to)).collect();
             let nexts: Vec<Option<i64>> = quiet.iter().map(|w| w.next_tick.map(db_time)).collect();
-            let won: Vec<String> = sqlx::query_scalar(sql.advance_schedules.clone())
+            let won: Vec<String> = sql
+                .advance_schedules
+                .query_scalar()
                 .bind(names)
                 .bind(reads)
                 .bind(advances)
@@ -148,7 +153,9 @@ impl PgStore {
         }
         for write in firing {
             let mut tx = self.pool().begin().await?;
-            let won = sqlx::query(sql.fire_schedule.clone())
+            let won = sql
+                .fire_schedule
+                .query()
                 .bind(&write.name)
                 .bind(write.read.map(db_time))
                 .bind(db_time(write.advance_to))
@@ -165,11 +172,7 @@ impl PgStore {
             match enqueue_many_in(&mut *tx, self.schema(), self.app(), write.tasks.clone()).await {
                 Ok(task_ids) => {
                     if let Some(last) = task_ids.last() {
-                        sqlx::query(sql.schedule_last_task.clone())
-                            .bind(&write.name)
-                            .bind(last.0)
-                            .execute(&mut *tx)
-                            .await?;
+                        sql.schedule_last_task.query().bind(&write.name).bind(last.0).execute(&mut *tx).await?;
                     }
                     tx.commit().await?;
                     outcome.applied.push(AppliedWrite { write, task_ids });

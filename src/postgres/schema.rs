@@ -354,6 +354,8 @@ struct SchemaInner {
     done_channel: String,
     abort_channel: String,
     statements: Statements,
+    /// Its store's connections go through a pooler in transaction mode.
+    transaction_pooled: bool,
 }
 
 impl fmt::Debug for PgSchema {
@@ -391,7 +393,7 @@ impl PgSchema {
         }
         let quoted = format!("\"{name}\"");
         let (queue_channel_prefix, done_channel, abort_channel) = channel_names(name);
-        let statements = Statements::new(&quoted);
+        let statements = Statements::new(&quoted, true);
         Ok(PgSchema {
             inner: Arc::new(SchemaInner {
                 name: name.to_owned(),
@@ -400,8 +402,40 @@ impl PgSchema {
                 done_channel,
                 abort_channel,
                 statements,
+                transaction_pooled: false,
             }),
         })
+    }
+
+    /// The same schema, for a store whose pool goes through a pooler in transaction mode
+    /// (PgBouncer's `pool_mode = transaction`), where a server session serves one transaction of
+    /// a client and then another client's. Each statement is then sent in a transaction of its
+    /// own that sets [`SESSION_SETTINGS`](super::SESSION_SETTINGS) locally (the pooler drops
+    /// startup parameters), and unnamed: a named prepared statement would be missing from, or
+    /// clash with another client's on, the next server session (PgBouncer 1.18 does not track
+    /// them). What needs a session of its own (LISTEN, the worker's liveness token, the migrate
+    /// lock) goes to the store's session pool: give it one on a direct connection
+    /// ([`PgStore::with_session_pool`](super::PgStore::with_session_pool)); without one, workers
+    /// poll. Costs two round trips more per statement (the begin and the commit).
+    pub fn transaction_pooled(&self) -> PgSchema {
+        let inner = &self.inner;
+        PgSchema {
+            inner: Arc::new(SchemaInner {
+                name: inner.name.clone(),
+                quoted: inner.quoted.clone(),
+                queue_channel_prefix: inner.queue_channel_prefix.clone(),
+                done_channel: inner.done_channel.clone(),
+                abort_channel: inner.abort_channel.clone(),
+                statements: Statements::new(&inner.quoted, false),
+                transaction_pooled: true,
+            }),
+        }
+    }
+
+    /// Whether the store's connections go through a pooler in transaction mode (see
+    /// [`transaction_pooled`](PgSchema::transaction_pooled)).
+    pub fn is_transaction_pooled(&self) -> bool {
+        self.inner.transaction_pooled
     }
 
     /// The schema's name.
@@ -511,6 +545,7 @@ async fn read_status(conn: &mut PgConnection, schema: &PgSchema) -> Result<Schem
                 EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
                         WHERE n.nspname = $1 AND c.relname = 'schema_versions')",
     )
+    .persistent(false)
     .bind(schema.name())
     .fetch_one(&mut *conn)
     .await
@@ -518,7 +553,7 @@ async fn read_status(conn: &mut PgConnection, schema: &PgSchema) -> Result<Schem
     let applied: Vec<(i64, Vec<u8>, bool)> = if has_history {
         let sql =
             format!("SELECT version, checksum, success FROM {}._sqlx_migrations ORDER BY version", schema.quoted());
-        sqlx::query_as(sqlx::AssertSqlSafe(sql)).fetch_all(&mut *conn).await.map_err(&read)?
+        sqlx::query_as(sqlx::AssertSqlSafe(sql)).persistent(false).fetch_all(&mut *conn).await.map_err(&read)?
     } else {
         Vec::new()
     };
@@ -617,7 +652,7 @@ async fn migrate_on(
     lock(conn, lock_wait).await?;
     // A migration may take longer than the statement timeout of Canter's sessions (an index
     // built on a large table); its files bound their own lock waits.
-    sqlx::query("SELECT set_config('statement_timeout', '0', false)").execute(&mut *conn).await?;
+    sqlx::query("SELECT set_config('statement_timeout', '0', false)").persistent(false).execute(&mut *conn).await?;
     // Another process may have migrated while this one waited.
     let schema_exists = match read_status(conn, schema).await? {
         SchemaStatus::Behind { schema_exists, .. } => schema_exists,
@@ -654,7 +689,7 @@ async fn migrate_on(
         other => other.into(),
     })?;
     let status = read_status(conn, schema).await?;
-    sqlx::query("SELECT pg_advisory_unlock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await?;
+    sqlx::query("SELECT pg_advisory_unlock($1)").persistent(false).bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await?;
     Ok(status)
 }
 
@@ -662,8 +697,13 @@ async fn migrate_on(
 /// the server gives up by itself even if this side is gone).
 async fn lock(conn: &mut PgConnection, wait: Duration) -> Result<(), MigrateSchemaError> {
     let ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).clamp(1, i32::MAX as u64);
-    sqlx::query("SELECT set_config('lock_timeout', $1, false)").bind(format!("{ms}ms")).execute(&mut *conn).await?;
-    let locked = sqlx::query("SELECT pg_advisory_lock($1)").bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await;
+    sqlx::query("SELECT set_config('lock_timeout', $1, false)")
+        .persistent(false)
+        .bind(format!("{ms}ms"))
+        .execute(&mut *conn)
+        .await?;
+    let locked =
+        sqlx::query("SELECT pg_advisory_lock($1)").persistent(false).bind(MIGRATE_LOCK_KEY).execute(&mut *conn).await;
     match locked {
         Ok(_) => Ok(()),
         Err(error) if sqlstate(&error).as_deref() == Some(LOCK_NOT_AVAILABLE) => {
@@ -686,6 +726,7 @@ async fn lock_holder(conn: &mut PgConnection) -> Result<Option<LockHolder>, sqlx
            AND l.classid = $1::bigint::oid AND l.objid = $2::bigint::oid
          LIMIT 1",
     )
+    .persistent(false)
     .bind((key >> 32) as i64)
     .bind((key & 0xffff_ffff) as i64)
     .fetch_optional(&mut *conn)

@@ -1051,74 +1051,109 @@ const SCHEDULE_LAST_TASK: &str = "UPDATE {s}.schedules SET last_task_id = $2 WHE
 
 const NOW: &str = "SELECT {s}.ms({s}.db_now())";
 
+/// One statement of a store, and how to send it: as a named prepared statement sqlx caches on
+/// the connection, or unnamed (prepared for this one execution) when the store's connections
+/// go through a pooler in transaction mode, where a named statement prepared on one server
+/// connection would be missing on the next (see `PgSchema::transaction_pooled`).
+#[derive(Debug, Clone)]
+pub(crate) struct Stmt {
+    text: SqlStr,
+    persistent: bool,
+}
+
+impl Stmt {
+    /// The statement as a query.
+    pub(crate) fn query<'q>(&self) -> sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments> {
+        sqlx::query(self.text.clone()).persistent(self.persistent)
+    }
+
+    /// The statement as a query of rows of type `O`.
+    pub(crate) fn query_as<'q, O>(&self) -> sqlx::query::QueryAs<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+    where
+        O: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+    {
+        sqlx::query_as(self.text.clone()).persistent(self.persistent)
+    }
+
+    /// The statement as a query of one value of type `O` per row.
+    pub(crate) fn query_scalar<'q, O>(
+        &self,
+    ) -> sqlx::query::QueryScalar<'q, sqlx::Postgres, O, sqlx::postgres::PgArguments>
+    where
+        (O,): for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+    {
+        sqlx::query_scalar(self.text.clone()).persistent(self.persistent)
+    }
+}
+
 /// Every statement of a store, with its schema filled in.
 pub(crate) struct Statements {
-    pub(crate) claim: SqlStr,
-    pub(crate) start: SqlStr,
-    pub(crate) record_starts: SqlStr,
-    pub(crate) finish: SqlStr,
-    pub(crate) finish_and_claim: SqlStr,
-    pub(crate) heartbeat: SqlStr,
-    pub(crate) release: SqlStr,
-    pub(crate) abandon: SqlStr,
-    pub(crate) reap_lock: SqlStr,
-    pub(crate) reap_claimed: SqlStr,
-    pub(crate) reap_running_select: SqlStr,
-    pub(crate) reap_running_apply: SqlStr,
-    pub(crate) reap_expire: SqlStr,
-    pub(crate) reap_dead_find: SqlStr,
-    pub(crate) reap_dead_forget: SqlStr,
-    pub(crate) take_token: SqlStr,
-    pub(crate) prune_workers: SqlStr,
-    pub(crate) register_worker: SqlStr,
-    pub(crate) deregister_worker: SqlStr,
-    pub(crate) enqueue: SqlStr,
-    pub(crate) enqueue_keyless: SqlStr,
-    pub(crate) enqueue_plain: SqlStr,
-    pub(crate) enqueue_one: SqlStr,
-    pub(crate) enqueue_one_now: SqlStr,
-    pub(crate) enqueue_uniform: SqlStr,
-    pub(crate) get: SqlStr,
-    pub(crate) list: SqlStr,
-    pub(crate) list_newest: SqlStr,
-    pub(crate) attempts: SqlStr,
-    pub(crate) counts: SqlStr,
-    pub(crate) queue_depths: SqlStr,
-    pub(crate) workers: SqlStr,
-    pub(crate) finished_counts: SqlStr,
-    pub(crate) worker_loads: SqlStr,
-    pub(crate) workflow_edges: SqlStr,
-    pub(crate) liveness_tokens: SqlStr,
-    pub(crate) cancel: SqlStr,
-    pub(crate) requeue_failed: SqlStr,
-    pub(crate) reschedule: SqlStr,
-    pub(crate) finish_by_hand: SqlStr,
-    pub(crate) force_unlock: SqlStr,
-    pub(crate) remove_key: SqlStr,
-    pub(crate) purge_finished: SqlStr,
-    pub(crate) delete_finished: SqlStr,
-    pub(crate) pause_queue: SqlStr,
-    pub(crate) resume_queue: SqlStr,
-    pub(crate) paused_queues: SqlStr,
-    pub(crate) state_of: SqlStr,
-    pub(crate) schedule_states: SqlStr,
-    pub(crate) schedule_records: SqlStr,
-    pub(crate) advance_schedules: SqlStr,
-    pub(crate) fire_schedule: SqlStr,
-    pub(crate) schedule_last_task: SqlStr,
-    pub(crate) now: SqlStr,
-    pub(crate) register_listener: SqlStr,
-    pub(crate) unregister_listener: SqlStr,
-    pub(crate) submit_workflow: SqlStr,
-    pub(crate) workflow_record: SqlStr,
-    pub(crate) pause_workflow: SqlStr,
-    pub(crate) resume_workflow: SqlStr,
-    pub(crate) retry_workflow: SqlStr,
-    pub(crate) cancel_workflow: SqlStr,
-    pub(crate) step_of: SqlStr,
-    pub(crate) parents_of: SqlStr,
-    pub(crate) workflow_steps: SqlStr,
-    pub(crate) workflow_ids: SqlStr,
+    pub(crate) claim: Stmt,
+    pub(crate) start: Stmt,
+    pub(crate) record_starts: Stmt,
+    pub(crate) finish: Stmt,
+    pub(crate) finish_and_claim: Stmt,
+    pub(crate) heartbeat: Stmt,
+    pub(crate) release: Stmt,
+    pub(crate) abandon: Stmt,
+    pub(crate) reap_lock: Stmt,
+    pub(crate) reap_claimed: Stmt,
+    pub(crate) reap_running_select: Stmt,
+    pub(crate) reap_running_apply: Stmt,
+    pub(crate) reap_expire: Stmt,
+    pub(crate) reap_dead_find: Stmt,
+    pub(crate) reap_dead_forget: Stmt,
+    pub(crate) take_token: Stmt,
+    pub(crate) prune_workers: Stmt,
+    pub(crate) register_worker: Stmt,
+    pub(crate) deregister_worker: Stmt,
+    pub(crate) enqueue: Stmt,
+    pub(crate) enqueue_keyless: Stmt,
+    pub(crate) enqueue_plain: Stmt,
+    pub(crate) enqueue_one: Stmt,
+    pub(crate) enqueue_one_now: Stmt,
+    pub(crate) enqueue_uniform: Stmt,
+    pub(crate) get: Stmt,
+    pub(crate) list: Stmt,
+    pub(crate) list_newest: Stmt,
+    pub(crate) attempts: Stmt,
+    pub(crate) counts: Stmt,
+    pub(crate) queue_depths: Stmt,
+    pub(crate) workers: Stmt,
+    pub(crate) finished_counts: Stmt,
+    pub(crate) worker_loads: Stmt,
+    pub(crate) workflow_edges: Stmt,
+    pub(crate) liveness_tokens: Stmt,
+    pub(crate) cancel: Stmt,
+    pub(crate) requeue_failed: Stmt,
+    pub(crate) reschedule: Stmt,
+    pub(crate) finish_by_hand: Stmt,
+    pub(crate) force_unlock: Stmt,
+    pub(crate) remove_key: Stmt,
+    pub(crate) purge_finished: Stmt,
+    pub(crate) delete_finished: Stmt,
+    pub(crate) pause_queue: Stmt,
+    pub(crate) resume_queue: Stmt,
+    pub(crate) paused_queues: Stmt,
+    pub(crate) state_of: Stmt,
+    pub(crate) schedule_states: Stmt,
+    pub(crate) schedule_records: Stmt,
+    pub(crate) advance_schedules: Stmt,
+    pub(crate) fire_schedule: Stmt,
+    pub(crate) schedule_last_task: Stmt,
+    pub(crate) now: Stmt,
+    pub(crate) register_listener: Stmt,
+    pub(crate) unregister_listener: Stmt,
+    pub(crate) submit_workflow: Stmt,
+    pub(crate) workflow_record: Stmt,
+    pub(crate) pause_workflow: Stmt,
+    pub(crate) resume_workflow: Stmt,
+    pub(crate) retry_workflow: Stmt,
+    pub(crate) cancel_workflow: Stmt,
+    pub(crate) step_of: Stmt,
+    pub(crate) parents_of: Stmt,
+    pub(crate) workflow_steps: Stmt,
+    pub(crate) workflow_ids: Stmt,
 }
 
 /// Expands every `{heard:$N}` of a statement: whether a listener of the channel in parameter
@@ -1142,9 +1177,10 @@ fn heard(text: &str) -> String {
 }
 
 impl Statements {
-    /// The statements of the schema whose quoted name is `quoted`.
-    pub(crate) fn new(quoted: &str) -> Self {
-        let fill = |template: &str| -> SqlStr {
+    /// The statements of the schema whose quoted name is `quoted`, sent as named prepared
+    /// statements when `persistent`, else unnamed.
+    pub(crate) fn new(quoted: &str, persistent: bool) -> Self {
+        let fill = |template: &str| -> Stmt {
             let text = template
                 .replace("{finish_with}", FINISH_WITH)
                 .replace("{finish_answer}", FINISH_ANSWER)
@@ -1157,7 +1193,7 @@ impl Statements {
                 .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"))
                 .replace("{id_chunks_of_held}", &ID_CHUNKS.replace("{rows}", "held"));
             let text = heard(&text).replace("{s}", quoted);
-            AssertSqlSafe(Arc::<str>::from(text)).into_sql_str()
+            Stmt { text: AssertSqlSafe(Arc::<str>::from(text)).into_sql_str(), persistent }
         };
         let record = |live: &str, finished: &str| RECORD.replace("{live}", live).replace("{finished}", finished);
         // Each table's part is ordered and limited on its own (its primary key serves it), so a

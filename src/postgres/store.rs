@@ -63,6 +63,19 @@ const MIN_DB_TIME_MS: i64 = -200_000_000_000_000;
 pub const SESSION_SETTINGS: [(&str, &str); 3] =
     [("statement_timeout", "25s"), ("lock_timeout", "5s"), ("idle_in_transaction_session_timeout", "60s")];
 
+/// The statement that begins the transaction of each statement sent through a pooler in
+/// transaction mode (see [`PgSchema::transaction_pooled`]): the pooler drops startup
+/// parameters, so [`SESSION_SETTINGS`] are set for the transaction (`SET LOCAL`), in the same
+/// round trip.
+pub(crate) fn pooled_begin() -> sqlx::SqlStr {
+    use sqlx::SqlSafeStr;
+    let mut text = String::from("BEGIN");
+    for (name, value) in SESSION_SETTINGS {
+        text.push_str(&format!("; SET LOCAL {name} = '{value}'"));
+    }
+    sqlx::AssertSqlSafe(text).into_sql_str()
+}
+
 /// `options` with [`SESSION_SETTINGS`] as startup parameters (no round trip per connection),
 /// and sqlx's warning about statements slower than a second lowered to a debug line: Canter's
 /// own big batches (a workflow of 50,000 steps, a finish of thousands) take that long by design,
@@ -175,6 +188,14 @@ impl PgStore {
         self.session_pool.as_ref().unwrap_or(&self.pool)
     }
 
+    /// Whether migrations can run: they hold a session's advisory lock, which a pooler in
+    /// transaction mode does not keep, so through one they need the session pool
+    /// ([`with_session_pool`](PgStore::with_session_pool)); without it the schema is only
+    /// checked.
+    pub fn can_migrate(&self) -> bool {
+        !self.schema.is_transaction_pooled() || self.session_pool.is_some()
+    }
+
     /// How many connections the store may hold at once: the pool's and the kept ones.
     pub(crate) fn max_connections(&self) -> u32 {
         self.pool.options().get_max_connections().saturating_add(self.kept.cap as u32)
@@ -230,15 +251,15 @@ impl PgStore {
         &self.app
     }
 
-    /// Creates or upgrades the store's schema (see [`migrate`]).
+    /// Creates or upgrades the store's schema (see [`migrate`]), on the session pool: the
+    /// migrations hold a session's advisory lock.
     pub async fn migrate(&self) -> Result<(), MigrateSchemaError> {
-        migrate(&self.pool, &self.schema).await
+        migrate(self.session_pool(), &self.schema).await
     }
 
     /// The database's clock.
     pub async fn now(&self) -> Result<DbTime, sqlx::Error> {
-        let ms: i64 =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema.sql().now.clone()).fetch_one(conn))?;
+        let ms: i64 = replayed!(self, Replay::Safe, |conn| self.schema.sql().now.query_scalar().fetch_one(conn))?;
         Ok(DbTime(ms))
     }
 }

@@ -62,14 +62,21 @@ impl PgStore {
         min_dead_rows: u64,
     ) -> Result<Vec<VacuumedTable>, sqlx::Error> {
         let min = i64::try_from(min_dead_rows).unwrap_or(i64::MAX);
+        // Through a pooler in transaction mode, no named statement (see `Stmt`).
+        let pooled = self.schema().is_transaction_pooled();
         // Only tables this role may vacuum (their owner's privileges: a superuser has every
         // role's): PostgreSQL skips the others with a warning, which would pass for a vacuum
         // that removed nothing. A worker with only DML grants leaves them to the server.
         let counts = "SELECT s.relname::text, s.n_dead_tup FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid \
                       WHERE s.schemaname = $1 AND s.relname = ANY ($2) AND s.n_dead_tup >= $3 \
                       AND pg_has_role(c.relowner, 'USAGE') ORDER BY s.relname";
-        let candidates: Vec<(String, i64)> =
-            sqlx::query_as(counts).bind(self.schema().name()).bind(HOT_TABLES).bind(min).fetch_all(&mut *conn).await?;
+        let candidates: Vec<(String, i64)> = sqlx::query_as(counts)
+            .persistent(!pooled)
+            .bind(self.schema().name())
+            .bind(HOT_TABLES)
+            .bind(min)
+            .fetch_all(&mut *conn)
+            .await?;
         let mut vacuumed = Vec::new();
         for (table, dead) in candidates {
             let dead_before = u64::try_from(dead).unwrap_or(0);
@@ -89,6 +96,7 @@ impl PgStore {
             // transaction's statistics snapshot) sees what it left.
             let after: Option<i64> =
                 sqlx::query_scalar("SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2")
+                    .persistent(!pooled)
                     .bind(self.schema().name())
                     .bind(&table)
                     .fetch_optional(&mut *conn)

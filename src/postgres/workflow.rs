@@ -58,16 +58,23 @@ impl PgStore {
 
     /// The workflow and step of task `id`, if it is a workflow's step.
     pub async fn step_of(&self, id: TaskId) -> Result<Option<(WorkflowId, StepId)>, sqlx::Error> {
-        let row: Option<(i64, i32)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().step_of.clone())
-                .bind(id.0)
-                .fetch_optional(conn))?;
+        let row: Option<(i64, i32)> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .step_of
+            .query_as()
+            .bind(id.0)
+            .fetch_optional(conn))?;
         Ok(row.map(|(workflow, step)| (WorkflowId(workflow), StepId(u32::try_from(step).unwrap_or(u32::MAX)))))
     }
 
     /// The steps of workflow `id`, by step (as [`StepRecord`]s).
     pub async fn workflow_steps(&self, id: WorkflowId) -> Result<Vec<StepRecord>, sqlx::Error> {
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().workflow_steps.clone())
+        let rows = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .workflow_steps
+            .query()
             .bind(id.0)
             .fetch_all(conn))?;
         let count = |row: &sqlx::postgres::PgRow, column: &str| -> Result<u32, sqlx::Error> {
@@ -96,11 +103,14 @@ impl PgStore {
     /// A workflow's edges by step, children in step order, at most `limit` (none for an
     /// unknown id).
     pub async fn workflow_edges(&self, id: WorkflowId, limit: u32) -> Result<Vec<EdgeRecord>, sqlx::Error> {
-        let rows: Vec<(i32, i32, bool)> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(self.schema().sql().workflow_edges.clone())
-                .bind(id.0)
-                .bind(i64::from(limit))
-                .fetch_all(conn))?;
+        let rows: Vec<(i32, i32, bool)> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .workflow_edges
+            .query_as()
+            .bind(id.0)
+            .bind(i64::from(limit))
+            .fetch_all(conn))?;
         let step = |index: i32| StepId(u32::try_from(index).unwrap_or(u32::MAX));
         Ok(rows
             .into_iter()
@@ -110,19 +120,21 @@ impl PgStore {
 
     /// The ids of the workflows, newest first, at most `limit`.
     pub async fn workflow_ids(&self, limit: u32) -> Result<Vec<WorkflowId>, sqlx::Error> {
-        let ids: Vec<i64> =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(self.schema().sql().workflow_ids.clone())
-                .bind(i64::from(limit))
-                .fetch_all(conn))?;
+        let ids: Vec<i64> = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .workflow_ids
+            .query_scalar()
+            .bind(i64::from(limit))
+            .fetch_all(conn))?;
         Ok(ids.into_iter().map(WorkflowId).collect())
     }
 
     /// The parents of step `id`, by task id, as [`ParentRecord`]s (none for a task that is not
     /// a step or has no parents): what a step's handler reads of the steps it waited for.
     pub async fn parents(&self, id: TaskId) -> Result<Vec<ParentRecord>, sqlx::Error> {
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().parents_of.clone())
-            .bind(id.0)
-            .fetch_all(conn))?;
+        let rows =
+            replayed!(self, Replay::Safe, |conn| self.schema().sql().parents_of.query().bind(id.0).fetch_all(conn))?;
         rows.iter()
             .map(|row| {
                 Ok(ParentRecord {
@@ -142,9 +154,8 @@ impl PgStore {
     pub async fn pause_workflow(&self, id: WorkflowId) -> Result<WorkflowStatus, PgWorkflowError> {
         self.allowed(id, "paused", |status| matches!(status, WorkflowStatus::Running | WorkflowStatus::Paused)).await?;
         let sql = self.schema().sql();
-        let _: Option<i64> = replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(sql.pause_workflow.clone())
-            .bind(id.0)
-            .fetch_optional(conn))?;
+        let _: Option<i64> =
+            replayed!(self, Replay::Safe, |conn| sql.pause_workflow.query_scalar().bind(id.0).fetch_optional(conn))?;
         self.status_now(id).await
     }
 
@@ -154,9 +165,8 @@ impl PgStore {
         self.allowed(id, "resumed", |status| matches!(status, WorkflowStatus::Running | WorkflowStatus::Paused))
             .await?;
         let sql = self.schema().sql();
-        let _: bool = replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(sql.resume_workflow.clone())
-            .bind(id.0)
-            .fetch_one(conn))?;
+        let _: bool =
+            replayed!(self, Replay::Safe, |conn| sql.resume_workflow.query_scalar().bind(id.0).fetch_one(conn))?;
         self.status_now(id).await
     }
 
@@ -174,7 +184,9 @@ impl PgStore {
         if status != WorkflowStatus::Cancelled {
             let sql = self.schema().sql();
             let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW))?;
-            let _: i64 = replayed!(self, Replay::Safe, |conn| sqlx::query_scalar(sql.cancel_workflow.clone())
+            let _: i64 = replayed!(self, Replay::Safe, |conn| sql
+                .cancel_workflow
+                .query_scalar()
                 .bind(id.0)
                 .bind(&error)
                 .bind(self.schema().done_channel())
@@ -190,11 +202,12 @@ impl PgStore {
     /// reopened, a paused one stays paused. Refused if rows of its steps were purged.
     pub async fn retry_workflow(&self, id: WorkflowId, downstream: bool) -> Result<WorkflowStatus, PgWorkflowError> {
         let sql = self.schema().sql();
-        let (found, purged, _reset): (bool, i32, i32) =
-            replayed!(self, Replay::Safe, |conn| sqlx::query_as(sql.retry_workflow.clone())
-                .bind(id.0)
-                .bind(downstream)
-                .fetch_one(conn))?;
+        let (found, purged, _reset): (bool, i32, i32) = replayed!(self, Replay::Safe, |conn| sql
+            .retry_workflow
+            .query_as()
+            .bind(id.0)
+            .bind(downstream)
+            .fetch_one(conn))?;
         if !found {
             return Err(WorkflowActionError::NotFound(id).into());
         }
@@ -230,7 +243,11 @@ impl PgStore {
 
     /// The workflow's record and whether it is paused.
     async fn workflow_state(&self, id: WorkflowId) -> Result<Option<(WorkflowRecord, bool)>, sqlx::Error> {
-        let rows = replayed!(self, Replay::Safe, |conn| sqlx::query(self.schema().sql().workflow_record.clone())
+        let rows = replayed!(self, Replay::Safe, |conn| self
+            .schema()
+            .sql()
+            .workflow_record
+            .query()
             .bind(id.0)
             .fetch_all(conn))?;
         let Some(first) = rows.first() else {
@@ -307,7 +324,10 @@ pub async fn submit_workflow_in<'e, E: PgExecutor<'e>>(
         let policy = task.retry.as_ref().map(serde_json::to_value).transpose();
         retries.push(policy.map_err(|e| sqlx::Error::Encode(Box::new(e)))?);
     }
-    let rows = sqlx::query(schema.sql().submit_workflow.clone())
+    let rows = schema
+        .sql()
+        .submit_workflow
+        .query()
         .bind(tasks.iter().map(|t| t.name.as_str()).collect::<Vec<_>>())
         .bind(tasks.iter().map(|t| &t.args).collect::<Vec<_>>())
         .bind(&queues)

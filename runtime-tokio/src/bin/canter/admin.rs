@@ -34,8 +34,9 @@ pub(crate) async fn run(database: &Database, command: Command) -> Outcome {
     let action = action(command)?;
     let pool = database.pool(4).await?;
     // An operator command never creates a schema: a mistyped --schema is an error.
-    let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, action.schema.schema.clone(), action.app.clone())
-        .migrate(false);
+    let client =
+        Client::new(std::sync::Arc::new(TokioRuntime), pool, database.schema(&action.schema), action.app.clone())
+            .migrate(false);
     if action.careful {
         check(database, &client, &action).await?;
     }

@@ -36,6 +36,11 @@ pub(crate) struct Cli {
     /// worker's liveness token): a direct one when --database-url's cannot keep sessions
     #[arg(long, global = true, env = "CANTER_LISTEN_DATABASE_URL", value_name = "URL", hide_env_values = true)]
     pub(crate) listen_database_url: Option<String>,
+    /// --database-url goes through a pooler in transaction mode (PgBouncer's pool_mode =
+    /// transaction): each statement in a transaction of its own, no named prepared statements,
+    /// no startup parameters; give --listen-database-url (direct) to LISTEN and migrate
+    #[arg(long, global = true, env = "CANTER_TRANSACTION_POOLER")]
+    pub(crate) transaction_pooler: bool,
     #[command(subcommand)]
     pub(crate) command: Command,
 }

@@ -22,6 +22,8 @@ pub(crate) struct Database {
     /// A direct URL for the connections that keep session state (LISTEN, the liveness
     /// token), when `url` goes through a pooler in transaction mode.
     pub(crate) listen_url: Option<String>,
+    /// `--transaction-pooler`: the URL goes through a pooler in transaction mode.
+    pub(crate) transaction_pooler: bool,
 }
 
 /// Why a connection failed, as far as waiting is concerned.
@@ -45,6 +47,14 @@ impl Database {
             Some(url) => canter_tokio::connect(url, 3)
                 .map(Some)
                 .map_err(|e| usage(format!("invalid --listen-database-url: {e}"))),
+        }
+    }
+
+    /// The schema `arg` names, sent through the pooler when `--transaction-pooler` says so.
+    pub(crate) fn schema(&self, arg: &crate::args::SchemaArg) -> canter_tokio::PgSchema {
+        match self.transaction_pooler {
+            true => arg.schema.transaction_pooled(),
+            false => arg.schema.clone(),
         }
     }
 
@@ -103,13 +113,20 @@ impl Database {
         let mut attempt = 0u32;
         loop {
             attempt = attempt.saturating_add(1);
-            let probe = with_session_settings(options.clone());
+            let probe = match self.transaction_pooler {
+                true => options.clone().extra_float_digits(None),
+                false => with_session_settings(options.clone()),
+            };
             let why = match tokio::time::timeout(CONNECT_TIMEOUT, probe.connect()).await {
                 Ok(Ok(connection)) => {
                     // Closing is a courtesy: the pool makes its own connections.
                     let _ = tokio::time::timeout(CONNECT_TIMEOUT, connection.close()).await;
                     let url = self.url()?;
-                    return canter_tokio::connect(url, size).map_err(|e| usage(format!("invalid database url: {e}")));
+                    let pool = match self.transaction_pooler {
+                        true => canter_tokio::canter::driver::connect_through_pooler(url, size),
+                        false => canter_tokio::connect(url, size),
+                    };
+                    return pool.map_err(|e| usage(format!("invalid database url: {e}")));
                 }
                 Ok(Err(error)) => match cause(&error) {
                     Cause::Refused(why) => return Err(failed(format!("cannot connect to {target}: {why}"))),
@@ -268,8 +285,15 @@ mod tests {
 
     #[test]
     fn targets_name_host_port_and_database() {
-        let database = Database { url: Some("postgres://me@db.example:6543/app".into()), listen_url: None };
+        let database = Database {
+            url: Some("postgres://me@db.example:6543/app".into()),
+            listen_url: None,
+            transaction_pooler: false,
+        };
         assert_eq!(database.target(), "db.example:6543 database app");
-        assert!(matches!(Database { url: None, listen_url: None }.url(), Err(Failure::Usage(_))));
+        assert!(matches!(
+            Database { url: None, listen_url: None, transaction_pooler: false }.url(),
+            Err(Failure::Usage(_))
+        ));
     }
 }

@@ -19,7 +19,7 @@ pub(crate) async fn run(database: &Database, args: DashboardArgs) -> Outcome {
         canter_tokio::Client::new(
             std::sync::Arc::new(canter_tokio::TokioRuntime),
             pool,
-            args.schema.schema.clone(),
+            database.schema(&args.schema),
             app,
         )
         .migrate(false),

@@ -34,7 +34,7 @@ pub(crate) async fn enqueue(database: &Database, args: EnqueueArgs) -> Outcome {
         app.custom_queues = vec![CustomQueue::new(queue)];
     }
     let pool = database.pool(4).await?;
-    let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, args.schema.schema.clone(), app);
+    let client = Client::new(std::sync::Arc::new(TokioRuntime), pool, database.schema(&args.schema), app);
     // Retried: the read-only probe of the clock. Not retried: the write, whose commit a lost
     // connection could hide (a retry would enqueue twice).
     let now = database.retrying("read the database clock", || client.store().now()).await?;

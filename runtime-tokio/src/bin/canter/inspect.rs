@@ -17,7 +17,8 @@ use crate::{Outcome, errln, failed, outln};
 pub(crate) async fn client(database: &Database, schema: &SchemaArg) -> Result<Client, crate::Failure> {
     let pool = database.pool(4).await?;
     database.with_session(
-        Client::new(std::sync::Arc::new(TokioRuntime), pool, schema.schema.clone(), Default::default()).migrate(false),
+        Client::new(std::sync::Arc::new(TokioRuntime), pool, database.schema(schema), Default::default())
+            .migrate(false),
     )
 }
 

@@ -93,7 +93,11 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    let database = Database { url: cli.database_url, listen_url: cli.listen_database_url };
+    let database = Database {
+        url: cli.database_url,
+        listen_url: cli.listen_database_url,
+        transaction_pooler: cli.transaction_pooler,
+    };
     let outcome = runtime.block_on(run(cli.command, database));
     let code = match outcome {
         Ok(()) => ExitCode::SUCCESS,
@@ -245,9 +249,15 @@ async fn migrate(database: &Database, schema: &SchemaArg, output: Output) -> Out
     // The migrate lock is a session's: on --listen-database-url's connection when given.
     let pool = match database.session_pool()? {
         Some(session) => session,
+        None if database.transaction_pooler => {
+            return Err(usage(
+                "migrations hold a session's lock, which a transaction pooler does not keep: give \
+                 --listen-database-url (a direct connection)",
+            ));
+        }
         None => database.pool(2).await?,
     };
-    let schema = &schema.schema;
+    let schema = &database.schema(schema);
     let before = database
         .retrying("read the schema's version", || canter_tokio::canter::postgres::schema_status(&pool, schema))
         .await?;
@@ -302,7 +312,7 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
     let registry = Arc::new(builtins::registry());
     let worker = Worker::new(pool, config.app, config.worker, registry)
         .map_err(usage)?
-        .schema(args.schema.schema.clone())
+        .schema(database.schema(&args.schema))
         .migrate(!args.no_migrate);
     let worker = match database.session_pool()? {
         Some(session_pool) => worker.session_pool(session_pool),

@@ -64,7 +64,7 @@ async fn scheduler_of(
         true => database.service_pool(4, app.resilience.db_retry_max_attempts).await?,
         false => database.pool(4).await?,
     };
-    Ok(Scheduler::new(pool, app).map_err(usage)?.schema(schema.schema.clone()).migrate(migrate))
+    Ok(Scheduler::new(pool, app).map_err(usage)?.schema(database.schema(schema)).migrate(migrate))
 }
 
 pub(crate) async fn scheduler(database: &Database, args: SchedulerArgs) -> Outcome {

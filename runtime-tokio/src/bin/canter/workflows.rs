@@ -61,9 +61,10 @@ pub(crate) async fn run(database: &Database, command: WorkflowCommand) -> Outcom
         WorkflowCommand::Submit { file, force, schema, output } => {
             let workflow = read(&file, force)?;
             let names: Vec<String> = workflow.1;
-            let client = Client::new(std::sync::Arc::new(TokioRuntime), database.pool(4).await?, schema.schema, {
-                app_for(&workflow.0)
-            });
+            let client =
+                Client::new(std::sync::Arc::new(TokioRuntime), database.pool(4).await?, database.schema(&schema), {
+                    app_for(&workflow.0)
+                });
             let submitted = client.store().submit_workflow(&workflow.0).await.map_err(|e| match e {
                 canter_tokio::canter::postgres::PgSubmitError::Invalid(e) => usage(e),
                 other => failed(crate::connect::explain(&other.to_string())),
@@ -166,7 +167,8 @@ fn read(file: &str, force: bool) -> Result<(NewWorkflow, Vec<String>), Failure> 
 async fn client(database: &Database, schema: &SchemaArg) -> Result<Client, crate::Failure> {
     let pool = database.pool(4).await?;
     database.with_session(
-        Client::new(std::sync::Arc::new(TokioRuntime), pool, schema.schema.clone(), Default::default()).migrate(false),
+        Client::new(std::sync::Arc::new(TokioRuntime), pool, database.schema(schema), Default::default())
+            .migrate(false),
     )
 }
 
