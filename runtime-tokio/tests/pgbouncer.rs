@@ -6,7 +6,9 @@
 //! once, a capped queue never runs more than its cap, results are awaited, and nothing fails
 //! with a prepared statement missing or clashing on a server connection.
 //!
-//! Needs `pgbouncer` (`apt-get install pgbouncer`; `.ci/run` installs it).
+//! Needs `pgbouncer` (`apt-get install pgbouncer`; `.ci/run` installs it), so it runs with
+//! feature `pgbouncer-tests`: `cargo test -p canter-tokio --features pgbouncer-tests --test
+//! pgbouncer`.
 
 #[path = "../../tests/common/pg.rs"]
 mod pg;

@@ -39,7 +39,7 @@ pub(crate) struct Cli {
     /// --database-url goes through a pooler in transaction mode (PgBouncer's pool_mode =
     /// transaction): each statement in a transaction of its own, no named prepared statements,
     /// no startup parameters; give --listen-database-url (direct) to LISTEN and migrate
-    #[arg(long, global = true, env = "CANTER_TRANSACTION_POOLER")]
+    #[arg(long, global = true, env = "CANTER_TRANSACTION_POOLER", hide_env_values = true)]
     pub(crate) transaction_pooler: bool,
     #[command(subcommand)]
     pub(crate) command: Command,
