@@ -221,6 +221,15 @@ async fn workers_clients_schedules_and_operators_through_pgbouncer() {
         assert_eq!(handle.wait(Duration::from_secs(60)).await.expect("a result"), n * 2);
     }
 
+    // A client without a session pool waits by reading again (a LISTEN through the pooler
+    // would hear nothing), served by whichever worker claims first.
+    let sessionless = Client::new(Arc::new(TokioRuntime), through(), pooled.clone(), app());
+    let handle = sessionless.enqueue(&record, &2_500).await.expect("enqueue without a session pool");
+    assert_eq!(handle.wait(Duration::from_secs(15)).await.expect("awaited by polling"), 5_000);
+    // A store's own listening wait refuses rather than LISTEN through the pooler.
+    let refused = sessionless.store().wait_result(handle.id(), tokio::time::sleep(Duration::from_secs(5))).await;
+    assert!(refused.unwrap_err().to_string().contains("needs a session pool"));
+
     // Operators: pause, a held task cancelled while paused, resume.
     let pause = AdminRequest::Pause { queue: "default".into() };
     assert!(matches!(store.admin(&pause).await.unwrap(), AdminReply::Paused { .. }));
@@ -254,7 +263,7 @@ async fn workers_clients_schedules_and_operators_through_pgbouncer() {
 
     // Exactly once each; the cap held; the cancelled one never ran.
     let runs = seen.runs.lock().unwrap().clone();
-    for n in (0..300).chain(1_000..1_060).chain(2_000..2_040) {
+    for n in (0..300).chain(1_000..1_060).chain(2_000..2_040).chain([2_500]) {
         assert_eq!(runs.get(&n), Some(&1), "task {n} ran {:?} times", runs.get(&n));
     }
     assert_eq!(runs.get(&3_000), None);

@@ -408,6 +408,9 @@ impl<R: Runtime> Client<R> {
 
     /// Waits until task `id` is terminal, or `timeout` passes.
     pub async fn wait(&self, id: TaskId, timeout: Duration) -> Result<TaskRecord, ResultError> {
+        if !self.inner.store.keeps_sessions() {
+            return self.wait_by_polling(id, timeout).await;
+        }
         self.ensure_listening();
         let runtime = &*self.inner.runtime;
         let deadline = sleep_after(runtime, runtime.now(), timeout);
@@ -416,6 +419,27 @@ impl<R: Runtime> Client<R> {
             Err(WaitError::Timeout(_)) => Err(ResultError::Timeout(timeout)),
             Err(WaitError::NotFound(id)) => Err(ResultError::NotFound(id)),
             Err(WaitError::Database(error)) => Err(ResultError::Database(error)),
+        }
+    }
+
+    /// Waits by reading the task again and again (10 ms apart at first, up to 500 ms): through
+    /// a transaction pooler with no session pool, a LISTEN would hear nothing.
+    async fn wait_by_polling(&self, id: TaskId, timeout: Duration) -> Result<TaskRecord, ResultError> {
+        let runtime = &*self.inner.runtime;
+        let end = runtime.now() + timeout;
+        let mut pause = Duration::from_millis(10);
+        loop {
+            match self.inner.store.get(id).await.map_err(ResultError::Database)? {
+                None => return Err(ResultError::NotFound(id)),
+                Some(record) if record.state.is_terminal() => return Ok(record),
+                Some(_) => {}
+            }
+            let now = runtime.now();
+            if now >= end {
+                return Err(ResultError::Timeout(timeout));
+            }
+            runtime.sleep_until((now + pause).min(end)).await;
+            pause = (pause * 2).min(Duration::from_millis(500));
         }
     }
 

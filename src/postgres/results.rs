@@ -66,7 +66,7 @@ impl PgStore {
     pub async fn wait_result(&self, id: TaskId, timeout: impl Future<Output = ()>) -> Result<TaskRecord, WaitError> {
         let wait = async {
             let channels = [self.schema().done_channel()];
-            let mut listener = PgListener::connect_with(self.session_pool()).await?;
+            let mut listener = PgListener::connect_with(self.listening_pool()?).await?;
             listener.listen(&channels[0]).await?;
             register_listener(&mut listener, self.schema(), &channels).await?;
             let found = self.wait_listening(&mut listener, &channels, id).await;
@@ -251,7 +251,7 @@ impl DoneRouter {
     /// pool: finishes then notify for nobody, as they all did before schema 8.
     pub async fn run(&self, store: &PgStore) -> Result<(), sqlx::Error> {
         let channels = [store.schema().done_channel()];
-        let mut listener = PgListener::connect_with(store.session_pool()).await?;
+        let mut listener = PgListener::connect_with(store.listening_pool()?).await?;
         listener.listen(&channels[0]).await?;
         register_listener(&mut listener, store.schema(), &channels).await?;
         // Waiters that subscribed before the listener was up re-read now.

@@ -193,7 +193,26 @@ impl PgStore {
     /// ([`with_session_pool`](PgStore::with_session_pool)); without it the schema is only
     /// checked.
     pub fn can_migrate(&self) -> bool {
+        self.keeps_sessions()
+    }
+
+    /// Whether the store has connections that keep session state (LISTEN, a session lock):
+    /// its own, or a session pool's. Through a pooler in transaction mode without a session
+    /// pool it has none: workers poll, result waits read again and again.
+    pub fn keeps_sessions(&self) -> bool {
         !self.schema.is_transaction_pooled() || self.session_pool.is_some()
+    }
+
+    /// The pool to LISTEN on: refused through a pooler in transaction mode without a session
+    /// pool, where a LISTEN would hear nothing and its notifications would reach whichever
+    /// client the server session serves next, in the middle of its statement.
+    pub(crate) fn listening_pool(&self) -> Result<&PgPool, sqlx::Error> {
+        match self.keeps_sessions() {
+            true => Ok(self.session_pool()),
+            false => Err(sqlx::Error::Configuration(
+                "listening through a transaction pooler needs a session pool (PgStore::with_session_pool)".into(),
+            )),
+        }
     }
 
     /// How many connections the store may hold at once: the pool's and the kept ones.

@@ -343,6 +343,10 @@ async fn listen(
     heard: &mut std::collections::BTreeSet<String>,
     queues: Vec<String>,
 ) {
+    // Through a transaction pooler without a session pool: by the timer only.
+    if !store.keeps_sessions() {
+        return;
+    }
     if listener.is_none() {
         match PgListener::connect_with(store.session_pool()).await {
             Ok(new) => *listener = Some(new),
