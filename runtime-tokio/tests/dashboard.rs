@@ -149,6 +149,17 @@ async fn the_dashboard_reads_acts_and_streams() {
     assert_eq!((status, reply["status"].as_str()), (200, Some("paused")), "{reply}");
     let (status, _) = post_json(addr, "/api/workflows/999999/cancel", json!({}), &[]).await;
     assert_eq!(status, 404);
+    // Another site's page cannot act: its Origin is refused, a body-less POST is not JSON.
+    let evil = [("Origin", "http://evil.example")];
+    let (status, reply) =
+        post_json(addr, &format!("/api/workflows/{}/cancel", seeded.workflow), json!({}), &evil).await;
+    assert_eq!(status, 403, "{reply}");
+    let (status, _) = request(addr, "POST", &format!("/api/workflows/{}/cancel", seeded.workflow), &[], None).await;
+    assert_eq!(status, 415);
+    let same = format!("http://{addr}");
+    let (status, reply) =
+        post_json(addr, &format!("/api/workflows/{}/resume", seeded.workflow), json!({}), &[("Origin", &same)]).await;
+    assert_eq!((status, reply["status"].as_str()), (200, Some("running")), "{reply}");
 
     // Tasks finished after the dashboard started are counted per queue, a moment behind.
     for &task in &seeded.pending[1..4] {

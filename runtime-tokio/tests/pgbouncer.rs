@@ -238,8 +238,17 @@ async fn workers_clients_schedules_and_operators_through_pgbouncer() {
     assert!(matches!(store.admin(&AdminRequest::Cancel { task: held }).await.unwrap(), AdminReply::Cancelled { .. }));
     store.admin(&AdminRequest::Resume { queue: "default".into() }).await.unwrap();
 
+    // A workflow of two steps, submitted and promoted through the pooler.
+    let mut flow = canter_tokio::canter::store::NewWorkflow::new("pair");
+    let first =
+        flow.step(canter_tokio::canter::store::NewTask::new("record", serde_json::json!(4_000)), Default::default());
+    let second =
+        flow.step(canter_tokio::canter::store::NewTask::new("record", serde_json::json!(4_001)), Default::default());
+    flow.edge(first, second, canter_tokio::canter::workflow::EdgePolicy::RequireSuccess);
+    let submitted = store.submit_workflow(&flow).await.expect("submit through pgbouncer");
+
     // Everything finishes.
-    let all: Vec<_> = bulk_ids.iter().chain(&capped_ids).copied().collect();
+    let all: Vec<_> = bulk_ids.iter().chain(&capped_ids).chain(&submitted.tasks).copied().collect();
     let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
     for &id in &all {
         loop {
@@ -263,7 +272,7 @@ async fn workers_clients_schedules_and_operators_through_pgbouncer() {
 
     // Exactly once each; the cap held; the cancelled one never ran.
     let runs = seen.runs.lock().unwrap().clone();
-    for n in (0..300).chain(1_000..1_060).chain(2_000..2_040).chain([2_500]) {
+    for n in (0..300).chain(1_000..1_060).chain(2_000..2_040).chain([2_500, 4_000, 4_001]) {
         assert_eq!(runs.get(&n), Some(&1), "task {n} ran {:?} times", runs.get(&n));
     }
     assert_eq!(runs.get(&3_000), None);

@@ -426,7 +426,8 @@ impl<R: Runtime> Client<R> {
     /// a transaction pooler with no session pool, a LISTEN would hear nothing.
     async fn wait_by_polling(&self, id: TaskId, timeout: Duration) -> Result<TaskRecord, ResultError> {
         let runtime = &*self.inner.runtime;
-        let end = runtime.now() + timeout;
+        // A timeout past what the clock can count is no deadline.
+        let end = runtime.now().checked_add(timeout);
         let mut pause = Duration::from_millis(10);
         loop {
             match self.inner.store.get(id).await.map_err(ResultError::Database)? {
@@ -435,10 +436,11 @@ impl<R: Runtime> Client<R> {
                 Some(_) => {}
             }
             let now = runtime.now();
-            if now >= end {
+            if end.is_some_and(|end| now >= end) {
                 return Err(ResultError::Timeout(timeout));
             }
-            runtime.sleep_until((now + pause).min(end)).await;
+            let next = now.checked_add(pause).unwrap_or(now);
+            runtime.sleep_until(end.map_or(next, |end| next.min(end))).await;
             pause = (pause * 2).min(Duration::from_millis(500));
         }
     }

@@ -56,7 +56,11 @@ impl PgStore {
             AdminRequest::RemoveKey { key } => AdminReply::KeyRemoved { removal: self.free_key(key).await? },
             AdminRequest::Purge { retention_ms, batch } => {
                 // Deleting what is deleted already deletes nothing (the count then leaves it out).
-                let tasks = replayed!(self, Replay::Safe, |conn| self.purge_on(conn, *retention_ms, *batch))?;
+                let tasks = replayed!(@transaction false, self, Replay::Safe, |conn| self.purge_on(
+                    conn,
+                    *retention_ms,
+                    *batch
+                ))?;
                 AdminReply::Purged { tasks }
             }
             AdminRequest::Delete { task } => self.delete_finished(*task).await.map(|()| AdminReply::Done)?,

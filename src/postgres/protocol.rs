@@ -7,7 +7,7 @@ use sqlx::{Acquire, PgConnection, Row};
 use crate::backoff;
 use crate::budget::ClaimPolicy;
 use crate::config::RetryPolicy;
-use crate::postgres::replay::{Replay, ReplayError, replayed};
+use crate::postgres::replay::{Replay, ReplayError, in_own_transaction, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::rng::mix;
 use crate::store::{ClaimedTask, Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, ReapReport};
@@ -23,8 +23,8 @@ impl PgStore {
         // Sent again on another connection when its session ended before it was applied (see
         // `replay`): a terminated backend is not an outage. A lost reply is `Unknown`, which the
         // machine resolves with its fencing.
-        // VACUUM refuses to run in a transaction.
-        let own_transaction = !matches!(request, DbRequest::Vacuum { .. });
+        // VACUUM refuses to run in a transaction; a purge runs each batch in its own.
+        let own_transaction = !matches!(request, DbRequest::Vacuum { .. } | DbRequest::Purge { .. });
         let reply: Result<DbReply, RequestError> = replayed!(@transaction own_transaction, self, Replay::IfNotApplied, |conn| async {
             self.run(conn, request).await.map_err(RequestError::Sent)
         });
@@ -286,7 +286,10 @@ impl PgStore {
         let batch = i64::from(batch.max(1));
         let mut total = 0u64;
         loop {
-            let n: i64 = self
+            // Each batch its own transaction (through a pooler too): locks and snapshot held
+            // for one batch, and a failed batch undoes only itself.
+            let pooled = self.schema.is_transaction_pooled();
+            let n: i64 = in_own_transaction!(pooled, &mut *conn, |conn| self
                 .schema
                 .sql()
                 .purge_finished
@@ -294,8 +297,7 @@ impl PgStore {
                 .bind(duration(retention_ms))
                 .bind(batch)
                 .bind(self.app.recovery.idempotency_retention_ms.map(duration))
-                .fetch_one(&mut *conn)
-                .await?;
+                .fetch_one(conn))?;
             total = total.saturating_add(u64::try_from(n).unwrap_or(0));
             if n < batch {
                 return Ok(total);

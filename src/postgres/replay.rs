@@ -121,28 +121,8 @@ macro_rules! replayed {
                 Ok(held) => held,
                 Err(error) => break Err(error.into()),
             };
-            let result = if own_transaction {
-                match sqlx::Connection::begin_with(&mut *held, $crate::postgres::store::pooled_begin()).await {
-                    Err(error) => Err(error.into()),
-                    Ok(mut transaction) => {
-                        let done = {
-                            let $conn: &mut sqlx::PgConnection = &mut transaction;
-                            $statement.await
-                        };
-                        match done {
-                            Ok(value) => transaction.commit().await.map(|()| value).map_err(Into::into),
-                            Err(error) => {
-                                // A broken connection cannot roll back; the server does.
-                                let _ = transaction.rollback().await;
-                                Err(error)
-                            }
-                        }
-                    }
-                }
-            } else {
-                let $conn: &mut sqlx::PgConnection = &mut held;
-                $statement.await
-            };
+            let result =
+                $crate::postgres::replay::in_own_transaction!(own_transaction, &mut *held, |$conn| $statement);
             match tries.settle(store, held, result) {
                 Ok(Some(done)) => break Ok(done),
                 Ok(None) => continue,
@@ -152,6 +132,40 @@ macro_rules! replayed {
     }};
 }
 pub(crate) use replayed;
+
+/// Evaluates `$statement`, a future of statements on the connection `$conn`, on `$held` (a
+/// `&mut PgConnection`): when `$pooled`, in a transaction of its own begun with
+/// [`pooled_begin`](crate::postgres::store::pooled_begin) (the session settings, set locally)
+/// and committed if it succeeds, rolled back if not; otherwise as it is. Through a pooler in
+/// transaction mode a statement outside a transaction may have its two rounds (parse, then
+/// bind and execute) sent to two server sessions.
+macro_rules! in_own_transaction {
+    ($pooled:expr, $held:expr, |$conn:ident| $statement:expr) => {
+        if $pooled {
+            match sqlx::Connection::begin_with($held, $crate::postgres::store::pooled_begin()).await {
+                Err(error) => Err(error.into()),
+                Ok(mut transaction) => {
+                    let done = {
+                        let $conn: &mut sqlx::PgConnection = &mut transaction;
+                        $statement.await
+                    };
+                    match done {
+                        Ok(value) => transaction.commit().await.map(|()| value).map_err(Into::into),
+                        Err(error) => {
+                            // A broken connection cannot roll back; the server does.
+                            let _ = transaction.rollback().await;
+                            Err(error)
+                        }
+                    }
+                }
+            }
+        } else {
+            let $conn: &mut sqlx::PgConnection = $held;
+            $statement.await
+        }
+    };
+}
+pub(crate) use in_own_transaction;
 
 /// The tries of one statement under [`replayed`].
 pub(crate) struct Tries {

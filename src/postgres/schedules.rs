@@ -16,7 +16,7 @@ use std::collections::BTreeMap;
 use sqlx::Row;
 
 use crate::postgres::enqueue::{PgEnqueueError, enqueue_many_in};
-use crate::postgres::replay::{Replay, replayed};
+use crate::postgres::replay::{Replay, in_own_transaction, replayed};
 use crate::postgres::store::{PgStore, db_time};
 use crate::scheduler::{Plan, ScheduleRecord, ScheduleWrite, Scheduler};
 use crate::store::DbTime;
@@ -134,15 +134,10 @@ impl PgStore {
             let reads: Vec<Option<i64>> = quiet.iter().map(|w| w.read.map(db_time)).collect();
             let advances: Vec<i64> = quiet.iter().map(|w| db_time(w.advance_to)).collect();
             let nexts: Vec<Option<i64>> = quiet.iter().map(|w| w.next_tick.map(db_time)).collect();
-            let won: Vec<String> = sql
-                .advance_schedules
-                .query_scalar()
-                .bind(names)
-                .bind(reads)
-                .bind(advances)
-                .bind(nexts)
-                .fetch_all(self.pool())
-                .await?;
+            let won = sql.advance_schedules.query_scalar().bind(names).bind(reads).bind(advances).bind(nexts);
+            let mut conn = self.pool().acquire().await?;
+            let pooled = self.schema().is_transaction_pooled();
+            let won: Vec<String> = in_own_transaction!(pooled, &mut *conn, |conn| won.fetch_all(conn))?;
             for write in quiet {
                 if won.contains(&write.name) {
                     outcome.applied.push(AppliedWrite { write, task_ids: Vec::new() });
@@ -152,7 +147,8 @@ impl PgStore {
             }
         }
         for write in firing {
-            let mut tx = self.pool().begin().await?;
+            // The session settings, set locally: a pooler in transaction mode drops them.
+            let mut tx = self.pool().begin_with(crate::postgres::store::pooled_begin()).await?;
             let won = sql
                 .fire_schedule
                 .query()

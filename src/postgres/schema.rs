@@ -519,7 +519,12 @@ fn channel_names(name: &str) -> (String, String, String) {
 /// migrate.
 pub async fn schema_status(pool: &PgPool, schema: &PgSchema) -> Result<SchemaStatus, MigrateSchemaError> {
     let mut conn = pool.acquire().await?;
-    read_status(&mut conn, schema).await
+    // In a transaction that sets the session settings: through a pooler in transaction mode
+    // the reads need one (see `PgSchema::transaction_pooled`), and it costs nothing here.
+    let mut transaction = conn.begin_with(super::store::pooled_begin()).await?;
+    let status = read_status(&mut transaction, schema).await;
+    transaction.commit().await?;
+    status
 }
 
 /// [`schema_status`], refusing a schema that lacks migrations with
@@ -588,6 +593,7 @@ async fn read_status(conn: &mut PgConnection, schema: &PgSchema) -> Result<Schem
                     schema.quoted()
                 );
                 sqlx::query_scalar::<_, Option<i64>>(sqlx::AssertSqlSafe(sql))
+                    .persistent(false)
                     .bind(&unknown)
                     .fetch_one(&mut *conn)
                     .await

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use sqlx::PgConnection;
 
 use super::PgStore;
+use super::replay::in_own_transaction;
 use crate::store::VacuumedTable;
 
 /// The tables Canter vacuums: those whose size follows the work in flight, not history
@@ -70,13 +71,12 @@ impl PgStore {
         let counts = "SELECT s.relname::text, s.n_dead_tup FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid \
                       WHERE s.schemaname = $1 AND s.relname = ANY ($2) AND s.n_dead_tup >= $3 \
                       AND pg_has_role(c.relowner, 'USAGE') ORDER BY s.relname";
-        let candidates: Vec<(String, i64)> = sqlx::query_as(counts)
+        let candidates: Vec<(String, i64)> = in_own_transaction!(pooled, &mut *conn, |conn| sqlx::query_as(counts)
             .persistent(!pooled)
             .bind(self.schema().name())
             .bind(HOT_TABLES)
             .bind(min)
-            .fetch_all(&mut *conn)
-            .await?;
+            .fetch_all(conn))?;
         let mut vacuumed = Vec::new();
         for (table, dead) in candidates {
             let dead_before = u64::try_from(dead).unwrap_or(0);
@@ -94,13 +94,13 @@ impl PgStore {
             }
             // The statistics of the vacuum are reported as it ends: a fresh read (outside any
             // transaction's statistics snapshot) sees what it left.
-            let after: Option<i64> =
-                sqlx::query_scalar("SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2")
-                    .persistent(!pooled)
-                    .bind(self.schema().name())
-                    .bind(&table)
-                    .fetch_optional(&mut *conn)
-                    .await?;
+            let after: Option<i64> = in_own_transaction!(pooled, &mut *conn, |conn| sqlx::query_scalar(
+                "SELECT n_dead_tup FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2"
+            )
+            .persistent(!pooled)
+            .bind(self.schema().name())
+            .bind(&table)
+            .fetch_optional(conn))?;
             let dead_after = after.map_or(dead_before, |n| u64::try_from(n).unwrap_or(0));
             self.vacuum.record(&table, dead_after);
             vacuumed.push(VacuumedTable { table, dead_before, dead_after });

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use sqlx::{PgExecutor, Row};
 
 use crate::config::AppConfig;
-use crate::postgres::replay::{Replay, replayed};
+use crate::postgres::replay::{Replay, in_own_transaction, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration, error_json, json, parse_state};
 use crate::store::{
@@ -48,7 +48,8 @@ impl PgStore {
     /// edges. All or nothing; not sent again after a lost reply (it could have committed).
     pub async fn submit_workflow(&self, workflow: &NewWorkflow) -> Result<SubmittedWorkflow, PgSubmitError> {
         let mut conn = self.pool().acquire().await?;
-        submit_workflow_in(&mut *conn, self.schema(), self.app(), workflow).await
+        let pooled = self.schema().is_transaction_pooled();
+        in_own_transaction!(pooled, &mut *conn, |conn| submit_workflow_in(conn, self.schema(), self.app(), workflow))
     }
 
     /// The workflow `id` as reading it shows (see [`WorkflowRecord`]).

@@ -185,9 +185,19 @@ pub(crate) async fn task(State(shared): State<Arc<Shared>>, Path(id): Path<i64>)
     json_reply(json!({"task": task, "attempts": attempts, "workflow": workflow}))
 }
 
-/// Refuses actions on a read-only dashboard, logging the try.
+/// Refuses actions on a read-only dashboard, and actions a page of another site sent (its
+/// `Origin` names another host than the one asked), logging the try.
 fn writable(shared: &Shared, headers: &HeaderMap, what: &str) -> Result<String, Failure> {
     let user = user_of(shared, headers);
+    let origin = headers.get(header::ORIGIN).and_then(|o| o.to_str().ok());
+    let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+    if let Some(origin) = origin {
+        let origin_host = origin.split_once("://").map_or(origin, |(_, rest)| rest);
+        if host != Some(origin_host) {
+            tracing::warn!(target: "canter::dashboard", %user, action = what, origin, "refused: sent from another site");
+            return Err(Failure(StatusCode::FORBIDDEN, "refused: the request came from another site".to_owned()));
+        }
+    }
     if shared.options.read_only {
         tracing::warn!(target: "canter::dashboard", %user, action = what, "refused: the dashboard is read-only");
         return Err(Failure(StatusCode::FORBIDDEN, "the dashboard is read-only".to_owned()));
@@ -276,10 +286,24 @@ pub(crate) async fn bulk(State(shared): State<Arc<Shared>>, headers: HeaderMap, 
     let name = bulk.action.request(TaskId(0)).name();
     let user = writable(&shared, &headers, name)?;
     let mut outcome = BulkOutcome::default();
+    let applied = apply_bulk(&shared, &bulk, &mut outcome).await;
+    shared.demand.acted.notify_one();
+    // Logged however it ended: a database failure part-way leaves what was done logged too.
+    let error = applied.as_ref().err().map(|Failure(_, message)| message.as_str());
+    tracing::info!(
+        target: "canter::dashboard", %user, action = name, ids = ?bulk.ids, filter = ?bulk.filter,
+        done = outcome.done, refused = outcome.refused_total, error, "bulk action"
+    );
+    applied?;
+    json_reply(json!({"done": outcome.done, "refused": outcome.refused, "refused_total": outcome.refused_total}))
+}
+
+/// Applies a bulk action, counting in `outcome` what it did.
+async fn apply_bulk(shared: &Shared, bulk: &Bulk, outcome: &mut BulkOutcome) -> Result<(), Failure> {
     match (&bulk.ids, &bulk.filter) {
         (Some(ids), None) => {
             for &id in ids {
-                outcome.apply(&shared, bulk.action, TaskId(id)).await?;
+                outcome.apply(shared, bulk.action, TaskId(id)).await?;
             }
         }
         (None, Some(filter)) => {
@@ -289,7 +313,7 @@ pub(crate) async fn bulk(State(shared): State<Arc<Shared>>, headers: HeaderMap, 
             loop {
                 let page = shared.store.list(&filter).await.map_err(|e| unavailable(&e))?;
                 for task in &page {
-                    outcome.apply(&shared, bulk.action, task.id).await?;
+                    outcome.apply(shared, bulk.action, task.id).await?;
                 }
                 match page.last() {
                     Some(last) if page.len() == MAX_PAGE => filter.after = Some(last.id),
@@ -299,12 +323,7 @@ pub(crate) async fn bulk(State(shared): State<Arc<Shared>>, headers: HeaderMap, 
         }
         _ => return Err(Failure(StatusCode::BAD_REQUEST, "expected either \"ids\" or \"filter\"".to_owned())),
     }
-    shared.demand.acted.notify_one();
-    tracing::info!(
-        target: "canter::dashboard", %user, action = name, ids = ?bulk.ids, filter = ?bulk.filter,
-        done = outcome.done, refused = outcome.refused_total, "bulk action applied"
-    );
-    json_reply(json!({"done": outcome.done, "refused": outcome.refused, "refused_total": outcome.refused_total}))
+    Ok(())
 }
 
 pub(crate) async fn schedules(State(shared): State<Arc<Shared>>) -> Reply {
@@ -376,9 +395,11 @@ pub(crate) async fn workflow(State(shared): State<Arc<Shared>>, Path(id): Path<i
     json_reply(json!({"workflow": record, "steps": steps, "edges": edges, "truncated": truncated}))
 }
 
+/// A workflow action's body: `{}`, or `{"downstream": true}` for a retry. Required, and JSON:
+/// a cross-site request cannot send that without the browser asking first.
 #[derive(Debug, Default, Deserialize)]
+#[serde(default)]
 pub(crate) struct RetryBody {
-    #[serde(default)]
     downstream: bool,
 }
 
@@ -386,12 +407,12 @@ pub(crate) async fn workflow_action(
     State(shared): State<Arc<Shared>>,
     headers: HeaderMap,
     Path((id, action)): Path<(i64, String)>,
-    body: Option<Json<RetryBody>>,
+    Json(body): Json<RetryBody>,
 ) -> Reply {
     let id = WorkflowId(id);
     let user = writable(&shared, &headers, &format!("workflow {action}"))?;
     let store = &shared.store;
-    let downstream = body.is_some_and(|Json(body)| body.downstream);
+    let downstream = body.downstream;
     let status = match action.as_str() {
         "cancel" => store.cancel_workflow(id).await,
         "pause" => store.pause_workflow(id).await,

@@ -272,7 +272,12 @@ pub(crate) async fn refresh(
     let mut listener: Option<PgListener> = None;
     let mut heard: std::collections::BTreeSet<String> = std::collections::BTreeSet::new();
     loop {
-        // The event streams hold receivers; requests ask. Nobody looking: nothing is read.
+        // The event streams hold receivers; requests ask. Nobody looking: nothing is read, and
+        // nothing listens (unread notifications would hold up the server's queue of them).
+        if published.receiver_count() <= 1 && !demand.recently() {
+            listener = None;
+            heard.clear();
+        }
         while published.receiver_count() <= 1 && !demand.recently() {
             tokio::select! {
                 () = demand.asked.notified() => {}
@@ -314,19 +319,18 @@ pub(crate) async fn refresh(
         let json: Arc<str> = serde_json::to_string(&next).unwrap_or_else(|_| "{}".to_owned()).into();
         published.send_replace(Arc::new(Published { overview: Some(next), json }));
         let took = started.elapsed();
-        let soonest = (took * READ_SHARE).max(DEBOUNCE);
-        let latest = refresh_every.max(soonest);
+        let soonest = started + (took * READ_SHARE).max(DEBOUNCE);
+        let latest = started + refresh_every.max(took * READ_SHARE).max(DEBOUNCE);
         // Sooner when a queue is notified (new or resumed work) or an action was taken, never
-        // before `soonest`.
+        // before `soonest`. Every notification is read as it comes, whatever is waited for.
         let woken = tokio::select! {
-            woken = notified(&mut listener, latest) => woken,
+            heard = hear(&mut listener, latest, true) => heard,
             () = demand.acted.notified() => true,
             _ = closed.changed() => return,
         };
         if woken {
-            let rest = soonest.saturating_sub(started.elapsed());
             tokio::select! {
-                () = tokio::time::sleep(rest) => {}
+                _ = hear(&mut listener, soonest, false) => {}
                 _ = closed.changed() => return,
             }
         }
@@ -370,21 +374,22 @@ async fn listen(
     }
 }
 
-/// Resolves when a notification arrives (true) or after `wait`, whichever first; a broken
-/// listener just waits.
-async fn notified(listener: &mut Option<PgListener>, wait: Duration) -> bool {
-    let Some(connection) = listener.as_mut() else {
-        tokio::time::sleep(wait).await;
-        return false;
-    };
-    match tokio::time::timeout(wait, connection.try_recv()).await {
-        Ok(Ok(Some(_))) => true,
-        Ok(Ok(None)) | Ok(Err(_)) => {
-            // The connection broke: listen again at the next refresh.
-            *listener = None;
-            false
+/// Reads notifications until `until`: returns at the first when `early` (true), else at
+/// `until` (whether any came). A broken listener is dropped (listened again at the next
+/// reading) and the rest of the time slept.
+async fn hear(listener: &mut Option<PgListener>, until: Instant, early: bool) -> bool {
+    let mut heard = false;
+    loop {
+        let Some(connection) = listener.as_mut() else {
+            tokio::time::sleep_until(until).await;
+            return heard;
+        };
+        match tokio::time::timeout_at(until, connection.try_recv()).await {
+            Ok(Ok(Some(_))) if early => return true,
+            Ok(Ok(Some(_))) => heard = true,
+            Ok(Ok(None)) | Ok(Err(_)) => *listener = None,
+            Err(_) => return heard,
         }
-        Err(_) => false,
     }
 }
 
