@@ -306,4 +306,17 @@ async fn workers_clients_schedules_and_operators_through_pgbouncer() {
     let (code, text) = canter(&["cancel", id.trim()], false);
     assert_eq!((code, text.trim()), (Some(0), &*format!("task {} cancelled", id.trim())));
     assert_eq!(canter(&["resume", "default"], false).0, Some(0));
+
+    // The bench drains through it beside the direct drain.
+    let bench = Command::new(env!("CARGO_BIN_EXE_canter"))
+        .args(["--database-url", &db.url, "bench", "--workload", "pgbouncer", "--pooler-url", &bouncer.url])
+        .args(["--tasks", "2000", "--runs", "1", "--baseline", "none", "--json-only"])
+        .output()
+        .expect("canter bench runs");
+    let out = String::from_utf8_lossy(&bench.stdout);
+    assert!(bench.status.success(), "{out}{}", String::from_utf8_lossy(&bench.stderr));
+    assert!(
+        out.lines().any(|l| l.contains("\"workload\":\"drain_pgbouncer\"") && l.contains("\"tasks\":2000")),
+        "{out}"
+    );
 }

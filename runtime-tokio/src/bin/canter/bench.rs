@@ -27,6 +27,9 @@
 //!   and a task of priority −1 every `--interval-ms` until they are done: the drain's rate,
 //!   and each urgent task's enqueue commit to handler start (no raw baseline);
 //! - `history`: the drain again with `--history-tasks` finished tasks already stored;
+//! - `drain_pgbouncer` (`--workload pgbouncer`, after the plain drain; no raw baseline): the
+//!   drain with its workers through `--pooler-url`, a PgBouncer in transaction mode in front of
+//!   the same database (`--transaction-pooler`, LISTEN on the direct URL);
 //! - `drain_watched` (`--workload dashboards`, after the plain drain; no raw baseline): the
 //!   drain while three dashboards (`canter_tokio::dashboard`, each on a pool of its own, as
 //!   three `canter dashboard` processes would be) serve an open event stream each, so each
@@ -189,6 +192,10 @@ pub(crate) struct BenchArgs {
     /// Time Canter's drains by reading the live count instead of by done notifications
     #[arg(long)]
     no_result_waiter: bool,
+    /// A PgBouncer in transaction mode in front of the same database, for --workload
+    /// pgbouncer (its workers get --transaction-pooler and this URL, LISTEN on the direct one)
+    #[arg(long, value_name = "URL")]
+    pooler_url: Option<String>,
 }
 
 /// `--workload`.
@@ -203,6 +210,9 @@ enum WorkloadArg {
     HeldXmin,
     NoVacuum,
     BackendKills,
+    /// The plain drain, then the drain with its worker through --pooler-url (PgBouncer in
+    /// transaction mode) (no raw baseline)
+    Pgbouncer,
     /// The plain drain, then the drain again with three dashboards open, each reading its
     /// overview for an open event stream (no raw baseline)
     Dashboards,
@@ -235,6 +245,8 @@ enum Workload {
     LatencyUnderLoad,
     /// The drain while three dashboards are open (no raw baseline).
     Watched,
+    /// The drain with its worker through a pooler in transaction mode (no raw baseline).
+    Pooled,
     History,
     /// A steady load while another session holds the xmin (see [`steady`]).
     HeldXmin,
@@ -263,6 +275,7 @@ impl Workload {
             Workload::Latency => "latency",
             Workload::LatencyUnderLoad => "latency_under_load",
             Workload::Watched => "drain_watched",
+            Workload::Pooled => "drain_pgbouncer",
             Workload::History => "history",
             Workload::HeldXmin => "held_xmin",
             Workload::NoVacuum => "no_vacuum",
@@ -348,6 +361,8 @@ struct Options {
     raw_quiet: bool,
     /// Canter's drains registered no result waiter (timed by reading the live count).
     no_result_waiter: bool,
+    /// A pooler in transaction mode in front of the database (`--workload pgbouncer`).
+    pooler_url: Option<String>,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -372,6 +387,12 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         WorkloadArg::NoVacuum => vec![Workload::NoVacuum],
         WorkloadArg::BackendKills => vec![Workload::BackendKills],
         WorkloadArg::Dashboards => vec![Workload::Drain, Workload::Watched],
+        WorkloadArg::Pgbouncer => {
+            if args.pooler_url.is_none() {
+                return Err(BenchError::Usage("--workload pgbouncer needs --pooler-url".to_owned()));
+            }
+            vec![Workload::Drain, Workload::Pooled]
+        }
         WorkloadArg::Workflows => {
             vec![Workload::Drain, Workload::FanOut, Workload::FanIn, Workload::Chain, Workload::Diamonds]
         }
@@ -420,6 +441,7 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         producers: args.producers as usize,
         raw_quiet: args.raw_no_notify,
         no_result_waiter: args.no_result_waiter,
+        pooler_url: args.pooler_url.clone(),
         config,
         worker_bin,
     })
@@ -1048,6 +1070,12 @@ fn table(samples: &[Sample], options: &Options) -> String {
             _ => String::new(),
         };
         row("latency", name, c, r, 3, target);
+    }
+    let pooled = med("drain_pgbouncer", Mode::Canter, &rate);
+    if pooled.is_some() {
+        row("pgbouncer", "drain tasks/s", pooled, None, 0, String::new());
+        let ratio = |p: Option<f64>, d: Option<f64>| Some(p? / d?);
+        row("pgbouncer/drain", "ratio", ratio(pooled, drain.0), None, 2, String::new());
     }
     let watched = med("drain_watched", Mode::Canter, &rate);
     if watched.is_some() {

@@ -30,13 +30,21 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::EnqueueOne | Workload::EnqueueBulk => {
             unreachable!("the enqueue workloads run through CanterEnqueuer")
         }
-        Workload::Drain => drain(options, scratch, &store, 0, None).await.map(|s| vec![s]),
+        Workload::Drain => drain(options, scratch, &store, 0, None, None).await.map(|s| vec![s]),
+        Workload::Pooled => {
+            let pooler = options.pooler_url.as_deref();
+            let sample = drain(options, scratch, &store, 0, None, pooler).await;
+            sample.map(|mut sample| {
+                sample.workload = Workload::Pooled.name();
+                vec![sample]
+            })
+        }
         Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
-            drain(options, scratch, &store, 0, Some(workload)).await.map(|s| vec![s])
+            drain(options, scratch, &store, 0, Some(workload), None).await.map(|s| vec![s])
         }
         Workload::Watched => {
             let watchers = Watchers::open(scratch, &store, 3).await?;
-            let sample = drain(options, scratch, &store, 0, None).await;
+            let sample = drain(options, scratch, &store, 0, None, None).await;
             let seen = watchers.close().await;
             sample.map(|mut sample| {
                 sample.workload = Workload::Watched.name();
@@ -46,7 +54,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         }
         Workload::History => {
             fill_history(&store, options.history_tasks).await?;
-            drain(options, scratch, &store, options.history_tasks, None).await.map(|s| vec![s])
+            drain(options, scratch, &store, options.history_tasks, None, None).await.map(|s| vec![s])
         }
         Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
@@ -148,10 +156,15 @@ struct WorkerProcess {
 struct WorkerProcesses(Vec<WorkerProcess>);
 
 impl WorkerProcesses {
-    async fn start(options: &Options, url: &str, store: &PgStore) -> Result<WorkerProcesses, BenchError> {
+    async fn start(
+        options: &Options,
+        url: &str,
+        store: &PgStore,
+        pooler: Option<&str>,
+    ) -> Result<WorkerProcesses, BenchError> {
         let schema = store.schema();
         let workers = (0..options.workers)
-            .map(|i| WorkerProcess::spawn(options, url, schema, i))
+            .map(|i| WorkerProcess::spawn(options, url, schema, i, pooler))
             .collect::<Result<Vec<_>, _>>()
             .map(WorkerProcesses)?;
         let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
@@ -198,13 +211,26 @@ impl WorkerProcesses {
 }
 
 impl WorkerProcess {
-    fn spawn(options: &Options, url: &str, schema: &PgSchema, index: u32) -> Result<WorkerProcess, BenchError> {
+    fn spawn(
+        options: &Options,
+        url: &str,
+        schema: &PgSchema,
+        index: u32,
+        pooler: Option<&str>,
+    ) -> Result<WorkerProcess, BenchError> {
         let config =
             std::env::temp_dir().join(format!("canter-bench-{}-{}-{index}.json", std::process::id(), schema.name()));
         let text = serde_json::to_string(&options.config).map_err(|e| failed("config", e))?;
         std::fs::write(&config, text).map_err(|e| failed("write the worker config", e))?;
-        let child = Command::new(&options.worker_bin)
-            .args(["worker", "--database-url", url, "--schema", schema.name(), "--config"])
+        let mut command = Command::new(&options.worker_bin);
+        match pooler {
+            Some(pooler) => {
+                command.args(["--transaction-pooler", "--database-url", pooler, "--listen-database-url", url])
+            }
+            None => command.args(["--database-url", url]),
+        };
+        let child = command
+            .args(["worker", "--schema", schema.name(), "--config"])
             .arg(&config)
             .env("CANTER_LOG", std::env::var("CANTER_LOG").unwrap_or_else(|_| "warn".to_owned()))
             .stdin(Stdio::null())
@@ -356,10 +382,12 @@ async fn drain(
     store: &PgStore,
     history: usize,
     workflow: Option<Workload>,
+    // A pooler in transaction mode the workers go through.
+    pooler: Option<&str>,
 ) -> Result<Sample, BenchError> {
     let schema = store.schema().clone();
     let pool = store.pool();
-    let mut worker = WorkerProcesses::start(options, &scratch.url, store).await?;
+    let mut worker = WorkerProcesses::start(options, &scratch.url, store, pooler).await?;
     checkpoint(pool).await;
     let cpu_before = worker.cpu_seconds();
 

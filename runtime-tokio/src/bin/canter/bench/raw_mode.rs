@@ -119,7 +119,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         // No baseline: the raw loop has no priorities to honour beside a backlog.
         Workload::LatencyUnderLoad => Ok(Vec::new()),
         // No baseline: the raw loop has no dashboard.
-        Workload::Watched => Ok(Vec::new()),
+        Workload::Watched | Workload::Pooled => Ok(Vec::new()),
         // No baseline: the raw loop has no reconnects to measure.
         Workload::BackendKills => Ok(Vec::new()),
         Workload::FanOut | Workload::FanIn | Workload::Chain | Workload::Diamonds => {
