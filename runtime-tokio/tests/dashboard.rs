@@ -57,7 +57,12 @@ async fn the_dashboard_reads_acts_and_streams() {
     // The event stream: the current overview at once, then one showing a pause soon after it.
     let mut events = tokio::net::TcpStream::connect(addr).await.unwrap();
     events
-        .write_all(b"GET /api/events HTTP/1.1\r\nHost: x\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n")
+        .write_all(
+            format!(
+                "GET /api/events HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\nConnection: close\r\n\r\n"
+            )
+            .as_bytes(),
+        )
         .await
         .unwrap();
     let mut events = tokio::io::BufReader::new(events);
@@ -149,6 +154,9 @@ async fn the_dashboard_reads_acts_and_streams() {
     assert_eq!((status, reply["status"].as_str()), (200, Some("paused")), "{reply}");
     let (status, _) = post_json(addr, "/api/workflows/999999/cancel", json!({}), &[]).await;
     assert_eq!(status, 404);
+    // A name made to resolve here (DNS rebinding) is refused without auth; IPs are answered.
+    let (status, _) = request(addr, "GET", "/api/overview", &[("Host", "evil.example:8080")], None).await;
+    assert_eq!(status, 403);
     // Another site's page cannot act: its Origin is refused, a body-less POST is not JSON.
     let evil = [("Origin", "http://evil.example")];
     let (status, reply) =

@@ -49,6 +49,10 @@ pub struct DashboardOptions {
     /// Ask for this user name and password (HTTP basic auth) on every page but `/healthz`
     /// and `/readyz`. Serve it over TLS (a proxy in front) beyond a trusted network.
     pub basic_auth: Option<(String, String)>,
+    /// Host names (as the browser's `Host` header gives them, with or without the port) a
+    /// dashboard without basic auth answers besides IP addresses and `localhost`: a page of
+    /// another site whose name was made to resolve to this address (DNS rebinding) is refused.
+    pub allowed_hosts: Vec<String>,
     /// How often the overview is read while anyone looks (the cost bound may stretch it).
     pub refresh: Duration,
     /// The configured schedules, to show what each runs and its zone.
@@ -57,7 +61,13 @@ pub struct DashboardOptions {
 
 impl Default for DashboardOptions {
     fn default() -> Self {
-        DashboardOptions { read_only: false, basic_auth: None, refresh: Duration::from_secs(2), schedules: None }
+        DashboardOptions {
+            read_only: false,
+            basic_auth: None,
+            allowed_hosts: Vec::new(),
+            refresh: Duration::from_secs(2),
+            schedules: None,
+        }
     }
 }
 
@@ -136,9 +146,15 @@ fn asset(content_type: &'static str, body: &'static str) -> Response {
     ([(header::CONTENT_TYPE, content_type), (header::CACHE_CONTROL, "no-cache")], body).into_response()
 }
 
-/// Refuses a request without the configured credentials (401 and a basic-auth challenge).
+/// Refuses a request without the configured credentials (401 and a basic-auth challenge);
+/// without credentials to ask for, one addressed to a host name it does not know (403).
 async fn authenticate(State(shared): State<Arc<Shared>>, request: Request, next: Next) -> Response {
     let Some((user, password)) = &shared.options.basic_auth else {
+        if !host_allowed(request.headers(), &shared.options.allowed_hosts) {
+            let text = "refused: unknown host name (a dashboard without --auth answers IP addresses, localhost \
+                        and --allowed-host names)\n";
+            return (StatusCode::FORBIDDEN, text).into_response();
+        }
         return next.run(request).await;
     };
     if presented(request.headers()).is_some_and(|(u, p)| equal(&u, user) & equal(&p, password)) {
@@ -150,6 +166,23 @@ async fn authenticate(State(shared): State<Arc<Shared>>, request: Request, next:
         "unauthorized\n",
     )
         .into_response()
+}
+
+/// Whether the `Host` header names an IP address, `localhost` or an allowed name (a request
+/// without one, from no browser, is let through).
+fn host_allowed(headers: &HeaderMap, allowed: &[String]) -> bool {
+    let Some(host) = headers.get(header::HOST).map(|h| h.to_str().unwrap_or("")) else {
+        return true;
+    };
+    let host = host.trim().to_ascii_lowercase();
+    // `[::1]:8080`, `127.0.0.1:8080`, `name:8080`, `name`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host.as_str(), |(name, _)| name),
+    };
+    name.parse::<std::net::IpAddr>().is_ok()
+        || name == "localhost"
+        || allowed.iter().any(|a| a.eq_ignore_ascii_case(name) || a.eq_ignore_ascii_case(&host))
 }
 
 /// The user name and password of a basic-auth header.
@@ -197,5 +230,22 @@ mod tests {
         assert!(!equal("s3cre", "s3cret"));
         assert!(!equal("s3cretx", "s3cret"));
         assert!(!equal("", "s3cret"));
+    }
+
+    #[test]
+    fn without_auth_only_addresses_localhost_and_allowed_names_are_answered() {
+        let allowed = vec!["queue.internal".to_owned()];
+        let with = |host: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::HOST, host.parse().unwrap());
+            host_allowed(&headers, &allowed)
+        };
+        for ok in ["127.0.0.1:8080", "10.1.2.3", "[::1]:8080", "localhost:8080", "LOCALHOST", "queue.internal:443"] {
+            assert!(with(ok), "{ok}");
+        }
+        for refused in ["evil.example:8080", "evil.example", "localhost.evil.example", "127.0.0.1.evil.example:80"] {
+            assert!(!with(refused), "{refused}");
+        }
+        assert!(host_allowed(&HeaderMap::new(), &allowed));
     }
 }

@@ -467,6 +467,10 @@ pub(crate) struct DashboardArgs {
     /// The configuration file (TOML or JSON) whose queues' caps and schedules to show
     #[arg(long, value_name = "FILE")]
     pub(crate) config: Option<PathBuf>,
+    /// Without --auth, answer this host name too (IP addresses and localhost always are); may
+    /// be repeated
+    #[arg(long, value_name = "NAME")]
+    pub(crate) allowed_host: Vec<String>,
     /// Read the overview this often while anyone looks (it waits longer when a read is slow)
     #[arg(long, value_name = "DURATION", value_parser = duration, default_value = "2s")]
     pub(crate) refresh: Millis,

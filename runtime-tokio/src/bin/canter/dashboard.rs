@@ -29,6 +29,7 @@ pub(crate) async fn run(database: &Database, args: DashboardArgs) -> Outcome {
     let options = DashboardOptions {
         read_only: args.read_only,
         basic_auth: args.auth,
+        allowed_hosts: args.allowed_host,
         refresh: std::time::Duration::from_millis(args.refresh),
         schedules: Some(std::sync::Arc::new(schedules)),
     };

@@ -742,7 +742,8 @@ impl Watchers {
             let mut stream = tokio::net::TcpStream::connect(endpoints.local_addr)
                 .await
                 .map_err(|e| failed("open a dashboard", e))?;
-            let request = "GET /api/events HTTP/1.1\r\nHost: bench\r\nConnection: close\r\n\r\n";
+            let request =
+                format!("GET /api/events HTTP/1.1\r\nHost: {}\r\nConnection: close\r\n\r\n", endpoints.local_addr);
             stream.write_all(request.as_bytes()).await.map_err(|e| failed("open a dashboard", e))?;
             // Counts the overviews and the time their readings took, until the stream ends.
             watchers.clients.push(tokio::spawn(async move {
