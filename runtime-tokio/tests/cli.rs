@@ -1041,7 +1041,7 @@ fn the_readme_shows_the_program_s_help() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_serves_its_metrics_and_health_where_asked() {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::{Read, Write};
 
     let db = pg::TestDb::new().await;
     let run = against(&db);
@@ -1053,15 +1053,7 @@ async fn a_worker_serves_its_metrics_and_health_where_asked() {
         .spawn()
         .unwrap();
     // The address the system chose, as the program prints it.
-    let mut stdout = BufReader::new(worker.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(stdout.read_line(&mut line).expect("read stdout") > 0, "the worker ended without its address");
-        if let Some(rest) = line.split("metrics on http://").nth(1) {
-            break rest.split('/').next().expect("an address").to_owned();
-        }
-    };
+    let addr = printed_address(&mut worker, "metrics on http://");
     let get = |path: &str| {
         let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
         write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
@@ -1160,7 +1152,7 @@ async fn the_listen_url_serves_waits_and_workers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_dashboard_serves_acts_and_stops_with_its_streams_open() {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::{Read, Write};
 
     let db = pg::TestDb::new().await;
     let run = against(&db);
@@ -1180,15 +1172,7 @@ async fn the_dashboard_serves_acts_and_stops_with_its_streams_open() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let mut stdout = BufReader::new(dashboard.stdout.take().expect("stdout"));
-    let mut line = String::new();
-    let addr = loop {
-        line.clear();
-        assert!(stdout.read_line(&mut line).expect("read stdout") > 0, "the dashboard ended without its address");
-        if let Some(rest) = line.split("dashboard on http://").nth(1) {
-            break rest.split('/').next().expect("an address").to_owned();
-        }
-    };
+    let addr = printed_address(&mut dashboard, "dashboard on http://");
     let send = |request: String| {
         let mut stream = std::net::TcpStream::connect(&addr).expect("connect");
         stream.write_all(request.as_bytes()).unwrap();
@@ -1223,4 +1207,19 @@ async fn the_dashboard_serves_acts_and_stops_with_its_streams_open() {
     let mut log = String::new();
     dashboard.stderr.take().unwrap().read_to_string(&mut log).unwrap();
     assert!(log.contains("action=\"delete\""), "every action is logged: {log}");
+}
+
+/// The address a spawned `canter` prints on stdout after `marker` (the system's choice for
+/// port 0), up to the next `/`.
+fn printed_address(child: &mut std::process::Child, marker: &str) -> String {
+    use std::io::BufRead;
+    let mut stdout = std::io::BufReader::new(child.stdout.take().expect("stdout"));
+    let mut line = String::new();
+    loop {
+        line.clear();
+        assert!(stdout.read_line(&mut line).expect("read stdout") > 0, "the program ended without its address");
+        if let Some(rest) = line.split(marker).nth(1) {
+            return rest.split('/').next().expect("an address").to_owned();
+        }
+    }
 }

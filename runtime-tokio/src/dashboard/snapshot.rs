@@ -72,7 +72,7 @@ pub(crate) struct WorkerRow {
 }
 
 /// What the overview page, the queues page, `/metrics` and the event stream show.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 pub(crate) struct Overview {
     pub(crate) at: i64,
     pub(crate) since: i64,
@@ -300,15 +300,9 @@ pub(crate) async fn refresh(
             }
             Err(error) => {
                 let mut value = published.borrow().overview.clone().unwrap_or_else(|| Overview {
-                    at: 0,
-                    since: 0,
                     read_only,
                     refresh_ms: refresh_every.as_millis() as u64,
-                    took_ms: 0,
-                    queues: Vec::new(),
-                    throughput: VecDeque::new(),
-                    workers: Vec::new(),
-                    error: None,
+                    ..Overview::default()
                 });
                 value.error = Some(format!("the database did not answer: {}", canter::postgres::error_text(&error)));
                 listener = None;
