@@ -28,6 +28,7 @@
 //!   app's schedules enqueue, and when to look again.
 //! - [`time`]: durations (`90s`, `1h30m`) and instants (RFC 3339, or a duration from now) as
 //!   text, one grammar for the command line, the configuration and schedules.
+//! - [`wake`]: wake-ups carried by a message broker instead of LISTEN/NOTIFY, as data.
 //! - [`workflow`]: graphs of steps that wait for their parents (fan-out, fan-in, any and
 //!   quorum joins, recovery steps): the checks, the per-edge decision and the workflow machine.
 //!
@@ -125,6 +126,7 @@ pub mod scheduler;
 pub mod store;
 pub mod task;
 pub mod time;
+pub mod wake;
 pub mod worker;
 pub mod workflow;
 

@@ -14,6 +14,7 @@ use serde::de::DeserializeOwned;
 use sqlx::PgPool;
 
 use super::retry::Retry;
+use super::wakeups::WakeupProvider;
 use super::{Runtime, TaskHandle, sleep_after};
 use crate::config::AppConfig;
 use crate::postgres::{
@@ -139,6 +140,8 @@ struct Inner<R> {
     router: DoneRouter,
     /// The router's listening task, started by the first wait.
     listening: Mutex<Option<AbortHandle>>,
+    /// Where enqueues are announced instead of by NOTIFY, if anywhere.
+    wakeups: Option<Arc<dyn WakeupProvider>>,
     /// Whether the first write migrates the schema (else it only checks it).
     migrate: AtomicBool,
     /// Whether the schema was found current (or migrated), so writes need not look again.
@@ -173,14 +176,15 @@ impl<R: Runtime> Client<R> {
     /// and find it done), so client and worker may start in any order on an empty database.
     /// [`Client::migrate`]`(false)` only checks the schema instead.
     pub fn new(runtime: Arc<R>, pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
-        Client::on_store(runtime, PgStore::new(pool, schema, app), true)
+        Client::on_store(runtime, PgStore::new(pool, schema, app), None, true)
     }
 
-    fn on_store(runtime: Arc<R>, store: PgStore, migrate: bool) -> Self {
+    fn on_store(runtime: Arc<R>, store: PgStore, wakeups: Option<Arc<dyn WakeupProvider>>, migrate: bool) -> Self {
         Client {
             inner: Arc::new(Inner {
                 store,
                 runtime,
+                wakeups,
                 router: DoneRouter::new(),
                 listening: Mutex::new(None),
                 migrate: AtomicBool::new(migrate),
@@ -195,7 +199,33 @@ impl<R: Runtime> Client<R> {
     /// clones made before keep listening on the client's pool.
     pub fn session_pool(self, pool: PgPool) -> Self {
         let store = self.inner.store.clone().with_session_pool(pool);
-        Client::on_store(self.inner.runtime.clone(), store, self.inner.migrate.load(Ordering::Relaxed))
+        Client::on_store(self.inner.runtime.clone(), store, self.inner.wakeups.clone(), self.inner.migrate.load(Ordering::Relaxed))
+    }
+
+    /// Announces this client's enqueues through `provider` (RabbitMQ, NATS: see
+    /// [`wakeups`](crate::driver::wakeups)) instead of PostgreSQL's NOTIFY: the enqueue commits
+    /// without a NOTIFY, so producers' commits do not queue behind each other on PostgreSQL's
+    /// notification lock, and the wake-up is published once it committed. Workers must
+    /// subscribe to the same provider. Enqueues inside the caller's transaction
+    /// ([`enqueue_in`](Client::enqueue_in)), tasks with keys and workflows still notify, at
+    /// their commit. A client of its own: clones made before announce by NOTIFY.
+    pub fn wakeups(self, provider: Arc<dyn WakeupProvider>) -> Self {
+        let store = self.inner.store.clone();
+        Client::on_store(self.inner.runtime.clone(), store, Some(provider), self.inner.migrate.load(Ordering::Relaxed))
+    }
+
+    /// Enqueues `tasks` in one statement, announced by NOTIFY or by the client's provider.
+    async fn enqueue_announced(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, ClientError> {
+        self.schema_ready().await?;
+        let store = &self.inner.store;
+        Ok(match &self.inner.wakeups {
+            Some(provider) => {
+                let (ids, wakeups) = store.enqueue_many_unnotified(tasks).await?;
+                provider.publish(wakeups);
+                ids
+            }
+            None => store.enqueue_many(tasks).await?,
+        })
     }
 
     /// Whether the first write migrates the schema (the default) or only checks that it is
@@ -244,8 +274,8 @@ impl<R: Runtime> Client<R> {
         options: impl FnOnce(NewTask) -> NewTask,
     ) -> Result<ResultHandle<R, T>, ClientError> {
         let new = options(NewTask::new(task.name(), task.encode(args)?));
-        self.schema_ready().await?;
-        let id = self.inner.store.enqueue(new).await?;
+        let ids = self.enqueue_announced(vec![new]).await?;
+        let id = ids.first().copied().ok_or_else(|| ClientError::from(PgEnqueueError::from(sqlx::Error::Protocol("enqueue returned no id".into()))))?;
         Ok(self.handle(id))
     }
 
@@ -259,8 +289,7 @@ impl<R: Runtime> Client<R> {
             .into_iter()
             .map(|a| Ok(NewTask::new(task.name(), task.encode(&a)?)))
             .collect::<Result<Vec<_>, serde_json::Error>>()?;
-        self.schema_ready().await?;
-        let ids = self.inner.store.enqueue_many(tasks).await?;
+        let ids = self.enqueue_announced(tasks).await?;
         Ok(ids.into_iter().map(|id| self.handle(id)).collect())
     }
 

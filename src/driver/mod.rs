@@ -39,6 +39,8 @@ mod service;
 #[cfg(feature = "postgres")]
 mod startup;
 #[cfg(feature = "postgres")]
+pub mod wakeups;
+#[cfg(feature = "postgres")]
 mod workflow;
 
 #[cfg(feature = "postgres")]

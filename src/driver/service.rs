@@ -14,6 +14,7 @@ use tracing::Instrument;
 
 use super::observe::{Counters, Hook, HookSink};
 use super::retry::Retry;
+use super::wakeups::WakeupProvider;
 use super::scheduler::{SchedulerOptions, run_scheduler};
 use super::startup::{StartupFailure, prepare_schema};
 use super::zones::load_scheduler;
@@ -25,6 +26,7 @@ use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::mix;
 use crate::scheduler::SchedulerError;
 use crate::task::{TaskId, WorkerId};
+use crate::wake::WakeSources;
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 
 /// Everything a worker process serves with. Build it, then [`serve`](WorkerService::serve).
@@ -52,6 +54,9 @@ pub struct WorkerService {
     /// when not the pool `serve` is given: a direct connection when that pool goes through
     /// PgBouncer in transaction mode (see [`PgStore::with_session_pool`]).
     pub session_pool: Option<PgPool>,
+    /// Where the worker also hears of enqueues, besides LISTEN (see
+    /// [`wakeups`](crate::driver::wakeups)): the provider the app's clients announce on.
+    pub wakeups: Option<Arc<dyn WakeupProvider>>,
 }
 
 /// Why a worker could not be served.
@@ -103,6 +108,7 @@ impl WorkerService {
             driver: DriverOptions::default(),
             counters: Arc::new(Counters::new()),
             session_pool: None,
+            wakeups: None,
         })
     }
 
@@ -116,12 +122,36 @@ impl WorkerService {
         pool: PgPool,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<Stats, ServeError> {
-        let WorkerService { mut app, mut config, schema, registry, id, hooks, migrate, driver, counters, session_pool } =
-            self;
+        let WorkerService {
+            mut app,
+            mut config,
+            schema,
+            registry,
+            id,
+            hooks,
+            migrate,
+            driver,
+            counters,
+            session_pool,
+            wakeups,
+        } = self;
         // Through a pooler in transaction mode with no session pool of its own, a LISTEN would
         // hear nothing and a session lock would not outlive its statement: poll, and leave
-        // dead workers to the heartbeat thresholds.
-        if schema.is_transaction_pooled() && session_pool.is_none() {
+        // dead workers to the heartbeat thresholds. A wake-up provider still carries enqueues;
+        // what statements make ready (retries, promotions, hand-backs) is left to the poll.
+        let listens_to_postgres = !schema.is_transaction_pooled() || session_pool.is_some();
+        if !listens_to_postgres && wakeups.is_some() {
+            if config.deployment_mode == DeploymentMode::EventDrivenOnly {
+                tracing::warn!(
+                    worker = %id,
+                    poll_interval_ms = config.poll_interval_ms,
+                    "connections go through a transaction pooler and no session pool was given: the wake-up provider \
+                     carries enqueues, polls find the rest (Hybrid)"
+                );
+                config.deployment_mode = DeploymentMode::Hybrid;
+            }
+            app.recovery.auto_recover_dead_workers = false;
+        } else if !listens_to_postgres {
             if config.deployment_mode != DeploymentMode::PollingOnly || app.recovery.auto_recover_dead_workers {
                 tracing::warn!(
                     worker = %id,
@@ -221,23 +251,39 @@ impl WorkerService {
         );
 
         let (notes_tx, notes_rx) = mpsc::channel::<Input>(config.coalesce_notifies as usize);
-        let listener = if config.deployment_mode.listens() {
+        let queues: Vec<String> = policy.queues.iter().map(|q| q.name.clone()).collect();
+        let listens = config.deployment_mode.listens();
+        // The wake-up sources and their listening states, reported to the machine as one.
+        let postgres_source = (listens && listens_to_postgres).then_some(0);
+        let provider_source = (listens && wakeups.is_some()).then(|| postgres_source.map_or(0, |_| 1));
+        let sources = usize::from(postgres_source.is_some()) + usize::from(provider_source.is_some());
+        let (states_tx, states_rx) = mpsc::unbounded::<(usize, bool)>();
+        let mut merged = WakeSources::new(sources);
+        let states = states_rx.filter_map(move |(source, connected)| futures::future::ready(merged.update(source, connected)));
+        let listener = postgres_source.map(|source| {
             let (handle, registration) = AbortHandle::new_pair();
-            let queues = policy.queues.iter().map(|q| q.name.clone()).collect();
             let listen = listen(
                 runtime.clone(),
                 store.clone(),
-                queues,
-                notes_tx,
-                control_tx.clone(),
+                queues.clone(),
+                notes_tx.clone(),
+                states_tx.clone(),
+                source,
                 app.resilience.clone(),
                 mix(seed),
             );
             runtime.spawn(Box::pin(Abortable::new(listen, registration).map(|_| ())));
-            Some(handle)
-        } else {
-            None
-        };
+            handle
+        });
+        let subscription = provider_source.zip(wakeups.as_ref()).map(|(source, provider)| {
+            tracing::info!(worker = %id, provider = provider.name(), "hearing of enqueues through a wake-up provider");
+            let (handle, registration) = AbortHandle::new_pair();
+            let heard = provider.subscribe(queues.clone());
+            let forward = forward_heard(heard, notes_tx.clone(), states_tx.clone(), source);
+            runtime.spawn(Box::pin(Abortable::new(forward, registration).map(|_| ())));
+            handle
+        });
+        drop((notes_tx, states_tx));
 
         let scheduler_done = scheduler.map(|scheduler| {
             let (done_tx, done_rx) = oneshot::channel::<()>();
@@ -265,7 +311,7 @@ impl WorkerService {
             sink.observe(event);
         });
         let handlers = Traced { inner: registry.bind(runtime.clone()) };
-        let inputs = futures::stream::select(control_rx, notes_rx);
+        let inputs = futures::stream::select(futures::stream::select(control_rx, states), notes_rx);
         // The loop runs as a task of the runtime, beside the handlers it spawns, whatever polls
         // this future (often `block_on` on a thread of its own): otherwise every spawn and every
         // finished handler would wake a thread across the runtime's boundary.
@@ -275,8 +321,8 @@ impl WorkerService {
             let _ = stats_tx.send(driven.await);
         }));
         let stats = stats_rx.await.map_err(|_| ServeError::Dropped);
-        if let Some(listener) = listener {
-            listener.abort();
+        for source in listener.into_iter().chain(subscription) {
+            source.abort();
         }
         // Its connection closes with it, and the server releases the token.
         if let Some(token) = token {
@@ -350,7 +396,8 @@ async fn listen<R: Runtime>(
     store: PgStore,
     queues: Vec<String>,
     mut notes: mpsc::Sender<Input>,
-    control: mpsc::UnboundedSender<Input>,
+    states: mpsc::UnboundedSender<(usize, bool)>,
+    source: usize,
     resilience: ResilienceConfig,
     seed: u64,
 ) {
@@ -382,7 +429,7 @@ async fn listen<R: Runtime>(
             listener.eager_reconnect(false);
             let since = runtime.now();
             retry.succeeded();
-            let _ = control.unbounded_send(Input::Listener { connected: true });
+            let _ = states.unbounded_send((source, true));
             // Tasks may have arrived unannounced while deaf: one wake-up per queue.
             for queue in &queues {
                 let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
@@ -407,9 +454,33 @@ async fn listen<R: Runtime>(
             lost_in_a_row = if runtime.now() >= since + LISTENED_A_WHILE { 0 } else { lost_in_a_row + 1 };
             at_once = lost_in_a_row <= LOST_AT_ONCE_IN_A_ROW;
         }
-        let _ = control.unbounded_send(Input::Listener { connected: false });
+        let _ = states.unbounded_send((source, false));
         if !at_once {
             retry.pause(&*runtime).await;
+        }
+    }
+}
+
+/// Passes what a wake-up provider's subscription hears to the worker: wake-ups as notes (a
+/// full channel drops one: they coalesce), its listening state as source `source`'s.
+async fn forward_heard(
+    mut heard: futures::stream::BoxStream<'static, Input>,
+    mut notes: mpsc::Sender<Input>,
+    states: mpsc::UnboundedSender<(usize, bool)>,
+    source: usize,
+) {
+    while let Some(input) = heard.next().await {
+        match input {
+            Input::Listener { connected } => {
+                if states.unbounded_send((source, connected)).is_err() {
+                    return;
+                }
+            }
+            note => {
+                if notes.try_send(note).is_err_and(|e| e.is_disconnected()) {
+                    return;
+                }
+            }
         }
     }
 }
@@ -587,6 +658,13 @@ impl<R: Runtime> PgWorker<R> {
     /// hold one each.
     pub fn session_pool(mut self, pool: PgPool) -> Self {
         self.service.session_pool = Some(pool);
+        self
+    }
+
+    /// Hears of enqueues through `provider` too (RabbitMQ, NATS: see
+    /// [`wakeups`](crate::driver::wakeups)), the provider the app's clients announce on.
+    pub fn wakeups(mut self, provider: Arc<dyn WakeupProvider>) -> Self {
+        self.service.wakeups = Some(provider);
         self
     }
 

@@ -30,6 +30,7 @@ use crate::postgres::store::{PgStore, db_time, duration};
 use crate::store::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task};
 use crate::task::normalized_flags;
 use crate::task::{ErrorCode, TaskId};
+use crate::wake::Wakeup;
 
 /// Why an enqueue into PostgreSQL failed. Nothing was written.
 #[derive(Debug, thiserror::Error)]
@@ -85,12 +86,42 @@ impl PgStore {
     /// A dead connection is handled as [`enqueue`](PgStore::enqueue) says (a batch is sent
     /// again after a lost reply only when every task has an idempotency key).
     pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
+        self.enqueue_replayed(&tasks, Notify::Queues).await
+    }
+
+    /// [`enqueue_many`](PgStore::enqueue_many) without the NOTIFY of the tasks' queues, for a
+    /// caller that announces them itself once the statement committed (a wake-up provider
+    /// such as a message broker): returns the ids and the [`Wakeup`]s to announce. A commit
+    /// that sent no NOTIFY does not queue behind other such commits (PostgreSQL's
+    /// notification lock). Tasks with keys are enqueued by a function that always notifies.
+    pub async fn enqueue_many_unnotified(
+        &self,
+        tasks: Vec<NewTask>,
+    ) -> Result<(Vec<TaskId>, Vec<Wakeup>), PgEnqueueError> {
+        let ids = self.enqueue_replayed(&tasks, Notify::Nobody).await?;
+        let queues = tasks.iter().map(|task| check_new_task(self.app(), task, DbTime(i64::MIN)).unwrap_or_default());
+        let announced = queues.zip(&tasks).zip(&ids).map(|((queue, task), id)| (queue, task.priority, *id));
+        let wakeups = Wakeup::of_tasks(announced);
+        Ok((ids, wakeups))
+    }
+
+    /// Enqueues `tasks` in one statement, sent again after a lost reply where that is safe.
+    async fn enqueue_replayed(&self, tasks: &[NewTask], notify: Notify) -> Result<Vec<TaskId>, PgEnqueueError> {
         // A task with an idempotency key is applied once however often it is sent (other keys
         // deduplicate against live tasks only: the first could have run and finished between).
         let idempotent = |task: &NewTask| task.key.is_some() && task.key_mode == KeyMode::Idempotent;
         let replay = if tasks.iter().all(idempotent) { Replay::Safe } else { Replay::IfNotApplied };
-        replayed!(self, replay, |conn| enqueue_tasks(conn, self.schema(), self.app(), &tasks))
+        replayed!(self, replay, |conn| enqueue_tasks(conn, self.schema(), self.app(), tasks, notify))
     }
+}
+
+/// Whether an enqueue statement notifies its tasks' queues.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Notify {
+    /// One NOTIFY per queue, sent at commit (the default).
+    Queues,
+    /// None: the caller announces the tasks after the commit.
+    Nobody,
 }
 
 /// Enqueues one task with `executor`: a pool, a connection, or the caller's open transaction
@@ -118,7 +149,7 @@ pub async fn enqueue_many_in<'e, E: PgExecutor<'e>>(
     app: &AppConfig,
     tasks: Vec<NewTask>,
 ) -> Result<Vec<TaskId>, PgEnqueueError> {
-    enqueue_tasks(executor, schema, app, &tasks).await
+    enqueue_tasks(executor, schema, app, &tasks, Notify::Queues).await
 }
 
 /// [`enqueue_many_in`] of borrowed tasks (so that a retry can send them again).
@@ -127,7 +158,10 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     schema: &PgSchema,
     app: &AppConfig,
     tasks: &[NewTask],
+    notify: Notify,
 ) -> Result<Vec<TaskId>, PgEnqueueError> {
+    // The channel prefix; NULL makes a keyless statement notify nobody.
+    let prefix = (notify == Notify::Queues).then(|| schema.queue_channel_prefix());
     // The checks that need no clock, in order. The database checks the tasks before the first
     // refused one (without writing), so a problem it finds earlier in the batch still wins.
     let mut queues = Vec::with_capacity(tasks.len());
@@ -168,7 +202,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
                 .bind(queues[0])
                 .bind(first.priority)
                 .bind(&first.args)
-                .bind(schema.queue_channel_prefix())
+                .bind(&prefix)
                 .fetch_one(executor)
                 .await?;
             return Ok(vec![TaskId(id)]);
@@ -181,7 +215,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
             .bind(queues[0])
             .bind(first.priority)
             .bind(tasks.iter().map(|task| &task.args).collect::<Vec<_>>())
-            .bind(schema.queue_channel_prefix())
+            .bind(&prefix)
             .fetch_all(executor)
             .await?;
         return ids_in_task_order(&rows, n);
@@ -232,7 +266,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
             .bind(ats[0])
             .bind(&retries[0])
             .bind(&flags[0])
-            .bind(schema.queue_channel_prefix())
+            .bind(&prefix)
             .fetch_one(executor)
             .await?;
         return Ok(vec![TaskId(id)]);
@@ -251,7 +285,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
             .bind(ats)
             .bind(retries)
             .bind(flags)
-            .bind(schema.queue_channel_prefix())
+            .bind(&prefix)
             .fetch_all(executor)
             .await?;
         return ids_in_task_order(&rows, n);
@@ -267,7 +301,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
         .bind(good_until)
         .bind(retries);
     let query = if write && !keyed {
-        query.bind(flags).bind(schema.queue_channel_prefix())
+        query.bind(flags).bind(&prefix)
     } else {
         query
             .bind(keys)

@@ -522,6 +522,7 @@ inserted AS (
 notified AS (
     SELECT count(pg_notify($10 || q.queue, q.priority::text)) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority FROM inserted ins GROUP BY ins.queue) q
+    WHERE $10 IS NOT NULL
 )
 SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
        NULL::bigint AS good_until_ms
@@ -548,6 +549,7 @@ inserted AS (
 notified AS (
     SELECT count(pg_notify($9 || q.queue, q.priority::text)) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority FROM inserted ins GROUP BY ins.queue) q
+    WHERE $9 IS NOT NULL
 )
 SELECT ins.id FROM inserted ins CROSS JOIN notified";
 
@@ -561,7 +563,7 @@ inserted AS (
     SELECT $1, $2, $3, a.args, 'PENDING', c.now, c.now FROM c, unnest($4::jsonb[]) AS a(args)
     RETURNING id
 )
-SELECT ins.id FROM (SELECT pg_notify($5 || $2, $3::text)) n, inserted ins";
+SELECT ins.id FROM (SELECT count(pg_notify($5 || $2, $3::text)) AS n WHERE $5 IS NOT NULL) n, inserted ins";
 
 /// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
 /// single enqueue), with scalar parameters. About 6% less server time than [`ENQUEUE_ONE`]'s
@@ -572,7 +574,7 @@ WITH inserted AS (
     SELECT $1, $2, $3, $4, 'PENDING', c.now, c.now FROM (SELECT {s}.db_now() AS now) c
     RETURNING id
 )
-SELECT ins.id FROM (SELECT pg_notify($5 || $2, $3::text)) n, inserted ins";
+SELECT ins.id FROM (SELECT count(pg_notify($5 || $2, $3::text)) AS n WHERE $5 IS NOT NULL) n, inserted ins";
 
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
 const ENQUEUE_ONE: &str = "\
@@ -582,7 +584,8 @@ WITH inserted AS (
     FROM (SELECT {s}.db_now() AS now) c
     RETURNING id, queue
 )
-SELECT ins.id FROM inserted ins CROSS JOIN LATERAL (SELECT pg_notify($9 || ins.queue, $3::text)) n";
+SELECT ins.id FROM inserted ins
+CROSS JOIN LATERAL (SELECT count(pg_notify($9 || ins.queue, $3::text)) AS n WHERE $9 IS NOT NULL) n";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave

@@ -29,12 +29,21 @@ macro_rules! every_scenario {
     };
 }
 
+/// The scenarios of a wake-up provider besides LISTEN/NOTIFY (run with [`use_wakeups`]).
+#[allow(unused_macros)]
+macro_rules! every_provider_scenario {
+    ($run:ident) => {
+        $run!(the_provider_carries_enqueues_without_notify);
+    };
+}
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use canter::config::{AppConfig, CustomQueue, QueueMode, RecoveryConfig, RetryPolicy, WorkerConfig};
+use canter::driver::wakeups::WakeupProvider;
 use canter::driver::{
     Client, Counters, Registry, ResultError, Runtime, TaskContext, TaskHandle, WorkerService, Workflow,
 };
@@ -46,6 +55,28 @@ use canter::worker::{Event, Stats};
 use futures::channel::oneshot;
 use serde::{Deserialize, Serialize};
 use sqlx::PgPool;
+
+/// The wake-up provider each test's schema runs its scenario with, when not LISTEN/NOTIFY.
+static WAKEUPS: Mutex<BTreeMap<String, Arc<dyn WakeupProvider>>> = Mutex::new(BTreeMap::new());
+
+/// Runs the scenarios in `schema` with `provider`: their clients announce enqueues through it
+/// and their workers subscribe to it.
+pub fn use_wakeups(schema: &PgSchema, provider: Arc<dyn WakeupProvider>) {
+    WAKEUPS.lock().unwrap().insert(schema.name().to_owned(), provider);
+}
+
+fn wakeups_of(schema: &PgSchema) -> Option<Arc<dyn WakeupProvider>> {
+    WAKEUPS.lock().unwrap().get(schema.name()).cloned()
+}
+
+/// A client of the scenario, with the schema's wake-up provider if it has one.
+pub fn client<R: Runtime>(runtime: &Arc<R>, pool: &PgPool, schema: &PgSchema, app: AppConfig) -> Client<R> {
+    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app);
+    match wakeups_of(schema) {
+        Some(provider) => client.wakeups(provider),
+        None => client,
+    }
+}
 
 /// Runs a future on the adapter's runtime and hands back its output.
 pub trait Spawner: Send + Sync + 'static {
@@ -253,6 +284,7 @@ pub fn start_worker<R: Runtime>(
     let id = WorkerId(name.to_owned());
     let mut service = WorkerService::new(app, config, registry, id.clone()).expect("valid config");
     service.schema = schema.clone();
+    service.wakeups = wakeups_of(schema);
     let events = Arc::new(Mutex::new(Vec::new()));
     let sink = events.clone();
     service.hooks.push(Arc::new(move |event: &Event| sink.lock().unwrap().push(event.clone())));
@@ -288,7 +320,7 @@ pub async fn many_tasks_through_several_workers<R: Runtime>(runtime: Arc<R>, poo
     let mut app = fast_app();
     app.recovery.running_stale_threshold_ms = 30_000;
     app.recovery.claimed_stale_threshold_ms = 30_000;
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let total = 3_000u64;
     let handles = client
         .enqueue_many(&tasks.work, (0..total).map(|id| Work { id, ms: if id % 10 == 0 { 2 } else { 0 } }))
@@ -339,7 +371,7 @@ pub async fn caps_hold_under_load<R: Runtime>(runtime: Arc<R>, pool: PgPool, sch
         cluster_wide_cap: Some(7),
         ..fast_app()
     };
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     for queue in ["narrow", "wide"] {
         for id in 0..150 {
             client.enqueue_with(&tasks.work, &Work { id, ms: 15 }, |t| t.queue(queue)).await.unwrap();
@@ -393,7 +425,7 @@ pub async fn caps_hold_under_load<R: Runtime>(runtime: Arc<R>, pool: PgPool, sch
 pub async fn failures_end_with_their_codes<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let config = WorkerConfig { handler_timeout_ms: Some(2_000), ..fast_worker(4) };
     let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "f1");
 
@@ -427,7 +459,7 @@ pub async fn failures_end_with_their_codes<R: Runtime>(runtime: Arc<R>, pool: Pg
 /// pending task ends the wait with TASK_CANCELLED.
 pub async fn waiting_timeouts_and_cancel<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let client = client(&runtime, &pool, &schema, fast_app());
     let handle = client.enqueue(&tasks.work, &Work { id: 9, ms: 0 }).await.unwrap();
     let error = handle.wait(Duration::from_millis(200)).await.unwrap_err();
     assert_eq!(error.code(), ErrorCode::WaitTimeout);
@@ -444,7 +476,7 @@ pub async fn waiting_timeouts_and_cancel<R: Runtime>(runtime: Arc<R>, pool: PgPo
 pub async fn graceful_shutdown<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let quick = client.enqueue(&tasks.work, &Work { id: 1, ms: 200 }).await.unwrap();
     let long = client.enqueue(&tasks.work, &Work { id: 2, ms: 60_000 }).await.unwrap();
     let config = WorkerConfig { shutdown_grace_ms: 1_000, handler_timeout_ms: None, ..fast_worker(4) };
@@ -466,7 +498,7 @@ pub async fn graceful_shutdown<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema
 pub async fn hooks_see_lifecycle_events<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let worker = start_worker(&runtime, &pool, &schema, app, fast_worker(2), tasks.registry.clone(), "h1");
     let handle = client.enqueue(&tasks.work, &Work { id: 5, ms: 0 }).await.unwrap();
     assert_eq!(handle.wait(Duration::from_secs(10)).await.unwrap(), 10);
@@ -494,7 +526,7 @@ pub async fn serial_queue_runs_one_at_a_time_in_order<R: Runtime>(runtime: Arc<R
     app.queue_mode = QueueMode::Custom;
     app.custom_queues = vec![CustomQueue::new("default"), CustomQueue::new("ledger").with_priority(2).serial()];
     app.prefetch_buffer = 16;
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let total = 30u64;
     for n in 0..total {
         client.enqueue_with(&tasks.serial, &n, |t| t.queue("ledger")).await.unwrap();
@@ -529,7 +561,7 @@ pub async fn batch_tasks_retry_only_failed_items<R: Runtime>(runtime: Arc<R>, po
     let tasks = tasks(runtime.clone());
     let mut app = fast_app();
     app.retry = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("ODD".into())]).with_jitter(false);
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let handle = client.enqueue(&tasks.batch, &vec![1, 2, 3, 4]).await.unwrap();
     let worker = start_worker(&runtime, &pool, &schema, app, fast_worker(4), tasks.registry.clone(), "w");
     assert_eq!(handle.wait(Duration::from_secs(30)).await.unwrap(), 2, "the retry handled the two odd items");
@@ -546,7 +578,7 @@ pub async fn batch_tasks_retry_only_failed_items<R: Runtime>(runtime: Arc<R>, po
 pub async fn forbidden_flags_leave_tasks_to_other_workers<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let mut ids = Vec::new();
     for id in 0..20u64 {
         let flag = |t: canter::store::NewTask| if id % 2 == 0 { t.flag("gpu") } else { t };
@@ -652,7 +684,7 @@ pub async fn racing_scheduler_loops<R: Runtime>(runtime: Arc<R>, pool: PgPool, s
 /// instead of panicking.
 pub async fn waits_leave_nothing_behind<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     use futures::future::{Either, join_all, select};
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let client = client(&runtime, &pool, &schema, fast_app());
     let tasks = (0..100).map(|i| canter::store::NewTask::new("t", serde_json::json!(i))).collect();
     let ids = client.store().enqueue_many(tasks).await.unwrap();
     // Finished before the wait: read at once.
@@ -744,7 +776,7 @@ pub async fn poison_outcomes_fail_alone<R: Runtime>(runtime: Arc<R>, pool: PgPoo
         })
         .unwrap();
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let healthy = client.enqueue_many(&work, (0..8).map(|id| Work { id, ms: 100 })).await.unwrap();
     let poison =
         [client.enqueue(&nul_result, &()).await.unwrap().id(), client.enqueue(&nul_error, &()).await.unwrap().id()];
@@ -805,7 +837,7 @@ pub async fn undecodable_rows_fail_alone<R: Runtime>(runtime: Arc<R>, pool: PgPo
         })
         .unwrap();
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let policy = RetryPolicy::fixed(vec![1]).with_codes(vec![ErrorCode::User("FLAKY".into())]);
     let mut ids = Vec::new();
     for n in 0..4u64 {
@@ -869,7 +901,7 @@ pub async fn undecodable_rows_fail_alone<R: Runtime>(runtime: Arc<R>, pool: PgPo
 pub async fn workflows_fan_out_fan_in_and_recover<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
     let app = fast_app();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let mut workflow = Workflow::new("fan");
     let root = workflow.step(&tasks.work, &Work { id: 1_000, ms: 0 }).unwrap();
     let leaves: Vec<_> = (0..10).map(|id| workflow.step(&tasks.work, &Work { id, ms: 1 }).unwrap()).collect();
@@ -943,7 +975,7 @@ pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_ag
     let tasks = tasks(runtime.clone());
     // Heartbeats every 30 s (the default): only the notification can abort the step in time.
     let app = AppConfig::default();
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), app.clone());
+    let client = client(&runtime, &pool, &schema, app.clone());
     let mut workflow = Workflow::new("slow");
     let slow = workflow.step(&tasks.work, &Work { id: 1, ms: 4_000 }).unwrap();
     let next = workflow.step(&tasks.work, &Work { id: 2, ms: 0 }).unwrap();
@@ -978,7 +1010,7 @@ pub async fn a_cancelled_workflow_aborts_its_running_step_and_a_retry_runs_it_ag
 /// while it runs and after it stopped.
 pub async fn metrics_follow_what_the_worker_did<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
     let tasks = tasks(runtime.clone());
-    let client = Client::new(runtime.clone(), pool.clone(), schema.clone(), fast_app());
+    let client = client(&runtime, &pool, &schema, fast_app());
     let worker = start_worker(&runtime, &pool, &schema, fast_app(), fast_worker(4), tasks.registry.clone(), "m1");
     let mut handles = Vec::new();
     for id in 0..10 {
@@ -1016,4 +1048,49 @@ pub async fn metrics_follow_what_the_worker_did<R: Runtime>(runtime: Arc<R>, poo
     let stopped = samples(&counters);
     assert_eq!((stopped["canter_worker_ready"], stopped["canter_worker_shutting_down"]), (0.0, 1.0));
     assert!(stopped["canter_db_request_duration_seconds_count{kind=\"deregister_worker\"}"] >= 1.0, "{stopped:?}");
+}
+
+/// With a wake-up provider, a worker that neither polls nor hears PostgreSQL claims what a
+/// client enqueued within moments, and the enqueue sent no NOTIFY: the wake-up came through
+/// the provider alone.
+pub async fn the_provider_carries_enqueues_without_notify<R: Runtime>(runtime: Arc<R>, pool: PgPool, schema: PgSchema) {
+    let provider = wakeups_of(&schema).expect("a scenario run with a wake-up provider");
+    let tasks = tasks(runtime.clone());
+    let app = fast_app();
+    let client = client(&runtime, &pool, &schema, app.clone());
+    // A session that LISTENs on the queue's channel: the provider's enqueues notify nobody.
+    let mut listener = sqlx::postgres::PgListener::connect_with(&pool).await.unwrap();
+    listener.listen(&schema.queue_channel("default")).await.unwrap();
+    // Event-driven, with the poll minutes away: only a wake-up (or the catch-up claim when the
+    // subscription comes up) starts a task.
+    let config = WorkerConfig {
+        deployment_mode: canter::config::DeploymentMode::EventDrivenOnly,
+        poll_interval_ms: 300_000,
+        ..fast_worker(4)
+    };
+    let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "evented");
+    // Wait for the subscription and the catch-up claim it makes to pass.
+    wait_until(&*runtime, Duration::from_secs(20), async || {
+        worker.counters.snapshot().stats.claim_passes >= 1
+    })
+    .await;
+    sleep(&*runtime, Duration::from_millis(300)).await;
+    let heard_before = provider.stats().heard;
+    for round in 0..5u64 {
+        let started = runtime.now();
+        let handle = client.enqueue(&tasks.work, &Work { id: round, ms: 0 }).await.unwrap();
+        assert_eq!(handle.wait(Duration::from_secs(10)).await.unwrap(), round * 2);
+        let took = runtime.now() - started;
+        assert!(took < Duration::from_secs(5), "round {round} took {took:?}: the wake-up was not heard");
+    }
+    let stats = provider.stats();
+    assert!(stats.heard >= heard_before + 5, "the worker heard the wake-ups: {stats:?}");
+    assert_eq!(stats.malformed, 0);
+    // Nothing reached the LISTENing session: the enqueues sent no NOTIFY.
+    let quiet = runtime.sleep_until(runtime.now() + Duration::from_millis(500));
+    match futures::future::select(Box::pin(listener.try_recv()), quiet).await {
+        futures::future::Either::Left((heard, _)) => panic!("the enqueues sent a NOTIFY: {heard:?}"),
+        futures::future::Either::Right(((), _)) => {}
+    }
+    worker.stop().await;
 }
