@@ -585,7 +585,7 @@ WITH inserted AS (
     RETURNING id, queue
 )
 SELECT ins.id FROM inserted ins
-CROSS JOIN LATERAL (SELECT count(pg_notify($9 || ins.queue, $3::text)) AS n WHERE $9 IS NOT NULL) n";
+LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, $3::text) WHERE $9 IS NOT NULL) n ON true";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
