@@ -43,7 +43,9 @@ pub enum WakeupDecodeError {
     #[error("a wake-up of {0} bytes, expected at most {MAX_WAKEUP_BYTES}")]
     TooLong(usize),
     /// Not the JSON of a wake-up.
-    #[error("a wake-up that is not the JSON of one ({0}), expected {{\"queue\": ..., \"priority\": ..., \"tasks\": [...]}}")]
+    #[error(
+        "a wake-up that is not the JSON of one ({0}), expected {{\"queue\": ..., \"priority\": ..., \"tasks\": [...]}}"
+    )]
     Malformed(String),
     /// A wake-up of a queue without a name.
     #[error("a wake-up without a queue name")]
@@ -183,7 +185,10 @@ mod tests {
         assert!(matches!(Wakeup::decode(b"\0\xff"), Err(WakeupDecodeError::Malformed(_))));
         assert!(matches!(Wakeup::decode(b"{\"queue\": 7}"), Err(WakeupDecodeError::Malformed(_))));
         assert_eq!(Wakeup::decode(b"{\"queue\": \"\"}"), Err(WakeupDecodeError::EmptyQueue));
-        assert_eq!(Wakeup::decode(&[b' '; MAX_WAKEUP_BYTES + 1]), Err(WakeupDecodeError::TooLong(MAX_WAKEUP_BYTES + 1)));
+        assert_eq!(
+            Wakeup::decode(&[b' '; MAX_WAKEUP_BYTES + 1]),
+            Err(WakeupDecodeError::TooLong(MAX_WAKEUP_BYTES + 1))
+        );
         let priority_out_of_range = b"{\"queue\": \"q\", \"priority\": 40000}";
         assert!(matches!(Wakeup::decode(priority_out_of_range), Err(WakeupDecodeError::Malformed(_))));
     }

@@ -1223,3 +1223,45 @@ fn printed_address(child: &mut std::process::Child, marker: &str) -> String {
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueues_are_announced_on_the_broker_the_worker_hears() {
+    use canter_tokio::canter::driver::wakeups::{NatsWakeups, WakeupProvider};
+    use futures::StreamExt;
+
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    let nats = std::env::var("CANTER_TEST_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    // A subscriber of the schema's default queue, as a worker is.
+    let provider = NatsWakeups::new(&nats, db.schema.name()).unwrap();
+    let mut heard = provider.subscribe(vec!["default".to_owned()]);
+    let first = tokio::time::timeout(std::time::Duration::from_secs(10), heard.next()).await.unwrap();
+    assert_eq!(first, Some(canter_tokio::canter::worker::Input::Listener { connected: true }));
+    let mut worker = worker_command(&db)
+        .args(["--wakeups", "nats", "--wakeup-url", &nats])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let enqueued =
+        run(&["enqueue", "echo", "--args", "{}", "--count", "3", "--wakeups", "nats", "--wakeup-url", &nats]);
+    assert!(enqueued.status.success(), "{}", text(&enqueued));
+    let wakeup = tokio::time::timeout(std::time::Duration::from_secs(10), heard.next()).await.unwrap();
+    assert_eq!(
+        wakeup,
+        Some(canter_tokio::canter::worker::Input::Notified { queue: "default".into(), priority: Some(0) })
+    );
+    let ids: Vec<String> = String::from_utf8_lossy(&enqueued.stdout).lines().map(str::to_owned).collect();
+    assert_eq!(ids.len(), 3);
+    for id in &ids {
+        wait_for_state(&run, id, "COMPLETED");
+    }
+    assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success());
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(log.contains("hearing of enqueues through a wake-up provider") && log.contains("nats"), "{log}");
+
+    // An address the provider does not understand is a usage error naming the flag.
+    usage_error(&run(&["worker", "--wakeups", "rabbitmq", "--wakeup-url", "http://x"]), &["--wakeup-url"]);
+}

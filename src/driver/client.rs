@@ -199,7 +199,12 @@ impl<R: Runtime> Client<R> {
     /// clones made before keep listening on the client's pool.
     pub fn session_pool(self, pool: PgPool) -> Self {
         let store = self.inner.store.clone().with_session_pool(pool);
-        Client::on_store(self.inner.runtime.clone(), store, self.inner.wakeups.clone(), self.inner.migrate.load(Ordering::Relaxed))
+        Client::on_store(
+            self.inner.runtime.clone(),
+            store,
+            self.inner.wakeups.clone(),
+            self.inner.migrate.load(Ordering::Relaxed),
+        )
     }
 
     /// Announces this client's enqueues through `provider` (RabbitMQ, NATS: see
@@ -275,7 +280,9 @@ impl<R: Runtime> Client<R> {
     ) -> Result<ResultHandle<R, T>, ClientError> {
         let new = options(NewTask::new(task.name(), task.encode(args)?));
         let ids = self.enqueue_announced(vec![new]).await?;
-        let id = ids.first().copied().ok_or_else(|| ClientError::from(PgEnqueueError::from(sqlx::Error::Protocol("enqueue returned no id".into()))))?;
+        let id = ids.first().copied().ok_or_else(|| {
+            ClientError::from(PgEnqueueError::from(sqlx::Error::Protocol("enqueue returned no id".into())))
+        })?;
         Ok(self.handle(id))
     }
 

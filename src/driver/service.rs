@@ -14,9 +14,9 @@ use tracing::Instrument;
 
 use super::observe::{Counters, Hook, HookSink};
 use super::retry::Retry;
-use super::wakeups::WakeupProvider;
 use super::scheduler::{SchedulerOptions, run_scheduler};
 use super::startup::{StartupFailure, prepare_schema};
+use super::wakeups::WakeupProvider;
 use super::zones::load_scheduler;
 use super::{DriverOptions, Handlers, Registry, Runtime};
 use crate::check::ConfigError;
@@ -259,7 +259,8 @@ impl WorkerService {
         let sources = usize::from(postgres_source.is_some()) + usize::from(provider_source.is_some());
         let (states_tx, states_rx) = mpsc::unbounded::<(usize, bool)>();
         let mut merged = WakeSources::new(sources);
-        let states = states_rx.filter_map(move |(source, connected)| futures::future::ready(merged.update(source, connected)));
+        let states =
+            states_rx.filter_map(move |(source, connected)| futures::future::ready(merged.update(source, connected)));
         let listener = postgres_source.map(|source| {
             let (handle, registration) = AbortHandle::new_pair();
             let listen = listen(

@@ -1070,10 +1070,7 @@ pub async fn the_provider_carries_enqueues_without_notify<R: Runtime>(runtime: A
     };
     let worker = start_worker(&runtime, &pool, &schema, app, config, tasks.registry.clone(), "evented");
     // Wait for the subscription and the catch-up claim it makes to pass.
-    wait_until(&*runtime, Duration::from_secs(20), async || {
-        worker.counters.snapshot().stats.claim_passes >= 1
-    })
-    .await;
+    wait_until(&*runtime, Duration::from_secs(20), async || worker.counters.snapshot().stats.claim_passes >= 1).await;
     sleep(&*runtime, Duration::from_millis(300)).await;
     let heard_before = provider.stats().heard;
     for round in 0..5u64 {

@@ -44,7 +44,16 @@ pub(crate) trait Broker: Send + Sync + 'static {
         wakeups: &'a [Wakeup],
     ) -> BoxFuture<'a, Result<(), String>>;
     /// Subscribes to `queues`: what it hears, ending when the connection is gone for good.
-    fn subscribe(self: Arc<Self>, queues: Vec<String>) -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>>;
+    fn subscribe(self: Arc<Self>, queues: Vec<String>)
+    -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>>;
+}
+
+/// What the outbox holds.
+enum Outgoing {
+    /// Wake-ups to publish.
+    Wakeups(Vec<Wakeup>),
+    /// Answered once what came before is published or dropped.
+    Flush(futures::channel::oneshot::Sender<()>),
 }
 
 /// A thread running a small tokio runtime for a broker client's I/O; it stops when dropped
@@ -86,7 +95,7 @@ struct Counts {
 /// reconnects, shared by every broker.
 pub(crate) struct BrokerWakeups<B: Broker> {
     broker: Arc<B>,
-    outbox: tokio::sync::mpsc::Sender<Vec<Wakeup>>,
+    outbox: tokio::sync::mpsc::Sender<Outgoing>,
     counts: Arc<Counts>,
     // Last: dropped after everything that spawns on it.
     host: Host,
@@ -107,9 +116,20 @@ impl<B: Broker> BrokerWakeups<B> {
             return;
         }
         let n = wakeups.len() as u64;
-        if self.outbox.try_send(wakeups).is_err() {
+        if self.outbox.try_send(Outgoing::Wakeups(wakeups)).is_err() {
             self.counts.dropped.fetch_add(n, Ordering::Relaxed);
         }
+    }
+
+    pub(crate) fn flush(&self) -> BoxFuture<'static, ()> {
+        let (done, flushed) = futures::channel::oneshot::channel();
+        let outbox = self.outbox.clone();
+        Box::pin(async move {
+            // A closed outbox (the host stopped) has nothing left to publish.
+            if outbox.send(Outgoing::Flush(done)).await.is_ok() {
+                let _ = flushed.await;
+            }
+        })
     }
 
     pub(crate) fn subscribe(&self, queues: Vec<String>) -> BoxStream<'static, Input> {
@@ -149,12 +169,19 @@ fn reconnects(seed: u64) -> Retry {
 /// whose publish failed is dropped.
 async fn publish_loop<B: Broker>(
     broker: Arc<B>,
-    mut pending: tokio::sync::mpsc::Receiver<Vec<Wakeup>>,
+    mut pending: tokio::sync::mpsc::Receiver<Outgoing>,
     counts: Arc<Counts>,
 ) {
     let mut retry = reconnects(0x9b1);
     let mut publisher: Option<B::Publisher> = None;
-    while let Some(batch) = pending.recv().await {
+    while let Some(outgoing) = pending.recv().await {
+        let batch = match outgoing {
+            Outgoing::Wakeups(batch) => batch,
+            Outgoing::Flush(done) => {
+                let _ = done.send(());
+                continue;
+            }
+        };
         let n = batch.len() as u64;
         if publisher.is_none() {
             match broker.clone().connect_publisher().await {
@@ -201,9 +228,15 @@ async fn subscribe_loop<B: Broker>(
                 if futures::SinkExt::send(&mut heard_tx, Input::Listener { connected: true }).await.is_err() {
                     return;
                 }
+                // Clients report their first connection too: only changes are passed on.
+                let mut listening = true;
                 while let Some(next) = heard.next().await {
                     let input = match next {
-                        Heard::Connected(connected) => Input::Listener { connected },
+                        Heard::Connected(connected) if connected == listening => continue,
+                        Heard::Connected(connected) => {
+                            listening = connected;
+                            Input::Listener { connected }
+                        }
                         Heard::Message(bytes, ack) => {
                             let wakeup = Wakeup::decode(&bytes);
                             if let Some(ack) = ack {

@@ -14,6 +14,7 @@
 //! PostgreSQL listener are both connected ([`WakeSources`](crate::wake::WakeSources)); when
 //! either comes back it claims at once, as after a lost LISTEN session.
 
+use futures::future::BoxFuture;
 use futures::stream::BoxStream;
 
 use crate::wake::Wakeup;
@@ -46,6 +47,10 @@ pub trait WakeupProvider: Send + Sync + 'static {
     /// is up or lost (it reconnects with backoff by itself). It ends only when dropped.
     fn subscribe(&self, queues: Vec<String>) -> BoxStream<'static, Input>;
 
+    /// Resolves once everything handed over before has been published or dropped: call it
+    /// before a process that enqueued exits (bound the wait: a broker that is down keeps it).
+    fn flush(&self) -> BoxFuture<'static, ()>;
+
     /// What it published, dropped and heard so far.
     fn stats(&self) -> WakeupStats;
 }
@@ -71,6 +76,8 @@ pub enum WakeupProviderError {
     #[error("the wake-up provider's thread could not start: {0}")]
     Thread(#[from] std::io::Error),
     /// Its address is not one it understands.
-    #[error("a wake-up provider address that is not valid ({0}), expected e.g. amqp://host:5672/%2f or nats://host:4222")]
+    #[error(
+        "a wake-up provider address that is not valid ({0}), expected e.g. amqp://host:5672/%2f or nats://host:4222"
+    )]
     Address(String),
 }

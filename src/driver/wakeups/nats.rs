@@ -49,6 +49,10 @@ impl WakeupProvider for NatsWakeups {
         self.inner.subscribe(queues)
     }
 
+    fn flush(&self) -> BoxFuture<'static, ()> {
+        self.inner.flush()
+    }
+
     fn stats(&self) -> WakeupStats {
         self.inner.stats()
     }
@@ -87,14 +91,20 @@ impl Broker for Nats {
     ) -> BoxFuture<'a, Result<(), String>> {
         async move {
             for wakeup in wakeups {
-                publisher.publish(self.subject(&wakeup.queue), wakeup.encode().into()).await.map_err(|e| e.to_string())?;
+                publisher
+                    .publish(self.subject(&wakeup.queue), wakeup.encode().into())
+                    .await
+                    .map_err(|e| e.to_string())?;
             }
             Ok(())
         }
         .boxed()
     }
 
-    fn subscribe(self: Arc<Self>, queues: Vec<String>) -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>> {
+    fn subscribe(
+        self: Arc<Self>,
+        queues: Vec<String>,
+    ) -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>> {
         async move {
             let (events_tx, events_rx) = futures::channel::mpsc::unbounded::<Event>();
             let options = async_nats::ConnectOptions::new().event_callback(move |event| {
@@ -117,7 +127,8 @@ impl Broker for Nats {
             // Subscribed once the server has seen the subscriptions: wake-ups published from
             // then on are heard.
             client.flush().await.map_err(|e| e.to_string())?;
-            let messages = futures::stream::select_all(subscribers).map(|message| Event::Message(message.payload.to_vec()));
+            let messages =
+                futures::stream::select_all(subscribers).map(|message| Event::Message(message.payload.to_vec()));
             let heard = futures::stream::select(messages, events_rx)
                 .take_while(|event| futures::future::ready(!matches!(event, Event::Closed)))
                 .filter_map(move |event| {

@@ -62,6 +62,10 @@ impl WakeupProvider for RabbitMqWakeups {
         self.inner.subscribe(queues)
     }
 
+    fn flush(&self) -> BoxFuture<'static, ()> {
+        self.inner.flush()
+    }
+
     fn stats(&self) -> WakeupStats {
         self.inner.stats()
     }
@@ -78,7 +82,9 @@ impl RabbitMq {
         let connection = Connection::connect(&self.url, ConnectionProperties::default()).await?;
         let channel = connection.create_channel().await?;
         let options = ExchangeDeclareOptions { durable: true, ..ExchangeDeclareOptions::default() };
-        channel.exchange_declare(self.exchange.as_str().into(), ExchangeKind::Direct, options, FieldTable::default()).await?;
+        channel
+            .exchange_declare(self.exchange.as_str().into(), ExchangeKind::Direct, options, FieldTable::default())
+            .await?;
         Ok((connection, channel))
     }
 }
@@ -115,7 +121,10 @@ impl Broker for RabbitMq {
         .boxed()
     }
 
-    fn subscribe(self: Arc<Self>, queues: Vec<String>) -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>> {
+    fn subscribe(
+        self: Arc<Self>,
+        queues: Vec<String>,
+    ) -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>> {
         async move {
             let (connection, channel) = self.open().await.map_err(|e| e.to_string())?;
             let mut arguments = FieldTable::default();
@@ -142,9 +151,8 @@ impl Broker for RabbitMq {
                 .map_err(|e| e.to_string())?;
             // The stream keeps the connection open while it lives; an error of the consumer
             // (the connection lost) ends it.
-            let heard = consumer
-                .take_while(|delivery| futures::future::ready(delivery.is_ok()))
-                .filter_map(move |delivery| {
+            let heard =
+                consumer.take_while(|delivery| futures::future::ready(delivery.is_ok())).filter_map(move |delivery| {
                     let _connection = &connection;
                     let heard = delivery.ok().map(|mut delivery| {
                         let bytes = std::mem::take(&mut delivery.data);

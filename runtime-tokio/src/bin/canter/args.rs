@@ -41,6 +41,22 @@ pub(crate) struct Cli {
     /// no startup parameters; give --listen-database-url (direct) to LISTEN and migrate
     #[arg(long, global = true, env = "CANTER_TRANSACTION_POOLER", hide_env_values = true)]
     pub(crate) transaction_pooler: bool,
+    /// Where workers hear of enqueues besides LISTEN/NOTIFY: postgres (nowhere else), rabbitmq
+    /// or nats (the broker at --wakeup-url, on which enqueues are announced too)
+    #[arg(
+        long,
+        global = true,
+        env = "CANTER_WAKEUPS",
+        hide_env_values = true,
+        value_name = "PROVIDER",
+        default_value = "postgres",
+        value_parser = PossibleValuesParser::new(["postgres", "rabbitmq", "nats"])
+    )]
+    pub(crate) wakeups: String,
+    /// The broker of --wakeups rabbitmq or nats [default: amqp://guest:guest@127.0.0.1:5672/%2f
+    /// or nats://127.0.0.1:4222]
+    #[arg(long, global = true, env = "CANTER_WAKEUP_URL", value_name = "URL", hide_env_values = true)]
+    pub(crate) wakeup_url: Option<String>,
     #[command(subcommand)]
     pub(crate) command: Command,
 }

@@ -5,7 +5,11 @@
 
 use std::time::Duration;
 
+use std::sync::Arc;
+
+use canter_tokio::canter::driver::wakeups::{NatsWakeups, RabbitMqWakeups, WakeupProvider};
 use canter_tokio::canter::postgres::with_session_settings;
+use canter_tokio::canter::wake::Wakeup;
 use sqlx::postgres::PgConnectOptions;
 use sqlx::{ConnectOptions, Connection, PgPool};
 
@@ -24,7 +28,14 @@ pub(crate) struct Database {
     pub(crate) listen_url: Option<String>,
     /// `--transaction-pooler`: the URL goes through a pooler in transaction mode.
     pub(crate) transaction_pooler: bool,
+    /// `--wakeups`: postgres, rabbitmq or nats.
+    pub(crate) wakeups: String,
+    /// `--wakeup-url`: the broker's URL.
+    pub(crate) wakeup_url: Option<String>,
 }
+
+/// How long a command that enqueued waits for its wake-ups to reach the broker before it exits.
+const WAKEUP_FLUSH_WAIT: Duration = Duration::from_secs(2);
 
 /// Why a connection failed, as far as waiting is concerned.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -64,6 +75,38 @@ impl Database {
             Some(pool) => client.session_pool(pool),
             None => client,
         })
+    }
+
+    /// The wake-up provider `--wakeups` names for `schema`'s queues, if not PostgreSQL's.
+    pub(crate) fn wakeup_provider(
+        &self,
+        schema: &crate::args::SchemaArg,
+    ) -> Result<Option<Arc<dyn WakeupProvider>>, Failure> {
+        let url = |default: &str| self.wakeup_url.clone().filter(|url| !url.is_empty()).unwrap_or(default.to_owned());
+        let name = schema.schema.name();
+        let provider: Arc<dyn WakeupProvider> = match self.wakeups.as_str() {
+            "rabbitmq" => Arc::new(
+                RabbitMqWakeups::new(&url("amqp://guest:guest@127.0.0.1:5672/%2f"), name)
+                    .map_err(|e| usage(format!("--wakeup-url: {e}")))?,
+            ),
+            "nats" => Arc::new(
+                NatsWakeups::new(&url("nats://127.0.0.1:4222"), name)
+                    .map_err(|e| usage(format!("--wakeup-url: {e}")))?,
+            ),
+            _ => return Ok(None),
+        };
+        Ok(Some(provider))
+    }
+
+    /// Announces tasks a command enqueued (and committed) on the `--wakeups` broker, if one is
+    /// named, and waits a moment for them to leave: the enqueue's NOTIFY served LISTENing
+    /// workers, this serves those that hear the broker only.
+    pub(crate) async fn announce(&self, schema: &crate::args::SchemaArg, wakeups: Vec<Wakeup>) -> Result<(), Failure> {
+        if let Some(provider) = self.wakeup_provider(schema)? {
+            provider.publish(wakeups);
+            let _ = tokio::time::timeout(WAKEUP_FLUSH_WAIT, provider.flush()).await;
+        }
+        Ok(())
     }
 
     /// The URL, or a usage error saying how to give one.
@@ -289,10 +332,19 @@ mod tests {
             url: Some("postgres://me@db.example:6543/app".into()),
             listen_url: None,
             transaction_pooler: false,
+            wakeups: "postgres".into(),
+            wakeup_url: None,
         };
         assert_eq!(database.target(), "db.example:6543 database app");
         assert!(matches!(
-            Database { url: None, listen_url: None, transaction_pooler: false }.url(),
+            Database {
+                url: None,
+                listen_url: None,
+                transaction_pooler: false,
+                wakeups: "postgres".into(),
+                wakeup_url: None
+            }
+            .url(),
             Err(Failure::Usage(_))
         ));
     }

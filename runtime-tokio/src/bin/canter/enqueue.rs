@@ -3,6 +3,7 @@
 use canter_tokio::canter::config::{AppConfig, CustomQueue, QueueMode, RetryPolicy};
 use canter_tokio::canter::postgres::{PgStore, enqueue_many_in};
 use canter_tokio::canter::store::{DbTime, KeyMode, NewTask, RunAt, check_new_task};
+use canter_tokio::canter::wake::Wakeup;
 use canter_tokio::{Client, TaskId, TokioRuntime};
 use serde_json::Value;
 
@@ -40,8 +41,9 @@ pub(crate) async fn enqueue(database: &Database, args: EnqueueArgs) -> Outcome {
     let now = database.retrying("read the database clock", || client.store().now()).await?;
     let template = template(&args, task_args, now)?;
     // What the store would refuse is a usage error, said before anything is written.
-    check_new_task(client.store().app(), &template, now).map_err(usage)?;
+    let queue = check_new_task(client.store().app(), &template, now).map_err(usage)?;
     let ids = enqueue_all(client.store(), &template, args.count as usize).await?;
+    database.announce(&args.schema, Wakeup::of_tasks(ids.iter().map(|id| (queue, template.priority, *id)))).await?;
     if args.output.json {
         outln!("{}", serde_json::json!({ "ids": ids }));
     } else {

@@ -97,6 +97,8 @@ fn main() -> ExitCode {
         url: cli.database_url,
         listen_url: cli.listen_database_url,
         transaction_pooler: cli.transaction_pooler,
+        wakeups: cli.wakeups,
+        wakeup_url: cli.wakeup_url,
     };
     let outcome = runtime.block_on(run(cli.command, database));
     let code = match outcome {
@@ -316,6 +318,10 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
         .migrate(!args.no_migrate);
     let worker = match database.session_pool()? {
         Some(session_pool) => worker.session_pool(session_pool),
+        None => worker,
+    };
+    let worker = match database.wakeup_provider(&args.schema)? {
+        Some(provider) => worker.wakeups(provider),
         None => worker,
     };
     let endpoints = match &args.metrics_addr {
