@@ -92,6 +92,11 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     let failed: usize = sweep.reports.iter().map(|r| r.workflows_failed).sum();
     let cancelled: usize = sweep.reports.iter().map(|r| r.workflows_cancelled).sum();
     let skipped: usize = sweep.reports.iter().map(|r| r.skipped).sum();
+    let with_broker = sweep.reports.iter().filter(|r| r.broker_wakeups > 0).count();
+    let broker_wakeups: u64 = sweep.reports.iter().map(|r| r.broker_wakeups).sum();
+    eprintln!(
+        "sim sweep: {with_broker} passed seeds woke workers through a broker: {broker_wakeups} wake-ups delivered"
+    );
     eprintln!(
         "sim sweep: {with_workflows} passed seeds had workflows: {workflows} workflows, {completed} completed, {failed} \
          failed, {cancelled} cancelled; {skipped} steps skipped"
@@ -163,6 +168,61 @@ fn determinism() {
         assert_eq!(hash(&first), hash(&second), "seed {seed} ran twice differently");
         assert_eq!(first, second, "seed {seed} ran twice differently");
     }
+}
+
+/// With a broker carrying the client's enqueues (their statements notify nobody) and every
+/// worker event-driven (no poll), the workers hear of new tasks through the broker alone:
+/// with no other fault, every task ends before the faults would heal, though the broker
+/// duplicates, delays and reorders its wake-ups and drops subscriptions for seconds (a
+/// catch-up claim when they come back). Without its wake-ups, tasks enqueued while the
+/// workers idle would wait for the heal.
+#[test]
+fn a_broker_alone_wakes_event_driven_workers() {
+    let mut woken = 0;
+    let mut runs = 0;
+    for seed in 0.. {
+        let mut options = sim::SimOptions::from_seed(seed);
+        // Serial and capped queues take their time whatever wakes the workers: left out.
+        let queues = &options.app.custom_queues;
+        if queues.iter().any(|q| q.serial || q.max_concurrency.is_some()) || options.app.cluster_wide_cap.is_some() {
+            continue;
+        }
+        for worker in &mut options.workers {
+            worker.deployment_mode = canter::config::DeploymentMode::EventDrivenOnly;
+        }
+        // Tasks due at once and quick to run, none failing: each ends soon after it is heard
+        // of (paused workflows would wait for the operator, who resumes them at the heal).
+        let load = &mut options.load;
+        (load.delay_chance, load.retry_chance, load.good_until_chance, load.cancel_chance) = (0.0, 0.0, 0.0, 0.0);
+        (load.error_chance, load.panic_chance, load.odd_error_chance) = (0.0, 0.0, 0.0);
+        (load.hang_chance, load.slow_chance, load.workflows) = (0.0, 0.0, 0);
+        load.duration_max_ms = load.duration_max_ms.min(100);
+        let last = options.workers.len() - 1;
+        options.faults = sim::FaultOptions {
+            broker: Some(sim::BrokerFaults {
+                loss_chance: 0.3,
+                duplicate_chance: 0.3,
+                delay_max_ms: 400,
+                drops: vec![(5_000, 0, 3_000), (20_000, last, 10_000)],
+            }),
+            ..sim::FaultOptions::none()
+        };
+        let report = sim::Sim::new(seed, options, Trace::new(200), wall_clock())
+            .run()
+            .unwrap_or_else(|failure| panic!("{failure}"));
+        assert!(
+            report.settled_at <= report.healed_at,
+            "seed {seed}: tasks waited for the heal ({:?}) to end at {:?}",
+            report.healed_at,
+            report.settled_at
+        );
+        woken += report.broker_wakeups;
+        runs += 1;
+        if runs == 24 {
+            break;
+        }
+    }
+    assert!(woken > 0, "no wake-up came through the broker");
 }
 
 /// Seeds that once failed, from `tests/sim-regressions.txt` (one per line, `#` comments).

@@ -107,6 +107,50 @@ pub struct FaultOptions {
     /// Whether a stall (a partition from the database) also ends the worker's token session
     /// until it wakes.
     pub stalls_drop_tokens: bool,
+    /// A wake-up provider beside LISTEN (a message broker) and its faults, when the client
+    /// announces its enqueues there (`None`: LISTEN/NOTIFY alone).
+    pub broker: Option<BrokerFaults>,
+}
+
+/// A message broker that carries the client's enqueues instead of NOTIFY (their statements
+/// send none; those of tasks with keys still do), and what goes wrong with it: a wake-up is
+/// lost, duplicated, delayed (so reordered), and a worker's subscription drops for a while.
+/// Everything else that makes a task ready still notifies through PostgreSQL.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BrokerFaults {
+    /// Chance a wake-up is lost on its way to one worker (only to workers that also poll: to
+    /// an event-driven one it would be lost by design).
+    pub loss_chance: f64,
+    /// Chance a wake-up reaches one worker twice.
+    pub duplicate_chance: f64,
+    /// The longest delay of a wake-up (each drawn alone, so they arrive in any order).
+    pub delay_max_ms: u64,
+    /// Subscriptions lost, as `(at_ms, slot, down_for_ms)`.
+    pub drops: Vec<(u64, usize, u64)>,
+}
+
+impl BrokerFaults {
+    /// Draws a broker for one seed in three: faults at rates of their own, delays of up to
+    /// half a second, a few subscription drops.
+    pub fn swarm(rng: &mut Rng, safety_ms: u64, workers: usize) -> Option<BrokerFaults> {
+        if !rng.chance(1.0 / 3.0) {
+            return None;
+        }
+        let on = |rng: &mut Rng, max: f64| if rng.chance(0.5) { rng.next_f64() * max } else { 0.0 };
+        let loss_chance = on(rng, 0.5);
+        let duplicate_chance = on(rng, 0.3);
+        let delay_max_ms = rng.range(1, 501);
+        let drops = if rng.chance(0.4) {
+            let mut drops: Vec<(u64, usize, u64)> = (0..rng.range(1, 5))
+                .map(|_| (rng.range(0, safety_ms), rng.range(0, workers as u64) as usize, rng.range(100, 20_001)))
+                .collect();
+            drops.sort_unstable();
+            drops
+        } else {
+            Vec::new()
+        };
+        Some(BrokerFaults { loss_chance, duplicate_chance, delay_max_ms, drops })
+    }
 }
 
 impl FaultOptions {
@@ -142,6 +186,7 @@ impl FaultOptions {
             failovers: Vec::new(),
             token_drops: Vec::new(),
             stalls_drop_tokens: false,
+            broker: None,
         }
     }
 
@@ -303,5 +348,9 @@ impl FaultOptions {
             || !self.row_locks.is_empty()
             || !self.failovers.is_empty()
             || !self.token_drops.is_empty()
+            || self
+                .broker
+                .as_ref()
+                .is_some_and(|b| b.loss_chance > 0.0 || b.duplicate_chance > 0.0 || !b.drops.is_empty())
     }
 }

@@ -99,10 +99,11 @@ use crate::rng::{Rng, mix};
 use crate::store::{AdminReply, AdminRequest, Cancelled, Notification, WorkflowActionError, WorkflowId};
 use crate::store::{Completion, DbFailure, DbReply, DbRequest, DbTime, FinishOutcome, NewTask, OpId, RunAt};
 use crate::task::{ErrorCode, Lease, TaskError, TaskId, TaskState, WorkerId};
+use crate::wake::WakeSources;
 use crate::worker::{ABANDONED_CLAIM_MEMORY, Command, Event, Input, LostReason, TaskOutcome, TaskRun, Worker};
 use crate::workflow::WorkflowStatus;
 
-pub use faults::{Fate, FaultOptions};
+pub use faults::{BrokerFaults, Fate, FaultOptions};
 pub use options::{LoadOptions, SimOptions, USER_ERROR_CODE};
 pub use trace::{DEFAULT_TRACE_LINES, Trace};
 
@@ -184,6 +185,8 @@ pub struct SimReport {
     pub max_requests_per_second: u32,
     /// Workers found dead by their released liveness tokens (and their tasks recovered).
     pub dead_workers: u64,
+    /// Wake-ups a broker delivered to workers (with [`BrokerFaults`]).
+    pub broker_wakeups: u64,
     /// Whether the run injected any fault besides latency.
     pub faulty: bool,
 }
@@ -344,6 +347,23 @@ enum SimEvent {
         slot: usize,
         down_ms: u64,
     },
+    /// A broker's wake-up reaches a worker's subscription.
+    BrokerWakeup {
+        slot: usize,
+        incarnation: u32,
+        queue: String,
+        priority: Option<i16>,
+    },
+    /// A worker's broker subscription comes up or is lost.
+    BrokerListener {
+        slot: usize,
+        incarnation: u32,
+        connected: bool,
+    },
+    BrokerDrop {
+        slot: usize,
+        down_ms: u64,
+    },
     Stall {
         slot: usize,
         for_ms: u64,
@@ -377,7 +397,12 @@ struct Slot {
     policy: Arc<ClaimPolicy>,
     incarnation: u32,
     worker: Option<Worker>,
+    /// Whether its LISTEN session is up.
     listening: bool,
+    /// Whether its broker subscription is up (with a broker).
+    broker_listening: bool,
+    /// Its wake-up sources (LISTEN, then the broker's), reported to the machine as one.
+    sources: WakeSources,
     handlers: BTreeMap<TaskId, Handler>,
     restart_pending: bool,
     /// The last `Drained` event's abandoned count.
@@ -475,6 +500,7 @@ struct Stats {
     unknown_aborts: u64,
     max_per_second: u32,
     dead_workers: u64,
+    broker_wakeups: u64,
 }
 
 impl Sim {
@@ -491,6 +517,8 @@ impl Sim {
                 incarnation: 0,
                 worker: None,
                 listening: false,
+                broker_listening: false,
+                sources: WakeSources::new(1),
                 handlers: BTreeMap::new(),
                 restart_pending: false,
                 abandoned: None,
@@ -629,6 +657,7 @@ impl Sim {
             unknown_aborts: self.stats.unknown_aborts,
             max_requests_per_second: self.stats.max_per_second,
             dead_workers: self.stats.dead_workers,
+            broker_wakeups: self.stats.broker_wakeups,
             faulty: self.options.faults.any(),
         }
     }
@@ -728,7 +757,7 @@ impl Sim {
         self.note(
             "sim",
             format_args!(
-                "load {} tasks over {} ms; safety {} ms; faults {}: latency {}..{} ms, outages {:?}, crashes {:?}, shutdowns {:?}, listener drops {:?}, stalls {:?}",
+                "load {} tasks over {} ms; safety {} ms; faults {}: latency {}..{} ms, outages {:?}, crashes {:?}, shutdowns {:?}, listener drops {:?}, stalls {:?}, broker {:?}",
                 load.tasks,
                 load.enqueue_window_ms,
                 options.safety_ms,
@@ -739,7 +768,8 @@ impl Sim {
                 faults.crashes,
                 faults.shutdowns,
                 faults.listener_drops,
-                faults.stalls
+                faults.stalls,
+                faults.broker
             ),
         );
         self.note(
@@ -793,6 +823,9 @@ impl Sim {
         for &(at, slot, down_ms) in &faults.listener_drops {
             self.schedule_at(Duration::from_millis(at), SimEvent::ListenerDrop { slot, down_ms });
         }
+        for &(at, slot, down_ms) in faults.broker.iter().flat_map(|broker| &broker.drops) {
+            self.schedule_at(Duration::from_millis(at), SimEvent::BrokerDrop { slot, down_ms });
+        }
         for &(at, slot, for_ms) in &faults.stalls {
             self.schedule_at(Duration::from_millis(at), SimEvent::Stall { slot, for_ms });
         }
@@ -831,6 +864,9 @@ impl Sim {
             | SimEvent::Revoked { slot, .. }
             | SimEvent::Listener { slot, .. }
             | SimEvent::ListenerDrop { slot, .. }
+            | SimEvent::BrokerWakeup { slot, .. }
+            | SimEvent::BrokerListener { slot, .. }
+            | SimEvent::BrokerDrop { slot, .. }
             | SimEvent::Shutdown { slot } => Some(*slot),
             _ => None,
         }
@@ -956,9 +992,15 @@ impl Sim {
         for slot in 0..self.slots.len() {
             if self.slots[slot].worker.is_none() {
                 self.start_worker(slot)?;
-            } else if self.slots[slot].config.deployment_mode.listens() && !self.slots[slot].listening {
+            } else if self.slots[slot].config.deployment_mode.listens() {
                 let incarnation = self.slots[slot].incarnation;
-                self.schedule(Duration::from_millis(1), SimEvent::Listener { slot, incarnation, connected: true });
+                if !self.slots[slot].listening {
+                    self.schedule(Duration::from_millis(1), SimEvent::Listener { slot, incarnation, connected: true });
+                }
+                if self.options.faults.broker.is_some() && !self.slots[slot].broker_listening {
+                    let event = SimEvent::BrokerListener { slot, incarnation, connected: true };
+                    self.schedule(Duration::from_millis(1), event);
+                }
             }
         }
         Ok(())
@@ -1049,6 +1091,9 @@ impl Sim {
         s.incarnation += 1;
         s.restart_pending = false;
         s.listening = false;
+        s.broker_listening = false;
+        let broker = self.options.faults.broker.is_some();
+        s.sources = WakeSources::new(if broker { 2 } else { 1 });
         s.abandoned = None;
         s.stopped_on_failure = false;
         s.deregister_op = None;
@@ -1072,6 +1117,10 @@ impl Sim {
         if listens {
             let delay = Duration::from_millis(self.rng.range(1, 50));
             self.schedule(delay, SimEvent::Listener { slot, incarnation, connected: true });
+            if broker {
+                let delay = Duration::from_millis(self.rng.range(1, 50));
+                self.schedule(delay, SimEvent::BrokerListener { slot, incarnation, connected: true });
+            }
         }
         self.drain(slot)
     }
@@ -1090,6 +1139,7 @@ impl Sim {
         let s = &mut self.slots[slot];
         s.worker = None;
         s.listening = false;
+        s.broker_listening = false;
         s.stalled_until = None;
     }
 
@@ -1554,7 +1604,34 @@ impl Sim {
                 self.slots[slot].listening = connected;
                 let name = self.slots[slot].name(slot);
                 self.note(&name, format_args!("listener {}", if connected { "connected" } else { "lost" }));
-                self.handle_input(slot, Input::Listener { connected })
+                self.source_changed(slot, 0, connected)
+            }
+            SimEvent::BrokerWakeup { slot, incarnation, queue, priority } => {
+                if !self.is_current(slot, incarnation) || !self.slots[slot].broker_listening {
+                    return Ok(());
+                }
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("broker woke {queue} {priority:?}"));
+                self.stats.broker_wakeups += 1;
+                self.handle_input(slot, Input::Notified { queue, priority })
+            }
+            SimEvent::BrokerListener { slot, incarnation, connected } => {
+                if !self.is_current(slot, incarnation) || self.slots[slot].broker_listening == connected {
+                    return Ok(());
+                }
+                self.slots[slot].broker_listening = connected;
+                let name = self.slots[slot].name(slot);
+                self.note(&name, format_args!("broker subscription {}", if connected { "up" } else { "lost" }));
+                self.source_changed(slot, 1, connected)
+            }
+            SimEvent::BrokerDrop { slot, down_ms } => {
+                if self.slots[slot].worker.is_none() || !self.slots[slot].broker_listening || !self.faults_on {
+                    return Ok(());
+                }
+                let incarnation = self.slots[slot].incarnation;
+                let back = SimEvent::BrokerListener { slot, incarnation, connected: true };
+                self.schedule(Duration::from_millis(down_ms), back);
+                self.handle_event(key, SimEvent::BrokerListener { slot, incarnation, connected: false })
             }
             SimEvent::ListenerDrop { slot, down_ms } => {
                 if self.slots[slot].worker.is_none() || !self.slots[slot].listening || !self.faults_on {
@@ -2047,7 +2124,13 @@ impl Sim {
 
     /// Delivers the store's notifications to every listening worker, with faults.
     fn notify(&mut self) {
-        for notification in self.store.take_notifications() {
+        let notifications = self.store.take_notifications();
+        self.deliver_notifications(notifications);
+    }
+
+    /// Delivers `notifications` to every listening worker, with faults.
+    fn deliver_notifications(&mut self, notifications: Vec<Notification>) {
+        for notification in notifications {
             match notification {
                 Notification::TaskReady { queue, priority } => {
                     // PostgreSQL does not drop a NOTIFY on a live LISTEN session: notifications
@@ -2075,6 +2158,42 @@ impl Sim {
                 }
                 _ => {}
             }
+        }
+    }
+
+    /// Wake-up source `source` of the worker in `slot` (0: LISTEN, 1: the broker) connected or
+    /// was lost: the machine hears of it as its driver reports it, for all sources at once.
+    fn source_changed(&mut self, slot: usize, source: usize, connected: bool) -> Result<(), String> {
+        match self.slots[slot].sources.update(source, connected) {
+            Some(input) => self.handle_input(slot, input),
+            None => Ok(()),
+        }
+    }
+
+    /// Publishes the wake-ups of an enqueue on the broker: each subscribed worker gets it
+    /// lost (where a poll makes up for it), duplicated, and delayed by its own draw.
+    fn publish_to_broker(&mut self, queue: &str, priority: Option<i16>) {
+        let Some(broker) = self.options.faults.broker.clone() else { return };
+        let mut lost = Vec::new();
+        for slot in 0..self.slots.len() {
+            if self.slots[slot].worker.is_none() || !self.slots[slot].broker_listening {
+                continue;
+            }
+            let polls = self.slots[slot].config.deployment_mode != DeploymentMode::EventDrivenOnly;
+            if self.faults_on && polls && self.rng.chance(broker.loss_chance) {
+                lost.push(slot);
+                continue;
+            }
+            let copies = if self.faults_on && self.rng.chance(broker.duplicate_chance) { 2 } else { 1 };
+            let incarnation = self.slots[slot].incarnation;
+            for _ in 0..copies {
+                let delay = Duration::from_millis(self.rng.range(0, broker.delay_max_ms + 1));
+                let event = SimEvent::BrokerWakeup { slot, incarnation, queue: queue.to_owned(), priority };
+                self.schedule(delay, event);
+            }
+        }
+        if !lost.is_empty() {
+            self.note("broker", format_args!("wake-up of {queue}: lost for slots {lost:?}"));
         }
     }
 
@@ -2150,6 +2269,21 @@ impl Sim {
         }
         let keyed: Vec<NewTask> = batch.iter().filter(|t| t.key.is_some()).cloned().collect();
         let ids = self.store.enqueue_many(batch, now).map_err(|e| format!("enqueue refused: {e}"))?;
+        if self.options.faults.broker.is_some() {
+            // The client announces its enqueue on the broker once it committed; the statement
+            // notified nobody, unless a task had a key (a function that always notifies).
+            let notifications = self.store.take_notifications();
+            for notification in &notifications {
+                if let Notification::TaskReady { queue, priority } = notification {
+                    self.publish_to_broker(queue, *priority);
+                }
+            }
+            let notified = notifications
+                .into_iter()
+                .filter(|n| !keyed.is_empty() || !matches!(n, Notification::TaskReady { .. }))
+                .collect();
+            self.deliver_notifications(notified);
+        }
         for &id in &ids {
             self.checker.enqueued(id)?;
         }

@@ -19,7 +19,7 @@ use crate::config::{
 use crate::rng::Rng;
 use crate::task::ErrorCode;
 
-use super::faults::FaultOptions;
+use super::faults::{BrokerFaults, FaultOptions};
 
 /// The user error code the simulation's handlers fail with besides `TASK_ERROR`; some retry
 /// policies list it, most do not.
@@ -139,12 +139,22 @@ impl SimOptions {
         let mut load = load;
         // Later still: seeds recorded before workflows joined the load draw what they drew.
         swarm_workflows(rng, &mut load, &app);
+        // Later still: a broker carrying enqueues (seeds recorded before it draw as they did).
+        let mut faults = faults;
+        faults.broker = BrokerFaults::swarm(rng, safety_ms, worker_count);
         SimOptions { app, workers, load, faults, safety_ms, max_steps: 3_000_000 }
     }
 
     /// The same options with every fault switched off.
     pub fn without_faults(mut self) -> SimOptions {
-        self.faults = FaultOptions::none();
+        // A broker is no fault: it stays, faultless.
+        let broker = self.faults.broker.take().map(|broker| BrokerFaults {
+            loss_chance: 0.0,
+            duplicate_chance: 0.0,
+            drops: Vec::new(),
+            ..broker
+        });
+        self.faults = FaultOptions { broker, ..FaultOptions::none() };
         self
     }
 }
