@@ -1237,7 +1237,7 @@ async fn enqueues_are_announced_on_the_broker_the_worker_hears() {
     let mut heard = provider.subscribe(vec!["default".to_owned()]);
     let first = tokio::time::timeout(std::time::Duration::from_secs(10), heard.next()).await.unwrap();
     assert_eq!(first, Some(canter_tokio::canter::worker::Input::Listener { connected: true }));
-    let mut worker = worker_command(&db)
+    let worker = worker_command(&db)
         .args(["--wakeups", "nats", "--wakeup-url", &nats])
         .stdout(Stdio::null())
         .stderr(Stdio::piped())

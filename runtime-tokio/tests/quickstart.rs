@@ -1,6 +1,7 @@
 //! The README's programs, as a new user pastes them, against an empty database: each snippet
 //! is read from README.md and must be its file of `examples/` byte for byte (so the two cannot
-//! drift), and that program is what runs here: the quickstart, then the workflow.
+//! drift), and that program is what runs here: the quickstart, the workflow, then the
+//! wake-ups through RabbitMQ.
 
 #[path = "../../tests/common/pg.rs"]
 mod pg;
@@ -15,6 +16,12 @@ mod quickstart {
 }
 mod workflow {
     include!("../examples/workflow.rs");
+    pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
+        main()
+    }
+}
+mod wakeups {
+    include!("../examples/wakeups.rs");
     pub(super) fn run() -> Result<(), Box<dyn std::error::Error>> {
         main()
     }
@@ -35,6 +42,8 @@ fn the_readme_programs_run_on_an_empty_database() {
     assert_eq!(pasted, include_str!("../examples/quickstart.rs"), "README.md's quickstart is examples/quickstart.rs");
     let pasted = rust_block_after(readme, "## Workflows");
     assert_eq!(pasted, include_str!("../examples/workflow.rs"), "README.md's workflow is examples/workflow.rs");
+    let pasted = rust_block_after(readme, "### Wake-ups through RabbitMQ or NATS");
+    assert_eq!(pasted, include_str!("../examples/wakeups.rs"), "README.md's wake-ups are examples/wakeups.rs");
 
     // A database of its own, with nothing in it.
     let database = format!("canter_quickstart_{}", std::process::id());
@@ -57,7 +66,9 @@ fn the_readme_programs_run_on_an_empty_database() {
     unsafe { std::env::set_var("DATABASE_URL", url) };
     let quickstart = quickstart::run();
     let workflow = workflow::run();
+    let wakeups = wakeups::run();
     admin(format!("DROP DATABASE {database} WITH (FORCE)"));
     quickstart.expect("the quickstart runs on an empty database");
     workflow.expect("the workflow example runs on an empty database");
+    wakeups.expect("the wake-ups example runs on an empty database");
 }

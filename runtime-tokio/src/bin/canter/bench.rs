@@ -63,9 +63,11 @@ mod steady;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use canter_tokio::canter::config::Config;
+use canter_tokio::canter::driver::wakeups::{NatsWakeups, RabbitMqWakeups, WakeupProvider};
 use canter_tokio::canter::postgres::PgSchema;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -196,6 +198,12 @@ pub(crate) struct BenchArgs {
     /// pgbouncer (its workers get --transaction-pooler and this URL, LISTEN on the direct one)
     #[arg(long, value_name = "URL")]
     pooler_url: Option<String>,
+    /// The RabbitMQ of --workload wakeups
+    #[arg(long, value_name = "URL", default_value = "amqp://guest:guest@127.0.0.1:5672/%2f")]
+    rabbitmq_url: String,
+    /// The NATS server of --workload wakeups
+    #[arg(long, value_name = "URL", default_value = "nats://127.0.0.1:4222")]
+    nats_url: String,
 }
 
 /// `--workload`.
@@ -216,6 +224,9 @@ enum WorkloadArg {
     /// The plain drain, then the drain again with three dashboards open, each reading its
     /// overview for an open event stream (no raw baseline)
     Dashboards,
+    /// Enqueues one by one announced by NOTIFY, on RabbitMQ and on NATS (interleaved), then
+    /// the latency with each (no raw baseline; --producers 8 shows NOTIFY's commit lock)
+    Wakeups,
     /// The plain drain, then workflows drained the same way: fan-out, fan-in, a chain and
     /// many small diamonds (the raw baseline runs the same graphs: jobs that count their
     /// unfinished parents, made pending by their last parent's completion, polled)
@@ -264,6 +275,21 @@ enum Workload {
     Chain,
     /// `--tasks` / 4 workflows of four steps, a diamond each.
     Diamonds,
+    /// [`Workload::EnqueueOne`] announced on RabbitMQ instead of by NOTIFY.
+    EnqueueOneRabbitmq,
+    /// [`Workload::EnqueueOne`] announced on NATS instead of by NOTIFY.
+    EnqueueOneNats,
+    /// [`Workload::Latency`] with the wake-ups through RabbitMQ.
+    LatencyRabbitmq,
+    /// [`Workload::Latency`] with the wake-ups through NATS.
+    LatencyNats,
+}
+
+/// A broker that carries a workload's wake-ups instead of NOTIFY.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Broker {
+    Rabbitmq,
+    Nats,
 }
 
 impl Workload {
@@ -284,7 +310,40 @@ impl Workload {
             Workload::FanIn => "fan_in",
             Workload::Chain => "chain",
             Workload::Diamonds => "diamonds",
+            Workload::EnqueueOneRabbitmq => "enqueue_one_rabbitmq",
+            Workload::EnqueueOneNats => "enqueue_one_nats",
+            Workload::LatencyRabbitmq => "latency_rabbitmq",
+            Workload::LatencyNats => "latency_nats",
         }
+    }
+
+    /// The broker that carries its wake-ups, if not PostgreSQL.
+    fn broker(self) -> Option<Broker> {
+        match self {
+            Workload::EnqueueOneRabbitmq | Workload::LatencyRabbitmq => Some(Broker::Rabbitmq),
+            Workload::EnqueueOneNats | Workload::LatencyNats => Some(Broker::Nats),
+            _ => None,
+        }
+    }
+
+    /// Whether it enqueues (timed by its producers, the modes taking turns).
+    fn enqueues(self) -> bool {
+        matches!(
+            self,
+            Workload::EnqueueOne | Workload::EnqueueBulk | Workload::EnqueueOneRabbitmq | Workload::EnqueueOneNats
+        )
+    }
+}
+
+impl Options {
+    /// A provider of `broker`'s wake-ups for `schema`'s queues.
+    fn wakeups(&self, broker: Broker, schema: &PgSchema) -> Result<Arc<dyn WakeupProvider>, BenchError> {
+        Ok(match broker {
+            Broker::Rabbitmq => {
+                Arc::new(RabbitMqWakeups::new(&self.rabbitmq_url, schema.name()).map_err(|e| failed("rabbitmq", e))?)
+            }
+            Broker::Nats => Arc::new(NatsWakeups::new(&self.nats_url, schema.name()).map_err(|e| failed("nats", e))?),
+        })
     }
 }
 
@@ -363,6 +422,11 @@ struct Options {
     no_result_waiter: bool,
     /// A pooler in transaction mode in front of the database (`--workload pgbouncer`).
     pooler_url: Option<String>,
+    /// `--workload wakeups`: the one-by-one enqueue is NOTIFY's against the brokers'.
+    wakeups: bool,
+    /// The brokers of `--workload wakeups`.
+    rabbitmq_url: String,
+    nats_url: String,
     /// The worker's configuration: defaults, the bench's choices, then `--worker-args`.
     config: Config,
     worker_bin: PathBuf,
@@ -396,9 +460,13 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         WorkloadArg::Workflows => {
             vec![Workload::Drain, Workload::FanOut, Workload::FanIn, Workload::Chain, Workload::Diamonds]
         }
+        WorkloadArg::Wakeups => {
+            vec![Workload::EnqueueOne, Workload::Latency, Workload::LatencyRabbitmq, Workload::LatencyNats]
+        }
     };
+    let wakeups = args.workload == WorkloadArg::Wakeups;
     let tls = args.tls;
-    let mut modes = match args.baseline.unwrap_or(if tls { Baseline::None } else { Baseline::Both }) {
+    let mut modes = match args.baseline.unwrap_or(if tls || wakeups { Baseline::None } else { Baseline::Both }) {
         Baseline::Both => vec![Mode::Canter, Mode::Raw],
         Baseline::None => vec![Mode::Canter],
         Baseline::Raw => vec![Mode::Raw],
@@ -442,6 +510,9 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         raw_quiet: args.raw_no_notify,
         no_result_waiter: args.no_result_waiter,
         pooler_url: args.pooler_url.clone(),
+        wakeups,
+        rabbitmq_url: args.rabbitmq_url.clone(),
+        nats_url: args.nats_url.clone(),
         config,
         worker_bin,
     })
@@ -805,8 +876,14 @@ pub(crate) async fn run(database: &Database, args: BenchArgs) -> Result<(), Benc
                 modes.reverse();
             }
             let results = match workload {
-                Workload::EnqueueOne | Workload::EnqueueBulk => {
-                    run_enqueue(&options, &pool, workload, &modes, run).await?
+                Workload::EnqueueOne if options.wakeups => {
+                    let against = [Workload::EnqueueOne, Workload::EnqueueOneRabbitmq, Workload::EnqueueOneNats];
+                    let contestants: Vec<(Workload, Mode)> = against.iter().map(|&w| (w, Mode::Canter)).collect();
+                    run_enqueue(&options, &pool, &contestants, run).await?
+                }
+                _ if workload.enqueues() => {
+                    let contestants: Vec<(Workload, Mode)> = modes.iter().map(|&mode| (workload, mode)).collect();
+                    run_enqueue(&options, &pool, &contestants, run).await?
                 }
                 _ => {
                     let mut results = Vec::new();
@@ -881,11 +958,11 @@ enum Enqueuer {
 
 impl Enqueuer {
     /// Sets up `mode`'s client on `scratch` (before any clock starts).
-    async fn new(options: &Options, scratch: &Scratch, mode: Mode) -> Result<Enqueuer, BenchError> {
-        Ok(if mode.is_raw() {
+    async fn new(options: &Options, scratch: &Scratch, workload: Workload) -> Result<Enqueuer, BenchError> {
+        Ok(if scratch.mode.is_raw() {
             Enqueuer::Raw(raw_mode::RawEnqueuer::new(options, scratch).await?)
         } else {
-            Enqueuer::Canter(canter_mode::CanterEnqueuer::new(options, scratch).await?)
+            Enqueuer::Canter(canter_mode::CanterEnqueuer::new(options, scratch, workload.broker()).await?)
         })
     }
 
@@ -911,21 +988,20 @@ impl Enqueuer {
 async fn run_enqueue(
     options: &Options,
     pool: &PgPool,
-    workload: Workload,
-    modes: &[Mode],
+    contestants: &[(Workload, Mode)],
     run: u32,
 ) -> Result<Vec<Sample>, BenchError> {
-    let bulk = workload == Workload::EnqueueBulk;
+    let bulk = contestants.iter().any(|(workload, _)| *workload == Workload::EnqueueBulk);
     let mut scratches = Vec::new();
     let result = async {
-        // Per mode: its sample (commit probe kept, time summed over its turns) and its client.
+        // Per contestant: its sample (commit probe kept, time summed over its turns) and its client.
         let mut turns = Vec::new();
-        for &mode in modes {
+        for &(workload, mode) in contestants {
             scratches.push(Scratch::new(options, pool, workload, mode, run).await?);
             let scratch = scratches.last().expect("just pushed");
             let mut sample = Sample::new(workload.name(), mode, options.enqueue_tasks, 0.0);
             sample.commit_ms = Some(commit_latency(pool, scratch).await?);
-            turns.push((sample, Enqueuer::new(options, scratch, mode).await?));
+            turns.push((sample, Enqueuer::new(options, scratch, workload).await?));
         }
         // Neither mode's commits wait behind the WAL of the schemas' creation.
         checkpoint(pool).await;
@@ -935,7 +1011,7 @@ async fn run_enqueue(
         while done < n {
             let range = done..(done + block).min(n);
             for k in 0..turns.len() {
-                let (sample, client) = &mut turns[(k + turn) % modes.len()];
+                let (sample, client) = &mut turns[(k + turn) % contestants.len()];
                 let start = tokio::time::Instant::now();
                 client.enqueue(range.clone(), bulk).await?;
                 sample.seconds += start.elapsed().as_secs_f64();
@@ -1070,6 +1146,23 @@ fn table(samples: &[Sample], options: &Options) -> String {
             _ => String::new(),
         };
         row("latency", name, c, r, 3, target);
+    }
+    for broker in ["rabbitmq", "nats"] {
+        let workload = format!("enqueue_one_{broker}");
+        let announced = med(&workload, Mode::Canter, &rate);
+        if announced.is_some() {
+            row(&workload, "tasks/s", announced, None, 0, String::new());
+            let ratio = |b: Option<f64>, n: Option<f64>| Some(b? / n?);
+            row(&format!("{broker}/notify"), "enqueue ratio", ratio(announced, one.0), None, 2, String::new());
+        }
+        let workload = format!("latency_{broker}");
+        for (i, name) in names.iter().enumerate() {
+            let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+            let c = med(&workload, Mode::Canter, &pick);
+            if c.is_some() {
+                row(&workload, name, c, None, 3, String::new());
+            }
+        }
     }
     let pooled = med("drain_pgbouncer", Mode::Canter, &rate);
     if pooled.is_some() {

@@ -7,6 +7,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use canter_tokio::canter::config::AppConfig;
+use canter_tokio::canter::driver::wakeups::WakeupProvider;
 use canter_tokio::canter::driver::{Registry, WorkerService};
 use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener, submit_workflow_in};
 use canter_tokio::canter::store::{NewTask, NewWorkflow};
@@ -17,7 +18,9 @@ use serde_json::Value;
 use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
-use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args};
+use super::{
+    BenchError, Broker, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args,
+};
 use crate::errln;
 use canter_tokio::TokioRuntime;
 
@@ -27,7 +30,7 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     let store = PgStore::new(pool.clone(), schema.clone(), options.config.app.clone());
     store.migrate().await.map_err(|e| failed("migrate", e))?;
     let result = match workload {
-        Workload::EnqueueOne | Workload::EnqueueBulk => {
+        Workload::EnqueueOne | Workload::EnqueueBulk | Workload::EnqueueOneRabbitmq | Workload::EnqueueOneNats => {
             unreachable!("the enqueue workloads run through CanterEnqueuer")
         }
         Workload::Drain => drain(options, scratch, &store, 0, None, None).await.map(|s| vec![s]),
@@ -56,7 +59,13 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
             fill_history(&store, options.history_tasks).await?;
             drain(options, scratch, &store, options.history_tasks, None, None).await.map(|s| vec![s])
         }
-        Workload::Latency => latency(options, scratch, &store).await.map(|s| vec![s]),
+        Workload::Latency | Workload::LatencyRabbitmq | Workload::LatencyNats => {
+            let wakeups = workload.broker().map(|broker| options.wakeups(broker, &schema)).transpose()?;
+            latency(options, scratch, &store, wakeups).await.map(|mut sample| {
+                sample.workload = workload.name();
+                vec![sample]
+            })
+        }
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
         Workload::HeldXmin | Workload::NoVacuum | Workload::BackendKills => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
@@ -71,26 +80,61 @@ fn noop(options: &Options, i: usize) -> NewTask {
     NewTask::new("noop", task_args(options, i))
 }
 
-/// The enqueue workloads' client: a store on a fresh schema.
+/// The enqueue workloads' client: a store on a fresh schema, announcing its enqueues by
+/// NOTIFY or on a broker.
 pub(super) struct CanterEnqueuer {
     store: PgStore,
     options: Options,
+    wakeups: Option<Arc<dyn WakeupProvider>>,
+}
+
+/// Enqueues `task` and announces it: by NOTIFY at its commit, or on `wakeups` after it.
+async fn enqueue_announced(
+    store: &PgStore,
+    wakeups: Option<&Arc<dyn WakeupProvider>>,
+    task: NewTask,
+) -> Result<(), BenchError> {
+    match wakeups {
+        Some(provider) => {
+            let (_, announced) = store.enqueue_many_unnotified(vec![task]).await.map_err(|e| failed("enqueue", e))?;
+            provider.publish(announced);
+        }
+        None => {
+            store.enqueue(task).await.map_err(|e| failed("enqueue", e))?;
+        }
+    }
+    Ok(())
 }
 
 impl CanterEnqueuer {
     /// Migrates the schema and connects (before any clock starts).
-    pub(super) async fn new(options: &Options, scratch: &Scratch) -> Result<CanterEnqueuer, BenchError> {
+    pub(super) async fn new(
+        options: &Options,
+        scratch: &Scratch,
+        broker: Option<Broker>,
+    ) -> Result<CanterEnqueuer, BenchError> {
         let size = options.producers as u32 + 1;
-        let store = PgStore::new(connect(&scratch.url, size)?, scratch.schema()?, options.config.app.clone());
+        let schema = scratch.schema()?;
+        let store = PgStore::new(connect(&scratch.url, size)?, schema.clone(), options.config.app.clone());
         store.migrate().await.map_err(|e| failed("migrate", e))?;
         store.now().await.map_err(|e| failed("connect", e))?;
-        Ok(CanterEnqueuer { store, options: options.clone() })
+        let wakeups = broker.map(|broker| options.wakeups(broker, &schema)).transpose()?;
+        if let Some(provider) = &wakeups {
+            // Connected before the clock starts.
+            provider.publish(vec![canter_tokio::canter::wake::Wakeup {
+                queue: "default".into(),
+                priority: None,
+                tasks: vec![],
+            }]);
+            provider.flush().await;
+        }
+        Ok(CanterEnqueuer { store, options: options.clone(), wakeups })
     }
 
     /// Enqueues tasks `range` from `--producers` concurrent producers (a part of it each): one
     /// call per task, or one per part when `bulk`.
     pub(super) async fn enqueue(&mut self, range: Range<usize>, bulk: bool) -> Result<(), BenchError> {
-        let (store, options) = (&self.store, &self.options);
+        let (store, options, wakeups) = (&self.store, &self.options, self.wakeups.as_ref());
         let parts = super::split_range(range, options.producers).into_iter().map(|part| async move {
             if bulk {
                 let tasks = part.map(|i| noop(options, i)).collect();
@@ -98,7 +142,7 @@ impl CanterEnqueuer {
                 return Ok(());
             }
             for i in part {
-                store.enqueue(noop(options, i)).await.map_err(|e| failed("enqueue", e))?;
+                enqueue_announced(store, wakeups, noop(options, i)).await?;
             }
             Ok::<_, BenchError>(())
         });
@@ -106,8 +150,11 @@ impl CanterEnqueuer {
         Ok(())
     }
 
-    /// Closes the store.
+    /// Closes the store (once its wake-ups have left).
     pub(super) async fn close(self) {
+        if let Some(provider) = &self.wakeups {
+            let _ = tokio::time::timeout(Duration::from_secs(5), provider.flush()).await;
+        }
         self.store.pool().close().await;
     }
 }
@@ -538,6 +585,7 @@ impl InProcessWorker {
         scratch: &Scratch,
         store: &PgStore,
         registry: Registry,
+        wakeups: Option<Arc<dyn WakeupProvider>>,
     ) -> Result<InProcessWorker, BenchError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -553,6 +601,7 @@ impl InProcessWorker {
             WorkerService::new(app, config.clone(), Arc::new(registry), id).map_err(|e| failed("worker", e))?;
         service.schema = store.schema().clone();
         service.migrate = false;
+        service.wakeups = wakeups;
         let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
             let pool = canter_tokio::connect(&url, config.pool_size())?;
@@ -616,17 +665,22 @@ fn register_stamp(registry: &mut Registry, stamps: &Arc<Mutex<Vec<Option<Instant
 
 /// An idle worker in this process, tasks enqueued one at a time: enqueue commit to handler
 /// start.
-async fn latency(options: &Options, scratch: &Scratch, store: &PgStore) -> Result<Sample, BenchError> {
+async fn latency(
+    options: &Options,
+    scratch: &Scratch,
+    store: &PgStore,
+    wakeups: Option<Arc<dyn WakeupProvider>>,
+) -> Result<Sample, BenchError> {
     let n = options.latency_tasks;
     let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
-    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, wakeups.clone()).await?;
     let result = async {
         let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
             paced.next().await;
-            store.enqueue(NewTask::new("stamp", task_args(options, i))).await.map_err(|e| failed("enqueue", e))?;
+            enqueue_announced(store, wakeups.as_ref(), NewTask::new("stamp", task_args(options, i))).await?;
             paced.committed();
         }
         paced.sample(scratch.mode, &stamps).await
@@ -658,7 +712,7 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
             }
         })
         .map_err(|e| failed("register", e))?;
-    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, None).await?;
     let result = async {
         let pool = store.pool();
         let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
@@ -708,7 +762,7 @@ async fn steady(
     let stamps = steady::prepare(&plan, scratch).await?;
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
-    let worker = InProcessWorker::start(options, scratch, store, registry).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, None).await?;
     let result = steady::run(plan, scratch, "tasks", &stamps, async |range: Range<usize>| {
         let tasks = range.map(|i| NewTask::new("stamp", task_args(options, i))).collect();
         match store.enqueue_many(tasks).await {

@@ -109,7 +109,11 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
     sqlx::raw_sql(sqlx::AssertSqlSafe(create)).execute(&pool).await.map_err(|e| failed("create", e))?;
     let sql = Sql::new(scratch);
     let result = match workload {
-        Workload::EnqueueOne | Workload::EnqueueBulk => unreachable!("the enqueue workloads run through RawEnqueuer"),
+        Workload::EnqueueOne | Workload::EnqueueBulk | Workload::EnqueueOneRabbitmq | Workload::EnqueueOneNats => {
+            unreachable!("the enqueue workloads run through RawEnqueuer")
+        }
+        // No baseline: the raw loop has no wake-up provider but NOTIFY.
+        Workload::LatencyRabbitmq | Workload::LatencyNats => Ok(Vec::new()),
         Workload::Drain => drain(options, &pool, &sql, scratch, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&pool, scratch, options.history_tasks).await?;
