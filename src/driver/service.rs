@@ -268,8 +268,7 @@ impl WorkerService {
                 store.clone(),
                 queues.clone(),
                 notes_tx.clone(),
-                states_tx.clone(),
-                source,
+                SourceReport { states: states_tx.clone(), source },
                 app.resilience.clone(),
                 mix(seed),
             );
@@ -280,7 +279,7 @@ impl WorkerService {
             tracing::info!(worker = %id, provider = provider.name(), "hearing of enqueues through a wake-up provider");
             let (handle, registration) = AbortHandle::new_pair();
             let heard = provider.subscribe(queues.clone());
-            let forward = forward_heard(heard, notes_tx.clone(), states_tx.clone(), source);
+            let forward = forward_heard(heard, notes_tx.clone(), SourceReport { states: states_tx.clone(), source });
             runtime.spawn(Box::pin(Abortable::new(forward, registration).map(|_| ())));
             handle
         });
@@ -397,8 +396,7 @@ async fn listen<R: Runtime>(
     store: PgStore,
     queues: Vec<String>,
     mut notes: mpsc::Sender<Input>,
-    states: mpsc::UnboundedSender<(usize, bool)>,
-    source: usize,
+    report: SourceReport,
     resilience: ResilienceConfig,
     seed: u64,
 ) {
@@ -430,7 +428,7 @@ async fn listen<R: Runtime>(
             listener.eager_reconnect(false);
             let since = runtime.now();
             retry.succeeded();
-            let _ = states.unbounded_send((source, true));
+            report.connected(true);
             // Tasks may have arrived unannounced while deaf: one wake-up per queue.
             for queue in &queues {
                 let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
@@ -455,25 +453,39 @@ async fn listen<R: Runtime>(
             lost_in_a_row = if runtime.now() >= since + LISTENED_A_WHILE { 0 } else { lost_in_a_row + 1 };
             at_once = lost_in_a_row <= LOST_AT_ONCE_IN_A_ROW;
         }
-        let _ = states.unbounded_send((source, false));
+        report.connected(false);
         if !at_once {
             retry.pause(&*runtime).await;
         }
     }
 }
 
+/// Where a wake-up source reports its connection: to the merge of the worker's sources
+/// ([`WakeSources`]), as source number `source`.
+#[derive(Clone)]
+struct SourceReport {
+    states: mpsc::UnboundedSender<(usize, bool)>,
+    source: usize,
+}
+
+impl SourceReport {
+    /// Reports the source connected or lost; `false` when the worker is gone.
+    fn connected(&self, connected: bool) -> bool {
+        self.states.unbounded_send((self.source, connected)).is_ok()
+    }
+}
+
 /// Passes what a wake-up provider's subscription hears to the worker: wake-ups as notes (a
-/// full channel drops one: they coalesce), its listening state as source `source`'s.
+/// full channel drops one: they coalesce), its listening state as its source's.
 async fn forward_heard(
     mut heard: futures::stream::BoxStream<'static, Input>,
     mut notes: mpsc::Sender<Input>,
-    states: mpsc::UnboundedSender<(usize, bool)>,
-    source: usize,
+    report: SourceReport,
 ) {
     while let Some(input) = heard.next().await {
         match input {
             Input::Listener { connected } => {
-                if states.unbounded_send((source, connected)).is_err() {
+                if !report.connected(connected) {
                     return;
                 }
             }

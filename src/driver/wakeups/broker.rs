@@ -256,15 +256,13 @@ async fn subscribe_loop<B: Broker>(
                         }
                     };
                     // A full buffer drops a wake-up (they coalesce), never a change of state.
-                    let listener = matches!(input, Input::Listener { .. });
-                    match heard_tx.try_send(input) {
-                        Err(full) if full.is_full() && listener => {
-                            if futures::SinkExt::send(&mut heard_tx, full.into_inner()).await.is_err() {
-                                return;
-                            }
-                        }
-                        Err(gone) if gone.is_disconnected() => return,
-                        _ => {}
+                    let gone = if matches!(input, Input::Listener { .. }) {
+                        futures::SinkExt::send(&mut heard_tx, input).await.is_err()
+                    } else {
+                        heard_tx.try_send(input).is_err_and(|e| e.is_disconnected())
+                    };
+                    if gone {
+                        return;
                     }
                 }
                 if futures::SinkExt::send(&mut heard_tx, Input::Listener { connected: false }).await.is_err() {
