@@ -18,11 +18,13 @@ use canter_smol::SmolRuntime;
 
 macro_rules! scenario {
     ($name:ident) => {
+        scenario!($name, None);
+    };
+    ($name:ident, $wakeups:expr) => {
         #[test]
         fn $name() {
             smol::block_on(async {
-                let db = pg::TestDb::new().await;
-                let pool = db.pool(20).await;
+                let (db, pool) = body::prepare($wakeups).await;
                 body::$name(Arc::new(SmolRuntime), pool, db.schema.clone()).await;
             })
         }
@@ -31,41 +33,13 @@ macro_rules! scenario {
 
 every_scenario!(scenario);
 
-/// The suite with the wake-ups of each broker provider.
-macro_rules! with_provider {
-    ($provider:ident) => {
-        mod $provider {
-            use super::*;
-
-            macro_rules! scenario {
-                ($name:ident) => {
-                    #[test]
-                    fn $name() {
-                        smol::block_on(async {
-                            let db = pg::TestDb::new().await;
-                            let pool = db.pool(20).await;
-                            body::use_wakeups(&db.schema, brokers::$provider(&db.schema));
-                            body::$name(Arc::new(SmolRuntime), pool, db.schema.clone()).await;
-                        })
-                    }
-                };
-            }
-
-            every_scenario!(scenario);
-            every_provider_scenario!(scenario);
-        }
-    };
-}
-
-with_provider!(rabbitmq);
-with_provider!(nats);
+with_every_provider!();
 
 /// async-std's executor shares async-io with smol: the smol adapter's worker runs from it.
 #[test]
 fn a_worker_runs_under_async_std() {
     async_std::task::block_on(async {
-        let db = pg::TestDb::new().await;
-        let pool = db.pool(20).await;
+        let (db, pool) = body::prepare(None).await;
         body::failures_end_with_their_codes(Arc::new(SmolRuntime), pool, db.schema.clone()).await;
     })
 }

@@ -17,10 +17,12 @@ use canter_tokio::TokioRuntime;
 
 macro_rules! scenario {
     ($name:ident) => {
+        scenario!($name, None);
+    };
+    ($name:ident, $wakeups:expr) => {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $name() {
-            let db = pg::TestDb::new().await;
-            let pool = db.pool(20).await;
+            let (db, pool) = body::prepare($wakeups).await;
             body::$name(Arc::new(TokioRuntime), pool, db.schema.clone()).await;
         }
     };
@@ -28,29 +30,4 @@ macro_rules! scenario {
 
 every_scenario!(scenario);
 
-/// The suite with the wake-ups of each broker provider.
-macro_rules! with_provider {
-    ($provider:ident) => {
-        mod $provider {
-            use super::*;
-
-            macro_rules! scenario {
-                ($name:ident) => {
-                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-                    async fn $name() {
-                        let db = pg::TestDb::new().await;
-                        let pool = db.pool(20).await;
-                        body::use_wakeups(&db.schema, brokers::$provider(&db.schema));
-                        body::$name(Arc::new(TokioRuntime), pool, db.schema.clone()).await;
-                    }
-                };
-            }
-
-            every_scenario!(scenario);
-            every_provider_scenario!(scenario);
-        }
-    };
-}
-
-with_provider!(rabbitmq);
-with_provider!(nats);
+with_every_provider!();

@@ -390,6 +390,12 @@ struct Handler {
     answer: Option<Key>,
 }
 
+/// A worker's LISTEN session, as a source of its [`WakeSources`].
+const LISTEN_SOURCE: usize = 0;
+
+/// A worker's broker subscription, as a source of its [`WakeSources`].
+const BROKER_SOURCE: usize = 1;
+
 /// One worker process slot: its configuration, and the incarnation living in it, if any.
 #[derive(Debug)]
 struct Slot {
@@ -1598,13 +1604,7 @@ impl Sim {
                 self.handle_input(slot, Input::Revoked { tasks })
             }
             SimEvent::Listener { slot, incarnation, connected } => {
-                if !self.is_current(slot, incarnation) || self.slots[slot].listening == connected {
-                    return Ok(());
-                }
-                self.slots[slot].listening = connected;
-                let name = self.slots[slot].name(slot);
-                self.note(&name, format_args!("listener {}", if connected { "connected" } else { "lost" }));
-                self.source_changed(slot, 0, connected)
+                self.source_event(slot, incarnation, LISTEN_SOURCE, connected)
             }
             SimEvent::BrokerWakeup { slot, incarnation, queue, priority } => {
                 if !self.is_current(slot, incarnation) || !self.slots[slot].broker_listening {
@@ -1616,13 +1616,7 @@ impl Sim {
                 self.handle_input(slot, Input::Notified { queue, priority })
             }
             SimEvent::BrokerListener { slot, incarnation, connected } => {
-                if !self.is_current(slot, incarnation) || self.slots[slot].broker_listening == connected {
-                    return Ok(());
-                }
-                self.slots[slot].broker_listening = connected;
-                let name = self.slots[slot].name(slot);
-                self.note(&name, format_args!("broker subscription {}", if connected { "up" } else { "lost" }));
-                self.source_changed(slot, 1, connected)
+                self.source_event(slot, incarnation, BROKER_SOURCE, connected)
             }
             SimEvent::BrokerDrop { slot, down_ms } => {
                 if self.slots[slot].worker.is_none() || !self.slots[slot].broker_listening || !self.faults_on {
@@ -2161,9 +2155,27 @@ impl Sim {
         }
     }
 
-    /// Wake-up source `source` of the worker in `slot` (0: LISTEN, 1: the broker) connected or
-    /// was lost: the machine hears of it as its driver reports it, for all sources at once.
-    fn source_changed(&mut self, slot: usize, source: usize, connected: bool) -> Result<(), String> {
+    /// Wake-up source `source` of the worker in `slot` ([`LISTEN_SOURCE`] or [`BROKER_SOURCE`])
+    /// connected or was lost: the machine hears of it as its driver reports it, for all its
+    /// sources at once.
+    fn source_event(&mut self, slot: usize, incarnation: u32, source: usize, connected: bool) -> Result<(), String> {
+        if !self.is_current(slot, incarnation) {
+            return Ok(());
+        }
+        let s = &mut self.slots[slot];
+        let up = if source == LISTEN_SOURCE { &mut s.listening } else { &mut s.broker_listening };
+        if *up == connected {
+            return Ok(());
+        }
+        *up = connected;
+        let what = match (source == LISTEN_SOURCE, connected) {
+            (true, true) => "listener connected",
+            (true, false) => "listener lost",
+            (false, true) => "broker subscription up",
+            (false, false) => "broker subscription lost",
+        };
+        let name = self.slots[slot].name(slot);
+        self.note(&name, format_args!("{what}"));
         match self.slots[slot].sources.update(source, connected) {
             Some(input) => self.handle_input(slot, input),
             None => Ok(()),

@@ -29,6 +29,30 @@ macro_rules! every_scenario {
     };
 }
 
+/// The suite once per broker provider, in a module of each's name, through the adapter's
+/// `scenario!($name, $wakeups)` (`$wakeups`: an `Option<MakeWakeups>`).
+#[allow(unused_macros)]
+macro_rules! with_every_provider {
+    () => {
+        with_every_provider!(rabbitmq);
+        with_every_provider!(nats);
+    };
+    ($provider:ident) => {
+        mod $provider {
+            use super::*;
+
+            macro_rules! provided {
+                ($name:ident) => {
+                    scenario!($name, Some(brokers::$provider));
+                };
+            }
+
+            every_scenario!(provided);
+            every_provider_scenario!(provided);
+        }
+    };
+}
+
 /// The scenarios of a wake-up provider besides LISTEN/NOTIFY (run with [`use_wakeups`]).
 #[allow(unused_macros)]
 macro_rules! every_provider_scenario {
@@ -67,6 +91,20 @@ pub fn use_wakeups(schema: &PgSchema, provider: Arc<dyn WakeupProvider>) {
 
 fn wakeups_of(schema: &PgSchema) -> Option<Arc<dyn WakeupProvider>> {
     WAKEUPS.lock().unwrap().get(schema.name()).cloned()
+}
+
+/// Makes the wake-up provider of a test's schema.
+pub type MakeWakeups = fn(&PgSchema) -> Arc<dyn WakeupProvider>;
+
+/// A scenario's database (a schema of its own) and pool, its clients and workers announcing
+/// and hearing enqueues through the provider `wakeups` makes, if any.
+pub async fn prepare(wakeups: Option<MakeWakeups>) -> (crate::pg::TestDb, PgPool) {
+    let db = crate::pg::TestDb::new().await;
+    let pool = db.pool(20).await;
+    if let Some(provider) = wakeups {
+        use_wakeups(&db.schema, provider(&db.schema));
+    }
+    (db, pool)
 }
 
 /// A client of the scenario, with the schema's wake-up provider if it has one.

@@ -48,6 +48,34 @@ pub(crate) trait Broker: Send + Sync + 'static {
     -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>>;
 }
 
+/// `impl WakeupProvider` for a provider whose `inner` is a [`BrokerWakeups`].
+macro_rules! delegate_provider {
+    ($provider:ty) => {
+        impl super::WakeupProvider for $provider {
+            fn name(&self) -> &'static str {
+                self.inner.name()
+            }
+
+            fn publish(&self, wakeups: Vec<crate::wake::Wakeup>) {
+                self.inner.publish(wakeups);
+            }
+
+            fn subscribe(&self, queues: Vec<String>) -> futures::stream::BoxStream<'static, crate::worker::Input> {
+                self.inner.subscribe(queues)
+            }
+
+            fn flush(&self) -> futures::future::BoxFuture<'static, ()> {
+                self.inner.flush()
+            }
+
+            fn stats(&self) -> super::WakeupStats {
+                self.inner.stats()
+            }
+        }
+    };
+}
+pub(crate) use delegate_provider;
+
 /// What the outbox holds.
 enum Outgoing {
     /// Wake-ups to publish.
@@ -109,6 +137,10 @@ impl<B: Broker> BrokerWakeups<B> {
         let (outbox, pending) = tokio::sync::mpsc::channel(OUTBOX);
         host.handle.spawn(publish_loop(broker.clone(), pending, counts.clone()));
         Ok(BrokerWakeups { broker, outbox, counts, host })
+    }
+
+    pub(crate) fn name(&self) -> &'static str {
+        B::NAME
     }
 
     pub(crate) fn publish(&self, wakeups: Vec<Wakeup>) {

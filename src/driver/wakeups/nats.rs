@@ -12,10 +12,9 @@ use std::sync::Arc;
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{BoxStream, StreamExt};
 
+use super::WakeupProviderError;
 use super::broker::{Broker, BrokerWakeups, Heard};
-use super::{WakeupProvider, WakeupProviderError, WakeupStats};
 use crate::wake::{Wakeup, queue_token};
-use crate::worker::Input;
 
 /// Wake-ups through NATS. Cheap to share (`Arc`); one connection for publishing and one per
 /// subscription.
@@ -36,27 +35,7 @@ impl NatsWakeups {
     }
 }
 
-impl WakeupProvider for NatsWakeups {
-    fn name(&self) -> &'static str {
-        Nats::NAME
-    }
-
-    fn publish(&self, wakeups: Vec<Wakeup>) {
-        self.inner.publish(wakeups);
-    }
-
-    fn subscribe(&self, queues: Vec<String>) -> BoxStream<'static, Input> {
-        self.inner.subscribe(queues)
-    }
-
-    fn flush(&self) -> BoxFuture<'static, ()> {
-        self.inner.flush()
-    }
-
-    fn stats(&self) -> WakeupStats {
-        self.inner.stats()
-    }
-}
+super::broker::delegate_provider!(NatsWakeups);
 
 pub(crate) struct Nats {
     url: String,

@@ -19,10 +19,9 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
+use super::WakeupProviderError;
 use super::broker::{Broker, BrokerWakeups, Heard};
-use super::{WakeupProvider, WakeupProviderError, WakeupStats};
 use crate::wake::Wakeup;
-use crate::worker::Input;
 
 /// How many wake-ups a worker's queue hands it before it acknowledges some.
 const PREFETCH: u16 = 64;
@@ -49,27 +48,7 @@ impl RabbitMqWakeups {
     }
 }
 
-impl WakeupProvider for RabbitMqWakeups {
-    fn name(&self) -> &'static str {
-        RabbitMq::NAME
-    }
-
-    fn publish(&self, wakeups: Vec<Wakeup>) {
-        self.inner.publish(wakeups);
-    }
-
-    fn subscribe(&self, queues: Vec<String>) -> BoxStream<'static, Input> {
-        self.inner.subscribe(queues)
-    }
-
-    fn flush(&self) -> BoxFuture<'static, ()> {
-        self.inner.flush()
-    }
-
-    fn stats(&self) -> WakeupStats {
-        self.inner.stats()
-    }
-}
+super::broker::delegate_provider!(RabbitMqWakeups);
 
 pub(crate) struct RabbitMq {
     url: String,
