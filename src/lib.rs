@@ -28,6 +28,8 @@
 //!   app's schedules enqueue, and when to look again.
 //! - [`time`]: durations (`90s`, `1h30m`) and instants (RFC 3339, or a duration from now) as
 //!   text, one grammar for the command line, the configuration and schedules.
+//! - [`isolation`]: what a worker and the child processes running its isolated tasks say to
+//!   each other, framed, and what a child's failure costs its task.
 //! - [`wake`]: wake-ups carried by a message broker instead of LISTEN/NOTIFY, as data.
 //! - [`workflow`]: graphs of steps that wait for their parents (fan-out, fan-in, any and
 //!   quorum joins, recovery steps): the checks, the per-edge decision and the workflow machine.
@@ -119,6 +121,7 @@ pub mod backoff;
 pub mod budget;
 pub mod check;
 pub mod config;
+pub mod isolation;
 pub mod memory;
 pub mod rng;
 pub mod schedule;

@@ -308,6 +308,9 @@ pub enum ErrorCode {
     FailedByOperator,
     /// A workflow step never ran: its parents' outcomes could not satisfy its join.
     StepSkipped,
+    /// The child process running an isolated task died or broke its pipe (a crash, a signal,
+    /// the OOM killer, garbage on the pipe).
+    WorkerChildCrashed,
     /// A code chosen by user code.
     User(String),
 }
@@ -318,7 +321,7 @@ pub enum ErrorCode {
 pub struct InvalidErrorCode(pub String);
 
 impl ErrorCode {
-    const BUILTIN: [(ErrorCode, &'static str); 16] = [
+    const BUILTIN: [(ErrorCode, &'static str); 17] = [
         (ErrorCode::UnhandledError, "UNHANDLED_ERROR"),
         (ErrorCode::TaskError, "TASK_ERROR"),
         (ErrorCode::TaskTimeout, "TASK_TIMEOUT"),
@@ -335,6 +338,7 @@ impl ErrorCode {
         (ErrorCode::ClaimLost, "CLAIM_LOST"),
         (ErrorCode::FailedByOperator, "FAILED_BY_OPERATOR"),
         (ErrorCode::StepSkipped, "STEP_SKIPPED"),
+        (ErrorCode::WorkerChildCrashed, "WORKER_CHILD_CRASHED"),
     ];
 
     /// Every built-in code.

@@ -41,6 +41,8 @@
 pub mod dashboard;
 #[cfg(feature = "http")]
 pub mod http;
+#[cfg(all(feature = "isolation", unix))]
+pub mod isolation;
 mod runtime;
 
 pub use canter;

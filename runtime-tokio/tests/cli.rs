@@ -1265,3 +1265,48 @@ async fn enqueues_are_announced_on_the_broker_the_worker_hears() {
     // An address the provider does not understand is a usage error naming the flag.
     usage_error(&run(&["worker", "--wakeups", "rabbitmq", "--wakeup-url", "http://x"]), &["--wakeup-url"]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn isolated_tasks_crash_alone_and_time_out_for_good() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let worker = worker_command(&db)
+        .args(["--processes", "2", "--child-memory-mib", "512", "--handler-timeout-ms", "1500"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let enqueue = |args: &[&str]| first_line(&run(&[&["enqueue"], args].concat()));
+    let crash = enqueue(&["crash"]);
+    let hog = enqueue(&["hog"]);
+    // Blocking code past its timeout: its child is killed, so it stops for good.
+    let endless = enqueue(&["cpu", "--args", "{\"iterations\": 18000000000000000000}"]);
+    let fine: Vec<String> = (0..4).map(|i| enqueue(&["cpu", "--args", &format!("{{\"iterations\": {i}}}")])).collect();
+    let echo = enqueue(&["echo", "--args", "{\"in\": \"process\"}"]);
+    for (id, code) in [(&crash, "WORKER_CHILD_CRASHED"), (&hog, "WORKER_CHILD_CRASHED"), (&endless, "TASK_TIMEOUT")] {
+        let shown = wait_for_state(&run, id, "FAILED");
+        assert_eq!(shown["task"]["error"]["code"], code, "{shown}");
+    }
+    for id in fine.iter().chain([&echo]) {
+        wait_for_state(&run, id, "COMPLETED");
+    }
+    assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success(), "the worker lived through its children's crashes");
+    let log = String::from_utf8_lossy(&output.stderr);
+    assert!(log.contains("isolated tasks run in child processes"), "{log}");
+    // No child outlived the worker (children run the worker's own command line).
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let pattern = format!("--schema {} --processes", db.schema.name());
+    let children = Command::new("pgrep").args(["-f", "--", &pattern]).output().unwrap();
+    assert!(children.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&children.stdout));
+
+    // In the worker's own process the crash task refuses.
+    let mut plain = worker_command(&db).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
+    let refused = enqueue(&["crash"]);
+    let shown = wait_for_state(&run, &refused, "FAILED");
+    assert!(shown["task"]["error"]["message"].as_str().unwrap().contains("--processes"), "{shown}");
+    assert!(Command::new("kill").args(["-TERM", &plain.id().to_string()]).status().unwrap().success());
+    assert!(plain.wait().unwrap().success());
+}

@@ -22,6 +22,8 @@ use futures::channel::mpsc;
 use futures::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures::stream::{FusedStream, FuturesUnordered, Stream, StreamExt};
 
+#[cfg(all(feature = "isolation", unix))]
+pub mod isolation;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 mod observe;

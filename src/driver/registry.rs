@@ -106,6 +106,8 @@ pub enum RegistryError {
 #[derive(Clone, Default)]
 pub struct Registry {
     handlers: BTreeMap<String, Erased>,
+    /// The names registered with [`Registry::register_blocking`].
+    blocking: std::collections::BTreeSet<String>,
 }
 
 impl fmt::Debug for Registry {
@@ -157,6 +159,11 @@ impl Registry {
     /// The registered names.
     pub fn names(&self) -> impl Iterator<Item = &str> {
         self.handlers.keys().map(String::as_str)
+    }
+
+    /// The names of the blocking handlers ([`Registry::register_blocking`]).
+    pub fn blocking_names(&self) -> impl Iterator<Item = &str> {
+        self.blocking.iter().map(String::as_str)
     }
 
     fn insert<A, R>(&mut self, name: &str, handler: Erased) -> Result<TaskHandle<A, R>, RegistryError> {
@@ -284,7 +291,9 @@ impl Registry {
             }
             .boxed()
         });
-        self.insert(name, erased)
+        let handle = self.insert(name, erased)?;
+        self.blocking.insert(name.to_owned());
+        Ok(handle)
     }
 
     /// The handlers bound to a runtime, for the driver.

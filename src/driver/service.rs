@@ -57,6 +57,10 @@ pub struct WorkerService {
     /// Where the worker also hears of enqueues, besides LISTEN (see
     /// [`wakeups`](crate::driver::wakeups)): the provider the app's clients announce on.
     pub wakeups: Option<Arc<dyn WakeupProvider>>,
+    /// The process pool isolated tasks run in, if any (see
+    /// [`isolation`](crate::driver::isolation)).
+    #[cfg(all(feature = "isolation", unix))]
+    pub isolation: Option<super::isolation::Isolation>,
 }
 
 /// Why a worker could not be served.
@@ -109,6 +113,8 @@ impl WorkerService {
             counters: Arc::new(Counters::new()),
             session_pool: None,
             wakeups: None,
+            #[cfg(all(feature = "isolation", unix))]
+            isolation: None,
         })
     }
 
@@ -134,6 +140,8 @@ impl WorkerService {
             counters,
             session_pool,
             wakeups,
+            #[cfg(all(feature = "isolation", unix))]
+            isolation,
         } = self;
         // Through a pooler in transaction mode with no session pool of its own, a LISTEN would
         // hear nothing and a session lock would not outlive its statement: poll, and leave
@@ -310,7 +318,16 @@ impl WorkerService {
             log_event(&log_id, event);
             sink.observe(event);
         });
-        let handlers = Traced { inner: registry.bind(runtime.clone()) };
+        let handlers: Arc<dyn Handlers> = Arc::new(Traced { inner: registry.clone().bind(runtime.clone()) });
+        #[cfg(all(feature = "isolation", unix))]
+        let handlers: Arc<dyn Handlers> = match isolation {
+            Some(isolation) => {
+                let names = isolation.names(&registry);
+                tracing::info!(worker = %id, processes = isolation.pool.processes(), tasks = ?names, "isolated tasks run in child processes");
+                Arc::new(super::isolation::IsolatedHandlers::new(handlers, isolation.pool, names))
+            }
+            None => handlers,
+        };
         let inputs = futures::stream::select(futures::stream::select(control_rx, states), notes_rx);
         // The loop runs as a task of the runtime, beside the handlers it spawns, whatever polls
         // this future (often `block_on` on a thread of its own): otherwise every spawn and every
@@ -678,6 +695,15 @@ impl<R: Runtime> PgWorker<R> {
     /// [`wakeups`](crate::driver::wakeups)), the provider the app's clients announce on.
     pub fn wakeups(mut self, provider: Arc<dyn WakeupProvider>) -> Self {
         self.service.wakeups = Some(provider);
+        self
+    }
+
+    /// Runs the isolated tasks in `isolation`'s pool of child processes (see
+    /// [`isolation`](crate::driver::isolation)); the program's `main` must serve as a child
+    /// first thing when started as one.
+    #[cfg(all(feature = "isolation", unix))]
+    pub fn isolate(mut self, isolation: super::isolation::Isolation) -> Self {
+        self.service.isolation = Some(isolation);
         self
     }
 

@@ -76,11 +76,13 @@ pub(crate) enum Command {
         output: Output,
     },
     /// Run a worker serving the built-in tasks until SIGINT or SIGTERM
-    #[command(long_about = "Run a worker serving the built-in tasks (noop, sleep, fail, panic, echo, cpu) \
+    #[command(
+        long_about = "Run a worker serving the built-in tasks (noop, sleep, fail, panic, echo, cpu, and crash and hog for --processes) \
         until SIGINT or SIGTERM.\n\n\
         At startup it applies the migrations the schema lacks (a current schema is only read); \
         --no-migrate only checks the schema's version and refuses to start if it lacks any. Every \
-        setting of the configuration file has a flag of its own, which overrides the file.")]
+        setting of the configuration file has a flag of its own, which overrides the file."
+    )]
     Worker(Box<WorkerArgs>),
     /// Enqueue tasks and print their ids
     Enqueue(Box<EnqueueArgs>),
@@ -382,6 +384,16 @@ pub(crate) struct WorkerArgs {
     /// 127.0.0.1:9464 (port 0 lets the system choose; the address is printed)
     #[arg(long, value_name = "ADDR")]
     pub(crate) metrics_addr: Option<String>,
+    /// Run the blocking tasks (cpu, crash, hog) in N child processes: a crash, a signal or the
+    /// OOM killer costs the task (WORKER_CHILD_CRASHED), a timeout kills its child
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
+    pub(crate) processes: Option<u32>,
+    /// With --processes: each child's memory limit (its address space), in MiB
+    #[arg(long, value_name = "MIB", requires = "processes", value_parser = clap::value_parser!(u64).range(16..=1_048_576))]
+    pub(crate) child_memory_mib: Option<u64>,
+    /// With --processes: replace a child after it ran N tasks
+    #[arg(long, value_name = "N", requires = "processes", value_parser = clap::value_parser!(u64).range(1..))]
+    pub(crate) recycle_after: Option<u64>,
     #[command(flatten)]
     pub(crate) schema: SchemaArg,
     #[command(flatten)]

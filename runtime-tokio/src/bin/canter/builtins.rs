@@ -35,7 +35,7 @@ struct Cpu {
 }
 
 /// The names of the built-in tasks.
-pub(crate) const NAMES: [&str; 6] = ["noop", "sleep", "fail", "panic", "echo", "cpu"];
+pub(crate) const NAMES: [&str; 8] = ["noop", "sleep", "fail", "panic", "echo", "cpu", "crash", "hog"];
 
 /// What the `panic` task panics with: the demo's panic hook knows it from any other panic.
 pub(crate) const PANIC_MESSAGE: &str = "the panic task panics on request";
@@ -48,7 +48,7 @@ pub(crate) fn check_args(name: &str, args: &Value) -> Option<Result<(), String>>
         T::deserialize(args).map_err(|e| e.to_string())
     }
     Some(match name {
-        "noop" | "panic" | "echo" => Ok(()),
+        "noop" | "panic" | "echo" | "crash" | "hog" => Ok(()),
         "sleep" => decode::<Sleep>(args).map(drop),
         "cpu" => decode::<Cpu>(args).map(drop),
         "fail" => {
@@ -95,7 +95,32 @@ pub(crate) fn register(registry: &mut Registry) -> Result<(), RegistryError> {
         }
         Ok(json!({ "iterations": args.iterations, "hash": format!("{x:016x}") }))
     })?;
+    // For trying isolation (`canter worker --processes N`): in a child they end the child; in
+    // a worker's own process they refuse, rather than take the worker down.
+    registry.register_blocking("crash", |_: Value, _| -> Result<Value, TaskError> {
+        in_a_child("crash")?;
+        std::process::abort()
+    })?;
+    registry.register_blocking("hog", |_: Value, _| -> Result<Value, TaskError> {
+        in_a_child("hog")?;
+        let mut held: Vec<Vec<u8>> = Vec::new();
+        loop {
+            // Touched, so that the memory is really taken.
+            held.push(vec![1u8; 16 << 20]);
+        }
+    })?;
     Ok(())
+}
+
+/// Refuses to run `name` outside a child process of an isolated pool.
+fn in_a_child(name: &str) -> Result<(), TaskError> {
+    if canter_tokio::isolation::child_socket().is_some() {
+        return Ok(());
+    }
+    Err(TaskError::new(
+        ErrorCode::TaskError,
+        format!("the {name} task ends its process: it runs only in a worker with --processes"),
+    ))
 }
 
 /// A registry with only the built-in tasks.

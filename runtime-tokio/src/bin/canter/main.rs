@@ -22,6 +22,8 @@ use std::io::IsTerminal;
 use std::process::ExitCode;
 use std::sync::Arc;
 
+use canter_tokio::canter::driver::isolation::{IsolatedTasks, Isolation, IsolationOptions, ProcessPool};
+
 use canter_tokio::canter::config::Config;
 use canter_tokio::canter::postgres::{MIGRATE_LOCK_WAIT, SchemaStatus};
 use canter_tokio::{Worker, WorkerId};
@@ -74,6 +76,8 @@ pub(crate) fn usage(message: impl std::fmt::Display) -> Failure {
 }
 
 fn main() -> ExitCode {
+    // A child of a worker's process pool (`canter worker --processes N`) serves and exits here.
+    canter_tokio::isolation::serve_child_if_asked(&Arc::new(builtins::registry()));
     // Usage errors exit with 2, `--help` and `--version` with 0, as clap decides.
     let cli = Cli::parse();
     let name = subcommand_name(&cli.command);
@@ -322,6 +326,19 @@ async fn worker(database: &Database, args: WorkerArgs) -> Outcome {
     };
     let worker = match database.wakeup_provider(&args.schema)? {
         Some(provider) => worker.wakeups(provider),
+        None => worker,
+    };
+    let worker = match args.processes {
+        Some(processes) => {
+            let options = IsolationOptions {
+                processes: processes as usize,
+                memory_limit_bytes: args.child_memory_mib.map(|mib| mib << 20),
+                recycle_after: args.recycle_after,
+                ..IsolationOptions::default()
+            };
+            let pool = ProcessPool::new(options).map_err(|e| failed(format!("--processes: {e}")))?;
+            worker.isolate(Isolation { pool, tasks: IsolatedTasks::Blocking })
+        }
         None => worker,
     };
     let endpoints = match &args.metrics_addr {
