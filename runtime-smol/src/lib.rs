@@ -28,6 +28,9 @@ use std::time::Instant;
 use futures::StreamExt;
 use futures::future::BoxFuture;
 
+#[cfg(all(feature = "isolation", unix))]
+pub mod isolation;
+
 pub use canter;
 pub use canter::check::ConfigError;
 pub use canter::config::{AppConfig, Config, CustomQueue, DeploymentMode, QueueMode, RetryPolicy, WorkerConfig};

@@ -18,7 +18,9 @@
 
 use std::sync::Arc;
 
-pub use canter::driver::isolation::{IsolatedHandlers, IsolationOptions, PoolStats, ProcessPool, child_socket};
+pub use canter::driver::isolation::{
+    IsolatedHandlers, IsolatedTasks, Isolation, IsolationOptions, PoolStats, ProcessPool, child_socket,
+};
 use canter::driver::{Registry, isolation::serve_child};
 
 use crate::TokioRuntime;
