@@ -77,7 +77,7 @@ pub(crate) enum Command {
     },
     /// Run a worker serving the built-in tasks until SIGINT or SIGTERM
     #[command(
-        long_about = "Run a worker serving the built-in tasks (noop, sleep, fail, panic, echo, cpu, and crash and hog for --processes) \
+        long_about = "Run a worker serving the built-in tasks (noop, sleep, fail, panic, echo, cpu, block, and crash and hog for --processes) \
         until SIGINT or SIGTERM.\n\n\
         At startup it applies the migrations the schema lacks (a current schema is only read); \
         --no-migrate only checks the schema's version and refuses to start if it lacks any. Every \
@@ -384,7 +384,7 @@ pub(crate) struct WorkerArgs {
     /// 127.0.0.1:9464 (port 0 lets the system choose; the address is printed)
     #[arg(long, value_name = "ADDR")]
     pub(crate) metrics_addr: Option<String>,
-    /// Run the blocking tasks (cpu, crash, hog) in N child processes: a crash, a signal or the
+    /// Run the blocking tasks (cpu, block, crash, hog) in N child processes: a crash, a signal or the
     /// OOM killer costs the task (WORKER_CHILD_CRASHED), a timeout kills its child
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=256))]
     pub(crate) processes: Option<u32>,

@@ -227,6 +227,10 @@ enum WorkloadArg {
     /// Enqueues one by one announced by NOTIFY, on RabbitMQ and on NATS (interleaved), then
     /// the latency with each (no raw baseline; --producers 8 shows NOTIFY's commit lock)
     Wakeups,
+    /// Isolated tasks (`canter worker --processes`): the time of a blocking no-op and a
+    /// 1 ms task in a child process beside the blocking pool's, then a drain of blocking
+    /// no-ops by a worker with 2 children beside one without (no raw baseline)
+    Isolation,
     /// The plain drain, then workflows drained the same way: fan-out, fan-in, a chain and
     /// many small diamonds (the raw baseline runs the same graphs: jobs that count their
     /// unfinished parents, made pending by their last parent's completion, polled)
@@ -283,6 +287,12 @@ enum Workload {
     LatencyRabbitmq,
     /// [`Workload::Latency`] with the wake-ups through NATS.
     LatencyNats,
+    /// Blocking tasks one at a time in a child process and on the blocking pool.
+    IsolatedOverhead,
+    /// `--tasks` blocking no-ops drained by a worker in this process, on its blocking pool.
+    DrainBlocking,
+    /// The same drained by a worker whose tasks run in 2 child processes.
+    DrainIsolated,
 }
 
 /// A broker that carries a workload's wake-ups instead of NOTIFY.
@@ -314,6 +324,9 @@ impl Workload {
             Workload::EnqueueOneNats => "enqueue_one_nats",
             Workload::LatencyRabbitmq => "latency_rabbitmq",
             Workload::LatencyNats => "latency_nats",
+            Workload::IsolatedOverhead => "isolated_overhead",
+            Workload::DrainBlocking => "drain_blocking",
+            Workload::DrainIsolated => "drain_isolated",
         }
     }
 
@@ -460,13 +473,15 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         WorkloadArg::Workflows => {
             vec![Workload::Drain, Workload::FanOut, Workload::FanIn, Workload::Chain, Workload::Diamonds]
         }
+        WorkloadArg::Isolation => vec![Workload::IsolatedOverhead, Workload::DrainBlocking, Workload::DrainIsolated],
         WorkloadArg::Wakeups => {
             vec![Workload::EnqueueOne, Workload::Latency, Workload::LatencyRabbitmq, Workload::LatencyNats]
         }
     };
     let wakeups = args.workload == WorkloadArg::Wakeups;
+    let no_raw = wakeups || args.workload == WorkloadArg::Isolation;
     let tls = args.tls;
-    let mut modes = match args.baseline.unwrap_or(if tls || wakeups { Baseline::None } else { Baseline::Both }) {
+    let mut modes = match args.baseline.unwrap_or(if tls || no_raw { Baseline::None } else { Baseline::Both }) {
         Baseline::Both => vec![Mode::Canter, Mode::Raw],
         Baseline::None => vec![Mode::Canter],
         Baseline::Raw => vec![Mode::Raw],
@@ -1163,6 +1178,21 @@ fn table(samples: &[Sample], options: &Options) -> String {
                 row(&workload, name, c, None, 3, String::new());
             }
         }
+    }
+    for name in ["blocking_0ms", "isolated_0ms", "blocking_1ms", "isolated_1ms"] {
+        for (i, metric) in names.iter().enumerate() {
+            let pick = move |s: &Sample| s.latency.map(|l| l[i]);
+            if let Some(c) = med(name, Mode::Canter, &pick) {
+                row(name, &format!("task {metric}"), Some(c), None, 3, String::new());
+            }
+        }
+    }
+    let (blocking, isolated) = (med("drain_blocking", Mode::Canter, &rate), med("drain_isolated", Mode::Canter, &rate));
+    if blocking.is_some() || isolated.is_some() {
+        row("drain_blocking", "tasks/s", blocking, None, 0, String::new());
+        row("drain_isolated", "tasks/s", isolated, None, 0, String::new());
+        let ratio = |i: Option<f64>, b: Option<f64>| Some(i? / b?);
+        row("isolated/block", "drain ratio", ratio(isolated, blocking), None, 2, String::new());
     }
     let pooled = med("drain_pgbouncer", Mode::Canter, &rate);
     if pooled.is_some() {

@@ -35,7 +35,7 @@ struct Cpu {
 }
 
 /// The names of the built-in tasks.
-pub(crate) const NAMES: [&str; 8] = ["noop", "sleep", "fail", "panic", "echo", "cpu", "crash", "hog"];
+pub(crate) const NAMES: [&str; 9] = ["noop", "sleep", "fail", "panic", "echo", "cpu", "block", "crash", "hog"];
 
 /// What the `panic` task panics with: the demo's panic hook knows it from any other panic.
 pub(crate) const PANIC_MESSAGE: &str = "the panic task panics on request";
@@ -49,7 +49,7 @@ pub(crate) fn check_args(name: &str, args: &Value) -> Option<Result<(), String>>
     }
     Some(match name {
         "noop" | "panic" | "echo" | "crash" | "hog" => Ok(()),
-        "sleep" => decode::<Sleep>(args).map(drop),
+        "sleep" | "block" => decode::<Sleep>(args).map(drop),
         "cpu" => decode::<Cpu>(args).map(drop),
         "fail" => {
             decode::<Fail>(args).and_then(|fail| ErrorCode::user(&fail.code).map(drop).map_err(|e| e.to_string()))
@@ -94,6 +94,11 @@ pub(crate) fn register(registry: &mut Registry) -> Result<(), RegistryError> {
             x = (x ^ i).wrapping_mul(0xBF58_476D_1CE4_E5B9).rotate_left(17);
         }
         Ok(json!({ "iterations": args.iterations, "hash": format!("{x:016x}") }))
+    })?;
+    // Sleeps on a thread of the blocking pool (or in a child, with --processes).
+    registry.register_blocking("block", |args: Sleep, _| -> Result<Value, TaskError> {
+        std::thread::sleep(Duration::from_millis(args.ms));
+        Ok(json!({ "slept_ms": args.ms }))
     })?;
     // For trying isolation (`canter worker --processes N`): in a child they end the child; in
     // a worker's own process they refuse, rather than take the worker down.

@@ -7,11 +7,15 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use canter_tokio::canter::config::AppConfig;
+use canter_tokio::canter::driver::Handlers;
+use canter_tokio::canter::driver::isolation::{IsolatedTasks, Isolation, IsolationOptions, ProcessPool};
 use canter_tokio::canter::driver::wakeups::WakeupProvider;
 use canter_tokio::canter::driver::{Registry, WorkerService};
 use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener, submit_workflow_in};
+use canter_tokio::canter::store::DbTime;
 use canter_tokio::canter::store::{NewTask, NewWorkflow};
-use canter_tokio::canter::task::{TaskError, WorkerId};
+use canter_tokio::canter::task::{Attempt, Lease, TaskError, TaskId, WorkerId};
+use canter_tokio::canter::worker::{TaskOutcome, TaskRun};
 use canter_tokio::canter::workflow::{EdgePolicy, Join};
 use serde::Deserialize;
 use serde_json::Value;
@@ -67,6 +71,14 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
             })
         }
         Workload::LatencyUnderLoad => latency_under_load(options, scratch, &store).await.map(|s| vec![s]),
+        Workload::IsolatedOverhead => isolated_overhead(options).await,
+        Workload::DrainBlocking | Workload::DrainIsolated => {
+            let isolated = workload == Workload::DrainIsolated;
+            in_process_drain(options, scratch, &store, isolated).await.map(|mut sample| {
+                sample.workload = workload.name();
+                vec![sample]
+            })
+        }
         Workload::HeldXmin | Workload::NoVacuum | Workload::BackendKills => {
             let plan = steady::Plan::of(workload, options).expect("a steady workload");
             steady(options, scratch, &store, plan).await.map(|s| vec![s])
@@ -586,6 +598,7 @@ impl InProcessWorker {
         store: &PgStore,
         registry: Registry,
         wakeups: Option<Arc<dyn WakeupProvider>>,
+        isolation: Option<Isolation>,
     ) -> Result<InProcessWorker, BenchError> {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -602,6 +615,7 @@ impl InProcessWorker {
         service.schema = store.schema().clone();
         service.migrate = false;
         service.wakeups = wakeups;
+        service.isolation = isolation;
         let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
             let pool = canter_tokio::connect(&url, config.pool_size())?;
@@ -675,7 +689,7 @@ async fn latency(
     let stamps: Arc<Mutex<Vec<Option<Instant>>>> = Arc::new(Mutex::new(vec![None; n]));
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
-    let worker = InProcessWorker::start(options, scratch, store, registry, wakeups.clone()).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, wakeups.clone(), None).await?;
     let result = async {
         let mut paced = Paced::new(options.interval, n);
         for i in 0..n {
@@ -712,7 +726,7 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
             }
         })
         .map_err(|e| failed("register", e))?;
-    let worker = InProcessWorker::start(options, scratch, store, registry, None).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, None, None).await?;
     let result = async {
         let pool = store.pool();
         let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
@@ -762,7 +776,7 @@ async fn steady(
     let stamps = steady::prepare(&plan, scratch).await?;
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
-    let worker = InProcessWorker::start(options, scratch, store, registry, None).await?;
+    let worker = InProcessWorker::start(options, scratch, store, registry, None, None).await?;
     let result = steady::run(plan, scratch, "tasks", &stamps, async |range: Range<usize>| {
         let tasks = range.map(|i| NewTask::new("stamp", task_args(options, i))).collect();
         match store.enqueue_many(tasks).await {
@@ -834,4 +848,97 @@ impl Watchers {
         }
         (n, reads, if reads > 0 { took_ms as f64 / reads as f64 } else { 0.0 })
     }
+}
+
+/// A blocking task's run as the driver would hand it over.
+fn blocking_run(i: usize, ms: u64) -> TaskRun {
+    TaskRun {
+        id: TaskId(i as i64 + 1),
+        lease: Lease(1),
+        attempt: Attempt(1),
+        name: "block".to_owned(),
+        queue: "default".to_owned(),
+        priority: 0,
+        enqueued_at: DbTime(0),
+        run_at: DbTime(0),
+        args: serde_json::json!({ "ms": ms }),
+        deadline: None,
+    }
+}
+
+/// Blocking tasks (no-op and 1 ms) one at a time, `--latency-tasks` of each: on tokio's
+/// blocking pool, then in a child process (this program again, serving the built-in tasks),
+/// each after one untimed run (a child's start is a cost of the first task only).
+async fn isolated_overhead(options: &Options) -> Result<Vec<Sample>, BenchError> {
+    let blocking = Arc::new(crate::builtins::registry()).bind(Arc::new(TokioRuntime));
+    let pool = ProcessPool::new(IsolationOptions { processes: 1, ..IsolationOptions::default() })
+        .map_err(|e| failed("process pool", e))?;
+    let n = options.latency_tasks;
+    let mut samples = Vec::new();
+    let cases =
+        [("blocking_0ms", 0, false), ("isolated_0ms", 0, true), ("blocking_1ms", 1, false), ("isolated_1ms", 1, true)];
+    for (name, ms, isolated) in cases {
+        let run = |i: usize| if isolated { pool.run(blocking_run(i, ms)) } else { blocking.run(blocking_run(i, ms)) };
+        let warm = run(0).await;
+        if !matches!(warm, TaskOutcome::Success(_)) {
+            return Err(BenchError::Failed(format!("{name}: the task failed: {warm:?}")));
+        }
+        let mut times = Vec::with_capacity(n);
+        let started = Instant::now();
+        for i in 0..n {
+            let begun = Instant::now();
+            let outcome = run(i + 1).await;
+            times.push(begun.elapsed().as_secs_f64() * 1e3);
+            if !matches!(outcome, TaskOutcome::Success(_)) {
+                return Err(BenchError::Failed(format!("{name}: task {i} failed: {outcome:?}")));
+            }
+        }
+        let mut sample = Sample::new(name, super::Mode::Canter, n, started.elapsed().as_secs_f64());
+        sample.latency = Some(super::latency_summary(times));
+        samples.push(sample);
+    }
+    Ok(samples)
+}
+
+/// `--tasks` blocking no-ops enqueued at once, drained by an idle worker in this process: on
+/// its blocking pool, or (`isolated`) in 2 child processes. From the commit to the last one's
+/// end (read off the live table every 10 ms).
+async fn in_process_drain(
+    options: &Options,
+    scratch: &Scratch,
+    store: &PgStore,
+    isolated: bool,
+) -> Result<Sample, BenchError> {
+    let n = options.tasks;
+    let isolation = match isolated {
+        true => {
+            let pool = ProcessPool::new(IsolationOptions { processes: 2, ..IsolationOptions::default() })
+                .map_err(|e| failed("process pool", e))?;
+            Some(Isolation { pool, tasks: IsolatedTasks::All })
+        }
+        false => None,
+    };
+    let worker = InProcessWorker::start(options, scratch, store, crate::builtins::registry(), None, isolation).await?;
+    let result = async {
+        let tasks: Vec<NewTask> = (0..n).map(|_| NewTask::new("block", serde_json::json!({ "ms": 0 }))).collect();
+        let count = format!("SELECT count(*) FROM {}.tasks", store.schema().quoted());
+        let started = Instant::now();
+        for chunk in tasks.chunks(10_000) {
+            store.enqueue_many(chunk.to_vec()).await.map_err(|e| failed("enqueue", e))?;
+        }
+        loop {
+            let live: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(count.clone()))
+                .fetch_one(store.pool())
+                .await
+                .map_err(|e| failed("count", e))?;
+            if live == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(Sample::new(Workload::DrainBlocking.name(), super::Mode::Canter, n, started.elapsed().as_secs_f64()))
+    }
+    .await;
+    worker.stop().await;
+    result
 }

@@ -112,8 +112,9 @@ pub(super) async fn run(options: &Options, scratch: &Scratch, workload: Workload
         Workload::EnqueueOne | Workload::EnqueueBulk | Workload::EnqueueOneRabbitmq | Workload::EnqueueOneNats => {
             unreachable!("the enqueue workloads run through RawEnqueuer")
         }
-        // No baseline: the raw loop has no wake-up provider but NOTIFY.
+        // No baseline: the raw loop has no wake-up provider but NOTIFY, and no processes.
         Workload::LatencyRabbitmq | Workload::LatencyNats => Ok(Vec::new()),
+        Workload::IsolatedOverhead | Workload::DrainBlocking | Workload::DrainIsolated => Ok(Vec::new()),
         Workload::Drain => drain(options, &pool, &sql, scratch, 0).await.map(|s| vec![s]),
         Workload::History => {
             fill_history(&pool, scratch, options.history_tasks).await?;
