@@ -1310,3 +1310,27 @@ async fn isolated_tasks_crash_alone_and_time_out_for_good() {
     assert!(Command::new("kill").args(["-TERM", &plain.id().to_string()]).status().unwrap().success());
     assert!(plain.wait().unwrap().success());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_shutdown_hands_back_what_runs_in_children() {
+    let db = pg::TestDb::new().await;
+    let run = against(&db);
+    assert_eq!(run(&["migrate"]).status.code(), Some(0));
+    let worker = worker_command(&db)
+        .args(["--processes", "1", "--shutdown-grace-ms", "300"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let long = first_line(&run(&["enqueue", "block", "--args", "{\"ms\": 600000}"]));
+    wait_for_state(&run, &long, "RUNNING");
+    assert!(Command::new("kill").args(["-TERM", &worker.id().to_string()]).status().unwrap().success());
+    let output = worker.wait_with_output().unwrap();
+    assert!(output.status.success());
+    // Its child was killed at the grace's end and the task handed back, as from a thread.
+    let shown = wait_for_state(&run, &long, "PENDING");
+    assert_eq!(shown["task"]["attempts"], 1, "{shown}");
+    let pattern = format!("--schema {} --processes", db.schema.name());
+    let children = Command::new("pgrep").args(["-f", "--", &pattern]).output().unwrap();
+    assert!(children.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&children.stdout));
+}

@@ -31,7 +31,11 @@ fn the_readme_program_runs(runtime: &tokio::runtime::Runtime) {
     let after = &readme[readme.find("## Isolated execution").expect("the heading")..];
     let start = after.find("```rust\n").expect("a rust block") + "```rust\n".len();
     let len = after[start..].find("```\n").expect("the block's end");
-    assert_eq!(&after[start..start + len], include_str!("../examples/isolation.rs"), "README.md's is examples/isolation.rs");
+    assert_eq!(
+        &after[start..start + len],
+        include_str!("../examples/isolation.rs"),
+        "README.md's is examples/isolation.rs"
+    );
 
     let server = runtime.block_on(pg::server_url());
     let database = format!("canter_isolation_{}", std::process::id());
