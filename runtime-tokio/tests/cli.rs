@@ -1297,10 +1297,7 @@ async fn isolated_tasks_crash_alone_and_time_out_for_good() {
     let log = String::from_utf8_lossy(&output.stderr);
     assert!(log.contains("isolated tasks run in child processes"), "{log}");
     // No child outlived the worker (children run the worker's own command line).
-    std::thread::sleep(std::time::Duration::from_millis(300));
-    let pattern = format!("--schema {} --processes", db.schema.name());
-    let children = Command::new("pgrep").args(["-f", "--", &pattern]).output().unwrap();
-    assert!(children.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&children.stdout));
+    assert_no_children(&db);
 
     // In the worker's own process the crash task refuses.
     let mut plain = worker_command(&db).stdout(Stdio::null()).stderr(Stdio::null()).spawn().unwrap();
@@ -1330,6 +1327,14 @@ async fn a_graceful_shutdown_hands_back_what_runs_in_children() {
     // Its child was killed at the grace's end and the task handed back, as from a thread.
     let shown = wait_for_state(&run, &long, "PENDING");
     assert_eq!(shown["task"]["attempts"], 1, "{shown}");
+    assert_no_children(&db);
+}
+
+/// Asserts no child process of a `--processes` worker on `db`'s schema outlived its worker
+/// (children run the worker's own command line).
+#[track_caller]
+fn assert_no_children(db: &pg::TestDb) {
+    std::thread::sleep(std::time::Duration::from_millis(300));
     let pattern = format!("--schema {} --processes", db.schema.name());
     let children = Command::new("pgrep").args(["-f", "--", &pattern]).output().unwrap();
     assert!(children.stdout.is_empty(), "children left: {}", String::from_utf8_lossy(&children.stdout));

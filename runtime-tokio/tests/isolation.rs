@@ -7,7 +7,6 @@
 #[path = "../../tests/isolation/body.rs"]
 mod body;
 #[path = "../../tests/common/pg.rs"]
-#[allow(dead_code)]
 mod pg;
 
 mod example {
@@ -37,27 +36,13 @@ fn the_readme_program_runs(runtime: &tokio::runtime::Runtime) {
         "README.md's is examples/isolation.rs"
     );
 
-    let server = runtime.block_on(pg::server_url());
-    let database = format!("canter_isolation_{}", std::process::id());
-    let admin = |sql: String| {
-        let server = server.clone();
-        runtime.block_on(async move {
-            use sqlx::Connection;
-            let mut conn = sqlx::PgConnection::connect(&server).await.unwrap();
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.unwrap();
-        })
-    };
-    admin(format!("DROP DATABASE IF EXISTS {database}"));
-    admin(format!("CREATE DATABASE {database}"));
-    let (path, query) = server.split_once('?').map_or((server.as_str(), None), |(p, q)| (p, Some(q)));
-    let (base, _) = path.rsplit_once('/').expect("a database in the URL");
-    let url = format!("{base}/{database}{}", query.map_or_else(String::new, |q| format!("?{q}")));
+    let database = runtime.block_on(pg::FreshDatabase::create(&format!("canter_isolation_{}", std::process::id())));
     let output = std::process::Command::new(std::env::current_exe().unwrap())
         .arg(EXAMPLE)
-        .env("DATABASE_URL", url)
+        .env("DATABASE_URL", &database.url)
         .output()
         .unwrap();
-    admin(format!("DROP DATABASE {database} WITH (FORCE)"));
+    runtime.block_on(database.drop_now());
     let printed = String::from_utf8_lossy(&output.stdout);
     assert!(output.status.success(), "{printed}{}", String::from_utf8_lossy(&output.stderr));
     assert!(printed.contains("poison: WORKER_CHILD_CRASHED") && printed.contains("hello: 5 bytes"), "{printed}");

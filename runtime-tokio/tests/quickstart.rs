@@ -46,28 +46,14 @@ fn the_readme_programs_run_on_an_empty_database() {
     assert_eq!(pasted, include_str!("../examples/wakeups.rs"), "README.md's wake-ups are examples/wakeups.rs");
 
     // A database of its own, with nothing in it.
-    let database = format!("canter_quickstart_{}", std::process::id());
     let runtime = tokio::runtime::Runtime::new().unwrap();
-    let server = runtime.block_on(pg::server_url());
-    let admin = |sql: String| {
-        let server = server.clone();
-        runtime.block_on(async move {
-            use sqlx::Connection;
-            let mut conn = sqlx::PgConnection::connect(&server).await.unwrap();
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.unwrap();
-        })
-    };
-    admin(format!("DROP DATABASE IF EXISTS {database}"));
-    admin(format!("CREATE DATABASE {database}"));
-    let (path, query) = server.split_once('?').map_or((server.as_str(), None), |(p, q)| (p, Some(q)));
-    let (base, _) = path.rsplit_once('/').expect("a database in the URL");
-    let url = format!("{base}/{database}{}", query.map_or_else(String::new, |q| format!("?{q}")));
+    let database = runtime.block_on(pg::FreshDatabase::create(&format!("canter_quickstart_{}", std::process::id())));
     // SAFETY: this test binary's only test sets it before starting anything that reads it.
-    unsafe { std::env::set_var("DATABASE_URL", url) };
+    unsafe { std::env::set_var("DATABASE_URL", &database.url) };
     let quickstart = quickstart::run();
     let workflow = workflow::run();
     let wakeups = wakeups::run();
-    admin(format!("DROP DATABASE {database} WITH (FORCE)"));
+    runtime.block_on(database.drop_now());
     quickstart.expect("the quickstart runs on an empty database");
     workflow.expect("the workflow example runs on an empty database");
     wakeups.expect("the wake-ups example runs on an empty database");

@@ -236,3 +236,35 @@ pub async fn dead_rows(store: &PgStore, table: &str, at_least: i64) -> i64 {
     }
     panic!("{table} never counted {at_least} dead rows");
 }
+
+/// A database of its own on the test server, empty: for programs that make their own schemas
+/// (the README's), which a shared database would leave behind for the next run.
+pub struct FreshDatabase {
+    server: String,
+    name: String,
+    /// Its URL.
+    pub url: String,
+}
+
+impl FreshDatabase {
+    /// Creates database `name` (dropping one left by an earlier run).
+    pub async fn create(name: &str) -> FreshDatabase {
+        let server = server_url().await;
+        admin_sql(&server, format!("DROP DATABASE IF EXISTS {name}")).await;
+        admin_sql(&server, format!("CREATE DATABASE {name}")).await;
+        let (path, query) = server.split_once('?').map_or((server.as_str(), None), |(p, q)| (p, Some(q)));
+        let (base, _) = path.rsplit_once('/').expect("a database in the URL");
+        let url = format!("{base}/{name}{}", query.map_or_else(String::new, |q| format!("?{q}")));
+        FreshDatabase { server, name: name.to_owned(), url }
+    }
+
+    /// Drops it, whoever is still connected.
+    pub async fn drop_now(self) {
+        admin_sql(&self.server, format!("DROP DATABASE {} WITH (FORCE)", self.name)).await;
+    }
+}
+
+async fn admin_sql(server: &str, sql: String) {
+    let mut conn = PgConnection::connect(server).await.unwrap();
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql)).execute(&mut conn).await.unwrap();
+}
