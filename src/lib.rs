@@ -36,7 +36,9 @@
 //!
 //! Behind features: `postgres` (the PostgreSQL store), `driver` (one async loop over a small
 //! runtime trait, shared by the tokio and smol adapters), `metrics` (a worker's counters in the
-//! Prometheus text format, `driver::metrics`), `sim` (the simulation harness),
+//! Prometheus text format, `driver::metrics`), `isolation` (isolated tasks in child processes,
+//! `driver::isolation`), `rabbitmq` and `nats` (wake-ups through a broker,
+//! `driver::wakeups`), `sim` (the simulation harness),
 //! `arbitrary` (`arbitrary::Arbitrary` for the simulation's operation sequences, for fuzzing).
 //!
 //! # The calling contract

@@ -9,7 +9,9 @@
 //! user may turn it off (`default-features = false, features = ["tls"]`) and build none of the
 //! program's dependencies. Feature `http` (part of `cli`) adds [`http`]: a worker's `/metrics`,
 //! `/healthz` and `/readyz`; feature `dashboard` (part of `cli`) adds [`dashboard`]: the web
-//! dashboard `canter dashboard` serves.
+//! dashboard `canter dashboard` serves; feature `isolation` (part of `cli`) adds `isolation`:
+//! tasks in child processes; features `rabbitmq` and `nats` (part of `cli`) add their wake-up
+//! providers (`canter::driver::wakeups`).
 //!
 //! ```no_run
 //! use std::sync::Arc;
