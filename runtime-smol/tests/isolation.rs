@@ -11,7 +11,7 @@ use canter_smol::SmolRuntime;
 use canter_smol::isolation::serve_child_if_asked;
 
 fn main() {
-    if body::served_as_garbage_child() {
+    if body::tried_a_pool_in_a_child() || body::served_as_garbage_child() {
         return;
     }
     serve_child_if_asked(&Arc::new(body::registry()));

@@ -58,7 +58,7 @@ fn main() {
         }
         return;
     }
-    if body::served_as_garbage_child() {
+    if body::tried_a_pool_in_a_child() || body::served_as_garbage_child() {
         return;
     }
     serve_child_if_asked(&Arc::new(body::registry()));

@@ -115,8 +115,16 @@ struct ChildProcess {
 }
 
 impl ProcessPool {
-    /// A pool with `options`; children start when tasks need them.
+    /// A pool with `options`; children start when tasks need them. Refused in a child of a
+    /// pool (whose `main` went on instead of serving): children of children would start
+    /// without end.
     pub fn new(options: IsolationOptions) -> std::io::Result<ProcessPool> {
+        if child_socket().is_some() {
+            return Err(std::io::Error::other(format!(
+                "this process is a child of a process pool ({CHILD_ENV} is set): main must call the child entry \
+                 (serve_child_if_asked) before it builds a worker"
+            )));
+        }
         let socket_dir = std::env::temp_dir().join(format!("canter-isolation-{}", std::process::id()));
         std::fs::create_dir_all(&socket_dir)?;
         let options = IsolationOptions { processes: options.processes.max(1), ..options };

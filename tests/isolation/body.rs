@@ -185,6 +185,32 @@ pub fn served_as_garbage_child() -> bool {
     true
 }
 
+/// Whether this program was started to try making a pool as a child would: it prints what
+/// came of it.
+pub fn tried_a_pool_in_a_child() -> bool {
+    if !std::env::args().any(|arg| arg == "pool-in-child") {
+        return false;
+    }
+    match ProcessPool::new(IsolationOptions::default()) {
+        Ok(_) => println!("made a pool"),
+        Err(error) => println!("refused: {error}"),
+    }
+    true
+}
+
+/// A child whose `main` goes on instead of serving cannot start children of its own.
+fn a_child_cannot_make_a_pool() {
+    let program = std::env::current_exe().unwrap();
+    let output = std::process::Command::new(program)
+        .arg("pool-in-child")
+        .env(canter::isolation::CHILD_ENV, "/nonexistent/canter.sock")
+        .output()
+        .unwrap();
+    let printed = String::from_utf8_lossy(&output.stdout);
+    assert!(printed.contains("refused: this process is a child of a process pool"), "{printed}");
+    println!("a pool in a child: refused, ok");
+}
+
 /// Every scenario, one after the other.
 pub async fn every_scenario<R: Runtime>(runtime: &R) {
     each_failure_costs_its_task_alone().await;
@@ -192,4 +218,5 @@ pub async fn every_scenario<R: Runtime>(runtime: &R) {
     a_child_that_writes_garbage_is_killed().await;
     a_storm_of_crashes_leaves_the_pool_serving().await;
     children_are_recycled_after_their_share().await;
+    a_child_cannot_make_a_pool();
 }
