@@ -20,8 +20,8 @@ use crate::worker::TaskOutcome;
 /// the child that sent them.
 pub const MAX_FRAME_BYTES: usize = 256 * 1024 * 1024;
 
-/// The environment variable that starts a program in child mode: its value is the child's
-/// number in its worker's pool.
+/// The environment variable that starts a program in child mode: its value is the socket the
+/// child connects to. A child's own subprocesses inherit it (a child cannot make a pool).
 pub const CHILD_ENV: &str = "CANTER_ISOLATED_CHILD";
 
 /// The environment variable that gives a child its memory limit in bytes (its address space,

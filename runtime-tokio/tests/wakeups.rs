@@ -60,10 +60,18 @@ impl Proxy {
         }
     }
 
-    /// Accepts connections again, on the same port.
+    /// Accepts connections again, on the same port (once the aborted listener is gone).
     async fn restore(&mut self) {
-        let listener = TcpListener::bind(("127.0.0.1", self.port)).await.unwrap();
-        self.accept(listener);
+        for _ in 0..200 {
+            let socket = tokio::net::TcpSocket::new_v4().unwrap();
+            socket.set_reuseaddr(true).unwrap();
+            if socket.bind(([127, 0, 0, 1], self.port).into()).is_ok() {
+                self.accept(socket.listen(64).unwrap());
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("port {} stayed taken", self.port);
     }
 }
 
@@ -180,4 +188,40 @@ async fn a_message_that_is_no_wakeup_is_left_out_alone() {
     raw.flush().await.unwrap();
     assert_eq!(next(&mut heard).await, Input::Notified { queue: "default".into(), priority: None });
     assert_eq!(provider.stats().malformed, 1);
+}
+
+/// After `flush`, what was published has reached the broker: a provider dropped right after
+/// (a `canter enqueue` exiting) loses none of it.
+async fn flushed_wakeups_outlive_their_provider(make: impl Fn() -> Arc<dyn WakeupProvider>) {
+    let listening = make();
+    let mut heard = listening.subscribe(vec!["q \"1\".*".into()]);
+    assert_eq!(next(&mut heard).await, Input::Listener { connected: true });
+    let publishing = make();
+    // Connected first, as a command that enqueued would be.
+    publishing.publish(vec![wakeup(0)]);
+    publishing.flush().await;
+    assert!(matches!(next(&mut heard).await, Input::Notified { .. }));
+    for id in 1..=200 {
+        publishing.publish(vec![wakeup(id)]);
+    }
+    publishing.flush().await;
+    drop(publishing);
+    for n in 1..=200 {
+        let input = tokio::time::timeout(Duration::from_secs(5), heard.next()).await;
+        assert!(matches!(input, Ok(Some(Input::Notified { .. }))), "wake-up {n} of 200 was lost: {input:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushed_wakeups_reach_rabbitmq_before_the_provider_goes() {
+    let schema = format!("wakeups_flush_{}", std::process::id());
+    let url = brokers::rabbitmq_url();
+    flushed_wakeups_outlive_their_provider(|| Arc::new(RabbitMqWakeups::new(&url, &schema).unwrap())).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn flushed_wakeups_reach_nats_before_the_provider_goes() {
+    let schema = format!("wakeups_flush_{}", std::process::id());
+    let url = brokers::nats_url();
+    flushed_wakeups_outlive_their_provider(|| Arc::new(NatsWakeups::new(&url, &schema).unwrap())).await;
 }

@@ -125,8 +125,7 @@ impl ProcessPool {
                  (serve_child_if_asked) before it builds a worker"
             )));
         }
-        let socket_dir = std::env::temp_dir().join(format!("canter-isolation-{}", std::process::id()));
-        std::fs::create_dir_all(&socket_dir)?;
+        let socket_dir = private_dir()?;
         let options = IsolationOptions { processes: options.processes.max(1), ..options };
         Ok(ProcessPool {
             inner: Arc::new(Pool {
@@ -257,11 +256,12 @@ impl Pool {
                     let room = Room { pool: self.clone(), taken: true };
                     let pool = self.clone();
                     let (tx, rx) = oneshot::channel();
-                    std::thread::spawn(move || {
+                    let start = std::thread::Builder::new().name("canter-child-start".into()).spawn(move || {
                         if let Err(Ok(late)) = tx.send(pool.spawn_child(number)) {
                             end_child(late);
                         }
                     });
+                    start?;
                     let started = rx.await.unwrap_or_else(|_| Err(std::io::Error::other("the start thread vanished")));
                     let child = started?;
                     room.keep();
@@ -284,11 +284,14 @@ impl Pool {
         let args = self.options.args.clone().unwrap_or_else(|| std::env::args_os().skip(1).collect());
         let mut command = Command::new(program);
         command.args(args).env(CHILD_ENV, &path).stdin(Stdio::null());
+        // A group of its own: a Ctrl-C at the terminal (or a signal to the worker's group) is
+        // the worker's to handle; its children end when it closes their sockets.
+        std::os::unix::process::CommandExt::process_group(&mut command, 0);
         match self.options.memory_limit_bytes {
             Some(limit) => command.env(CHILD_MEMORY_ENV, limit.to_string()),
             None => command.env_remove(CHILD_MEMORY_ENV),
         };
-        let mut process = command.spawn()?;
+        let mut process = Starting { process: Some(command.spawn()?), path: path.clone() };
         self.started.fetch_add(1, Ordering::Relaxed);
         // Tries, CHILD_START_POLL apart, within CHILD_START_TIMEOUT.
         let mut tries_left = CHILD_START_TIMEOUT.as_millis() / CHILD_START_POLL.as_millis();
@@ -296,13 +299,10 @@ impl Pool {
             match listener.accept() {
                 Ok((socket, _)) => break socket,
                 Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {
-                    let gone = process.try_wait()?.map(|status| format!("it exited at start ({status})"));
+                    let gone = process.get().try_wait()?.map(|status| format!("it exited at start ({status})"));
                     tries_left = tries_left.saturating_sub(1);
                     let late = (tries_left == 0).then(|| "it did not connect within 10 s".to_owned());
                     if let Some(why) = gone.or(late) {
-                        let _ = process.kill();
-                        let _ = process.wait();
-                        let _ = std::fs::remove_file(&path);
                         return Err(std::io::Error::other(format!(
                             "child {number} failed to start: {why} (does main call the child entry first?)"
                         )));
@@ -319,7 +319,7 @@ impl Pool {
         std::thread::Builder::new()
             .name(format!("canter-child-{number}"))
             .spawn(move || read_child(reading, heard_tx))?;
-        Ok(ChildProcess { process, socket, heard, tasks_run: 0 })
+        Ok(ChildProcess { process: process.started(), socket, heard, tasks_run: 0 })
     }
 
     /// A child's room is free: wake the first waiter.
@@ -329,10 +329,10 @@ impl Pool {
         if let Some(child) = child {
             state.idle.push(child);
         }
-        while let Some(waiter) = state.waiting.pop_front() {
-            if waiter.send(()).is_ok() {
-                break;
-            }
+        // Every waiter looks again (a woken one whose task was aborted meanwhile would
+        // otherwise swallow the wake-up); those that find no room wait again.
+        for waiter in state.waiting.drain(..) {
+            let _ = waiter.send(());
         }
     }
 }
@@ -369,6 +369,50 @@ impl Drop for Room {
     }
 }
 
+/// A directory of this pool's own for its children's sockets, readable by this user only.
+fn private_dir() -> std::io::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt;
+    static POOLS: AtomicU64 = AtomicU64::new(0);
+    loop {
+        let n = POOLS.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("canter-isolation-{}-{n}", std::process::id()));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            // Left by an earlier process of the same id: the next name.
+            Err(error) if error.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// A child process until it connected: killed, reaped and its socket file removed if its start
+/// fails on any path.
+struct Starting {
+    process: Option<Child>,
+    path: PathBuf,
+}
+
+impl Starting {
+    fn get(&mut self) -> &mut Child {
+        self.process.as_mut().expect("a starting child")
+    }
+
+    /// It connected: the caller keeps it.
+    fn started(mut self) -> Child {
+        self.process.take().expect("a starting child")
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+        if let Some(mut process) = self.process.take() {
+            let _ = process.kill();
+            let _ = process.wait();
+        }
+    }
+}
+
 /// A child held by one task. Dropped unfinished (the task aborted), it kills the child.
 struct Lease {
     pool: Arc<Pool>,
@@ -395,14 +439,12 @@ impl Lease {
     /// The child failed its task: kill it (it may still live, if it only broke the protocol),
     /// reap it on a thread, and say how it ended.
     async fn end(mut self, failure: ChildFailure) -> ChildFailure {
-        let Some(mut child) = self.child.take() else { return failure };
-        let (tx, rx) = oneshot::channel();
-        std::thread::spawn(move || {
-            let _ = child.process.kill();
-            let _ = tx.send(child.process.wait().ok());
-        });
-        let status = rx.await.ok().flatten();
+        let Some(child) = self.child.take() else { return failure };
+        // The room is free before the wait: an abort during it must not keep it.
         self.pool.free_room(None);
+        let (tx, rx) = oneshot::channel();
+        reap(child, Some(tx));
+        let status = rx.await.ok().flatten();
         match (failure, status) {
             // A garbled child was killed for it: that is the story.
             (ChildFailure::Garbled(what), _) => ChildFailure::Garbled(what),
@@ -432,11 +474,20 @@ impl ChildProcess {
 }
 
 /// Kills `child` and reaps it on a thread (never blocking the caller).
-fn end_child(mut child: ChildProcess) {
+fn end_child(child: ChildProcess) {
+    reap(child, None);
+}
+
+/// Kills `child` and reaps it on a thread, sending how it ended to `status` if given. (Without
+/// a thread to spare, the process stays a zombie until the worker exits; never a panic.)
+fn reap(mut child: ChildProcess, status: Option<oneshot::Sender<Option<ExitStatus>>>) {
     let _ = child.socket.shutdown(std::net::Shutdown::Both);
     let _ = child.process.kill();
-    std::thread::spawn(move || {
-        let _ = child.process.wait();
+    let _ = std::thread::Builder::new().name("canter-reap".into()).spawn(move || {
+        let ended = child.process.wait().ok();
+        if let Some(status) = status {
+            let _ = status.send(ended);
+        }
     });
 }
 
@@ -570,7 +621,7 @@ pub async fn serve_child<H: Handlers>(socket: PathBuf, handlers: H) -> Result<()
     write_frame(&stream, &encode_frame(&FromChild::Ready { pid: std::process::id() }))?;
     let (runs_tx, mut runs) = mpsc::unbounded::<Result<ToChild, String>>();
     let reading = stream.try_clone()?;
-    std::thread::spawn(move || {
+    std::thread::Builder::new().name("canter-child-read".into()).spawn(move || {
         let mut socket = reading;
         let mut reader = FrameReader::new();
         let mut buffer = vec![0u8; 64 * 1024];
@@ -581,14 +632,16 @@ pub async fn serve_child<H: Handlers>(socket: PathBuf, handlers: H) -> Result<()
                     reader.push(&buffer[..n]);
                     while let Some(message) = reader.next_message::<ToChild>() {
                         let message = message.map_err(|e| e.to_string());
-                        if runs_tx.unbounded_send(message).is_err() {
+                        // After a broken frame the stream means nothing more.
+                        let broken = message.is_err();
+                        if runs_tx.unbounded_send(message).is_err() || broken {
                             return;
                         }
                     }
                 }
             }
         }
-    });
+    })?;
     while let Some(message) = runs.next().await {
         let ToChild::Run { task, attempt, name, queue, priority, enqueued_at, run_at, args } =
             message.map_err(ChildServeError::Garbled)?;

@@ -513,6 +513,8 @@ async fn forward_heard(
             }
         }
     }
+    // A provider's stream that ended hears nothing more: the worker is deaf on its side.
+    report.connected(false);
 }
 
 /// How long a listening session must have lived for its loss to be followed by a new one at

@@ -43,6 +43,8 @@ pub(crate) trait Broker: Send + Sync + 'static {
         publisher: &'a mut Self::Publisher,
         wakeups: &'a [Wakeup],
     ) -> BoxFuture<'a, Result<(), String>>;
+    /// Returns once what was published on `publisher` has reached the broker.
+    fn flush<'a>(&'a self, publisher: &'a mut Self::Publisher) -> BoxFuture<'a, Result<(), String>>;
     /// Subscribes to `queues`: what it hears, ending when the connection is gone for good.
     fn subscribe(self: Arc<Self>, queues: Vec<String>)
     -> BoxFuture<'static, Result<BoxStream<'static, Heard>, String>>;
@@ -192,9 +194,17 @@ impl<B: Broker> BrokerWakeups<B> {
 }
 
 /// The backoff of a provider's reconnects: the database's (`ResilienceConfig`'s defaults).
-fn reconnects(seed: u64) -> Retry {
+/// A loop's backoff: the database's (`ResilienceConfig`'s defaults), its jitter drawn from the
+/// process id and a count, so that the workers of a fleet do not reconnect in step.
+fn reconnects() -> Retry {
+    static LOOPS: AtomicU64 = AtomicU64::new(0);
+    let seed = crate::rng::mix(u64::from(std::process::id()) << 32 ^ LOOPS.fetch_add(1, Ordering::Relaxed));
     Retry::new(&ResilienceConfig::default(), seed)
 }
+
+/// How long a subscription must have lived for its loss to reset the backoff: one lost as soon
+/// as it is made counts as a failure (a broker that takes connections and drops them).
+const SUBSCRIBED_A_WHILE: Duration = Duration::from_secs(5);
 
 /// Publishes what the outbox holds, connecting (again) with backoff when needed. Batches that
 /// wait while the broker is down are sent when it is back (a late wake-up still wakes); a batch
@@ -204,12 +214,19 @@ async fn publish_loop<B: Broker>(
     mut pending: tokio::sync::mpsc::Receiver<Outgoing>,
     counts: Arc<Counts>,
 ) {
-    let mut retry = reconnects(0x9b1);
+    let mut retry = reconnects();
     let mut publisher: Option<B::Publisher> = None;
     while let Some(outgoing) = pending.recv().await {
         let batch = match outgoing {
             Outgoing::Wakeups(batch) => batch,
             Outgoing::Flush(done) => {
+                // What was published has reached the broker (a client may exit next).
+                if let Some(connected) = publisher.as_mut()
+                    && let Err(error) = broker.flush(connected).await
+                {
+                    tracing::warn!(target: "canter::wakeups", provider = B::NAME, %error, "flushing wake-ups failed");
+                    publisher = None;
+                }
                 let _ = done.send(());
                 continue;
             }
@@ -217,10 +234,7 @@ async fn publish_loop<B: Broker>(
         let n = batch.len() as u64;
         if publisher.is_none() {
             match broker.clone().connect_publisher().await {
-                Ok(connected) => {
-                    retry.succeeded();
-                    publisher = Some(connected);
-                }
+                Ok(connected) => publisher = Some(connected),
                 Err(error) => {
                     counts.dropped.fetch_add(n, Ordering::Relaxed);
                     let delay = retry.failed();
@@ -233,12 +247,16 @@ async fn publish_loop<B: Broker>(
         let Some(connected) = publisher.as_mut() else { continue };
         match broker.publish(connected, &batch).await {
             Ok(()) => {
+                // Only a publish that went through proves the connection.
+                retry.succeeded();
                 counts.published.fetch_add(n, Ordering::Relaxed);
             }
             Err(error) => {
                 counts.dropped.fetch_add(n, Ordering::Relaxed);
-                tracing::warn!(target: "canter::wakeups", provider = B::NAME, %error, "publishing wake-ups failed; connecting again");
+                let delay = retry.failed();
+                tracing::warn!(target: "canter::wakeups", provider = B::NAME, %error, ?delay, "publishing wake-ups failed; connecting again");
                 publisher = None;
+                tokio::time::sleep(delay).await;
             }
         }
     }
@@ -252,11 +270,11 @@ async fn subscribe_loop<B: Broker>(
     mut heard_tx: futures::channel::mpsc::Sender<Input>,
     counts: Arc<Counts>,
 ) {
-    let mut retry = reconnects(0x5b5);
+    let mut retry = reconnects();
     loop {
         match broker.clone().subscribe(queues.clone()).await {
             Ok(mut heard) => {
-                retry.succeeded();
+                let since = tokio::time::Instant::now();
                 if futures::SinkExt::send(&mut heard_tx, Input::Listener { connected: true }).await.is_err() {
                     return;
                 }
@@ -299,6 +317,9 @@ async fn subscribe_loop<B: Broker>(
                 }
                 if futures::SinkExt::send(&mut heard_tx, Input::Listener { connected: false }).await.is_err() {
                     return;
+                }
+                if since.elapsed() >= SUBSCRIBED_A_WHILE {
+                    retry.succeeded();
                 }
                 tracing::warn!(target: "canter::wakeups", provider = B::NAME, "the wake-up subscription was lost; subscribing again");
             }

@@ -80,6 +80,11 @@ impl Broker for Nats {
         .boxed()
     }
 
+    fn flush<'a>(&'a self, publisher: &'a mut Self::Publisher) -> BoxFuture<'a, Result<(), String>> {
+        // A round trip to the server: everything written before has reached it.
+        async move { publisher.flush().await.map_err(|e| e.to_string()) }.boxed()
+    }
+
     fn subscribe(
         self: Arc<Self>,
         queues: Vec<String>,

@@ -13,8 +13,8 @@ use std::sync::Arc;
 use futures::future::{BoxFuture, FutureExt};
 use futures::stream::{BoxStream, StreamExt};
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ExchangeDeclareOptions,
-    QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions,
+    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
@@ -73,7 +73,13 @@ impl Broker for RabbitMq {
     type Publisher = (Connection, Channel);
 
     fn connect_publisher(self: Arc<Self>) -> BoxFuture<'static, Result<Self::Publisher, String>> {
-        async move { self.open().await.map_err(|e| e.to_string()) }.boxed()
+        async move {
+            let (connection, channel) = self.open().await.map_err(|e| e.to_string())?;
+            // Confirms, waited for only by a flush: publishing never waits for the broker.
+            channel.confirm_select(ConfirmSelectOptions::default()).await.map_err(|e| e.to_string())?;
+            Ok((connection, channel))
+        }
+        .boxed()
     }
 
     fn publish<'a>(
@@ -98,6 +104,11 @@ impl Broker for RabbitMq {
             Ok(())
         }
         .boxed()
+    }
+
+    fn flush<'a>(&'a self, publisher: &'a mut Self::Publisher) -> BoxFuture<'a, Result<(), String>> {
+        // Every publish so far confirmed by the broker.
+        async move { publisher.1.wait_for_confirms().await.map(drop).map_err(|e| e.to_string()) }.boxed()
     }
 
     fn subscribe(
