@@ -27,7 +27,7 @@ use crate::config::AppConfig;
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::schema::PgSchema;
 use crate::postgres::store::{PgStore, db_time, duration};
-use crate::store::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task};
+use crate::store::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task, default_queue};
 use crate::task::normalized_flags;
 use crate::task::{ErrorCode, TaskId};
 use crate::wake::Wakeup;
@@ -99,7 +99,8 @@ impl PgStore {
         tasks: Vec<NewTask>,
     ) -> Result<(Vec<TaskId>, Vec<Wakeup>), PgEnqueueError> {
         let ids = self.enqueue_replayed(&tasks, Notify::Nobody).await?;
-        let queues = tasks.iter().map(|task| check_new_task(self.app(), task, DbTime(i64::MIN)).unwrap_or_default());
+        // Checked by the enqueue: only the queue is wanted here.
+        let queues = tasks.iter().map(|task| task.queue.as_deref().unwrap_or_else(|| default_queue(self.app())));
         let announced = queues.zip(&tasks).zip(&ids).map(|((queue, task), id)| (queue, task.priority, *id));
         let wakeups = Wakeup::of_tasks(announced);
         Ok((ids, wakeups))
