@@ -4,10 +4,11 @@
 
 use std::sync::Arc;
 
+use canter::driver::Registry;
 pub use canter::driver::isolation::{
     IsolatedHandlers, IsolatedTasks, Isolation, IsolationOptions, PoolStats, ProcessPool, child_socket,
 };
-use canter::driver::{Registry, isolation::serve_child};
+use canter::driver::isolation::{exit_child, serve_child};
 
 use crate::SmolRuntime;
 
@@ -17,11 +18,5 @@ use crate::SmolRuntime;
 pub fn serve_child_if_asked(registry: &Arc<Registry>) {
     let Some(socket) = child_socket() else { return };
     let handlers = registry.clone().bind(Arc::new(SmolRuntime));
-    match smol::block_on(serve_child(socket, handlers)) {
-        Ok(()) => std::process::exit(0),
-        Err(error) => {
-            eprintln!("canter child: {error}");
-            std::process::exit(1);
-        }
-    }
+    exit_child(smol::block_on(serve_child(socket, handlers)))
 }

@@ -18,10 +18,11 @@
 
 use std::sync::Arc;
 
+use canter::driver::Registry;
 pub use canter::driver::isolation::{
     IsolatedHandlers, IsolatedTasks, Isolation, IsolationOptions, PoolStats, ProcessPool, child_socket,
 };
-use canter::driver::{Registry, isolation::serve_child};
+use canter::driver::isolation::{exit_child, serve_child};
 
 use crate::TokioRuntime;
 
@@ -40,11 +41,5 @@ pub fn serve_child_if_asked(registry: &Arc<Registry>) {
     let handlers = registry.clone().bind(Arc::new(TokioRuntime));
     let served = runtime.block_on(serve_child(socket, handlers));
     drop(runtime);
-    match served {
-        Ok(()) => std::process::exit(0),
-        Err(error) => {
-            eprintln!("canter child: {error}");
-            std::process::exit(1);
-        }
-    }
+    exit_child(served)
 }

@@ -279,10 +279,7 @@ impl<R: Runtime> Client<R> {
         options: impl FnOnce(NewTask) -> NewTask,
     ) -> Result<ResultHandle<R, T>, ClientError> {
         let new = options(NewTask::new(task.name(), task.encode(args)?));
-        let ids = self.enqueue_announced(vec![new]).await?;
-        let id = ids.first().copied().ok_or_else(|| {
-            ClientError::from(PgEnqueueError::from(sqlx::Error::Protocol("enqueue returned no id".into())))
-        })?;
+        let id = crate::postgres::only_id(self.enqueue_announced(vec![new]).await?)?;
         Ok(self.handle(id))
     }
 

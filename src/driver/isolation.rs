@@ -504,22 +504,33 @@ fn ended_by(status: ExitStatus) -> Option<ChildFailure> {
 
 /// Reads frames from a child until its socket closes or breaks; each message or the failure
 /// goes to `heard`.
-fn read_child(mut socket: UnixStream, heard: mpsc::UnboundedSender<Result<FromChild, ChildFailure>>) {
+fn read_child(socket: UnixStream, heard: mpsc::UnboundedSender<Result<FromChild, ChildFailure>>) {
+    let heard_all = read_frames::<FromChild>(socket, |message| {
+        heard.unbounded_send(message.map_err(|e| ChildFailure::Garbled(e.to_string()))).is_ok()
+    });
+    if heard_all {
+        let _ = heard.unbounded_send(Err(ChildFailure::Closed));
+    }
+}
+
+/// Reads frames from `socket` and hands each message (or the error of a broken frame, the
+/// last) to `take`, until the socket closes or breaks (then `true`), a frame breaks, or `take`
+/// says to stop (then `false`).
+fn read_frames<M: for<'de> serde::Deserialize<'de>>(
+    mut socket: UnixStream,
+    mut take: impl FnMut(Result<M, crate::isolation::FrameError>) -> bool,
+) -> bool {
     let mut reader = FrameReader::new();
     let mut buffer = vec![0u8; 64 * 1024];
     loop {
         match socket.read(&mut buffer) {
-            Ok(0) | Err(_) => {
-                let _ = heard.unbounded_send(Err(ChildFailure::Closed));
-                return;
-            }
+            Ok(0) | Err(_) => return true,
             Ok(n) => {
                 reader.push(&buffer[..n]);
-                while let Some(message) = reader.next_message::<FromChild>() {
-                    let message = message.map_err(|e| ChildFailure::Garbled(e.to_string()));
+                while let Some(message) = reader.next_message::<M>() {
                     let broken = message.is_err();
-                    if heard.unbounded_send(message).is_err() || broken {
-                        return;
+                    if !take(message) || broken {
+                        return false;
                     }
                 }
             }
@@ -603,6 +614,14 @@ pub enum ChildServeError {
     /// Its memory limit is not a number of bytes.
     #[error("{CHILD_MEMORY_ENV}={0:?} is not a number of bytes")]
     MemoryLimit(String),
+    /// The system refused its memory limit.
+    #[error("the memory limit of {bytes} bytes could not be set: {error}")]
+    MemoryLimitRefused {
+        /// The limit.
+        bytes: u64,
+        /// Why.
+        error: std::io::Error,
+    },
     /// Its worker sent something that is not a message.
     #[error("the worker sent {0}")]
     Garbled(String),
@@ -615,32 +634,14 @@ pub async fn serve_child<H: Handlers>(socket: PathBuf, handlers: H) -> Result<()
     if let Some(limit) = std::env::var_os(CHILD_MEMORY_ENV) {
         let limit = limit.to_string_lossy().into_owned();
         let bytes: u64 = limit.parse().map_err(|_| ChildServeError::MemoryLimit(limit.clone()))?;
-        rlimit::Resource::AS.set(bytes, bytes)?;
+        rlimit::Resource::AS.set(bytes, bytes).map_err(|error| ChildServeError::MemoryLimitRefused { bytes, error })?;
     }
     let stream = UnixStream::connect(&socket)?;
     write_frame(&stream, &encode_frame(&FromChild::Ready { pid: std::process::id() }))?;
     let (runs_tx, mut runs) = mpsc::unbounded::<Result<ToChild, String>>();
     let reading = stream.try_clone()?;
     std::thread::Builder::new().name("canter-child-read".into()).spawn(move || {
-        let mut socket = reading;
-        let mut reader = FrameReader::new();
-        let mut buffer = vec![0u8; 64 * 1024];
-        loop {
-            match socket.read(&mut buffer) {
-                Ok(0) | Err(_) => return,
-                Ok(n) => {
-                    reader.push(&buffer[..n]);
-                    while let Some(message) = reader.next_message::<ToChild>() {
-                        let message = message.map_err(|e| e.to_string());
-                        // After a broken frame the stream means nothing more.
-                        let broken = message.is_err();
-                        if runs_tx.unbounded_send(message).is_err() || broken {
-                            return;
-                        }
-                    }
-                }
-            }
-        }
+        read_frames::<ToChild>(reading, |message| runs_tx.unbounded_send(message.map_err(|e| e.to_string())).is_ok());
     })?;
     while let Some(message) = runs.next().await {
         let ToChild::Run { task, attempt, name, queue, priority, enqueued_at, run_at, args } =
@@ -664,4 +665,16 @@ pub async fn serve_child<H: Handlers>(socket: PathBuf, handlers: H) -> Result<()
         write_frame(&stream, &encode_frame(&FromChild::Done { task, outcome: outcome.into() }))?;
     }
     Ok(())
+}
+
+/// Ends a child process once [`serve_child`] returned: status 0 when its worker closed it, 1
+/// on a failure (said on stderr). The adapters' child entries end with it.
+pub fn exit_child(served: Result<(), ChildServeError>) -> ! {
+    match served {
+        Ok(()) => std::process::exit(0),
+        Err(error) => {
+            eprintln!("canter child: {error}");
+            std::process::exit(1);
+        }
+    }
 }

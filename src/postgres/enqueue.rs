@@ -138,7 +138,7 @@ pub async fn enqueue_in<'e, E: PgExecutor<'e>>(
 }
 
 /// The id of a one-task enqueue.
-fn only_id(ids: Vec<TaskId>) -> Result<TaskId, PgEnqueueError> {
+pub(crate) fn only_id(ids: Vec<TaskId>) -> Result<TaskId, PgEnqueueError> {
     ids.into_iter().next().ok_or_else(|| sqlx::Error::Protocol("enqueue returned no id".into()).into())
 }
 

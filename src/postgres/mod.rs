@@ -67,6 +67,7 @@ mod vacuum;
 mod workflow;
 
 pub use admin::PgAdminError;
+pub(crate) use enqueue::only_id;
 pub use enqueue::{PgEnqueueError, enqueue_in, enqueue_many_in};
 pub use listeners::{register_listener, unregister_listener};
 pub use protocol::claim_lock_keys;

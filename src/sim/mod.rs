@@ -390,6 +390,15 @@ struct Handler {
     answer: Option<Key>,
 }
 
+/// What happens to a wake-up on its way to one worker: its chances of loss and of a
+/// duplicate, and its longest delay.
+#[derive(Debug, Clone, Copy)]
+struct Wire {
+    loss: f64,
+    duplicate: f64,
+    delay_max_ms: u64,
+}
+
 /// A worker's LISTEN session, as a source of its [`WakeSources`].
 const LISTEN_SOURCE: usize = 0;
 
@@ -2131,7 +2140,10 @@ impl Sim {
                     // are lost with the connection (listener drops). Random loss is injected
                     // only where a poll makes up for it; in EventDrivenOnly mode it would be lost
                     // by design ("a lost notification leaves work waiting until the next one").
+                    let wire = self.notify_wire();
                     let lost = self.deliver_to_listeners(
+                        LISTEN_SOURCE,
+                        wire,
                         |slot| slot.config.deployment_mode != DeploymentMode::EventDrivenOnly,
                         |slot, incarnation| SimEvent::Notify { slot, incarnation, queue: queue.clone(), priority },
                     );
@@ -2142,7 +2154,10 @@ impl Sim {
                 // A workflow's cancel took claimed and running steps from their holders: lost
                 // (the next heartbeat makes up for it in every mode), duplicated, delayed.
                 Notification::TasksRevoked { tasks } => {
+                    let wire = self.notify_wire();
                     let lost = self.deliver_to_listeners(
+                        LISTEN_SOURCE,
+                        wire,
                         |_| true,
                         |slot, incarnation| SimEvent::Revoked { slot, incarnation, tasks: tasks.clone() },
                     );
@@ -2185,53 +2200,56 @@ impl Sim {
     /// Publishes the wake-ups of an enqueue on the broker: each subscribed worker gets it
     /// lost (where a poll makes up for it), duplicated, and delayed by its own draw.
     fn publish_to_broker(&mut self, queue: &str, priority: Option<i16>) {
-        let Some(broker) = self.options.faults.broker.clone() else { return };
-        let mut lost = Vec::new();
-        for slot in 0..self.slots.len() {
-            if self.slots[slot].worker.is_none() || !self.slots[slot].broker_listening {
-                continue;
-            }
-            let polls = self.slots[slot].config.deployment_mode != DeploymentMode::EventDrivenOnly;
-            if self.faults_on && polls && self.rng.chance(broker.loss_chance) {
-                lost.push(slot);
-                continue;
-            }
-            let copies = if self.faults_on && self.rng.chance(broker.duplicate_chance) { 2 } else { 1 };
-            let incarnation = self.slots[slot].incarnation;
-            for _ in 0..copies {
-                let delay = Duration::from_millis(self.rng.range(0, broker.delay_max_ms + 1));
-                let event = SimEvent::BrokerWakeup { slot, incarnation, queue: queue.to_owned(), priority };
-                self.schedule(delay, event);
-            }
-        }
+        let Some(broker) = &self.options.faults.broker else { return };
+        let wire =
+            Wire { loss: broker.loss_chance, duplicate: broker.duplicate_chance, delay_max_ms: broker.delay_max_ms };
+        let lost = self.deliver_to_listeners(
+            BROKER_SOURCE,
+            wire,
+            |slot| slot.config.deployment_mode != DeploymentMode::EventDrivenOnly,
+            |slot, incarnation| SimEvent::BrokerWakeup { slot, incarnation, queue: queue.to_owned(), priority },
+        );
         if !lost.is_empty() {
             self.note("broker", format_args!("wake-up of {queue}: lost for slots {lost:?}"));
         }
     }
 
-    /// Schedules `event` for every listening worker, with the notifications' faults: lost
-    /// (where `may_lose` says a loss is made up for), duplicated, delayed. Returns the slots
-    /// it was lost for. The random draws come in the same order for every kind of event, so
-    /// seeds replay.
+    /// The faults of PostgreSQL's notifications on their way to a listener.
+    fn notify_wire(&self) -> Wire {
+        let faults = &self.options.faults;
+        Wire {
+            loss: faults.notify_loss_chance,
+            duplicate: faults.notify_duplicate_chance,
+            delay_max_ms: faults.notify_delay_max_ms,
+        }
+    }
+
+    /// Schedules `event` for every worker whose wake-up source `source` is up, with `wire`'s
+    /// faults: lost (where `may_lose` says a loss is made up for), duplicated, delayed. Returns
+    /// the slots it was lost for. The random draws come in the same order for every kind of
+    /// event, so seeds replay.
     fn deliver_to_listeners(
         &mut self,
+        source: usize,
+        wire: Wire,
         may_lose: impl Fn(&Slot) -> bool,
         event: impl Fn(usize, u32) -> SimEvent,
     ) -> Vec<usize> {
         let mut lost = Vec::new();
         for slot in 0..self.slots.len() {
-            if self.slots[slot].worker.is_none() || !self.slots[slot].listening {
+            let s = &self.slots[slot];
+            let up = if source == LISTEN_SOURCE { s.listening } else { s.broker_listening };
+            if s.worker.is_none() || !up {
                 continue;
             }
-            let faults = &self.options.faults;
-            if self.faults_on && may_lose(&self.slots[slot]) && self.rng.chance(faults.notify_loss_chance) {
+            if self.faults_on && may_lose(&self.slots[slot]) && self.rng.chance(wire.loss) {
                 lost.push(slot);
                 continue;
             }
-            let copies = if self.faults_on && self.rng.chance(faults.notify_duplicate_chance) { 2 } else { 1 };
+            let copies = if self.faults_on && self.rng.chance(wire.duplicate) { 2 } else { 1 };
             let incarnation = self.slots[slot].incarnation;
             for _ in 0..copies {
-                let delay = Duration::from_millis(self.rng.range(0, self.options.faults.notify_delay_max_ms + 1));
+                let delay = Duration::from_millis(self.rng.range(0, wire.delay_max_ms + 1));
                 self.schedule(delay, event(slot, incarnation));
             }
         }
