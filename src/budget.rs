@@ -75,6 +75,11 @@ pub struct ClaimPolicy {
     /// for announced urgent tasks beside a pass in flight. `None` claims any.
     #[serde(default)]
     pub max_priority: Option<i16>,
+    /// Only tasks of this priority or a less urgent (higher) one are claimed, and seen: a large
+    /// pass through a backlog leaves tasks more urgent than the backlog to the small urgent
+    /// claims, so none waits for a large statement. `None` claims any.
+    #[serde(default)]
+    pub min_priority: Option<i16>,
 }
 
 impl ClaimPolicy {
@@ -90,6 +95,7 @@ impl ClaimPolicy {
             queues: worker.served_queues(app).into_iter().map(QueuePolicy::from).collect(),
             forbidden_flags: crate::task::normalized_flags(&worker.forbidden_flags),
             max_priority: None,
+            min_priority: None,
         }
     }
 
@@ -97,6 +103,7 @@ impl ClaimPolicy {
     pub fn admits(&self, flags: &[String], priority: i16) -> bool {
         (self.forbidden_flags.is_empty() || !flags.iter().any(|f| self.forbidden_flags.contains(f)))
             && self.max_priority.is_none_or(|max| priority <= max)
+            && self.min_priority.is_none_or(|min| priority >= min)
     }
 
     /// Hard-cap mode counts live claims against every cap; soft-cap mode (a prefetch buffer)
@@ -218,6 +225,7 @@ mod tests {
     fn policy(concurrency: u32, prefetch: u32, queues: &[(&str, Option<u32>)]) -> ClaimPolicy {
         ClaimPolicy {
             max_priority: None,
+            min_priority: None,
             concurrency,
             prefetch_buffer: prefetch,
             claim_ahead: 0,

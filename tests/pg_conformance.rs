@@ -582,6 +582,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
         queues,
         forbidden_flags: Vec::new(),
         max_priority: None,
+        min_priority: None,
     })
 }
 
@@ -1328,6 +1329,10 @@ fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, cl
         forbidden_flags: if rng.chance(0.3) { vec!["slow".into()] } else { Vec::new() },
         // A claim of urgent tasks alone, now and then.
         max_priority: rng.chance(0.15).then(|| rng.range(0, 4) as i16 - 2),
+        // A pass through a backlog, which leaves more urgent tasks to urgent claims, now and
+        // then: taken from the claim count, not the random stream, so that the scripts reach
+        // what they reached before floors came.
+        min_priority: (*tokens % 13 == 6).then(|| (*tokens % 3) as i16 - 1),
     };
     *tokens += 1;
     Op::Db(DbRequest::Claim {

@@ -445,6 +445,33 @@ async fn a_full_claim_says_whether_rows_were_left_behind() {
     assert_eq!(taken, [4, 3, 2, 1, 0].map(|i| json!(i)));
 }
 
+/// A pass through a backlog claims from its floor on: more urgent tasks are left (to the
+/// worker's urgent claims) and not counted as more.
+#[tokio::test]
+async fn a_claim_with_a_floor_leaves_more_urgent_tasks() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    store.enqueue_many([-1_i16, 0, 1].map(|p| NewTask::new("t", json!(p)).priority(p)).to_vec()).await.unwrap();
+    let mut floored = ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 8, ..WorkerConfig::default() });
+    floored.min_priority = Some(0);
+    let request = |policy: ClaimPolicy| DbRequest::Claim {
+        worker: WorkerId("w".into()),
+        token: 1,
+        policy: Arc::new(policy),
+        my_running: 0,
+        my_claimed: 0,
+        start_now: 0,
+        lease_ms: 60_000,
+    };
+    let taken = |reply: DbReply| match reply {
+        DbReply::Claimed { tasks, more, .. } => (tasks.iter().map(|t| t.priority).collect::<Vec<_>>(), more),
+        other => panic!("unexpected {other:?}"),
+    };
+    assert_eq!(taken(store.execute(&request(floored.clone())).await.unwrap()), (vec![0, 1], false));
+    floored.min_priority = None;
+    assert_eq!(taken(store.execute(&request(floored)).await.unwrap()), (vec![-1], false));
+}
+
 /// A claim commits synchronously. It once set `synchronous_commit = off` for its transaction
 /// (0.2 ms of a one-task claim): after a server crash its lease increment could be lost while
 /// the worker still held the task under the new lease, and the next claim would hand the same

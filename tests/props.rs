@@ -48,6 +48,7 @@ fn claim_policies() -> impl Strategy<Value = ClaimPolicy> {
             queues,
             forbidden_flags: Vec::new(),
             max_priority: None,
+            min_priority: None,
         })
 }
 

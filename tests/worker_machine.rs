@@ -1648,3 +1648,74 @@ fn hold_ups_before_the_grace_period_ends_do_not_make_shutdown_give_up() {
     h.reply(find(&next, "deregister_worker"), DbReply::Done);
     assert!(h.events.contains(&Event::Drained { abandoned: 0 }), "{:?}", h.events);
 }
+
+/// The claims among `commands`, with their policies.
+fn claims_with_policies(commands: &[Command]) -> Vec<(OpId, std::sync::Arc<ClaimPolicy>)> {
+    db_ops(commands)
+        .into_iter()
+        .filter_map(|(op, r)| match r {
+            DbRequest::Claim { policy, .. } => Some((op, policy.clone())),
+            _ => None,
+        })
+        .collect()
+}
+
+fn with_priority(id: i64, started: bool, priority: i16) -> ClaimedTask {
+    ClaimedTask { priority, ..task(id, started) }
+}
+
+/// Through a backlog (every pass leaves more) each pass starts at the most urgent priority the
+/// last one took, so a task enqueued more urgent than the backlog is left to the small urgent
+/// claims and never held for the whole of a large statement. What came below the floor
+/// unannounced is swept by an urgent claim every `FLOOR_SWEEP_INTERVAL`, again at once while
+/// sweeps come back full; a pass that runs short leaves no floor.
+#[test]
+fn passes_through_a_backlog_leave_more_urgent_tasks_to_urgent_claims() {
+    let (mut h, first) =
+        Harness::new(app(), WorkerConfig { concurrency: 64, seed: Some(1), ..WorkerConfig::default() });
+    let opening = claims_with_policies(&first);
+    assert_eq!(opening[0].1.min_priority, None, "the first pass takes any");
+    let next = start(&mut h, &first, vec![with_priority(1, true, 3), with_priority(2, true, 2)], true);
+    let passes = claims_with_policies(&next);
+    assert_eq!(passes.len(), 1, "{next:?}");
+    let (pass, policy) = passes[0].clone();
+    assert_eq!((policy.min_priority, policy.max_priority), (Some(2), None), "the floor: the most urgent taken");
+    // The sweep: an urgent claim below the floor, sent FLOOR_SWEEP_INTERVAL after the pass.
+    let sent_at = h.now;
+    let sweep = loop {
+        let (timer, commands) = h.fire();
+        if timer == Timer::FloorSweep {
+            break commands;
+        }
+    };
+    assert_eq!(h.now - sent_at, canter::worker::FLOOR_SWEEP_INTERVAL);
+    let sweeps = claims_with_policies(&sweep);
+    assert_eq!(sweeps.len(), 1, "{sweep:?}");
+    let (op, policy) = sweeps[0].clone();
+    assert_eq!((policy.min_priority, policy.max_priority), (None, Some(1)), "below the floor only");
+    let asked = canter::worker::URGENT_CLAIM_MAX;
+    assert_eq!(policy.max_claim_per_worker, asked, "a small claim");
+    // It came back full: another goes at once; one that comes back short ends the sweep.
+    let full = (0..asked as i64).map(|i| with_priority(100 + i, false, 0)).collect();
+    let again = claims_with_policies(&h.reply(op, DbReply::Claimed { tasks: full, more: true, next_run_in_ms: None }));
+    assert_eq!(again.len(), 1, "a full sweep sweeps again");
+    assert_eq!(again[0].1.max_priority, Some(1));
+    let short = h.reply(again[0].0, DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None });
+    assert!(claims_with_policies(&short).is_empty(), "{short:?}");
+    // The pass runs short: the next pass (a notification's) takes any priority again.
+    let ran_short =
+        h.reply(pass, DbReply::Claimed { tasks: vec![with_priority(3, true, 2)], more: false, next_run_in_ms: None });
+    assert!(claims_with_policies(&ran_short).is_empty(), "{ran_short:?}");
+    let notified = claims_with_policies(&h.input(Input::Notified { queue: "default".into(), priority: Some(5) }));
+    assert_eq!(notified.len(), 1);
+    assert_eq!(notified[0].1.min_priority, None, "no floor after a pass that ran short");
+    // And no sweep is armed any more.
+    loop {
+        let Some((at, timer)) = h.worker.poll_timeout() else { break };
+        assert_ne!(timer, Timer::FloorSweep);
+        if at > sent_at + Duration::from_secs(1) {
+            break;
+        }
+        h.fire();
+    }
+}

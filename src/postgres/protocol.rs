@@ -511,6 +511,7 @@ struct ClaimArgs<'a> {
     lock_keys: Vec<i64>,
     forbidden: Option<&'a Vec<String>>,
     max_priority: Option<i16>,
+    min_priority: Option<i16>,
 }
 
 impl<'a> ClaimArgs<'a> {
@@ -529,10 +530,11 @@ impl<'a> ClaimArgs<'a> {
             lock_keys: claim_lock_keys(schema, policy),
             forbidden: (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags),
             max_priority: policy.max_priority,
+            min_priority: policy.min_priority,
         }
     }
 
-    /// The fourteen parameters of `claim_tasks()`, bound to `query` after those it has.
+    /// The fifteen parameters of `claim_tasks()`, bound to `query` after those it has.
     fn bind<'q>(
         self,
         query: PgQuery<'q>,
@@ -559,6 +561,7 @@ impl<'a> ClaimArgs<'a> {
             .bind(self.serial)
             .bind(self.forbidden)
             .bind(self.max_priority)
+            .bind(self.min_priority)
     }
 }
 

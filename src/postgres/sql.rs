@@ -58,7 +58,7 @@ const UNSTART: &str = "attempts = t.attempts - CASE WHEN t.state = 'RUNNING' THE
 const CLAIM: &str = "\
 SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms,
        enqueued_at_ms, run_at_ms
-FROM {s}.claim_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
+FROM {s}.claim_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
 
 const START: &str = "\
 SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
@@ -141,7 +141,7 @@ CROSS JOIN ready";
 const FINISH: &str = "{finish_with}\n{finish_answer}\nORDER BY i.ord";
 
 /// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::store::DbRequest::FinishAndClaim)):
-/// the finish's parameters `$1` to `$10`, the claim's `$11` to `$24`. The claim runs after the
+/// the finish's parameters `$1` to `$10`, the claim's `$11` to `$25`. The claim runs after the
 /// finish has answered (its filter reads the answer first), and `claim_tasks()`, a volatile
 /// function, sees what the statement wrote so far: the rows it moved and retried. Rows of
 /// part 0 answer the finish, of part 1 the claim, each in its order.
@@ -156,7 +156,7 @@ FROM finish_answer f
 UNION ALL
 SELECT 1, c.ord, c.id, NULL, c.lease, c.name, c.queue, c.args, c.priority, c.started, c.attempt, c.retries, c.retry,
        c.expires, c.more, c.next_run_in_ms, c.enqueued_at_ms, c.run_at_ms
-FROM {s}.claim_tasks($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24)
+FROM {s}.claim_tasks($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)
      WITH ORDINALITY AS c(id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more,
                           next_run_in_ms, enqueued_at_ms, run_at_ms, ord)
 WHERE (SELECT count(*) FROM finish_answer) >= 0

@@ -52,6 +52,11 @@ pub const NOTIFIED_PASS_BURST: u32 = 20;
 /// The rate empty notified passes may keep up once their burst is spent.
 pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
 
+/// While regular passes leave tasks more urgent than their floor to urgent claims, an urgent
+/// claim below the floor goes at least this often: tasks no notification announced (due by
+/// time, handed back, announced while the worker was deaf) wait at most this long for it.
+pub const FLOOR_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
+
 impl Worker {
     /// A claim pass is wanted for a reason other than a notification.
     pub(super) fn want_pass(&mut self) {
@@ -89,6 +94,19 @@ impl Worker {
         if budget == 0 {
             return None; // a freed permit calls pump again
         }
+        // Through a backlog, a large pass must not take (and hold for its whole statement) a
+        // task enqueued more urgent than the backlog: urgent claims take those.
+        let policy = match self.pass_floor {
+            Some(floor) => {
+                if !self.timers.contains(Timer::FloorSweep) {
+                    self.arm(Timer::FloorSweep, now + FLOOR_SWEEP_INTERVAL);
+                }
+                let mut floored = (*policy).clone();
+                floored.min_priority = Some(floor);
+                Arc::new(floored)
+            }
+            None => policy,
+        };
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
         self.claim_out = (budget, start_now.min(budget));
         self.more_work = false;
@@ -133,6 +151,7 @@ impl Worker {
             return; // due still: asked once the pass in flight is back
         }
         self.urgent_due = 0;
+        self.sweep_out = std::mem::take(&mut self.sweep_due);
         let start_now = self.config.concurrency.saturating_sub(running + claimed + out_start).min(budget);
         // The store sees this worker's held tasks only: it may take `budget`, no more.
         let mut policy = (*self.policy).clone();
@@ -233,8 +252,21 @@ impl Worker {
     /// The answer of an urgent claim: what it took joins the buffer.
     pub(super) fn on_urgent_claimed(&mut self, tasks: Vec<ClaimedTask>, token: u64) {
         // What it took joins the buffer, most urgent first; the regular passes go on.
-        self.urgent_out = None;
+        let asked = self.urgent_out.take().map_or(0, |(budget, _)| budget);
+        if std::mem::take(&mut self.sweep_out) && tasks.len() as u32 >= asked {
+            // The sweep found as many as it asked for: more may be waiting below the floor.
+            self.sweep_below_floor();
+        }
         self.take_claimed(tasks, token);
+    }
+
+    /// Asks the next urgent claim to take what waits below the pass floor, unannounced.
+    pub(super) fn sweep_below_floor(&mut self) {
+        // Nothing is more urgent than the most urgent priority.
+        let Some(below) = self.pass_floor.and_then(|floor| floor.checked_sub(1)) else { return };
+        self.urgent_bound = if self.urgent_due == 0 { below } else { self.urgent_bound.max(below) };
+        self.urgent_due = self.urgent_due.max(URGENT_CLAIM_MAX);
+        self.sweep_due = true;
     }
 
     /// The answer of a claim pass (alone or inside a finish).
@@ -266,6 +298,12 @@ impl Worker {
         self.claim_out = (0, 0);
         let took = tasks.len();
         self.working_rank = tasks.iter().map(|t| (self.queue_priority(&t.queue), t.priority)).max();
+        // Through a backlog the next pass starts at the most urgent priority this one took;
+        // a pass that ran short (or took nothing) leaves no floor.
+        self.pass_floor = if more { tasks.iter().map(|t| t.priority).min() } else { None };
+        if self.pass_floor.is_none() {
+            self.timers.remove(Timer::FloorSweep);
+        }
         self.take_claimed(tasks, token);
         if more {
             if took > 0 {
@@ -426,6 +464,7 @@ impl Worker {
     pub(super) fn claim_failed(&mut self, token: u64, unknown: bool, urgent: bool, now: Instant) {
         if urgent {
             self.urgent_out = None;
+            self.sweep_out = false;
         } else {
             self.slots.claim.answered();
             self.claim_out = (0, 0);

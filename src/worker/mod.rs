@@ -70,7 +70,7 @@ mod timers;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 use claims::PassBudget;
-pub use claims::{NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
+pub use claims::{FLOOR_SWEEP_INTERVAL, NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
 pub use completions::{MAX_FINISH_BATCH_BYTES, MAX_LONE_REFUSALS};
 use completions::{Queued, own_outcome_bytes};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
@@ -375,6 +375,9 @@ pub enum Timer {
     NotifiedPass,
     /// Try again what a lock held up.
     LockRetry,
+    /// While passes leave tasks more urgent than their floor to urgent claims, claim those
+    /// that came unannounced (due by time, handed back): an urgent claim below the floor.
+    FloorSweep,
 }
 
 /// What the machine knows of its own state, for health checks and gauges: a worker is ready
@@ -543,6 +546,13 @@ pub struct Worker {
     working_rank: Option<(u8, i16)>,
     /// A claim for it is in flight: its budget and how many it may start.
     urgent_out: Option<(u32, u32)>,
+    /// The priority floor of the next regular pass, while the worker works through a backlog:
+    /// the most urgent priority the last pass took, when it left more (see [`Timer::FloorSweep`]).
+    pass_floor: Option<i16>,
+    /// The next urgent claim sweeps below the floor.
+    sweep_due: bool,
+    /// The urgent claim in flight is a sweep below the floor.
+    sweep_out: bool,
     timers: Timers,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
@@ -627,6 +637,9 @@ impl Worker {
             urgent_bound: i16::MIN,
             working_rank: None,
             urgent_out: None,
+            pass_floor: None,
+            sweep_due: false,
+            sweep_out: false,
             timers: Timers::default(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
@@ -840,6 +853,7 @@ impl Worker {
                     self.more_work = true;
                     self.notified_pass = true;
                 }
+                Timer::FloorSweep => self.sweep_below_floor(),
             }
         }
         self.pump(now);

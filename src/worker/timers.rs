@@ -9,7 +9,7 @@ use super::Timer;
 use crate::task::TaskId;
 
 /// How many named timers there are: every [`Timer`] but [`Timer::HandlerTimeout`].
-const NAMED: usize = 12;
+const NAMED: usize = 13;
 
 /// The named timers, in [`Timer`]'s order (which due timers are handled in).
 const NAMED_TIMERS: [Timer; NAMED] = [
@@ -25,6 +25,7 @@ const NAMED_TIMERS: [Timer; NAMED] = [
     Timer::RecordStarts,
     Timer::NotifiedPass,
     Timer::LockRetry,
+    Timer::FloorSweep,
 ];
 
 /// The slot of a named timer; `None` for a handler's.
@@ -42,6 +43,7 @@ fn slot(timer: Timer) -> Option<usize> {
         Timer::RecordStarts => 9,
         Timer::NotifiedPass => 10,
         Timer::LockRetry => 11,
+        Timer::FloorSweep => 12,
         Timer::HandlerTimeout(_) => return None,
     })
 }

@@ -215,8 +215,8 @@ pub async fn pin_clock<'e>(executor: impl sqlx::PgExecutor<'e>, schema: &PgSchem
 /// with a task (the last row, with no id, carries `more`).
 pub fn claim_call(schema: &PgSchema, hard: bool) -> String {
     format!(
-        "SELECT count(id) FROM {}.claim('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, {hard}, NULL, 0, \
-         '{{}}', 16, 60000, ARRAY[false], NULL)",
+        "SELECT count(id) FROM {}.claim_tasks('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, {hard}, NULL, 0, \
+         '{{}}', 16, 60000, ARRAY[false], NULL, NULL, NULL)",
         schema.quoted()
     )
 }
