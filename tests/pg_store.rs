@@ -452,7 +452,8 @@ async fn a_claim_with_a_floor_leaves_more_urgent_tasks() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 4).await;
     store.enqueue_many([-1_i16, 0, 1].map(|p| NewTask::new("t", json!(p)).priority(p)).to_vec()).await.unwrap();
-    let mut floored = ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 8, ..WorkerConfig::default() });
+    let mut floored =
+        ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 8, ..WorkerConfig::default() });
     floored.min_priority = Some(0);
     let request = |policy: ClaimPolicy| DbRequest::Claim {
         worker: WorkerId("w".into()),

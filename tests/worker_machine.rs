@@ -1664,23 +1664,36 @@ fn with_priority(id: i64, started: bool, priority: i16) -> ClaimedTask {
     ClaimedTask { priority, ..task(id, started) }
 }
 
-/// Through a backlog (every pass leaves more) each pass starts at the most urgent priority the
-/// last one took, so a task enqueued more urgent than the backlog is left to the small urgent
-/// claims and never held for the whole of a large statement. What came below the floor
-/// unannounced is swept by an urgent claim every `FLOOR_SWEEP_INTERVAL`, again at once while
-/// sweeps come back full; a pass that runs short leaves no floor.
-#[test]
-fn passes_through_a_backlog_leave_more_urgent_tasks_to_urgent_claims() {
-    let (mut h, first) =
-        Harness::new(app(), WorkerConfig { concurrency: 64, seed: Some(1), ..WorkerConfig::default() });
+/// A worker of 64 slots whose first pass took priorities 3 and 2 and left more: the second
+/// pass, in flight, and its policy.
+fn through_a_backlog(config: WorkerConfig) -> (Harness, OpId, std::sync::Arc<ClaimPolicy>) {
+    let (mut h, first) = Harness::new(app(), config);
     let opening = claims_with_policies(&first);
     assert_eq!(opening[0].1.min_priority, None, "the first pass takes any");
     let next = start(&mut h, &first, vec![with_priority(1, true, 3), with_priority(2, true, 2)], true);
     let passes = claims_with_policies(&next);
     assert_eq!(passes.len(), 1, "{next:?}");
     let (pass, policy) = passes[0].clone();
+    (h, pass, policy)
+}
+
+fn slots(concurrency: u32) -> WorkerConfig {
+    WorkerConfig { concurrency, seed: Some(1), ..WorkerConfig::default() }
+}
+
+fn claimed(tasks: Vec<ClaimedTask>, more: bool) -> DbReply {
+    DbReply::Claimed { tasks, more, next_run_in_ms: None }
+}
+
+/// Through a backlog (every pass leaves more) each pass starts at the most urgent priority the
+/// last one took, so a task enqueued more urgent than the backlog is left to the small urgent
+/// claims and never held for the whole of a large statement. What came below the floor
+/// unannounced is swept by an urgent claim `FLOOR_SWEEP_INTERVAL` after a pass with a floor;
+/// a sweep that leaves more lifts the floor for the next pass, which takes the rest in order.
+#[test]
+fn passes_through_a_backlog_leave_more_urgent_tasks_to_urgent_claims() {
+    let (mut h, pass, policy) = through_a_backlog(slots(64));
     assert_eq!((policy.min_priority, policy.max_priority), (Some(2), None), "the floor: the most urgent taken");
-    // The sweep: an urgent claim below the floor, sent FLOOR_SWEEP_INTERVAL after the pass.
     let sent_at = h.now;
     let sweep = loop {
         let (timer, commands) = h.fire();
@@ -1695,27 +1708,54 @@ fn passes_through_a_backlog_leave_more_urgent_tasks_to_urgent_claims() {
     assert_eq!((policy.min_priority, policy.max_priority), (None, Some(1)), "below the floor only");
     let asked = canter::worker::URGENT_CLAIM_MAX;
     assert_eq!(policy.max_claim_per_worker, asked, "a small claim");
-    // It came back full: another goes at once; one that comes back short ends the sweep.
+    // It left more (a bulk enqueue of urgent tasks): no sweep after sweep, eight at a time;
+    // the next pass goes without a floor, whatever the pass in flight brings back.
     let full = (0..asked as i64).map(|i| with_priority(100 + i, false, 0)).collect();
-    let again = claims_with_policies(&h.reply(op, DbReply::Claimed { tasks: full, more: true, next_run_in_ms: None }));
-    assert_eq!(again.len(), 1, "a full sweep sweeps again");
-    assert_eq!(again[0].1.max_priority, Some(1));
-    let short = h.reply(again[0].0, DbReply::Claimed { tasks: vec![], more: false, next_run_in_ms: None });
-    assert!(claims_with_policies(&short).is_empty(), "{short:?}");
-    // The pass runs short: the next pass (a notification's) takes any priority again.
-    let ran_short =
-        h.reply(pass, DbReply::Claimed { tasks: vec![with_priority(3, true, 2)], more: false, next_run_in_ms: None });
-    assert!(claims_with_policies(&ran_short).is_empty(), "{ran_short:?}");
-    let notified = claims_with_policies(&h.input(Input::Notified { queue: "default".into(), priority: Some(5) }));
-    assert_eq!(notified.len(), 1);
-    assert_eq!(notified[0].1.min_priority, None, "no floor after a pass that ran short");
-    // And no sweep is armed any more.
+    assert!(claims_with_policies(&h.reply(op, claimed(full, true))).is_empty());
+    let next = h.reply(pass, claimed(vec![with_priority(3, true, 2)], true));
+    let lifted = claims_with_policies(&next);
+    assert_eq!(lifted.len(), 1, "{next:?}");
+    assert_eq!(lifted[0].1.min_priority, None, "the floor lifted for one pass");
+    // That pass left more: the one after has a floor again.
+    let again = h.reply(lifted[0].0, claimed(vec![with_priority(4, true, 1)], true));
+    assert_eq!(claims_with_policies(&again)[0].1.min_priority, Some(1));
+}
+
+/// A pass that ran short above its floor says nothing of what is below it: a pass without a
+/// floor follows at once (sim seeds 3002020 and 3005577: an event-driven worker waited with
+/// tasks below the floor), and once that one runs short, no floor and no sweep are left.
+#[test]
+fn a_pass_that_ran_short_above_its_floor_is_followed_by_one_without() {
+    let (mut h, pass, _) = through_a_backlog(slots(64));
+    let ran_short = h.reply(pass, claimed(vec![with_priority(3, true, 2)], false));
+    let unfloored = claims_with_policies(&ran_short);
+    assert_eq!(unfloored.len(), 1, "{ran_short:?}");
+    assert_eq!(unfloored[0].1.min_priority, None, "no floor after a pass that ran short");
+    let idle = h.reply(unfloored[0].0, claimed(vec![], false));
+    assert!(claims_with_policies(&idle).is_empty(), "an unfloored pass that ran short ends: {idle:?}");
+    let start = h.now;
     loop {
         let Some((at, timer)) = h.worker.poll_timeout() else { break };
-        assert_ne!(timer, Timer::FloorSweep);
-        if at > sent_at + Duration::from_secs(1) {
+        assert_ne!(timer, Timer::FloorSweep, "a sweep with no floor");
+        if at > start + Duration::from_secs(1) {
             break;
         }
         h.fire();
     }
+}
+
+/// With `max_claim_per_worker` binding, the pass in flight takes all the room and no urgent
+/// claim can go beside it: the next pass goes without a floor, so what was announced below it
+/// does not wait for the backlog to end.
+#[test]
+fn an_urgent_claim_with_no_room_lifts_the_floor() {
+    let config = WorkerConfig { max_claim_per_worker: 2, ..slots(8) };
+    let (mut h, pass, policy) = through_a_backlog(config);
+    assert_eq!(policy.min_priority, Some(2));
+    let announced = h.input(Input::Notified { queue: "default".into(), priority: Some(-1) });
+    assert!(claims_with_policies(&announced).is_empty(), "no room beside the pass: {announced:?}");
+    let next = h.reply(pass, claimed(vec![with_priority(3, false, 2)], true));
+    let passes = claims_with_policies(&next);
+    assert_eq!(passes.len(), 1, "{next:?}");
+    assert_eq!(passes[0].1.min_priority, None, "the announced task is taken in claim order");
 }

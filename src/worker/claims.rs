@@ -53,8 +53,10 @@ pub const NOTIFIED_PASS_BURST: u32 = 20;
 pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
 
 /// While regular passes leave tasks more urgent than their floor to urgent claims, an urgent
-/// claim below the floor goes at least this often: tasks no notification announced (due by
-/// time, handed back, announced while the worker was deaf) wait at most this long for it.
+/// claim below the floor (a sweep) goes this long after a pass with a floor is sent, once per
+/// interval: for tasks no notification announced (due by time, handed back, announced while
+/// the worker was deaf). A sweep that leaves more, or one that finds no room, lifts the floor:
+/// the next pass takes those tasks in claim order.
 pub const FLOOR_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
 impl Worker {
@@ -96,7 +98,10 @@ impl Worker {
         }
         // Through a backlog, a large pass must not take (and hold for its whole statement) a
         // task enqueued more urgent than the backlog: urgent claims take those.
-        let policy = match self.pass_floor {
+        // A floor is lifted for one pass when what is below it cannot wait for urgent claims.
+        let floor = self.pass_floor.filter(|_| !std::mem::take(&mut self.floor_lifted));
+        self.floor_out = floor.is_some();
+        let policy = match floor {
             Some(floor) => {
                 if !self.timers.contains(Timer::FloorSweep) {
                     self.arm(Timer::FloorSweep, now + FLOOR_SWEEP_INTERVAL);
@@ -148,7 +153,11 @@ impl Worker {
         // As many as were announced: the claim takes the most urgent first.
         let budget = URGENT_CLAIM_MAX.min(self.urgent_due).min(room);
         if budget == 0 {
-            return; // due still: asked once the pass in flight is back
+            // Due still: asked once the pass in flight is back. Passes take the room first
+            // (`max_claim_per_worker` may leave none beside one): the next takes these in
+            // claim order, without a floor.
+            self.floor_lifted = true;
+            return;
         }
         self.urgent_due = 0;
         self.sweep_out = std::mem::take(&mut self.sweep_due);
@@ -250,18 +259,22 @@ impl Worker {
     }
 
     /// The answer of an urgent claim: what it took joins the buffer.
-    pub(super) fn on_urgent_claimed(&mut self, tasks: Vec<ClaimedTask>, token: u64) {
+    pub(super) fn on_urgent_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
         // What it took joins the buffer, most urgent first; the regular passes go on.
-        let asked = self.urgent_out.take().map_or(0, |(budget, _)| budget);
-        if std::mem::take(&mut self.sweep_out) && tasks.len() as u32 >= asked {
-            // The sweep found as many as it asked for: more may be waiting below the floor.
-            self.sweep_below_floor();
+        self.urgent_out = None;
+        if std::mem::take(&mut self.sweep_out) && more {
+            // More waits below the floor than a small claim takes (a bulk enqueue of urgent
+            // tasks announces itself once): the next pass takes it in claim order.
+            self.floor_lifted = true;
         }
         self.take_claimed(tasks, token);
     }
 
     /// Asks the next urgent claim to take what waits below the pass floor, unannounced.
     pub(super) fn sweep_below_floor(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
         // Nothing is more urgent than the most urgent priority.
         let Some(below) = self.pass_floor.and_then(|floor| floor.checked_sub(1)) else { return };
         self.urgent_bound = if self.urgent_due == 0 { below } else { self.urgent_bound.max(below) };
@@ -303,6 +316,15 @@ impl Worker {
         self.pass_floor = if more { tasks.iter().map(|t| t.priority).min() } else { None };
         if self.pass_floor.is_none() {
             self.timers.remove(Timer::FloorSweep);
+            if std::mem::take(&mut self.sweep_due) {
+                // A sweep not sent yet has nothing left to sweep: the next pass takes any.
+                self.urgent_due = 0;
+            }
+        }
+        if std::mem::take(&mut self.floor_out) && !more {
+            // Short above its floor, which says nothing of below it: one pass without a floor
+            // before the worker waits (what is left there may have been announced already).
+            self.want_pass();
         }
         self.take_claimed(tasks, token);
         if more {
@@ -465,9 +487,12 @@ impl Worker {
         if urgent {
             self.urgent_out = None;
             self.sweep_out = false;
+            // Its tasks wait for the next pass, which must not pass over them.
+            self.floor_lifted = true;
         } else {
             self.slots.claim.answered();
             self.claim_out = (0, 0);
+            self.floor_out = false;
             self.want_pass();
         }
         if unknown {

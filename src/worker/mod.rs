@@ -376,7 +376,8 @@ pub enum Timer {
     /// Try again what a lock held up.
     LockRetry,
     /// While passes leave tasks more urgent than their floor to urgent claims, claim those
-    /// that came unannounced (due by time, handed back): an urgent claim below the floor.
+    /// that came unannounced (due by time, handed back): an urgent claim below the floor,
+    /// [`FLOOR_SWEEP_INTERVAL`] after a pass with a floor was sent.
     FloorSweep,
 }
 
@@ -549,6 +550,11 @@ pub struct Worker {
     /// The priority floor of the next regular pass, while the worker works through a backlog:
     /// the most urgent priority the last pass took, when it left more (see [`Timer::FloorSweep`]).
     pass_floor: Option<i16>,
+    /// The regular pass in flight has a floor: its "more" says nothing of what is below it.
+    floor_out: bool,
+    /// The next pass goes without a floor: what is below it cannot wait for urgent claims (a
+    /// sweep left more, an urgent claim found no room or failed).
+    floor_lifted: bool,
     /// The next urgent claim sweeps below the floor.
     sweep_due: bool,
     /// The urgent claim in flight is a sweep below the floor.
@@ -638,6 +644,8 @@ impl Worker {
             working_rank: None,
             urgent_out: None,
             pass_floor: None,
+            floor_out: false,
+            floor_lifted: false,
             sweep_due: false,
             sweep_out: false,
             timers: Timers::default(),
@@ -985,8 +993,8 @@ impl Worker {
                     self.on_reply(Op::Claim { token, notified, sent, urgent: false }, claimed);
                 }
             }
-            (Op::Claim { urgent: true, token, .. }, DbReply::Claimed { tasks, .. }) => {
-                self.on_urgent_claimed(tasks, token)
+            (Op::Claim { urgent: true, token, .. }, DbReply::Claimed { tasks, more, .. }) => {
+                self.on_urgent_claimed(tasks, more, token)
             }
             (Op::Claim { notified, sent, token, .. }, DbReply::Claimed { tasks, more, next_run_in_ms }) => {
                 self.on_pass_claimed(notified, sent, token, tasks, more, next_run_in_ms)
