@@ -1734,8 +1734,7 @@ fn a_pass_that_ran_short_above_its_floor_is_followed_by_one_without() {
     let idle = h.reply(unfloored[0].0, claimed(vec![], false));
     assert!(claims_with_policies(&idle).is_empty(), "an unfloored pass that ran short ends: {idle:?}");
     let start = h.now;
-    loop {
-        let Some((at, timer)) = h.worker.poll_timeout() else { break };
+    while let Some((at, timer)) = h.worker.poll_timeout() {
         assert_ne!(timer, Timer::FloorSweep, "a sweep with no floor");
         if at > start + Duration::from_secs(1) {
             break;
