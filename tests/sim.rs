@@ -94,6 +94,9 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     let skipped: usize = sweep.reports.iter().map(|r| r.skipped).sum();
     let with_broker = sweep.reports.iter().filter(|r| r.broker_wakeups > 0).count();
     let broker_wakeups: u64 = sweep.reports.iter().map(|r| r.broker_wakeups).sum();
+    let with_floors = sweep.reports.iter().filter(|r| r.floored_passes > 0).count();
+    let floored: u64 = sweep.reports.iter().map(|r| r.floored_passes).sum();
+    eprintln!("sim sweep: {with_floors} passed seeds sent {floored} claim passes with a priority floor");
     eprintln!(
         "sim sweep: {with_broker} passed seeds woke workers through a broker: {broker_wakeups} wake-ups delivered"
     );

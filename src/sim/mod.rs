@@ -187,6 +187,8 @@ pub struct SimReport {
     pub dead_workers: u64,
     /// Wake-ups a broker delivered to workers (with [`BrokerFaults`]).
     pub broker_wakeups: u64,
+    /// Claim passes sent with a priority floor (through a backlog).
+    pub floored_passes: u64,
     /// Whether the run injected any fault besides latency.
     pub faulty: bool,
 }
@@ -516,6 +518,7 @@ struct Stats {
     max_per_second: u32,
     dead_workers: u64,
     broker_wakeups: u64,
+    floored_passes: u64,
 }
 
 impl Sim {
@@ -673,6 +676,7 @@ impl Sim {
             max_requests_per_second: self.stats.max_per_second,
             dead_workers: self.stats.dead_workers,
             broker_wakeups: self.stats.broker_wakeups,
+            floored_passes: self.stats.floored_passes,
             faulty: self.options.faults.any(),
         }
     }
@@ -1317,6 +1321,9 @@ impl Sim {
         match command {
             Command::Db { op, request } => {
                 self.stats.requests += 1;
+                if let DbRequest::Claim { policy, .. } | DbRequest::FinishAndClaim { policy, .. } = &request {
+                    self.stats.floored_passes += u64::from(policy.min_priority.is_some());
+                }
                 let second = self.elapsed().as_secs();
                 let s = &mut self.slots[slot];
                 if s.second != second {
