@@ -127,71 +127,68 @@ BEGIN
             v_ids := v_ids || v_got;
             v_left := v_left - cardinality(v_got);
         END IF;
-        IF NOT v_more AND cardinality(v_got) >= v_want THEN
-            -- Was an eligible row left behind? Pending rows are probed after the last one this
-            -- pass took, in claim order (one index descent: the rows it took are still Pending
-            -- until the update below, and skipping them one by one would cost a pass's size
-            -- squared); rows before it were taken by other claimers. Ordered like the claim, so
-            -- the planner walks the same indexes (EXISTS would drop the ORDER BY and LIMIT).
-            IF v_last_id IS NULL THEN
-                v_more := (
-                    SELECT t.id FROM tasks t
-                    WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
-                      AND t.run_at <= v_now
-                      AND (t.good_until IS NULL OR t.good_until > v_now)
-                      AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                      AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
-                    ORDER BY t.priority, t.run_at, t.id
-                    LIMIT 1
-                ) IS NOT NULL;
+        IF NOT v_more THEN
+            IF cardinality(v_got) >= v_want THEN
+                -- Was an eligible row left behind? Pending rows are probed after the last one this
+                -- pass took, in claim order (one index descent: the rows it took are still Pending
+                -- until the update below, and skipping them one by one would cost a pass's size
+                -- squared); rows before it were taken by other claimers. Ordered like the claim, so
+                -- the planner walks the same indexes (EXISTS would drop the ORDER BY and LIMIT).
+                IF v_last_id IS NULL THEN
+                    v_more := (
+                        SELECT t.id FROM tasks t
+                        WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
+                          AND t.run_at <= v_now
+                          AND (t.good_until IS NULL OR t.good_until > v_now)
+                          AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                          AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                        ORDER BY t.priority, t.run_at, t.id
+                        LIMIT 1
+                    ) IS NOT NULL;
+                ELSE
+                    v_more := (
+                        SELECT t.id FROM tasks t
+                        WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
+                          AND t.run_at <= v_now
+                          AND (t.priority, t.run_at, t.id) > (v_last_priority, v_last_run_at, v_last_id)
+                          AND (t.good_until IS NULL OR t.good_until > v_now)
+                          AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                          AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                        ORDER BY t.priority, t.run_at, t.id
+                        LIMIT 1
+                    ) IS NOT NULL;
+                END IF;
             ELSE
+                -- The queue ran short of rows it could lock, so every eligible row it did not take is
+                -- one another transaction holds (a claimer about to commit, or anyone's lock): left
+                -- behind all the same, or a worker that waits for notifications would never come
+                -- back for it. Its Pending rows are the ones taken and the held ones: counting to
+                -- one past those taken walks no further than that.
+                v_more := (
+                    SELECT count(*) FROM (
+                        SELECT 1 FROM tasks t
+                        WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
+                          AND t.run_at <= v_now
+                          AND (t.good_until IS NULL OR t.good_until > v_now)
+                          AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
+                          AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                        ORDER BY t.priority, t.run_at, t.id
+                        LIMIT coalesce(v_got_pending, 0) + 1
+                    ) x
+                ) > coalesce(v_got_pending, 0);
+            END IF;
+            IF NOT v_more THEN
+                -- Lapsed claims it did not take are left behind too, whichever way it ended.
                 v_more := (
                     SELECT t.id FROM tasks t
-                    WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
-                      AND t.run_at <= v_now
-                      AND (t.priority, t.run_at, t.id) > (v_last_priority, v_last_run_at, v_last_id)
-                      AND (t.good_until IS NULL OR t.good_until > v_now)
+                    WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
+                      AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)
                       AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
                       AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
-                    ORDER BY t.priority, t.run_at, t.id
+                    ORDER BY t.claim_expires_at
                     LIMIT 1
                 ) IS NOT NULL;
             END IF;
-            v_more := v_more OR (
-                SELECT t.id FROM tasks t
-                WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
-                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)
-                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                  AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
-                ORDER BY t.claim_expires_at
-                LIMIT 1
-            ) IS NOT NULL;
-        ELSIF NOT v_more THEN
-            -- The queue ran short of rows it could lock, so every eligible row it did not take is
-            -- one another transaction holds (a claimer about to commit, or anyone's lock): left
-            -- behind all the same, or a worker that waits for notifications would never come
-            -- back for it. Its Pending rows are the ones taken and the held ones: counting to
-            -- one past those taken walks no further than that.
-            v_more := (
-                SELECT count(*) FROM (
-                    SELECT 1 FROM tasks t
-                    WHERE hashtext(t.queue) = hashtext(v_queue) AND t.queue = v_queue AND t.state = 'PENDING'
-                      AND t.run_at <= v_now
-                      AND (t.good_until IS NULL OR t.good_until > v_now)
-                      AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                      AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
-                    ORDER BY t.priority, t.run_at, t.id
-                    LIMIT coalesce(v_got_pending, 0) + 1
-                ) x
-            ) > coalesce(v_got_pending, 0) OR (
-                SELECT t.id FROM tasks t
-                WHERE t.queue = v_queue AND t.state = 'CLAIMED' AND t.claim_expires_at <= v_now
-                  AND t.run_at <= v_now AND (t.good_until IS NULL OR t.good_until > v_now) AND t.id <> ALL (v_got)
-                  AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                  AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
-                ORDER BY t.claim_expires_at
-                LIMIT 1
-            ) IS NOT NULL;
         END IF;
     END LOOP;
     IF NOT v_more THEN
