@@ -195,6 +195,17 @@ impl Pair {
                 assert_eq!(pg, memory, "{at}: enqueue {tasks:?}");
             }
             Op::Db(request) => {
+                if let DbRequest::Claim { policy, .. } | DbRequest::FinishAndClaim { policy, .. } = request {
+                    // A floor that has something below it to leave (to urgent claims).
+                    let below = |t: &canter::memory::StoredTask| {
+                        t.state == TaskState::Pending
+                            && policy.min_priority.is_some_and(|floor| t.priority < floor)
+                            && policy.queues.iter().any(|q| q.name == t.queue)
+                    };
+                    if self.memory.tasks().any(below) {
+                        self.see("floor left a more urgent task");
+                    }
+                }
                 let memory = self.memory.execute(request, self.now).map(normalized).map_err(failure_kind);
                 match &memory {
                     Ok(reply) => {
@@ -1742,6 +1753,7 @@ async fn random_scripts_agree() {
         "claimed and started",
         "re-claimed",
         "more",
+        "floor left a more urgent task",
         "wake-up hint",
         "started",
         "expired at start",
