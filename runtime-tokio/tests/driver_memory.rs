@@ -9,7 +9,7 @@ use canter_tokio::canter::config::{AppConfig, RecoveryConfig, RetryPolicy, Worke
 use canter_tokio::canter::driver::{self, DriverOptions, MemoryBackend, Registry, Runtime, TaskContext};
 use canter_tokio::canter::memory::MemoryStore;
 use canter_tokio::canter::store::{DbTime, NewTask, RunAt};
-use canter_tokio::canter::task::{ErrorCode, TaskError, TaskState, WorkerId};
+use canter_tokio::canter::task::{ErrorCode, TaskError, TaskId, TaskState, WorkerId};
 use canter_tokio::canter::worker::{Event, Input, Worker};
 use serde_json::json;
 
@@ -231,7 +231,16 @@ async fn shutdown_returns_running_tasks_after_the_grace_period() {
         store.enqueue_many(vec![NewTask::new("sleep", json!({"ms": 60_000})); 2], now).unwrap()
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
-    while cluster.backend.with_store(|s, _| ids.iter().any(|id| s.get(*id).unwrap().state != TaskState::Running)) {
+    // Running in the store is not enough: the claim's reply may still be on its way to the
+    // worker, and a shutdown handled before it hands the tasks straight back, with no grace
+    // period to wait for (CI saw the shutdown end early once). The worker's own Started events
+    // say it runs them.
+    let started_by_worker = |id: &TaskId| {
+        cluster.events.lock().unwrap().iter().any(|e| matches!(e, Event::Started { task, .. } if task == id))
+    };
+    while cluster.backend.with_store(|s, _| ids.iter().any(|id| s.get(*id).unwrap().state != TaskState::Running))
+        || !ids.iter().all(started_by_worker)
+    {
         assert!(tokio::time::Instant::now() < deadline, "tasks never started");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
