@@ -22,6 +22,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::config::{AppConfig, WorkerConfig};
+use crate::task::DbTime;
 
 /// One queue as a claim pass sees it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -80,6 +81,13 @@ pub struct ClaimPolicy {
     /// claims, so none waits for a large statement. `None` claims any.
     #[serde(default)]
     pub min_priority: Option<i16>,
+    /// Only Pending tasks due at this time or later are claimed, and seen (lapsed claims are
+    /// taken whatever their run-at): a pass woken only by enqueues that announced their run-at
+    /// need not look before the earliest of them. It starts the claim's index walk past the
+    /// rows claimed before, which another session holding the xmin keeps as dead entries.
+    /// `None` claims any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_run_at: Option<DbTime>,
 }
 
 impl ClaimPolicy {
@@ -96,6 +104,7 @@ impl ClaimPolicy {
             forbidden_flags: crate::task::normalized_flags(&worker.forbidden_flags),
             max_priority: None,
             min_priority: None,
+            min_run_at: None,
         }
     }
 
@@ -104,6 +113,15 @@ impl ClaimPolicy {
         (self.forbidden_flags.is_empty() || !flags.iter().any(|f| self.forbidden_flags.contains(f)))
             && self.max_priority.is_none_or(|max| priority <= max)
             && self.min_priority.is_none_or(|min| priority >= min)
+    }
+
+    /// Whether this policy claims (and sees) a claimable row of a served queue: [`admits`]
+    /// its flags and priority, and a Pending row's run-at is not before [`min_run_at`].
+    ///
+    /// [`admits`]: ClaimPolicy::admits
+    /// [`min_run_at`]: ClaimPolicy::min_run_at
+    pub fn admits_row(&self, flags: &[String], priority: i16, pending: bool, run_at: DbTime) -> bool {
+        self.admits(flags, priority) && (!pending || self.min_run_at.is_none_or(|min| run_at >= min))
     }
 
     /// Hard-cap mode counts live claims against every cap; soft-cap mode (a prefetch buffer)
@@ -226,6 +244,7 @@ mod tests {
         ClaimPolicy {
             max_priority: None,
             min_priority: None,
+            min_run_at: None,
             concurrency,
             prefetch_buffer: prefetch,
             claim_ahead: 0,

@@ -97,7 +97,7 @@ impl Wakeup {
 
     /// What the worker machine makes of it.
     pub fn into_input(self) -> Input {
-        Input::Notified { queue: self.queue, priority: self.priority }
+        Input::Notified { queue: self.queue, priority: self.priority, run_at: None }
     }
 }
 
@@ -181,7 +181,10 @@ mod tests {
     fn wakeups_round_trip_and_poison_bytes_fail_alone() {
         let wakeup = Wakeup { queue: "emails \"eu\".*".into(), priority: None, tasks: vec![] };
         assert_eq!(Wakeup::decode(&wakeup.encode()), Ok(wakeup.clone()));
-        assert_eq!(wakeup.into_input(), Input::Notified { queue: "emails \"eu\".*".into(), priority: None });
+        assert_eq!(
+            wakeup.into_input(),
+            Input::Notified { queue: "emails \"eu\".*".into(), priority: None, run_at: None }
+        );
         assert!(matches!(Wakeup::decode(b"\0\xff"), Err(WakeupDecodeError::Malformed(_))));
         assert!(matches!(Wakeup::decode(b"{\"queue\": 7}"), Err(WakeupDecodeError::Malformed(_))));
         assert_eq!(Wakeup::decode(b"{\"queue\": \"\"}"), Err(WakeupDecodeError::EmptyQueue));

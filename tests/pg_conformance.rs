@@ -205,6 +205,16 @@ impl Pair {
                     if self.memory.tasks().any(below) {
                         self.see("floor left a more urgent task");
                     }
+                    // A run-at bound that has an earlier due task to leave (to the next pass).
+                    let earlier = |t: &canter::memory::StoredTask| {
+                        t.state == TaskState::Pending
+                            && policy.min_run_at.is_some_and(|min| t.run_at < min)
+                            && t.run_at <= self.now
+                            && policy.queues.iter().any(|q| q.name == t.queue)
+                    };
+                    if self.memory.tasks().any(earlier) {
+                        self.see("run-at bound left an earlier task");
+                    }
                 }
                 let memory = self.memory.execute(request, self.now).map(normalized).map_err(failure_kind);
                 match &memory {
@@ -407,10 +417,15 @@ impl Pair {
         let (mut ready, mut done, mut revoked) = (Vec::new(), Vec::new(), Vec::new());
         for note in self.memory.take_notifications() {
             match note {
-                // The channel and the payload: the most urgent priority an enqueue wrote.
-                Notification::TaskReady { queue, priority } => ready.push((
+                // The channel and the payload: the most urgent priority an enqueue wrote, and
+                // the earliest run-at (ms) where it announces one.
+                Notification::TaskReady { queue, priority, run_at } => ready.push((
                     self.pg.schema().queue_channel(&queue),
-                    priority.map(|p| p.to_string()).unwrap_or_default(),
+                    match (priority, run_at) {
+                        (Some(p), Some(r)) => format!("{p} {}", r.0),
+                        (Some(p), None) => p.to_string(),
+                        (None, _) => String::new(),
+                    },
                 )),
                 Notification::TaskFinished { task, .. } => done.push(task.0),
                 Notification::TasksRevoked { tasks } => revoked.extend(tasks.iter().map(|t| t.0)),
@@ -594,6 +609,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
         forbidden_flags: Vec::new(),
         max_priority: None,
         min_priority: None,
+        min_run_at: None,
     })
 }
 
@@ -1322,8 +1338,17 @@ fn ids(pair: &Pair) -> Vec<i64> {
 
 const WORKERS: [&str; 3] = ["w1", "w2", "w3"];
 
-/// A claim by `worker` (holding `running` and `claimed` tasks) under a random policy of `app`.
-fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, claimed: usize, tokens: &mut u64) -> Op {
+/// A claim by `worker` (holding `running` and `claimed` tasks) at `now` under a random policy
+/// of `app`.
+fn random_claim(
+    rng: &mut Rng,
+    app: &AppConfig,
+    now: DbTime,
+    worker: &str,
+    running: usize,
+    claimed: usize,
+    tokens: &mut u64,
+) -> Op {
     let soft = app.prefetch_buffer > 0;
     let mut queues: Vec<QueuePolicy> =
         app.queues().into_iter().filter(|_| rng.chance(0.85)).map(QueuePolicy::from).collect();
@@ -1344,6 +1369,9 @@ fn random_claim(rng: &mut Rng, app: &AppConfig, worker: &str, running: usize, cl
         // then: taken from the claim count, not the random stream, so that the scripts reach
         // what they reached before floors came.
         min_priority: (*tokens % 13 == 6).then(|| (*tokens % 3) as i16 - 1),
+        // A pass woken only by enqueues that announced their run-ats, now and then (from the
+        // claim count too): from now, or up to 1.6 s before.
+        min_run_at: (*tokens % 17 == 9).then(|| DbTime(now.0 - (*tokens % 5) as i64 * 400)),
     };
     *tokens += 1;
     Op::Db(DbRequest::Claim {
@@ -1446,7 +1474,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             Op::Enqueue(tasks)
         }
         20..=39 => {
-            random_claim(rng, &app, worker, held(TaskState::Running).len(), held(TaskState::Claimed).len(), tokens)
+            random_claim(rng, &app, now, worker, held(TaskState::Running).len(), held(TaskState::Claimed).len(), tokens)
         }
         40..=49 => {
             let tasks = pick(rng, held(TaskState::Claimed));
@@ -1475,7 +1503,7 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             // The finish and a claim in one statement: the claim counts what the finish freed.
             let running = held(TaskState::Running).len().saturating_sub(completions.len());
             let Op::Db(DbRequest::Claim { token, policy, my_running, my_claimed, start_now, lease_ms, .. }) =
-                random_claim(rng, &app, worker, running, held(TaskState::Claimed).len(), tokens)
+                random_claim(rng, &app, now, worker, running, held(TaskState::Claimed).len(), tokens)
             else {
                 unreachable!("random_claim makes claims")
             };
@@ -1754,6 +1782,7 @@ async fn random_scripts_agree() {
         "re-claimed",
         "more",
         "floor left a more urgent task",
+        "run-at bound left an earlier task",
         "wake-up hint",
         "started",
         "expired at start",
@@ -2010,7 +2039,7 @@ fn random_workflow_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: 
         40..=54 => {
             // Claims that start what they take, so that steps run and finish.
             let worker = WORKERS[rng.range(0, 3) as usize];
-            match random_claim(rng, memory.app(), worker, 0, 0, tokens) {
+            match random_claim(rng, memory.app(), now, worker, 0, 0, tokens) {
                 Op::Db(DbRequest::Claim { worker, token, policy, my_running, my_claimed, lease_ms, .. }) => {
                     let start_now = rng.range(1, 5) as u32;
                     Op::Db(DbRequest::Claim { worker, token, policy, my_running, my_claimed, start_now, lease_ms })

@@ -473,6 +473,47 @@ async fn a_claim_with_a_floor_leaves_more_urgent_tasks() {
     assert_eq!(taken(store.execute(&request(floored)).await.unwrap()), (vec![-1], false));
 }
 
+/// Enqueues without keys announce their most urgent priority and earliest run-at. A claim from
+/// a run-at takes, and counts as more, only the Pending tasks due then or later; lapsed claims
+/// it takes whatever their run-at (nothing announces them).
+#[tokio::test]
+async fn enqueues_announce_their_run_at_and_a_claim_can_start_from_one() {
+    let db = TestDb::new().await;
+    // One connection, so that the pinned clock is every statement's.
+    let store = db.store(AppConfig::default(), 1).await;
+    let mut listener = listening(&db, &store.schema().queue_channel("default")).await;
+    let t0 = canter::store::DbTime(1_800_000_000_000);
+    let pin = |at: canter::store::DbTime| pg::pin_clock(store.pool(), store.schema(), at);
+    let policy = ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 8, ..WorkerConfig::default() });
+    let request = |min_run_at: Option<i64>| DbRequest::Claim {
+        worker: WorkerId("w".into()),
+        token: 1,
+        policy: Arc::new(ClaimPolicy { min_run_at: min_run_at.map(canter::store::DbTime), ..policy.clone() }),
+        my_running: 0,
+        my_claimed: 0,
+        start_now: 0,
+        lease_ms: 500,
+    };
+    let taken = |reply: DbReply| match reply {
+        DbReply::Claimed { tasks, more, .. } => (tasks.iter().map(|t| t.id.0).collect::<Vec<_>>(), more),
+        other => panic!("unexpected {other:?}"),
+    };
+    pin(t0).await;
+    let a = store.enqueue(NewTask::new("t", json!("a"))).await.unwrap();
+    assert_eq!(listener.recv().await.unwrap().payload(), format!("0 {}", t0.0));
+    assert_eq!(taken(store.execute(&request(None)).await.unwrap()), (vec![a.0], false));
+    pin(t0.plus_ms(1_000)).await;
+    let b = store.enqueue_many(vec![NewTask::new("t", json!("b")).priority(3)]).await.unwrap()[0];
+    assert_eq!(listener.recv().await.unwrap().payload(), format!("3 {}", t0.0 + 1_000));
+    pin(t0.plus_ms(2_000)).await;
+    let c = store.enqueue(NewTask::new("t", json!("c"))).await.unwrap();
+    assert_eq!(listener.recv().await.unwrap().payload(), format!("0 {}", t0.0 + 2_000));
+    // a's claim lapsed at t0 + 500: taken again; b, due before the bound, is left and not
+    // counted as more.
+    assert_eq!(taken(store.execute(&request(Some(t0.0 + 1_500))).await.unwrap()), (vec![a.0, c.0], false));
+    assert_eq!(taken(store.execute(&request(None)).await.unwrap()), (vec![b.0], false));
+}
+
 /// A claim commits synchronously. It once set `synchronous_commit = off` for its transaction
 /// (0.2 ms of a one-task claim): after a server crash its lease increment could be lost while
 /// the worker still held the task under the new lease, and the next claim would hand the same

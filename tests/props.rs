@@ -49,6 +49,7 @@ fn claim_policies() -> impl Strategy<Value = ClaimPolicy> {
             forbidden_flags: Vec::new(),
             max_priority: None,
             min_priority: None,
+            min_run_at: None,
         })
 }
 

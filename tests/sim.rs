@@ -97,6 +97,9 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     let with_floors = sweep.reports.iter().filter(|r| r.floored_passes > 0).count();
     let floored: u64 = sweep.reports.iter().map(|r| r.floored_passes).sum();
     eprintln!("sim sweep: {with_floors} passed seeds sent {floored} claim passes with a priority floor");
+    let with_bounds = sweep.reports.iter().filter(|r| r.bounded_passes > 0).count();
+    let bounded: u64 = sweep.reports.iter().map(|r| r.bounded_passes).sum();
+    eprintln!("sim sweep: {with_bounds} passed seeds sent {bounded} claim passes from an announced run-at");
     eprintln!(
         "sim sweep: {with_broker} passed seeds woke workers through a broker: {broker_wakeups} wake-ups delivered"
     );
@@ -357,8 +360,8 @@ mod scripted {
         fn settle(&mut self, notify: bool) {
             for _ in 0..1_000 {
                 for notification in self.store.take_notifications() {
-                    if let (true, Notification::TaskReady { queue, priority }) = (notify, notification) {
-                        self.input(Input::Notified { queue, priority });
+                    if let (true, Notification::TaskReady { queue, priority, run_at }) = (notify, notification) {
+                        self.input(Input::Notified { queue, priority, run_at });
                     }
                 }
                 let Some(&(op, _)) = self.requests.first() else { return };
@@ -506,7 +509,7 @@ mod scripted {
         let resend = s.op("finish");
         let beat = s.op("heartbeat");
         s.run_op(beat); // the row is Pending: the worker rightly lets lease 1 go
-        s.input(Input::Notified { queue: "default".into(), priority: None });
+        s.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         let claim = s.op("claim");
         s.run_op(claim); // the retry is due: lease 2 starts
         assert!(s.runs(task, Lease(2)));
@@ -523,7 +526,7 @@ mod scripted {
         s.input(Input::Listener { connected: true });
         s.settle(true);
         let task = s.enqueue(NewTask::new("job", json!(1)).run_at(RunAt::DelayMs(5_000)));
-        s.input(Input::Notified { queue: "default".into(), priority: None });
+        s.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         s.run_for(120_000);
         assert_eq!(s.state(task), TaskState::Completed, "a delayed task never ran in EventDrivenOnly mode");
     }
@@ -611,7 +614,7 @@ mod scripted {
         s.advance(1_000);
         let beat = s.op("heartbeat");
         s.run_op(beat); // the worker learns and lets lease 1 go
-        s.input(Input::Notified { queue: "default".into(), priority: None });
+        s.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         let claim = s.op("claim");
         s.run_op(claim); // claimed and started again under lease 2
         assert!(s.runs(second, Lease(2)));

@@ -172,15 +172,15 @@ fn a_claim_that_found_all_there_was_waits_for_a_notification_or_the_poll() {
     assert_eq!(timer, Timer::Poll);
     assert_eq!(at, h.now + Duration::from_millis(5_000));
     // A notification for a queue this worker does not serve changes nothing.
-    assert!(!has(&h.input(Input::Notified { queue: "other".into(), priority: None }), "claim"));
-    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
+    assert!(!has(&h.input(Input::Notified { queue: "other".into(), priority: None, run_at: None }), "claim"));
+    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim"));
 }
 
 #[test]
 fn notifications_during_a_claim_coalesce_into_one_more_pass() {
     let (mut h, first) = Harness::default(4);
     for _ in 0..5 {
-        assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
+        assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim"));
     }
     let next = start(&mut h, &first, vec![], false);
     assert_eq!(db_ops(&next).iter().filter(|(_, r)| r.kind() == "claim").count(), 1);
@@ -192,7 +192,7 @@ fn polling_only_ignores_notifications_and_event_driven_only_does_not_poll_while_
     let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..WorkerConfig::default() };
     let (mut h, first) = Harness::new(app(), config);
     start(&mut h, &first, vec![], false);
-    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
+    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim"));
     let (timer, commands) = h.fire();
     assert_eq!(timer, Timer::Poll);
     assert!(has(&commands, "claim"));
@@ -666,7 +666,7 @@ fn one_outage_is_one_step_of_backoff_however_many_requests_fail() {
     let (mut h, first) = Harness::default(2);
     let runs = spawns(&start(&mut h, &first, vec![task(1, true), task(2, true)], false));
     let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
-    let claim = find(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim");
+    let claim = find(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim");
     h.fail(finish, DbFailure::Unavailable("down".into()));
     h.fail(claim, DbFailure::Unknown("down".into()));
     assert_eq!(h.worker.db_failures(), 1);
@@ -678,7 +678,7 @@ fn a_driver_that_breaks_the_contract_does_not_panic_the_machine() {
     let (mut h, first) = Harness::default(2);
     // Time going backwards is taken as no time passing.
     let earlier = h.now - Duration::from_secs(1);
-    h.worker.handle_input(Input::Notified { queue: "default".into(), priority: None }, earlier);
+    h.worker.handle_input(Input::Notified { queue: "default".into(), priority: None, run_at: None }, earlier);
     // A reply of the wrong kind counts as a refused request.
     h.reply(find(&first, "register_worker"), DbReply::Heartbeat { lost: vec![], busy: vec![], handed_back: vec![] });
     assert!(matches!(h.events.last(), Some(Event::DbUnavailable { error: DbFailure::Rejected(_), .. })));
@@ -1007,7 +1007,7 @@ fn a_flood_of_notifications_costs_a_bounded_number_of_claim_passes() {
     let mut in_flight: Vec<Command> = Vec::new();
     for _ in 0..1_000 {
         h.now += Duration::from_millis(1);
-        let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None });
+        let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         if h.worker.poll_timeout().is_some_and(|(at, _)| at <= h.now) {
             h.worker.handle_timeout(h.now);
             commands.extend(h.drain());
@@ -1024,7 +1024,7 @@ fn a_flood_of_notifications_costs_a_bounded_number_of_claim_passes() {
     assert!(h.worker.stats().notified_passes_limited > 0);
     // A notification for real work still claims within a token's time.
     h.now += Duration::from_millis(60);
-    let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None });
+    let mut commands = h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
     if !has(&commands, "claim") {
         let (timer, fired) = h.fire();
         assert_eq!(timer, Timer::NotifiedPass);
@@ -1245,7 +1245,7 @@ fn a_lock_on_an_abandon_holds_up_abandons_and_releases_only() {
     // Claims and finishes go on meanwhile.
     let finish = find(&h.finished(&runs[0], TaskOutcome::Success(json!(1))), "finish");
     h.reply(finish, DbReply::Finished { applied: vec![(TaskId(1), TaskState::Completed)], lost: vec![] });
-    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"));
+    assert!(has(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim"));
     let retried = fire_until(&mut h, Timer::LockRetry, Duration::from_secs(2)).expect("the lock retry");
     assert!(has(&retried, "abandon_claim"));
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { failures: 2.., .. })), "{:?}", h.events);
@@ -1259,7 +1259,7 @@ fn a_claim_held_up_by_a_lock_waits_for_the_lock_retry_while_finishes_go_on() {
     let lock = || DbFailure::LockTimeout("canceling statement due to lock timeout".into());
     assert!(!has(&h.fail(find(&next, "claim"), lock()), "claim"), "not at once");
     assert!(
-        !has(&h.input(Input::Notified { queue: "default".into(), priority: None }), "claim"),
+        !has(&h.input(Input::Notified { queue: "default".into(), priority: None, run_at: None }), "claim"),
         "nor for a notification"
     );
     assert!(!h.events.iter().any(|e| matches!(e, Event::DbUnavailable { .. })), "a lock is not an outage");
@@ -1537,9 +1537,9 @@ fn an_announced_urgent_task_is_claimed_at_once_and_starts_first() {
     let runs = spawns(&next);
     assert!(!has(&next, "claim"));
     // A less urgent announcement changes nothing; a more urgent one is claimed at once.
-    let calm = h.input(Input::Notified { queue: "default".into(), priority: Some(5) });
+    let calm = h.input(Input::Notified { queue: "default".into(), priority: Some(5), run_at: None });
     assert!(!has(&calm, "claim"), "{calm:?}");
-    let urgent = h.input(Input::Notified { queue: "default".into(), priority: Some(-1) });
+    let urgent = h.input(Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None });
     let claims: Vec<(OpId, DbRequest)> =
         db_ops(&urgent).into_iter().filter(|(_, r)| r.kind() == "claim").map(|(op, r)| (op, r.clone())).collect();
     assert_eq!(claims.len(), 1, "an urgent claim: {urgent:?}");
@@ -1548,7 +1548,7 @@ fn an_announced_urgent_task_is_claimed_at_once_and_starts_first() {
     assert!((1..=canter::worker::URGENT_CLAIM_MAX).contains(&budget), "a small claim: {budget}");
     assert_eq!(*start_now, 0, "no slot is free");
     // A second announcement while it is out sends no other.
-    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: Some(-3) }), "claim"));
+    assert!(!has(&h.input(Input::Notified { queue: "default".into(), priority: Some(-3), run_at: None }), "claim"));
     let mut found = task(9, false);
     found.priority = -1;
     h.reply(*op, DbReply::Claimed { tasks: vec![found], more: true, next_run_in_ms: None });
@@ -1617,7 +1617,7 @@ fn a_late_answer_of_a_claim_applied_before_the_other_one_out_is_ignored() {
     let (mut h, first) = Harness::new(app, WorkerConfig { concurrency: 2, seed: Some(1), ..WorkerConfig::default() });
     let next = start(&mut h, &first, vec![task(1, true)], true);
     let pass = find(&next, "claim");
-    let urgent = find(&h.input(Input::Notified { queue: "default".into(), priority: Some(-1) }), "claim");
+    let urgent = find(&h.input(Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None }), "claim");
     assert!(urgent.raw() > pass.raw(), "the urgent claim is sent after the pass");
     let mut newer = task(9, true);
     newer.lease = Lease(2);
@@ -1751,10 +1751,71 @@ fn an_urgent_claim_with_no_room_lifts_the_floor() {
     let config = WorkerConfig { max_claim_per_worker: 2, ..slots(8) };
     let (mut h, pass, policy) = through_a_backlog(config);
     assert_eq!(policy.min_priority, Some(2));
-    let announced = h.input(Input::Notified { queue: "default".into(), priority: Some(-1) });
+    let announced = h.input(Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None });
     assert!(claims_with_policies(&announced).is_empty(), "no room beside the pass: {announced:?}");
     let next = h.reply(pass, claimed(vec![with_priority(3, false, 2)], true));
     let passes = claims_with_policies(&next);
     assert_eq!(passes.len(), 1, "{next:?}");
     assert_eq!(passes[0].1.min_priority, None, "the announced task is taken in claim order");
+}
+
+/// A pass woken only by enqueues that announced their run-ats claims from the earliest of them
+/// on (`min_run_at`): with the xmin held, its index walk then passes over the entries of rows
+/// claimed before. Announcements heard while a pass is in flight bound the next one. Anything
+/// else since the last pass (a notification without a run-at, a poll, a pass that took tasks
+/// and left more) makes the next pass look at every row; a pass that left more but took
+/// nothing passes its own bound on.
+#[test]
+fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
+    let notified = |run_at: Option<i64>| Input::Notified {
+        queue: "default".into(),
+        priority: Some(0),
+        run_at: run_at.map(DbTime),
+    };
+    let the_pass = |commands: &[Command]| {
+        let passes = claims_with_policies(commands);
+        assert_eq!(passes.len(), 1, "one pass: {commands:?}");
+        (passes[0].0, passes[0].1.min_run_at.map(|at| at.0))
+    };
+    let (mut h, first) = Harness::new(app(), slots(64));
+    let (op, bound) = the_pass(&first);
+    assert_eq!(bound, None, "the first pass looks at every row");
+    assert!(claims_with_policies(&h.reply(op, claimed(vec![], false))).is_empty());
+
+    let (op, bound) = the_pass(&h.input(notified(Some(5_000))));
+    assert_eq!(bound, Some(5_000), "woken by one announcement: from its run-at");
+    // Heard while that pass is in flight: they bound the next one.
+    assert!(claims_with_policies(&h.input(notified(Some(4_500)))).is_empty());
+    assert!(claims_with_policies(&h.input(notified(Some(4_000)))).is_empty());
+    let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(1, true)], false)));
+    assert_eq!(bound, Some(4_000), "the earliest announced since the last pass was sent");
+
+    // It took a task and left more: the rest may lie anywhere.
+    let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(2, true)], true)));
+    assert_eq!(bound, None, "after a pass that left more");
+    // That pass carried a priority floor; having run short, one without follows.
+    let (op, bound) = the_pass(&h.reply(op, claimed(vec![], false)));
+    assert_eq!(bound, None, "a pass that follows a floored one");
+    assert!(claims_with_policies(&h.reply(op, claimed(vec![], false))).is_empty());
+
+    // A notification without a run-at (a hand-back, a keyed enqueue), among others.
+    let (op, bound) = the_pass(&h.input(notified(Some(6_000))));
+    assert_eq!(bound, Some(6_000));
+    h.input(notified(Some(6_100)));
+    h.input(notified(None));
+    let (op, bound) = the_pass(&h.reply(op, claimed(vec![], false)));
+    assert_eq!(bound, None, "a wake-up that names no run-at");
+
+    // Left more but took nothing (a queue at its cap): what it left is in its range.
+    h.reply(op, claimed(vec![], false));
+    let (op, bound) = the_pass(&h.input(notified(Some(7_000))));
+    assert_eq!(bound, Some(7_000));
+    assert!(claims_with_policies(&h.reply(op, claimed(vec![], true))).is_empty(), "blocked: no pass at once");
+    let (op, bound) = the_pass(&h.input(notified(Some(9_000))));
+    assert_eq!(bound, Some(7_000), "the blocked pass's range and the new announcement's");
+    h.reply(op, claimed(vec![], false));
+
+    // The poll looks at every row.
+    let polled = fire_until_sent(&mut h, "claim", Duration::from_secs(60)).expect("the poll claims");
+    assert_eq!(the_pass(&polled).1, None, "a poll");
 }

@@ -1249,7 +1249,11 @@ async fn enqueues_are_announced_on_the_broker_the_worker_hears() {
     let wakeup = tokio::time::timeout(std::time::Duration::from_secs(10), heard.next()).await.unwrap();
     assert_eq!(
         wakeup,
-        Some(canter_tokio::canter::worker::Input::Notified { queue: "default".into(), priority: Some(0) })
+        Some(canter_tokio::canter::worker::Input::Notified {
+            queue: "default".into(),
+            priority: Some(0),
+            run_at: None
+        })
     );
     let ids: Vec<String> = String::from_utf8_lossy(&enqueued.stdout).lines().map(str::to_owned).collect();
     assert_eq!(ids.len(), 3);

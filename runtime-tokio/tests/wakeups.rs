@@ -92,7 +92,7 @@ async fn heard_after_publishing(provider: &dyn WakeupProvider, heard: &mut BoxSt
     for id in 0..100 {
         provider.publish(vec![wakeup(id)]);
         if let Ok(Some(input)) = tokio::time::timeout(Duration::from_millis(300), heard.next()).await {
-            assert_eq!(input, Input::Notified { queue: "q \"1\".*".into(), priority: Some(-2) });
+            assert_eq!(input, Input::Notified { queue: "q \"1\".*".into(), priority: Some(-2), run_at: None });
             return;
         }
     }
@@ -186,7 +186,7 @@ async fn a_message_that_is_no_wakeup_is_left_out_alone() {
         .await
         .unwrap();
     raw.flush().await.unwrap();
-    assert_eq!(next(&mut heard).await, Input::Notified { queue: "default".into(), priority: None });
+    assert_eq!(next(&mut heard).await, Input::Notified { queue: "default".into(), priority: None, run_at: None });
     assert_eq!(provider.stats().malformed, 1);
 }
 

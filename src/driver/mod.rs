@@ -437,7 +437,9 @@ impl MemoryInner {
     fn notify(&mut self) {
         for notification in self.store.take_notifications() {
             let input = match notification {
-                crate::store::Notification::TaskReady { queue, priority } => Input::Notified { queue, priority },
+                crate::store::Notification::TaskReady { queue, priority, run_at } => {
+                    Input::Notified { queue, priority, run_at }
+                }
                 crate::store::Notification::TasksRevoked { tasks } => Input::Revoked { tasks },
                 _ => continue,
             };

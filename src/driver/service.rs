@@ -25,7 +25,7 @@ use crate::postgres::replay::session_ended;
 use crate::postgres::{MigrateSchemaError, PgSchema, PgStore};
 use crate::rng::mix;
 use crate::scheduler::SchedulerError;
-use crate::task::{TaskId, WorkerId};
+use crate::task::{DbTime, TaskId, WorkerId};
 use crate::wake::WakeSources;
 use crate::worker::{Event, Input, Stats, TaskOutcome, TaskRun, Worker};
 
@@ -448,9 +448,10 @@ async fn listen<R: Runtime>(
             report.connected(true);
             // Tasks may have arrived unannounced while deaf: one wake-up per queue.
             for queue in &queues {
-                let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None });
+                let _ = notes.try_send(Input::Notified { queue: queue.clone(), priority: None, run_at: None });
             }
-            // A full channel drops the note: wake-ups coalesce anyway.
+            // A note dropped for a full channel: the next one names no run-at.
+            let mut dropped = false;
             while let Ok(Some(note)) = listener.try_recv().await {
                 if note.channel() == abort {
                     // Ids that do not parse are left out: the worker's heartbeat still finds
@@ -460,11 +461,17 @@ async fn listen<R: Runtime>(
                     tracing::trace!(target: "canter::listen", ?tasks, "revoked");
                     let _ = notes.try_send(Input::Revoked { tasks });
                 } else if let Some(queue) = note.channel().strip_prefix(&prefix) {
-                    // Enqueues announce the most urgent priority they wrote (anything else, an
-                    // empty payload included, announces none).
-                    let priority = note.payload().parse::<i16>().ok();
-                    tracing::trace!(target: "canter::listen", queue, ?priority, "notified");
-                    let _ = notes.try_send(Input::Notified { queue: queue.to_owned(), priority });
+                    let (priority, run_at) = parse_ready(note.payload());
+                    tracing::trace!(target: "canter::listen", queue, ?priority, ?run_at, "notified");
+                    // The worker claims from the announced run-ats on while they are all it
+                    // heard since its last pass: once one is dropped, the next says "any".
+                    let run_at = run_at.filter(|_| !dropped);
+                    let note = Input::Notified { queue: queue.to_owned(), priority, run_at };
+                    dropped = match notes.try_send(note) {
+                        Ok(()) => false,
+                        // A full channel: the worker is behind, and wake-ups coalesce anyway.
+                        Err(full) => full.is_full(),
+                    };
                 }
             }
             lost_in_a_row = if runtime.now() >= since + LISTENED_A_WHILE { 0 } else { lost_in_a_row + 1 };
@@ -490,6 +497,16 @@ impl SourceReport {
     fn connected(&self, connected: bool) -> bool {
         self.states.unbounded_send((self.source, connected)).is_ok()
     }
+}
+
+/// The most urgent priority and the earliest run-at (ms on the database's clock) that a queue
+/// channel's payload announces: `"<priority>"` (keyed enqueues, promotions) or `"<priority>
+/// <run-at>"` (enqueues without keys). Anything else, an empty payload included (hand-backs,
+/// retries, resumes), announces neither.
+fn parse_ready(payload: &str) -> (Option<i16>, Option<DbTime>) {
+    let (priority, run_at) = payload.split_once(' ').map_or((payload, None), |(p, r)| (p, Some(r)));
+    let Ok(priority) = priority.parse::<i16>() else { return (None, None) };
+    (Some(priority), run_at.and_then(|r| r.parse::<i64>().ok()).map(DbTime))
 }
 
 /// Passes what a wake-up provider's subscription hears to the worker: wake-ups as notes (a
@@ -737,5 +754,21 @@ impl<R: Runtime> PgWorker<R> {
     /// once, running handlers get the grace period, the rest return to Pending.
     pub async fn run_until(self, shutdown: impl Future<Output = ()> + Send + 'static) -> Result<Stats, ServeError> {
         self.service.serve(self.runtime, self.pool, shutdown).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_payload_announces_a_priority_and_perhaps_a_run_at() {
+        assert_eq!(parse_ready("-3"), (Some(-3), None));
+        assert_eq!(parse_ready("0 1764201600123"), (Some(0), Some(DbTime(1_764_201_600_123))));
+        // A run-at that does not parse is no run-at; a priority that does not, announces nothing.
+        assert_eq!(parse_ready("2 soon"), (Some(2), None));
+        assert_eq!(parse_ready(""), (None, None));
+        assert_eq!(parse_ready("urgent 1764201600123"), (None, None));
+        assert_eq!(parse_ready("40000"), (None, None));
     }
 }

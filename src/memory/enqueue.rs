@@ -27,7 +27,8 @@ impl MemoryStore {
     /// [`EnqueueError::PayloadMismatch`]; the graphile modes update a Pending holder in place,
     /// detach the key from a Claimed or Running one, or keep a live one (`UnsafeDedupe`).
     /// New tasks get ids 1, 2, 3… in order, and each queue that received a new or updated
-    /// task gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`).
+    /// task gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`), which names the
+    /// earliest run-at among them when no task has a key.
     pub fn enqueue_many(&mut self, tasks: Vec<NewTask>, now: DbTime) -> Result<Vec<TaskId>, EnqueueError> {
         let mut queues = Vec::with_capacity(tasks.len());
         let mut batch_keys = store::BatchKeys::default();
@@ -48,8 +49,11 @@ impl MemoryStore {
         }
 
         let mut ids = Vec::with_capacity(tasks.len());
-        // Per queue that received a new or updated task, the most urgent priority.
-        let mut ready: BTreeMap<String, i16> = BTreeMap::new();
+        // Per queue that received a new or updated task, the most urgent priority and the
+        // earliest run-at. PostgreSQL's statements for batches without keys announce the run-at
+        // too; keyed batches go through its `enqueue()` function, which announces none.
+        let keyless = tasks.iter().all(|task| task.key.is_none());
+        let mut ready: BTreeMap<String, (i16, DbTime)> = BTreeMap::new();
         for (task, queue) in tasks.into_iter().zip(queues) {
             let priority = task.priority;
             let holder = task.key.as_ref().and_then(|key| self.keys.get_mut(key)).map(|hold| {
@@ -81,12 +85,15 @@ impl MemoryStore {
                     self.insert_new(task, queue.clone(), now)
                 }
             };
-            let most_urgent = ready.entry(queue).or_insert(priority);
+            let run_at = self.live.get(&id).map_or(now, |row| row.run_at);
+            let (most_urgent, earliest) = ready.entry(queue).or_insert((priority, run_at));
             *most_urgent = (*most_urgent).min(priority);
+            *earliest = (*earliest).min(run_at);
             ids.push(id);
         }
-        for (queue, priority) in ready {
-            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+        for (queue, (priority, run_at)) in ready {
+            let run_at = keyless.then_some(run_at);
+            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority), run_at });
         }
         Ok(ids)
     }

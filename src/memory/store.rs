@@ -339,7 +339,7 @@ impl MemoryStore {
 
     pub(super) fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {
         for queue in queues {
-            self.notifications.push(Notification::TaskReady { queue, priority: None });
+            self.notifications.push(Notification::TaskReady { queue, priority: None, run_at: None });
         }
     }
 

@@ -407,7 +407,10 @@ fn reaper_requeues_stale_claims() {
     let row = store.task(TaskId(1)).unwrap();
     assert_eq!((row.state, row.claimed_by.clone(), row.claim_expires_at), (TaskState::Pending, None, None));
     assert_eq!((row.retries, row.attempts, row.lease), (0, 0, Lease(1)));
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: None, run_at: None }]
+    );
     // `None` skips the step.
     assert_eq!(reap(&mut store, None, None, at(1_000_000)), ReapReport::default());
 }
@@ -462,7 +465,7 @@ fn reaper_retries_stale_runs_when_the_policy_lists_worker_crashed_and_fails_the_
             Notification::TaskFinished { task: failed.task, state: TaskState::Failed },
             Notification::TaskFinished { task: near_expiry.task, state: TaskState::Failed },
             // The retry becomes ready later: listeners are told so they learn when.
-            Notification::TaskReady { queue: "default".into(), priority: None },
+            Notification::TaskReady { queue: "default".into(), priority: None, run_at: None },
         ]
     );
     // The worker that was thought dead finds out when it writes.
@@ -521,7 +524,10 @@ fn requeue_failed_puts_a_failed_task_back_at_once() {
     let record = store.get(held.task).unwrap();
     assert_eq!((record.state, record.retries, record.attempts), (TaskState::Pending, 0, 2));
     assert_eq!((record.run_at, record.finished_at), (at(2_000), None));
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: None, run_at: None }]
+    );
     assert_eq!(store.tasks().next().map(|t| t.id), Some(held.task), "back in the live table");
     let third = claim(&mut store, "b", 1, at(2_000));
     assert_eq!((third[0].attempt, third[0].retries, third[0].lease), (Attempt(3), 0, Lease(3)));
@@ -539,7 +545,10 @@ fn reschedule_changes_pending_tasks_only_and_announces_them() {
     store.reschedule(id, later, at(1)).unwrap();
     let row = store.task(id).unwrap();
     assert_eq!((row.run_at, row.priority, row.retries, row.key.as_deref()), (at(5_001), -4, 3, Some("k")));
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: None, run_at: None }]
+    );
     // A claim now waits for it: the wake-up hint names its new run-at.
     let p = policy(&store, 1);
     let request = claim_request("a", 1, &p, 0);
@@ -608,7 +617,10 @@ fn force_unlock_releases_every_hold_of_the_dead_and_marks_them_stopped() {
     let other = claim(&mut store, "b", 1, T0);
     store.take_notifications();
     assert_eq!(store.force_unlock(&[w("dead")]), 2);
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: None, run_at: None }]
+    );
     let states: Vec<(TaskState, u32, u32)> =
         dead.iter().map(|t| store.get(t.id).unwrap()).map(|r| (r.state, r.attempts, r.retries)).collect();
     assert_eq!(states, vec![(TaskState::Pending, 1, 0), (TaskState::Pending, 0, 0)]);
@@ -701,7 +713,10 @@ fn a_paused_queue_is_left_out_of_claims_until_resumed() {
     assert!(store.take_notifications().is_empty());
     assert_eq!(store.resume_queue("a"), Ok(true));
     assert_eq!(store.resume_queue("a"), Ok(false));
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "a".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "a".into(), priority: None, run_at: None }]
+    );
     assert_eq!(ids(&claim_with(&mut store, "w", 2, &p, 0, T0)), vec![1]);
 }
 
@@ -962,7 +977,10 @@ fn abandon_claim_releases_exactly_that_tokens_rows() {
     // fences whatever the claim's holder might still write).
     assert_eq!((one.attempts, one.retries, one.lease), (0, 0, Lease(1)));
     assert_eq!(one.started_at, None);
-    assert_eq!(store.take_notifications(), vec![Notification::TaskReady { queue: "default".into(), priority: None }]);
+    assert_eq!(
+        store.take_notifications(),
+        vec![Notification::TaskReady { queue: "default".into(), priority: None, run_at: None }]
+    );
     let again = store.apply(&DbRequest::AbandonClaim { worker: w("a"), token: 1 }, at(2));
     assert_eq!(again, DbReply::Released { released: vec![], lost: vec![] });
     assert!(store.take_notifications().is_empty());
@@ -978,18 +996,19 @@ fn notifications_come_one_per_statement_per_queue() {
         NewTask::new("t", json!(4)).queue("a"),
     ];
     store.enqueue_many(batch, T0).unwrap();
-    // An enqueue announces the most urgent priority it wrote; a release announces none.
-    let ready = |q: &str, priority| Notification::TaskReady { queue: q.into(), priority };
-    assert_eq!(store.take_notifications(), vec![ready("a", Some(0)), ready("b", Some(0))]);
+    // An enqueue announces the most urgent priority and the earliest run-at it wrote; a release
+    // announces neither.
+    let ready = |q: &str, priority, run_at| Notification::TaskReady { queue: q.into(), priority, run_at };
+    assert_eq!(store.take_notifications(), vec![ready("a", Some(0), Some(T0)), ready("b", Some(0), Some(T0))]);
     let claimed = claim(&mut store, "w", 4, T0);
     assert!(store.take_notifications().is_empty());
     let tasks = claimed.iter().map(lease).collect();
     store.apply(&DbRequest::Release { worker: w("w"), tasks }, at(1));
-    assert_eq!(store.take_notifications(), vec![ready("a", None), ready("b", None)]);
+    assert_eq!(store.take_notifications(), vec![ready("a", None, None), ready("b", None, None)]);
     let urgent =
         vec![NewTask::new("t", json!(5)).queue("a").priority(3), NewTask::new("t", json!(6)).queue("a").priority(-2)];
     store.enqueue_many(urgent, at(1)).unwrap();
-    assert_eq!(store.take_notifications(), vec![ready("a", Some(-2))]);
+    assert_eq!(store.take_notifications(), vec![ready("a", Some(-2), Some(at(1)))]);
     let p = policy(&store, 4);
     let claimed = claim_with(&mut store, "w", 2, &p, 4, at(2));
     let completions = claimed
@@ -1158,7 +1177,7 @@ fn a_workflow_promotes_each_step_when_its_parents_complete() {
     // One notification for the root's queue; a waiting step is never claimed.
     assert_eq!(
         store.take_notifications(),
-        vec![Notification::TaskReady { queue: "default".into(), priority: Some(0) }]
+        vec![Notification::TaskReady { queue: "default".into(), priority: Some(0), run_at: None }]
     );
     run_one(&mut store, a, FinishOutcome::Completed(json!(1)), at(1));
     assert_eq!(states(&store), [Completed, Pending, Pending, Waiting]);

@@ -338,7 +338,7 @@ impl MemoryStore {
             }
         }
         for (queue, priority) in queues {
-            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority) });
+            self.notifications.push(Notification::TaskReady { queue, priority: Some(priority), run_at: None });
         }
         if !revoked.is_empty() {
             self.notifications.push(Notification::TasksRevoked { tasks: revoked });

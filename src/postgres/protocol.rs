@@ -512,6 +512,7 @@ struct ClaimArgs<'a> {
     forbidden: Option<&'a Vec<String>>,
     max_priority: Option<i16>,
     min_priority: Option<i16>,
+    min_run_at: Option<i64>,
 }
 
 impl<'a> ClaimArgs<'a> {
@@ -531,10 +532,11 @@ impl<'a> ClaimArgs<'a> {
             forbidden: (!policy.forbidden_flags.is_empty()).then_some(&policy.forbidden_flags),
             max_priority: policy.max_priority,
             min_priority: policy.min_priority,
+            min_run_at: policy.min_run_at.map(|at| at.0),
         }
     }
 
-    /// The fifteen parameters of `claim_tasks()`, bound to `query` after those it has.
+    /// The sixteen parameters of `claim_tasks()`, bound to `query` after those it has.
     fn bind<'q>(
         self,
         query: PgQuery<'q>,
@@ -562,6 +564,7 @@ impl<'a> ClaimArgs<'a> {
             .bind(self.forbidden)
             .bind(self.max_priority)
             .bind(self.min_priority)
+            .bind(self.min_run_at)
     }
 }
 

@@ -62,7 +62,7 @@ const UNSTART: &str = "attempts = t.attempts - CASE WHEN t.state = 'RUNNING' THE
 const CLAIM: &str = "\
 SELECT id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more, next_run_in_ms,
        enqueued_at_ms, run_at_ms
-FROM {s}.claim_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15)";
+FROM {s}.claim_tasks($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16)";
 
 const START: &str = "\
 SELECT ord, id, outcome, attempt FROM {s}.start_tasks($1, $2, $3, $4, $5, $6, $7, $8)";
@@ -146,7 +146,7 @@ CROSS JOIN ready";
 const FINISH: &str = "{finish_with}\n{finish_answer}\nORDER BY i.ord";
 
 /// A finish and then a claim in one statement ([`DbRequest::FinishAndClaim`](crate::store::DbRequest::FinishAndClaim)):
-/// the finish's parameters `$1` to `$10`, the claim's `$11` to `$25`. The claim runs after the
+/// the finish's parameters `$1` to `$10`, the claim's `$11` to `$26`. The claim runs after the
 /// finish has answered (its filter reads the answer first), and `claim_tasks()`, a volatile
 /// function, sees what the statement wrote so far: the rows it moved and retried. Rows of
 /// part 0 answer the finish, of part 1 the claim, each in its order.
@@ -161,7 +161,7 @@ FROM finish_answer f
 UNION ALL
 SELECT 1, c.ord, c.id, NULL, c.lease, c.name, c.queue, c.args, c.priority, c.started, c.attempt, c.retries, c.retry,
        c.expires, c.more, c.next_run_in_ms, c.enqueued_at_ms, c.run_at_ms
-FROM {s}.claim_tasks($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25)
+FROM {s}.claim_tasks($11, $12, $13, $14, $15, $16, $17, $18, $19, $20, $21, $22, $23, $24, $25, $26)
      WITH ORDINALITY AS c(id, lease, name, queue, args, priority, started, attempt, retries, retry, expires, more,
                           next_run_in_ms, enqueued_at_ms, run_at_ms, ord)
 WHERE (SELECT count(*) FROM finish_answer) >= 0
@@ -488,6 +488,12 @@ INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, stopped
 VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now(), {s}.db_now())
 ON CONFLICT (id) DO UPDATE SET stopped_at = EXCLUDED.stopped_at";
 
+/// The queue channel's payload of an enqueue without keys, for its tasks of one queue `q`:
+/// their most urgent priority and earliest run-at (ms), `"<priority> <run-at>"`. A worker
+/// woken only by such payloads claims from the earliest run-at on (`ClaimPolicy::min_run_at`).
+/// Keyed enqueues (`enqueue()`) and workflow promotions announce the priority alone.
+const ANNOUNCED: &str = "q.priority::text || ' ' || {s}.ms(q.run_at)::text";
+
 const ENQUEUE: &str = "\
 SELECT ord, id, problem, detail_id, run_at_ms, good_until_ms
 FROM {s}.enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)";
@@ -522,11 +528,12 @@ inserted AS (
            n.flags
     FROM numbered n
     ORDER BY n.id
-    RETURNING queue, priority
+    RETURNING queue, priority, run_at
 ),
 notified AS (
-    SELECT count(pg_notify($10 || q.queue, q.priority::text)) AS n
-    FROM (SELECT ins.queue, min(ins.priority) AS priority FROM inserted ins GROUP BY ins.queue) q
+    SELECT count(pg_notify($10 || q.queue, {announced})) AS n
+    FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
+          GROUP BY ins.queue) q
     WHERE $10 IS NOT NULL
 )
 SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
@@ -549,11 +556,12 @@ inserted AS (
            string_to_array(i.flags, ',')
     FROM c, unnest($1::text[], $2::text[], $3::smallint[], $4::jsonb[], $5::bigint[], $6::bigint[], $7::jsonb[],
                    $8::text[]) AS i(name, queue, priority, args, delay, at, retry, flags)
-    RETURNING id, queue, priority
+    RETURNING id, queue, priority, run_at
 ),
 notified AS (
-    SELECT count(pg_notify($9 || q.queue, q.priority::text)) AS n
-    FROM (SELECT ins.queue, min(ins.priority) AS priority FROM inserted ins GROUP BY ins.queue) q
+    SELECT count(pg_notify($9 || q.queue, {announced})) AS n
+    FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
+          GROUP BY ins.queue) q
     WHERE $9 IS NOT NULL
 )
 SELECT ins.id FROM inserted ins CROSS JOIN notified";
@@ -568,18 +576,23 @@ inserted AS (
     SELECT $1, $2, $3, a.args, 'PENDING', c.now, c.now FROM c, unnest($4::jsonb[]) AS a(args)
     RETURNING id
 )
-SELECT ins.id FROM (SELECT count(pg_notify($5 || $2, $3::text)) AS n WHERE $5 IS NOT NULL) n, inserted ins";
+SELECT ins.id
+FROM (SELECT count(pg_notify($5 || $2, $3::text || ' ' || {s}.ms(c.now)::text)) AS n FROM c WHERE $5 IS NOT NULL) n,
+     inserted ins";
 
 /// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
 /// single enqueue), with scalar parameters. About 6% less server time than [`ENQUEUE_ONE`]'s
 /// run-at and optional columns (pgbench, the two interleaved).
 const ENQUEUE_ONE_NOW: &str = "\
-WITH inserted AS (
+WITH c AS (SELECT {s}.db_now() AS now),
+inserted AS (
     INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at)
-    SELECT $1, $2, $3, $4, 'PENDING', c.now, c.now FROM (SELECT {s}.db_now() AS now) c
+    SELECT $1, $2, $3, $4, 'PENDING', c.now, c.now FROM c
     RETURNING id
 )
-SELECT ins.id FROM (SELECT count(pg_notify($5 || $2, $3::text)) AS n WHERE $5 IS NOT NULL) n, inserted ins";
+SELECT ins.id
+FROM (SELECT count(pg_notify($5 || $2, $3::text || ' ' || {s}.ms(c.now)::text)) AS n FROM c WHERE $5 IS NOT NULL) n,
+     inserted ins";
 
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
 const ENQUEUE_ONE: &str = "\
@@ -587,10 +600,11 @@ WITH inserted AS (
     INSERT INTO {s}.tasks (name, queue, priority, args, state, run_at, enqueued_at, retry, flags)
     SELECT $1, $2, $3, $4, 'PENDING', {s}.due_at($5, $6, c.now), c.now, $7, string_to_array($8, ',')
     FROM (SELECT {s}.db_now() AS now) c
-    RETURNING id, queue
+    RETURNING id, queue, priority, run_at
 )
 SELECT ins.id FROM inserted ins
-LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, $3::text) WHERE $9 IS NOT NULL) n ON true";
+LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, ins.priority::text || ' ' || {s}.ms(ins.run_at)::text)
+                   WHERE $9 IS NOT NULL) n ON true";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
@@ -1194,6 +1208,7 @@ impl Statements {
                 .replace("{finish_answer}", FINISH_ANSWER)
                 .replace("{finished_columns}", FINISHED_COLUMNS)
                 .replace("{kept}", KEPT)
+                .replace("{announced}", ANNOUNCED)
                 .replace("{unclaim}", UNCLAIM)
                 .replace("{unstart}", UNSTART)
                 .replace("{id_chunks_of_moved}", &ID_CHUNKS.replace("{rows}", "moved"))

@@ -601,10 +601,10 @@ impl Checker {
             DbRequest::Claim { policy, .. } => {
                 let served: BTreeSet<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
                 for row in live_rows(store) {
-                    // Forbidden flags and a priority bound (an urgent claim) leave rows out.
+                    // Forbidden flags, priority bounds (urgent claims, floors) and a run-at bound leave rows out.
                     if served.contains(row.queue.as_str())
                         && claimable(row, now)
-                        && policy.admits(&row.flags, row.priority)
+                        && policy.admits_row(&row.flags, row.priority, row.state == TaskState::Pending, row.run_at)
                     {
                         before.rows.insert(row.id, Facts::of(row));
                     }

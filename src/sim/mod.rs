@@ -189,6 +189,8 @@ pub struct SimReport {
     pub broker_wakeups: u64,
     /// Claim passes sent with a priority floor (through a backlog).
     pub floored_passes: u64,
+    /// Claim passes sent from an announced run-at (woken only by such announcements).
+    pub bounded_passes: u64,
     /// Whether the run injected any fault besides latency.
     pub faulty: bool,
 }
@@ -333,6 +335,7 @@ enum SimEvent {
         incarnation: u32,
         queue: String,
         priority: Option<i16>,
+        run_at: Option<DbTime>,
     },
     /// A revocation reaches a worker's listener.
     Revoked {
@@ -519,6 +522,7 @@ struct Stats {
     dead_workers: u64,
     broker_wakeups: u64,
     floored_passes: u64,
+    bounded_passes: u64,
 }
 
 impl Sim {
@@ -677,6 +681,7 @@ impl Sim {
             dead_workers: self.stats.dead_workers,
             broker_wakeups: self.stats.broker_wakeups,
             floored_passes: self.stats.floored_passes,
+            bounded_passes: self.stats.bounded_passes,
             faulty: self.options.faults.any(),
         }
     }
@@ -1323,6 +1328,7 @@ impl Sim {
                 self.stats.requests += 1;
                 if let DbRequest::Claim { policy, .. } | DbRequest::FinishAndClaim { policy, .. } = &request {
                     self.stats.floored_passes += u64::from(policy.min_priority.is_some());
+                    self.stats.bounded_passes += u64::from(policy.min_run_at.is_some());
                 }
                 let second = self.elapsed().as_secs();
                 let s = &mut self.slots[slot];
@@ -1603,13 +1609,13 @@ impl Sim {
                 );
                 self.handle_input(slot, Input::TaskFinished { task, lease, outcome })
             }
-            SimEvent::Notify { slot, incarnation, queue, priority } => {
+            SimEvent::Notify { slot, incarnation, queue, priority, run_at } => {
                 if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
                     return Ok(());
                 }
                 let name = self.slots[slot].name(slot);
-                self.note(&name, format_args!("notified {queue} {priority:?}"));
-                self.handle_input(slot, Input::Notified { queue, priority })
+                self.note(&name, format_args!("notified {queue} {priority:?} {run_at:?}"));
+                self.handle_input(slot, Input::Notified { queue, priority, run_at })
             }
             SimEvent::Revoked { slot, incarnation, tasks } => {
                 if !self.is_current(slot, incarnation) || !self.slots[slot].listening {
@@ -1629,7 +1635,7 @@ impl Sim {
                 let name = self.slots[slot].name(slot);
                 self.note(&name, format_args!("broker woke {queue} {priority:?}"));
                 self.stats.broker_wakeups += 1;
-                self.handle_input(slot, Input::Notified { queue, priority })
+                self.handle_input(slot, Input::Notified { queue, priority, run_at: None })
             }
             SimEvent::BrokerListener { slot, incarnation, connected } => {
                 self.source_event(slot, incarnation, BROKER_SOURCE, connected)
@@ -2142,7 +2148,7 @@ impl Sim {
     fn deliver_notifications(&mut self, notifications: Vec<Notification>) {
         for notification in notifications {
             match notification {
-                Notification::TaskReady { queue, priority } => {
+                Notification::TaskReady { queue, priority, run_at } => {
                     // PostgreSQL does not drop a NOTIFY on a live LISTEN session: notifications
                     // are lost with the connection (listener drops). Random loss is injected
                     // only where a poll makes up for it; in EventDrivenOnly mode it would be lost
@@ -2152,7 +2158,13 @@ impl Sim {
                         LISTEN_SOURCE,
                         wire,
                         |slot| slot.config.deployment_mode != DeploymentMode::EventDrivenOnly,
-                        |slot, incarnation| SimEvent::Notify { slot, incarnation, queue: queue.clone(), priority },
+                        |slot, incarnation| SimEvent::Notify {
+                            slot,
+                            incarnation,
+                            queue: queue.clone(),
+                            priority,
+                            run_at,
+                        },
                     );
                     if !lost.is_empty() {
                         self.note("db", format_args!("notify {queue}: lost for slots {lost:?}"));
@@ -2311,7 +2323,7 @@ impl Sim {
             // notified nobody, unless a task had a key (a function that always notifies).
             let notifications = self.store.take_notifications();
             for notification in &notifications {
-                if let Notification::TaskReady { queue, priority } = notification {
+                if let Notification::TaskReady { queue, priority, .. } = notification {
                     self.publish_to_broker(queue, *priority);
                 }
             }

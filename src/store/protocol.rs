@@ -627,6 +627,12 @@ pub enum Notification {
         /// worker whose buffer holds less urgent tasks claims it at once. `None` for tasks that
         /// became claimable otherwise (released, retried, rescheduled, resumed).
         priority: Option<i16>,
+        /// For tasks enqueued without keys, the earliest run-at among them: a worker whose
+        /// claims since its last full look were woken only by such announcements claims from
+        /// the earliest of their run-ats on (see [`ClaimPolicy::min_run_at`]). `None` otherwise.
+        ///
+        /// [`ClaimPolicy::min_run_at`]: crate::budget::ClaimPolicy::min_run_at
+        run_at: Option<DbTime>,
     },
     /// A task reached a terminal state.
     TaskFinished {

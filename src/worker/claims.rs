@@ -59,11 +59,42 @@ pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
 /// the next pass takes those tasks in claim order.
 pub const FLOOR_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
+/// How far back a regular pass must look (in claim order, by run-at) to take every eligible
+/// Pending row nobody else has.
+///
+/// A pass that answers "no more" has left nothing behind in its range. Rows that become
+/// claimable after it are either announced by an enqueue that names their run-at, or come some
+/// other way (due by time, handed back, retried, promoted, announced without a run-at, or
+/// while the worker was deaf or its notification dropped): the next pass looks from the
+/// earliest announced run-at on when only the first kind asked for it since the last pass was
+/// sent, and at every row otherwise. A pass that leaves more passes its range on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum PassBound {
+    /// Nothing asked for a pass since the last one was sent.
+    Covered,
+    /// Only announcements with a run-at: the earliest of them.
+    From(DbTime),
+    /// Anything else: every row.
+    Everything,
+}
+
+impl PassBound {
+    /// The range that covers both.
+    pub(super) fn widen(self, other: PassBound) -> PassBound {
+        match (self, other) {
+            (PassBound::Everything, _) | (_, PassBound::Everything) => PassBound::Everything,
+            (PassBound::Covered, bound) | (bound, PassBound::Covered) => bound,
+            (PassBound::From(a), PassBound::From(b)) => PassBound::From(a.min(b)),
+        }
+    }
+}
+
 impl Worker {
     /// A claim pass is wanted for a reason other than a notification.
     pub(super) fn want_pass(&mut self) {
         self.more_work = true;
         self.notified_pass = false;
+        self.pass_bound = PassBound::Everything;
     }
 
     pub(super) fn claim(&mut self, now: Instant) {
@@ -101,16 +132,26 @@ impl Worker {
         // A floor is lifted for one pass when what is below it cannot wait for urgent claims.
         let floor = self.pass_floor.filter(|_| !std::mem::take(&mut self.floor_lifted));
         self.floor_out = floor.is_some();
-        let policy = match floor {
-            Some(floor) => {
-                if !self.timers.contains(Timer::FloorSweep) {
-                    self.arm(Timer::FloorSweep, now + FLOOR_SWEEP_INTERVAL);
-                }
-                let mut floored = (*policy).clone();
-                floored.min_priority = Some(floor);
-                Arc::new(floored)
-            }
-            None => policy,
+        if floor.is_some() && !self.timers.contains(Timer::FloorSweep) {
+            self.arm(Timer::FloorSweep, now + FLOOR_SWEEP_INTERVAL);
+        }
+        // Woken only by announced run-ats since the last pass: from the earliest of them on.
+        let bound = match std::mem::replace(&mut self.pass_bound, PassBound::Covered) {
+            PassBound::From(run_at) => PassBound::From(run_at),
+            PassBound::Covered | PassBound::Everything => PassBound::Everything,
+        };
+        self.bound_out = bound;
+        let min_run_at = match bound {
+            PassBound::From(run_at) => Some(run_at),
+            _ => None,
+        };
+        let policy = if floor.is_some() || min_run_at.is_some() {
+            let mut bounded = (*policy).clone();
+            bounded.min_priority = floor;
+            bounded.min_run_at = min_run_at;
+            Arc::new(bounded)
+        } else {
+            policy
         };
         let start_now = self.config.concurrency.saturating_sub(running + claimed);
         self.claim_out = (budget, start_now.min(budget));
@@ -216,10 +257,11 @@ impl Worker {
         Arc::clone(&self.claim_policy)
     }
 
-    pub(super) fn on_notified(&mut self, queue: &str, priority: Option<i16>) {
+    pub(super) fn on_notified(&mut self, queue: &str, priority: Option<i16>, run_at: Option<DbTime>) {
         if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
             return;
         }
+        self.pass_bound = self.pass_bound.widen(run_at.map_or(PassBound::Everything, PassBound::From));
         if let Some(priority) = priority {
             let rank = (self.queue_priority(queue), priority);
             // More urgent than a buffered task, or, with none buffered, than what the worker
@@ -311,6 +353,10 @@ impl Worker {
         self.claim_out = (0, 0);
         let took = tasks.len();
         self.working_rank = tasks.iter().map(|t| (self.queue_priority(&t.queue), t.priority)).max();
+        if more {
+            // What it left behind is in its range: the next pass looks there too.
+            self.pass_bound = self.pass_bound.widen(self.bound_out);
+        }
         // Through a backlog the next pass starts at the most urgent priority this one took;
         // a pass that ran short (or took nothing) leaves no floor.
         self.pass_floor = if more { tasks.iter().map(|t| t.priority).min() } else { None };
@@ -489,6 +535,7 @@ impl Worker {
             self.sweep_out = false;
             // Its tasks wait for the next pass, which must not pass over them.
             self.floor_lifted = true;
+            self.pass_bound = PassBound::Everything;
         } else {
             self.slots.claim.answered();
             self.claim_out = (0, 0);

@@ -69,8 +69,8 @@ mod starts;
 mod timers;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
-use claims::PassBudget;
 pub use claims::{FLOOR_SWEEP_INTERVAL, NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
+use claims::{PassBound, PassBudget};
 pub use completions::{MAX_FINISH_BATCH_BYTES, MAX_LONE_REFUSALS};
 use completions::{Queued, own_outcome_bytes};
 pub use flow::{BUFFER_WINDOW_MIN, HARD_CAP_CLAIM_AHEAD_MAX, URGENT_CLAIM_MAX};
@@ -130,6 +130,11 @@ pub enum Input {
         /// if it announced one: a task more urgent than some the worker holds in its buffer is
         /// claimed at once, beside a claim already in flight.
         priority: Option<i16>,
+        /// The earliest run-at among the tasks, if the announcement names it (PostgreSQL's
+        /// enqueues of tasks without keys do): a pass woken only by such announcements since
+        /// the last pass claims from the earliest of them on, without walking the rows before
+        /// (see [`ClaimPolicy::min_run_at`]). `None` makes the next pass look at every row.
+        run_at: Option<DbTime>,
     },
     /// A notification said these tasks were taken from their holders (a workflow's cancel,
     /// [`Notification::TasksRevoked`](crate::store::Notification::TasksRevoked)): if the
@@ -559,6 +564,11 @@ pub struct Worker {
     sweep_due: bool,
     /// The urgent claim in flight is a sweep below the floor.
     sweep_out: bool,
+    /// How far back the next regular pass looks, from what asked for it since the last pass
+    /// was sent.
+    pass_bound: PassBound,
+    /// How far back the regular pass in flight looks: what it leaves behind is in that range.
+    bound_out: PassBound,
     timers: Timers,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
@@ -646,6 +656,8 @@ impl Worker {
             pass_floor: None,
             floor_out: false,
             floor_lifted: false,
+            pass_bound: PassBound::Everything,
+            bound_out: PassBound::Everything,
             sweep_due: false,
             sweep_out: false,
             timers: Timers::default(),
@@ -797,7 +809,7 @@ impl Worker {
         match input {
             Input::Db { op, reply } => self.on_db(op, reply, now),
             Input::TaskFinished { task, lease, outcome } => self.on_task_finished(task, lease, outcome),
-            Input::Notified { queue, priority } => self.on_notified(&queue, priority),
+            Input::Notified { queue, priority, run_at } => self.on_notified(&queue, priority, run_at),
             Input::Listener { connected } => {
                 if connected && !self.listening {
                     // Notifications sent while the listener was down are gone: catch up.

@@ -212,12 +212,13 @@ pub async fn pin_clock<'e>(executor: impl sqlx::PgExecutor<'e>, schema: &PgSchem
 
 /// A call of the schema's current claim function (`claim_tasks()`) for a worker `w` on the
 /// default queue: a budget and start-now of 16, no caps, `hard` or soft cap mode, a priority
-/// floor of 0 (the tests' tasks have priority 0; the floor's bound is planned like the rest);
+/// floor of 0 and a run-at bound of the epoch (the tests' tasks have priority 0 and run later;
+/// the bounds are planned like the rest);
 /// selects the number of rows it returns with a task (the last row, with no id, carries `more`).
 pub fn claim_call(schema: &PgSchema, hard: bool) -> String {
     format!(
         "SELECT count(id) FROM {}.claim_tasks('w', 1, ARRAY['default'], ARRAY[NULL]::integer[], 16, {hard}, NULL, 0, \
-         '{{}}', 16, 60000, ARRAY[false], NULL, NULL, 0::smallint)",
+         '{{}}', 16, 60000, ARRAY[false], NULL, NULL, 0::smallint, 0::bigint)",
         schema.quoted()
     )
 }
