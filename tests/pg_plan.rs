@@ -226,15 +226,7 @@ async fn pkey_entries_read(store: &PgStore, observer: &sqlx::PgPool) -> i64 {
 /// Claims every pending task of the default queue for worker `w`, up to 100, starting
 /// `start_now` of them.
 async fn claim_all(store: &PgStore, policy: &Arc<ClaimPolicy>, token: u64, start_now: u32) -> Vec<TaskLease> {
-    let request = DbRequest::Claim {
-        worker: WorkerId("w".into()),
-        token,
-        policy: Arc::clone(policy),
-        my_running: 0,
-        my_claimed: 0,
-        start_now,
-        lease_ms: 60_000,
-    };
+    let request = pg::claim_by_w(token, policy, start_now);
     let DbReply::Claimed { tasks, .. } = store.execute(&request).await.unwrap() else { panic!("not a claim's answer") };
     tasks.iter().map(|t| TaskLease { task: t.id, lease: t.lease }).collect()
 }

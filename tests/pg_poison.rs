@@ -57,15 +57,7 @@ fn policy(app: &AppConfig, concurrency: u32) -> Arc<ClaimPolicy> {
 }
 
 fn claim(token: u64, policy: &Arc<ClaimPolicy>, start_now: u32) -> DbRequest {
-    DbRequest::Claim {
-        worker: worker(),
-        token,
-        policy: Arc::clone(policy),
-        my_running: 0,
-        my_claimed: 0,
-        start_now,
-        lease_ms: 60_000,
-    }
+    pg::claim_by_w(token, policy, start_now)
 }
 
 async fn claimed(store: &PgStore, request: &DbRequest) -> Vec<ClaimedTask> {

@@ -210,6 +210,24 @@ pub async fn pin_clock<'e>(executor: impl sqlx::PgExecutor<'e>, schema: &PgSchem
     sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(executor).await.expect("pin the clock");
 }
 
+/// A claim by worker `w`, holding nothing, under `policy`: starting `start_now` of what it
+/// takes, the rest leased for 60 s.
+pub fn claim_by_w(
+    token: u64,
+    policy: &std::sync::Arc<canter::budget::ClaimPolicy>,
+    start_now: u32,
+) -> canter::store::DbRequest {
+    canter::store::DbRequest::Claim {
+        worker: canter::task::WorkerId("w".into()),
+        token,
+        policy: std::sync::Arc::clone(policy),
+        my_running: 0,
+        my_claimed: 0,
+        start_now,
+        lease_ms: 60_000,
+    }
+}
+
 /// A call of the schema's current claim function (`claim_tasks()`) for a worker `w` on the
 /// default queue: a budget and start-now of 16, no caps, `hard` or soft cap mode, a priority
 /// floor of 0 and a run-at bound of the epoch (the tests' tasks have priority 0 and run later;
