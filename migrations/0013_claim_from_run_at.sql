@@ -10,8 +10,11 @@
 -- Why: with the xmin held (a long transaction, a replication slot's feedback), every task
 -- claimed leaves an entry in `tasks_claim_idx` that nothing can remove, and each claim walked
 -- them all, fetching each row to see it is gone (15 ms a walk after a minute at 1,000 tasks a
--- second, twice a claim). `run_at` is the index's third column: entries before the bound are
--- passed over in the index, without fetching their rows.
+-- second, twice a claim). The scans of Pending rows now start at (`p_min_priority`, run-at
+-- bound), a row comparison on the index's second and third columns: a worker sends the most
+-- urgent announced priority as `p_min_priority` with the earliest announced run-at, and the
+-- entries before that key are not visited at all (`run_at >= bound` alone, as a filter on the
+-- index's entries, would still read each of them: 5 ms per 100,000).
 --
 -- A new overload rather than a changed function: workers of earlier versions go on calling
 -- 0012's fifteen-argument `claim_tasks()` (and read payloads with a run-at as announcing no
@@ -106,7 +109,7 @@ BEGIN
                   AND t.run_at <= v_now AND t.run_at >= v_min_run_at
                   AND (t.good_until IS NULL OR t.good_until > v_now)
                   AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                  AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                  AND (t.priority, t.run_at) >= (coalesce(p_min_priority, -32768), v_min_run_at) AND t.priority <= coalesce(p_max_priority, 32767)
                 ORDER BY t.priority, t.run_at, t.id
                 LIMIT v_want
                 FOR UPDATE SKIP LOCKED
@@ -151,7 +154,7 @@ BEGIN
                           AND t.run_at <= v_now AND t.run_at >= v_min_run_at
                           AND (t.good_until IS NULL OR t.good_until > v_now)
                           AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                          AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                          AND (t.priority, t.run_at) >= (coalesce(p_min_priority, -32768), v_min_run_at) AND t.priority <= coalesce(p_max_priority, 32767)
                         ORDER BY t.priority, t.run_at, t.id
                         LIMIT 1
                     ) IS NOT NULL;
@@ -181,7 +184,7 @@ BEGIN
                           AND t.run_at <= v_now AND t.run_at >= v_min_run_at
                           AND (t.good_until IS NULL OR t.good_until > v_now)
                           AND (p_forbidden IS NULL OR t.flags IS NULL OR NOT t.flags && p_forbidden)
-                          AND t.priority BETWEEN coalesce(p_min_priority, -32768) AND coalesce(p_max_priority, 32767)
+                          AND (t.priority, t.run_at) >= (coalesce(p_min_priority, -32768), v_min_run_at) AND t.priority <= coalesce(p_max_priority, 32767)
                         ORDER BY t.priority, t.run_at, t.id
                         LIMIT coalesce(v_got_pending, 0) + 1
                     ) x

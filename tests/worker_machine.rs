@@ -1759,36 +1759,40 @@ fn an_urgent_claim_with_no_room_lifts_the_floor() {
     assert_eq!(passes[0].1.min_priority, None, "the announced task is taken in claim order");
 }
 
-/// A pass woken only by enqueues that announced their run-ats claims from the earliest of them
-/// on (`min_run_at`): with the xmin held, its index walk then passes over the entries of rows
-/// claimed before. Announcements heard while a pass is in flight bound the next one. Anything
-/// else since the last pass (a notification without a run-at, a poll, a pass that took tasks
-/// and left more) makes the next pass look at every row; a pass that left more but took
-/// nothing passes its own bound on.
+/// A pass woken only by enqueues that announced their priorities and run-ats claims the rows as
+/// urgent as the most urgent announced or less, due at the earliest announced run-at or later
+/// (`min_priority`, `min_run_at`): with the xmin held, its index walk then starts past the
+/// entries of rows claimed before. Announcements heard while a pass is in flight bound the next
+/// one. Anything else since the last pass (a notification without a run-at, a poll, a pass
+/// that took tasks and left more) makes the next pass look at every row; a pass that left more
+/// but took nothing passes its own bound on.
 #[test]
 fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
-    let notified = |run_at: Option<i64>| Input::Notified {
+    let notified = |priority: i16, run_at: Option<i64>| Input::Notified {
         queue: "default".into(),
-        priority: Some(0),
+        priority: Some(priority),
         run_at: run_at.map(DbTime),
     };
+    // The pass among `commands` and its bound: (priority, run-at) when it has a run-at bound.
     let the_pass = |commands: &[Command]| {
         let passes = claims_with_policies(commands);
         assert_eq!(passes.len(), 1, "one pass: {commands:?}");
-        (passes[0].0, passes[0].1.min_run_at.map(|at| at.0))
+        let policy = &passes[0].1;
+        let bound = policy.min_run_at.map(|at| (policy.min_priority.expect("a priority with the run-at"), at.0));
+        (passes[0].0, bound)
     };
     let (mut h, first) = Harness::new(app(), slots(64));
     let (op, bound) = the_pass(&first);
     assert_eq!(bound, None, "the first pass looks at every row");
     assert!(claims_with_policies(&h.reply(op, claimed(vec![], false))).is_empty());
 
-    let (op, bound) = the_pass(&h.input(notified(Some(5_000))));
-    assert_eq!(bound, Some(5_000), "woken by one announcement: from its run-at");
-    // Heard while that pass is in flight: they bound the next one.
-    assert!(claims_with_policies(&h.input(notified(Some(4_500)))).is_empty());
-    assert!(claims_with_policies(&h.input(notified(Some(4_000)))).is_empty());
+    let (op, bound) = the_pass(&h.input(notified(2, Some(5_000))));
+    assert_eq!(bound, Some((2, 5_000)), "woken by one announcement: from its priority and run-at");
+    // Heard while that pass is in flight: they bound the next one, each on its own.
+    assert!(claims_with_policies(&h.input(notified(3, Some(4_500)))).is_empty());
+    assert!(claims_with_policies(&h.input(notified(1, Some(4_800)))).is_empty());
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(1, true)], false)));
-    assert_eq!(bound, Some(4_000), "the earliest announced since the last pass was sent");
+    assert_eq!(bound, Some((1, 4_500)), "the most urgent and the earliest announced since the last pass was sent");
 
     // It took a task and left more: the rest may lie anywhere.
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(2, true)], true)));
@@ -1799,20 +1803,20 @@ fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
     assert!(claims_with_policies(&h.reply(op, claimed(vec![], false))).is_empty());
 
     // A notification without a run-at (a hand-back, a keyed enqueue), among others.
-    let (op, bound) = the_pass(&h.input(notified(Some(6_000))));
-    assert_eq!(bound, Some(6_000));
-    h.input(notified(Some(6_100)));
-    h.input(notified(None));
+    let (op, bound) = the_pass(&h.input(notified(0, Some(6_000))));
+    assert_eq!(bound, Some((0, 6_000)));
+    h.input(notified(0, Some(6_100)));
+    h.input(notified(0, None));
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![], false)));
     assert_eq!(bound, None, "a wake-up that names no run-at");
 
     // Left more but took nothing (a queue at its cap): what it left is in its range.
     h.reply(op, claimed(vec![], false));
-    let (op, bound) = the_pass(&h.input(notified(Some(7_000))));
-    assert_eq!(bound, Some(7_000));
+    let (op, bound) = the_pass(&h.input(notified(1, Some(7_000))));
+    assert_eq!(bound, Some((1, 7_000)));
     assert!(claims_with_policies(&h.reply(op, claimed(vec![], true))).is_empty(), "blocked: no pass at once");
-    let (op, bound) = the_pass(&h.input(notified(Some(9_000))));
-    assert_eq!(bound, Some(7_000), "the blocked pass's range and the new announcement's");
+    let (op, bound) = the_pass(&h.input(notified(4, Some(9_000))));
+    assert_eq!(bound, Some((1, 7_000)), "the blocked pass's range and the new announcement's");
     h.reply(op, claimed(vec![], false));
 
     // The poll looks at every row.

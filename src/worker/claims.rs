@@ -59,21 +59,22 @@ pub const NOTIFIED_PASSES_PER_SECOND: u32 = 20;
 /// the next pass takes those tasks in claim order.
 pub const FLOOR_SWEEP_INTERVAL: Duration = Duration::from_millis(50);
 
-/// How far back a regular pass must look (in claim order, by run-at) to take every eligible
-/// Pending row nobody else has.
+/// Which Pending rows a regular pass must look at to take every eligible one nobody else has.
 ///
 /// A pass that answers "no more" has left nothing behind in its range. Rows that become
-/// claimable after it are either announced by an enqueue that names their run-at, or come some
-/// other way (due by time, handed back, retried, promoted, announced without a run-at, or
-/// while the worker was deaf or its notification dropped): the next pass looks from the
-/// earliest announced run-at on when only the first kind asked for it since the last pass was
-/// sent, and at every row otherwise. A pass that leaves more passes its range on.
+/// claimable after it are either announced by an enqueue that names their priority and run-at,
+/// or come some other way (due by time, handed back, retried, promoted, announced without a
+/// run-at, or while the worker was deaf or its notification dropped): the next pass looks at
+/// the rows as urgent as the most urgent announced or less, due at the earliest announced
+/// run-at or later, when only the first kind asked for it since the last pass was sent, and at
+/// every row otherwise. A pass that leaves more passes its range on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum PassBound {
     /// Nothing asked for a pass since the last one was sent.
     Covered,
-    /// Only announcements with a run-at: the earliest of them.
-    From(DbTime),
+    /// Only announcements with a run-at: the most urgent priority and the earliest run-at of
+    /// them (each on its own).
+    From { priority: i16, run_at: DbTime },
     /// Anything else: every row.
     Everything,
 }
@@ -84,7 +85,9 @@ impl PassBound {
         match (self, other) {
             (PassBound::Everything, _) | (_, PassBound::Everything) => PassBound::Everything,
             (PassBound::Covered, bound) | (bound, PassBound::Covered) => bound,
-            (PassBound::From(a), PassBound::From(b)) => PassBound::From(a.min(b)),
+            (PassBound::From { priority: p, run_at: r }, PassBound::From { priority: q, run_at: s }) => {
+                PassBound::From { priority: p.min(q), run_at: r.min(s) }
+            }
         }
     }
 }
@@ -135,19 +138,21 @@ impl Worker {
         if floor.is_some() && !self.timers.contains(Timer::FloorSweep) {
             self.arm(Timer::FloorSweep, now + FLOOR_SWEEP_INTERVAL);
         }
-        // Woken only by announced run-ats since the last pass: from the earliest of them on.
+        // Woken only by announced run-ats since the last pass: from the most urgent announced
+        // priority and the earliest announced run-at on (the claim's index walk then starts
+        // at that key, past the entries of rows claimed before).
         let bound = match std::mem::replace(&mut self.pass_bound, PassBound::Covered) {
-            PassBound::From(run_at) => PassBound::From(run_at),
-            PassBound::Covered | PassBound::Everything => PassBound::Everything,
+            PassBound::Covered => PassBound::Everything,
+            bound => bound,
         };
         self.bound_out = bound;
-        let min_run_at = match bound {
-            PassBound::From(run_at) => Some(run_at),
-            _ => None,
+        let (min_priority, min_run_at) = match bound {
+            PassBound::From { priority, run_at } => (Some(floor.map_or(priority, |f| f.max(priority))), Some(run_at)),
+            _ => (floor, None),
         };
-        let policy = if floor.is_some() || min_run_at.is_some() {
+        let policy = if min_priority.is_some() || min_run_at.is_some() {
             let mut bounded = (*policy).clone();
-            bounded.min_priority = floor;
+            bounded.min_priority = min_priority;
             bounded.min_run_at = min_run_at;
             Arc::new(bounded)
         } else {
@@ -261,7 +266,11 @@ impl Worker {
         if self.config.deployment_mode == DeploymentMode::PollingOnly || !self.served.contains(queue) {
             return;
         }
-        self.pass_bound = self.pass_bound.widen(run_at.map_or(PassBound::Everything, PassBound::From));
+        let announced = match (priority, run_at) {
+            (Some(priority), Some(run_at)) => PassBound::From { priority, run_at },
+            _ => PassBound::Everything,
+        };
+        self.pass_bound = self.pass_bound.widen(announced);
         if let Some(priority) = priority {
             let rank = (self.queue_priority(queue), priority);
             // More urgent than a buffered task, or, with none buffered, than what the worker
