@@ -18,11 +18,7 @@
 //! (the same rows as `IN ('CLAIMED', 'RUNNING')` under the state check), a condition the
 //! in-flight index cannot serve: otherwise a generic plan (sqlx reuses prepared statements, and
 //! PostgreSQL switches to a generic plan after five runs) scans that index and tests each row
-//! against the id array one element at a time, quadratic in the batch. Writes that join those
-//! rows with others name `t.id = ANY ($ids)` as well, so that they look them up by id whichever
-//! way the join goes: statistics that count a few live rows (the worker's vacuum while another
-//! session holds the xmin) let the planner walk the whole primary key instead, every dead
-//! version included.
+//! against the id array one element at a time, quadratic in the batch.
 //!
 //! Notifications are sent from the same statement: a `notified` CTE that the final SELECT
 //! cross-joins, so it runs whenever there is something to announce.
@@ -95,10 +91,9 @@ chosen AS (
     FROM input i JOIN held h ON h.id = i.id AND h.lease = i.lease
     ORDER BY i.id, i.ord
 ),
--- `t.id = ANY ($2)` beside the join: looked up by id (see the module's doc).
 moved AS (
     DELETE FROM {s}.tasks t USING chosen c
-    WHERE t.id = c.id AND c.state <> 'PENDING' AND t.id = ANY ($2::bigint[])
+    WHERE t.id = c.id AND c.state <> 'PENDING'
     RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error, c.attempts AS new_attempts,
               c.started_at AS new_started_at, c.args AS new_args
 ),
@@ -118,7 +113,7 @@ retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error,
         attempts = c.attempts, started_at = c.started_at, args = coalesce(c.args, t.args)
     FROM chosen c
-    WHERE t.id = c.id AND c.state = 'PENDING' AND t.id = ANY ($2::bigint[])
+    WHERE t.id = c.id AND c.state = 'PENDING'
     RETURNING t.queue
 ),
 -- Only a run the task outlives gets an attempts row; a terminal task's last run is its
@@ -182,7 +177,7 @@ started AS (
         heartbeat_at = {s}.db_now(), claim_expires_at = NULL
     FROM (SELECT DISTINCT h.id FROM held h JOIN input i ON i.id = h.id AND i.lease = h.lease
           WHERE h.state = 'CLAIMED') c
-    WHERE t.id = c.id AND t.id = ANY ($2::bigint[])
+    WHERE t.id = c.id
     RETURNING t.id, t.attempts
 )
 SELECT i.id, coalesce(s.attempts, CASE WHEN h.state = 'RUNNING' THEN h.attempts END) AS attempt
@@ -216,7 +211,7 @@ busy AS (
     SELECT t.id, t.lease FROM {s}.tasks t
     WHERE t.id IN (SELECT u.id FROM unnest($2::bigint[] || $4::bigint[]) AS u(id)
                    WHERE NOT EXISTS (SELECT FROM held h WHERE h.id = u.id))
-      AND t.id = ANY ($2::bigint[] || $4::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
+      AND t.state <> 'PENDING' AND t.claimed_by = $1
 ),
 -- Rows a claim this worker abandoned left claimed by it when it committed late: handed back
 -- as the abandon does (`$8`, usually empty, when nothing is scanned).
@@ -233,7 +228,7 @@ late AS (
 handed_back AS (
     UPDATE {s}.tasks t SET {unclaim}, {unstart}
     FROM late l
-    WHERE t.id = l.id AND t.id = ANY (ARRAY(SELECT l.id FROM late l))
+    WHERE t.id = l.id
     RETURNING t.id, t.queue
 ),
 late_notified AS (
@@ -249,7 +244,7 @@ renewed AS (
     UPDATE {s}.tasks t
     SET claim_expires_at = {s}.db_now() + $6 * interval '1 millisecond', heartbeat_at = {s}.db_now()
     FROM held_claimed h
-    WHERE t.id = h.id AND h.state = 'CLAIMED' AND h.renewable AND t.id = ANY ($2::bigint[])
+    WHERE t.id = h.id AND h.state = 'CLAIMED' AND h.renewable
       AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)
 ),
 beaten AS (
@@ -258,7 +253,7 @@ beaten AS (
           UNION
           SELECT h.id FROM held_claimed h JOIN claimed_in c ON c.id = h.id AND c.lease = h.lease
           WHERE h.state = 'RUNNING') b
-    WHERE t.id = b.id AND t.id = ANY ($2::bigint[] || $4::bigint[])
+    WHERE t.id = b.id
 ),
 -- The registry's row is not waited for either: one another transaction holds (an operator's
 -- release of workers) is seen at the next beat. A row that is gone (pruned) comes back.
@@ -308,7 +303,7 @@ chosen AS (
 released AS (
     UPDATE {s}.tasks t SET {unclaim}
     FROM chosen c
-    WHERE t.id = c.id AND t.id = ANY ($2::bigint[])
+    WHERE t.id = c.id
     RETURNING t.queue
 ),
 notified AS (
@@ -415,11 +410,11 @@ chosen AS (
                      AND (t.good_until IS NULL OR {s}.db_now() + i.delay_ms * interval '1 millisecond' < t.good_until)
                     THEN 'PENDING'
                 ELSE 'FAILED' END AS state
-    FROM input i JOIN {s}.tasks t ON t.id = i.id AND t.state = 'RUNNING' AND t.id = ANY ($1::bigint[])
+    FROM input i JOIN {s}.tasks t ON t.id = i.id AND t.state = 'RUNNING'
 ),
 moved AS (
     DELETE FROM {s}.tasks t USING chosen c
-    WHERE t.id = c.id AND c.state = 'FAILED' AND t.id = ANY ($1::bigint[])
+    WHERE t.id = c.id AND c.state = 'FAILED'
     RETURNING t.*
 ),
 finished AS (
@@ -430,7 +425,7 @@ finished AS (
 retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = $4
     FROM chosen c
-    WHERE t.id = c.id AND c.state = 'PENDING' AND t.id = ANY ($1::bigint[])
+    WHERE t.id = c.id AND c.state = 'PENDING'
     RETURNING t.queue
 ),
 ready AS (
