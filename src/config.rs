@@ -831,7 +831,8 @@ pub struct WorkerConfig {
     /// Whether the worker listens, polls, or both.
     pub deployment_mode: DeploymentMode,
     /// The poll period (`notify_poll_interval_ms` in the seeds): 1 000 to 300 000 ms,
-    /// default 5 000.
+    /// default 5 000. In every mode that listens, also how often at least a claim pass looks
+    /// at every row, where passes woken by announced run-ats start at their bound.
     #[serde(deserialize_with = "millis::deserialize")]
     pub poll_interval_ms: u64,
     /// How long a handler may run before it fails with `TASK_TIMEOUT`: 1 to 86 400 000 ms,

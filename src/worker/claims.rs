@@ -143,8 +143,22 @@ impl Worker {
         // at that key, past the entries of rows claimed before).
         let bound = match std::mem::replace(&mut self.pass_bound, PassBound::Covered) {
             PassBound::Covered => PassBound::Everything,
+            // Rows can wait below the bound with nothing to announce them (a row another
+            // transaction held as a pass went by, a wake-up dropped on a full channel, a lapsed
+            // claim more urgent than the announcements): every row is looked at at least once a
+            // poll interval, however busy the queue (each pass pushes the poll back).
+            PassBound::From { .. }
+                if self
+                    .full_pass_at
+                    .is_none_or(|at| now >= at + Duration::from_millis(self.config.poll_interval_ms)) =>
+            {
+                PassBound::Everything
+            }
             bound => bound,
         };
+        if bound == PassBound::Everything {
+            self.full_pass_at = Some(now);
+        }
         self.bound_out = bound;
         let (min_priority, min_run_at) = match bound {
             PassBound::From { priority, run_at } => (Some(floor.map_or(priority, |f| f.max(priority))), Some(run_at)),

@@ -569,6 +569,8 @@ pub struct Worker {
     pass_bound: PassBound,
     /// How far back the regular pass in flight looks: what it leaves behind is in that range.
     bound_out: PassBound,
+    /// When the last regular pass that looked at every row was sent.
+    full_pass_at: Option<Instant>,
     timers: Timers,
     commands: VecDeque<Command>,
     events: VecDeque<Event>,
@@ -658,6 +660,7 @@ impl Worker {
             floor_lifted: false,
             pass_bound: PassBound::Everything,
             bound_out: PassBound::Everything,
+            full_pass_at: None,
             sweep_due: false,
             sweep_out: false,
             timers: Timers::default(),
