@@ -259,7 +259,7 @@ impl MemoryStore {
                 }
             }
             // A row another transaction locks cannot be taken (`SKIP LOCKED`).
-            if row.is_claimable(now) && admits(policy, row) && !self.locked.contains(&row.id) {
+            if row.is_claimable(now) && row.admitted_by(policy) && !self.locked.contains(&row.id) {
                 if let Some(available) = counts.available.get_mut(&row.queue) {
                     *available = available.saturating_add(1);
                 }
@@ -289,7 +289,7 @@ impl MemoryStore {
                 .filter(|row| {
                     &row.queue == queue
                         && row.is_claimable(now)
-                        && admits(policy, row)
+                        && row.admitted_by(policy)
                         && !taken.contains(&row.id)
                         && !self.locked.contains(&row.id)
                 })
@@ -369,7 +369,8 @@ impl MemoryStore {
                 .map_or(u32::MAX, |cap| cap.saturating_sub(in_flight.counted(hard || queue.serial)));
             let batch = if policy.max_claim_batch > 0 { policy.max_claim_batch } else { u32::MAX };
             let want = left.min(room).min(batch);
-            let eligible = |row: &&StoredTask| row.queue == queue.name && row.is_claimable(now) && admits(policy, row);
+            let eligible =
+                |row: &&StoredTask| row.queue == queue.name && row.is_claimable(now) && row.admitted_by(policy);
             let got: Vec<&StoredTask> =
                 self.live.values().filter(eligible).filter(|row| taken.contains(&row.id)).collect();
             left = left.saturating_sub(got.len() as u32);
@@ -764,9 +765,4 @@ fn refused_values(completion: &Completion) -> Result<(), store::UnstorableValue>
         }
     }
     completion.args.as_ref().map_or(Ok(()), refused)
-}
-
-/// Whether `policy` claims (and sees) `row`, claimable: see [`ClaimPolicy::admits_row`].
-fn admits(policy: &ClaimPolicy, row: &StoredTask) -> bool {
-    policy.admits_row(&row.flags, row.priority, row.state == TaskState::Pending, row.run_at)
 }

@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde_json::Value;
 
+use crate::budget::ClaimPolicy;
 use crate::config::{AppConfig, RetryPolicy};
 use crate::scheduler::ScheduleRecord;
 use crate::store::{AttemptRecord, DbTime, Notification, TaskRecord, WorkerInfo, WorkerRecord, WorkflowId};
@@ -97,6 +98,12 @@ impl StoredTask {
             key: self.key.clone(),
             flags: self.flags.clone(),
         }
+    }
+
+    /// Whether a claim under `policy` takes (and sees) this row, if claimable: see
+    /// [`ClaimPolicy::admits_row`].
+    pub fn admitted_by(&self, policy: &ClaimPolicy) -> bool {
+        policy.admits_row(&self.flags, self.priority, self.state == TaskState::Pending, self.run_at)
     }
 
     /// Whether a claim at `now` may take this row, its queue aside: Pending, or Claimed with

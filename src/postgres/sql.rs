@@ -483,8 +483,9 @@ INSERT INTO {s}.workers (id, queues, concurrency, started_at, last_seen, stopped
 VALUES ($1, '{}', 0, {s}.db_now(), {s}.db_now(), {s}.db_now())
 ON CONFLICT (id) DO UPDATE SET stopped_at = EXCLUDED.stopped_at";
 
-/// The queue channel's payload of an enqueue without keys, for its tasks of one queue `q`:
-/// their most urgent priority and earliest run-at (ms), `"<priority> <run-at>"`. A worker
+/// The queue channel's payload of an enqueue without keys, for its tasks of one queue `q`
+/// (columns `priority` and `run_at`): their most urgent priority and earliest run-at (ms),
+/// `"<priority> <run-at>"`, as the listener's `parse_ready` reads it. A worker
 /// woken only by such payloads claims from the earliest run-at on (`ClaimPolicy::min_run_at`).
 /// Keyed enqueues (`enqueue()`) and workflow promotions announce the priority alone.
 const ANNOUNCED: &str = "q.priority::text || ' ' || {s}.ms(q.run_at)::text";
@@ -572,7 +573,8 @@ inserted AS (
     RETURNING id
 )
 SELECT ins.id
-FROM (SELECT count(pg_notify($5 || $2, $3::text || ' ' || {s}.ms(c.now)::text)) AS n FROM c WHERE $5 IS NOT NULL) n,
+FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
+      WHERE $5 IS NOT NULL) n,
      inserted ins";
 
 /// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
@@ -586,7 +588,8 @@ inserted AS (
     RETURNING id
 )
 SELECT ins.id
-FROM (SELECT count(pg_notify($5 || $2, $3::text || ' ' || {s}.ms(c.now)::text)) AS n FROM c WHERE $5 IS NOT NULL) n,
+FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
+      WHERE $5 IS NOT NULL) n,
      inserted ins";
 
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
@@ -598,7 +601,7 @@ WITH inserted AS (
     RETURNING id, queue, priority, run_at
 )
 SELECT ins.id FROM inserted ins
-LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, ins.priority::text || ' ' || {s}.ms(ins.run_at)::text)
+LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, {announced}) FROM (SELECT ins.priority, ins.run_at) q
                    WHERE $9 IS NOT NULL) n ON true";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its

@@ -602,10 +602,7 @@ impl Checker {
                 let served: BTreeSet<&str> = policy.queues.iter().map(|q| q.name.as_str()).collect();
                 for row in live_rows(store) {
                     // Forbidden flags, priority bounds (urgent claims, floors) and a run-at bound leave rows out.
-                    if served.contains(row.queue.as_str())
-                        && claimable(row, now)
-                        && policy.admits_row(&row.flags, row.priority, row.state == TaskState::Pending, row.run_at)
-                    {
+                    if served.contains(row.queue.as_str()) && claimable(row, now) && row.admitted_by(policy) {
                         before.rows.insert(row.id, Facts::of(row));
                     }
                 }

@@ -187,7 +187,8 @@ pub struct SimReport {
     pub dead_workers: u64,
     /// Wake-ups a broker delivered to workers (with [`BrokerFaults`]).
     pub broker_wakeups: u64,
-    /// Claim passes sent with a priority floor (through a backlog).
+    /// Claim passes sent with a priority floor (through a backlog). A pass from an announced
+    /// run-at carries the announced priority as its `min_priority` too, and is counted below.
     pub floored_passes: u64,
     /// Claim passes sent from an announced run-at (woken only by such announcements).
     pub bounded_passes: u64,
@@ -1327,7 +1328,9 @@ impl Sim {
             Command::Db { op, request } => {
                 self.stats.requests += 1;
                 if let DbRequest::Claim { policy, .. } | DbRequest::FinishAndClaim { policy, .. } = &request {
-                    self.stats.floored_passes += u64::from(policy.min_priority.is_some());
+                    // A floor comes only after a pass that left more, which no run-at bounds.
+                    self.stats.floored_passes +=
+                        u64::from(policy.min_priority.is_some() && policy.min_run_at.is_none());
                     self.stats.bounded_passes += u64::from(policy.min_run_at.is_some());
                 }
                 let second = self.elapsed().as_secs();
