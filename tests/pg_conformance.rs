@@ -521,6 +521,7 @@ fn features(reply: &DbReply) -> Vec<&'static str> {
             see(!report.expired.is_empty(), "expired pending");
         }
         DbReply::Purged { tasks } => see(*tasks > 0, "purged"),
+        DbReply::WaitingSet { written } => see(*written, "waiting mark written"),
         // The stores differ here by design (memory keeps no dead rows); not generated.
         DbReply::Vacuumed { .. } | DbReply::Done => {}
         other => panic!("a reply this suite does not know: {other:?}"),
@@ -1555,7 +1556,14 @@ fn random_op(rng: &mut Rng, memory: &MemoryStore, now: DbTime, tokens: &mut u64,
             queues: app.queues().into_iter().map(|q| q.name).collect(),
             concurrency: rng.range(1, 9) as u32,
         })),
-        91 => Op::Db(DbRequest::DeregisterWorker(w(worker))),
+        91 if rng.chance(0.5) => Op::Db(DbRequest::DeregisterWorker(w(worker))),
+        // Waiting marks decide which enqueues notify (compared after every step).
+        91 => Op::Db(DbRequest::SetWaiting {
+            worker: w(worker),
+            queues: app.queues().into_iter().map(|q| q.name).filter(|_| rng.chance(0.7)).collect(),
+            waiting: rng.chance(0.7),
+            stale_ms: [500, 2_000, 100_000][rng.range(0, 3) as usize],
+        }),
         92..=99 => Op::Advance(rng.range(0, 1_500)),
         100 | 101 => {
             // Mostly pending tasks, which a reschedule applies to.
@@ -1800,6 +1808,7 @@ async fn random_scripts_agree() {
         "reaped and failed",
         "finished and claimed",
         "expired pending",
+        "waiting mark written",
     ];
     assert_reached(&seen, &expected);
 }

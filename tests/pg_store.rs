@@ -75,9 +75,9 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         .await
         .unwrap();
     assert_eq!(
-        tables, 15,
+        tables, 16,
         "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, claim_locks, reaper_lock, \
-         _sqlx_migrations, schema_versions, listeners, workflows, workflow_steps, workflow_edges"
+         _sqlx_migrations, schema_versions, listeners, waiting_workers, workflows, workflow_steps, workflow_edges"
     );
     // The public list names exactly these, and the vacuumed ones are among them.
     let mut named: Vec<String> = sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")
@@ -198,6 +198,14 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
         listener.listen(&channel).await.unwrap();
     }
     register_listener(&mut listener, store.schema(), &[store.schema().done_channel()]).await.unwrap();
+    register(&store, "w").await;
+    let mark = DbRequest::SetWaiting {
+        worker: WorkerId("w".into()),
+        queues: vec!["a".into(), "b".into()],
+        waiting: true,
+        stale_ms: 300_000,
+    };
+    store.execute(&mark).await.unwrap();
     let batch = (0..10).map(|i| NewTask::new("t", json!(i)).queue(if i < 7 { "a" } else { "b" })).collect();
     store.enqueue_many(batch).await.unwrap();
     let mut channels = vec![next(&mut listener).await.0, next(&mut listener).await.0];
@@ -331,6 +339,141 @@ async fn a_registration_waits_for_statements_in_flight_and_later_ones_see_it() {
     let mut waiter = registering.await.unwrap();
     let id = finishing.await.unwrap();
     assert_eq!(next(&mut waiter).await, (done[0].clone(), id.0.to_string()));
+}
+
+/// A worker's waiting mark of the default queue (or its unmark).
+fn set_waiting(worker: &str, waiting: bool) -> DbRequest {
+    DbRequest::SetWaiting {
+        worker: WorkerId(worker.into()),
+        queues: vec!["default".into()],
+        waiting,
+        stale_ms: 300_000,
+    }
+}
+
+fn written(reply: DbReply) -> bool {
+    match reply {
+        DbReply::WaitingSet { written } => written,
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+async fn register(store: &PgStore, worker: &str) {
+    let info =
+        canter::store::WorkerInfo { worker: WorkerId(worker.into()), queues: vec!["default".into()], concurrency: 1 };
+    store.execute(&DbRequest::RegisterWorker(info)).await.unwrap();
+}
+
+/// A client's enqueue in a statement of its own notifies a queue only while a worker of it is
+/// marked waiting (each of its five forms); inside the caller's transaction, or with a key, it
+/// always notifies. A mark there already is left as it is; another worker's mark or unmark
+/// deletes the marks of workers the registry does not have or has stopped, and a worker's
+/// deregistration deletes its own.
+#[tokio::test]
+async fn client_enqueues_notify_a_queue_only_while_a_worker_of_it_waits() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let channel = store.schema().queue_channel("default");
+    let mut listener = listening(&db, &channel).await;
+    let t = |n: i64| NewTask::new("t", json!(n));
+    // One each of the five statements: one due now, one with a run-at, a uniform batch, a
+    // plain batch, a batch with a good-until.
+    let every_form = |store: PgStore| async move {
+        store.enqueue(t(1)).await.unwrap();
+        store.enqueue(t(2).run_at(RunAt::DelayMs(0))).await.unwrap();
+        store.enqueue_many(vec![t(3), t(4)]).await.unwrap();
+        store.enqueue_many(vec![t(5), t(6).priority(1)]).await.unwrap();
+        store.enqueue_many(vec![t(7).good_until(canter::store::DbTime(i64::MAX / 2))]).await.unwrap();
+    };
+    every_form(store.clone()).await;
+    assert!(nothing_heard(&mut listener).await, "an enqueue notified with no worker waiting");
+    // Inside the caller's transaction, and with a key: always.
+    let mut tx = store.pool().begin().await.unwrap();
+    enqueue_in(&mut *tx, store.schema(), store.app(), t(8)).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(next(&mut listener).await.0, channel);
+    store.enqueue(t(9).key("k")).await.unwrap();
+    assert_eq!(next(&mut listener).await.0, channel);
+
+    register(&store, "w").await;
+    assert!(written(store.execute(&set_waiting("w", true)).await.unwrap()), "a new mark is written");
+    assert!(!written(store.execute(&set_waiting("w", true)).await.unwrap()), "a mark there already is kept");
+    every_form(store.clone()).await;
+    for _ in 0..5 {
+        assert_eq!(next(&mut listener).await.0, channel);
+    }
+    assert!(nothing_heard(&mut listener).await);
+    assert!(!written(store.execute(&set_waiting("w", false)).await.unwrap()));
+    store.enqueue(t(10)).await.unwrap();
+    assert!(nothing_heard(&mut listener).await, "an enqueue notified after the unmark");
+
+    // A mark of a worker the registry does not have goes with another worker's mark; a
+    // deregistration takes the worker's own.
+    let marks = format!("SELECT count(*)::bigint FROM {}.waiting_workers", store.schema().quoted());
+    let count = || sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(marks.clone())).fetch_one(store.pool());
+    assert!(written(store.execute(&set_waiting("ghost", true)).await.unwrap()));
+    assert!(written(store.execute(&set_waiting("w", true)).await.unwrap()));
+    assert_eq!(count().await.unwrap(), 1, "the ghost's mark stayed");
+    store.execute(&DbRequest::DeregisterWorker(WorkerId("w".into()))).await.unwrap();
+    assert_eq!(count().await.unwrap(), 0, "a stopped worker's mark stayed");
+}
+
+/// The race a mark closes: an enqueue that read no mark must commit before the mark does (so
+/// the worker's next claim sees it), and one that reads after must notify. The mark waits at
+/// most 250 ms for the table: a try the machine was too slow for is tried again.
+#[tokio::test]
+async fn a_waiting_mark_waits_for_enqueues_in_flight_and_later_ones_see_it() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 4).await;
+    let channel = store.schema().queue_channel("default");
+    let mut listener = listening(&db, &channel).await;
+    register(&store, "w").await;
+    let s = store.schema().quoted().to_owned();
+    let watcher = db.pool(1).await;
+    let waiters =
+        format!("SELECT count(*) FROM pg_locks WHERE NOT granted AND relation = '{s}.waiting_workers'::regclass");
+    let waiting = || sqlx::query_scalar::<_, i64>(sqlx::AssertSqlSafe(waiters.clone())).fetch_one(&watcher);
+    for try_ in 1.. {
+        // A statement in flight that read no mark (the lock a client's enqueue holds to its commit).
+        let mut in_flight = db.pool(1).await.begin().await.unwrap();
+        let seen: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT count(*) FROM {s}.waiting_workers")))
+            .fetch_one(&mut *in_flight)
+            .await
+            .unwrap();
+        assert_eq!(seen, 0);
+        let marking = tokio::spawn({
+            let store = store.clone();
+            async move { store.execute(&set_waiting("w", true)).await }
+        });
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while waiting().await.unwrap() < 1 && !marking.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "the mark did not wait for the statement in flight");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        // An enqueue sent now waits behind the mark, then sees it.
+        let enqueuing = tokio::spawn({
+            let store = store.clone();
+            async move { store.enqueue(NewTask::new("t", json!(1))).await.unwrap() }
+        });
+        while waiting().await.unwrap() < 2 && !marking.is_finished() {
+            assert!(tokio::time::Instant::now() < deadline, "the enqueue did not queue behind the mark");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let queued = !marking.is_finished();
+        in_flight.commit().await.unwrap();
+        let marked = marking.await.unwrap();
+        enqueuing.await.unwrap();
+        match marked {
+            Ok(reply) if queued => {
+                assert!(written(reply));
+                assert_eq!(next(&mut listener).await.0, channel, "the enqueue behind the mark did not notify");
+                return;
+            }
+            // The mark gave up before the enqueue queued: the enqueue went through unnotified.
+            Err(DbFailure::LockTimeout(_)) if try_ < 10 => assert!(nothing_heard(&mut listener).await),
+            other => panic!("try {try_}: the mark {other:?}, the enqueue queued behind it: {queued}"),
+        }
+    }
 }
 
 async fn next(listener: &mut PgListener) -> (String, String) {
@@ -482,6 +625,9 @@ async fn enqueues_announce_their_run_at_and_a_claim_can_start_from_one() {
     // One connection, so that the pinned clock is every statement's.
     let store = db.store(AppConfig::default(), 1).await;
     let mut listener = listening(&db, &store.schema().queue_channel("default")).await;
+    // A worker waits: client enqueues notify.
+    register(&store, "w").await;
+    store.execute(&set_waiting("w", true)).await.unwrap();
     let t0 = canter::store::DbTime(1_800_000_000_000);
     let pin = |at: canter::store::DbTime| pg::pin_clock(store.pool(), store.schema(), at);
     let policy = ClaimPolicy::from_config(store.app(), &WorkerConfig { concurrency: 8, ..WorkerConfig::default() });

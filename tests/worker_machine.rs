@@ -1847,3 +1847,79 @@ fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
         "one full pass after {interval:?}, from {full_at:?}"
     );
 }
+
+/// The waiting marks among `commands`: (op, marked or unmarked).
+fn waiting_marks(commands: &[Command]) -> Vec<(OpId, bool)> {
+    db_ops(commands)
+        .into_iter()
+        .filter_map(|(op, r)| match r {
+            DbRequest::SetWaiting { waiting, queues, .. } => {
+                assert_eq!(queues, &vec!["default".to_owned()]);
+                Some((op, *waiting))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// A client's enqueue notifies a queue only while a worker of it is marked waiting: a worker
+/// marks itself once registered and out of work, claims once more after a written mark (what
+/// committed before it notified nobody), unmarks itself while a backlog keeps it claiming
+/// (a pass that took tasks and left more), leaves its mark as it is when a cap stops it, and
+/// renews its mark each heartbeat interval. A worker that does not listen never marks.
+#[test]
+fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlog() {
+    let notified = Input::Notified { queue: "default".into(), priority: Some(0), run_at: None };
+    let one_pass = |commands: &[Command]| {
+        let passes = claims_with_policies(commands);
+        assert_eq!(passes.len(), 1, "one pass: {commands:?}");
+        passes[0].0
+    };
+    let (mut h, first) = Harness::new(app(), slots(4));
+    let register = db_ops(&first)
+        .into_iter()
+        .find_map(|(op, r)| matches!(r, DbRequest::RegisterWorker(_)).then_some(op))
+        .expect("it registers");
+    // Out of work but not in the registry yet: another worker's mark would delete its mark.
+    assert!(waiting_marks(&h.reply(one_pass(&first), claimed(vec![], false))).is_empty());
+    let commands = h.reply(register, DbReply::Done);
+    let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
+    let pass = one_pass(&h.reply(mark, DbReply::WaitingSet { written: true }));
+    // Marked already: nothing more to send when that pass finds nothing either.
+    assert!(waiting_marks(&h.reply(pass, claimed(vec![], false))).is_empty());
+
+    // A backlog: a pass that takes tasks and leaves more unmarks.
+    let pass = one_pass(&h.input(notified.clone()));
+    let commands = h.reply(pass, claimed(vec![task(1, true)], true));
+    let [(unmark, false)] = waiting_marks(&commands)[..] else { panic!("one unmark: {commands:?}") };
+    let pass = one_pass(&commands);
+    // A pass a cap stops (took nothing, left more) changes nothing.
+    assert!(waiting_marks(&h.reply(pass, claimed(vec![], true))).is_empty());
+    assert!(waiting_marks(&h.reply(unmark, DbReply::WaitingSet { written: false })).is_empty());
+    // Out of work again: marked again; a mark that was there as asked asks for no pass.
+    let pass = one_pass(&h.input(notified.clone()));
+    let commands = h.reply(pass, claimed(vec![], false));
+    let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
+    assert!(claims_with_policies(&h.reply(mark, DbReply::WaitingSet { written: false })).is_empty());
+
+    // Renewed each heartbeat interval; a renewal held up by a lock goes again after the
+    // lock retry, and one that finds the mark deleted (written) claims once more.
+    let commands = fire_until_sent(&mut h, "set_waiting", Duration::from_secs(120)).expect("a renewal");
+    let [(renewal, true)] = waiting_marks(&commands)[..] else { panic!("one renewal: {commands:?}") };
+    h.fail(renewal, DbFailure::LockTimeout("waiting_workers".into()));
+    let commands = fire_until_sent(&mut h, "set_waiting", Duration::from_secs(30)).expect("the renewal again");
+    let [(renewal, true)] = waiting_marks(&commands)[..] else { panic!("one renewal: {commands:?}") };
+    one_pass(&h.reply(renewal, DbReply::WaitingSet { written: true }));
+
+    // A worker that only polls hears no notification: it never marks.
+    let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..slots(4) };
+    let (mut h, first) = Harness::new(app(), config);
+    for (op, request) in db_ops(&first) {
+        match request {
+            DbRequest::RegisterWorker(_) => assert!(waiting_marks(&h.reply(op, DbReply::Done)).is_empty()),
+            DbRequest::Claim { .. } => assert!(waiting_marks(&h.reply(op, claimed(vec![], false))).is_empty()),
+            _ => {}
+        }
+    }
+    assert!(fire_until_sent(&mut h, "set_waiting", Duration::from_secs(120)).is_none());
+}

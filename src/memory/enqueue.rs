@@ -28,7 +28,11 @@ impl MemoryStore {
     /// detach the key from a Claimed or Running one, or keep a live one (`UnsafeDedupe`).
     /// New tasks get ids 1, 2, 3… in order, and each queue that received a new or updated
     /// task gets one [`Notification::TaskReady`] (whatever the tasks' `run_at`), which names the
-    /// earliest run-at among them when no task has a key.
+    /// earliest run-at among them when no task has a key. A batch without keys notifies only
+    /// the queues some worker is marked waiting on ([`DbRequest::SetWaiting`]), as a client's
+    /// own enqueue in PostgreSQL does.
+    ///
+    /// [`DbRequest::SetWaiting`]: crate::store::DbRequest::SetWaiting
     pub fn enqueue_many(&mut self, tasks: Vec<NewTask>, now: DbTime) -> Result<Vec<TaskId>, EnqueueError> {
         let mut queues = Vec::with_capacity(tasks.len());
         let mut batch_keys = store::BatchKeys::default();
@@ -92,6 +96,11 @@ impl MemoryStore {
             ids.push(id);
         }
         for (queue, (priority, run_at)) in ready {
+            // PostgreSQL's statements for batches without keys notify only queues some worker
+            // is marked waiting on; `enqueue()` always notifies.
+            if keyless && !self.waited_on(&queue) {
+                continue;
+            }
             let run_at = keyless.then_some(run_at);
             self.notifications.push(Notification::TaskReady { queue, priority: Some(priority), run_at });
         }

@@ -68,7 +68,8 @@ impl MemoryStore {
             | DbRequest::Purge { .. }
             | DbRequest::Vacuum { .. }
             | DbRequest::RegisterWorker(_)
-            | DbRequest::DeregisterWorker(_) => false,
+            | DbRequest::DeregisterWorker(_)
+            | DbRequest::SetWaiting { .. } => false,
         }
     }
 
@@ -160,7 +161,28 @@ impl MemoryStore {
                         stopped: true,
                     }
                 });
+                self.waiting.remove(worker);
                 DbReply::Done
+            }
+            DbRequest::SetWaiting { worker, queues, waiting, stale_ms } => {
+                let queues: BTreeSet<String> = queues.iter().cloned().collect();
+                let written = *waiting && self.waiting.get(worker) != Some(&queues);
+                if written || !*waiting {
+                    self.waiting.remove(worker);
+                    let stale = |other: &WorkerId| {
+                        !self.workers.get(other).is_some_and(|record| {
+                            !record.stopped && record.last_seen.0 >= now.0.saturating_sub_unsigned(*stale_ms)
+                        })
+                    };
+                    let stale: Vec<WorkerId> = self.waiting.keys().filter(|other| stale(other)).cloned().collect();
+                    for other in stale {
+                        self.waiting.remove(&other);
+                    }
+                }
+                if written {
+                    self.waiting.insert(worker.clone(), queues);
+                }
+                DbReply::WaitingSet { written }
             }
         }
     }

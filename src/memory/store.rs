@@ -169,6 +169,9 @@ pub struct MemoryStore {
     pub(super) keys: BTreeMap<String, KeyHold>,
     pub(super) history: BTreeMap<TaskId, Vec<AttemptRecord>>,
     pub(super) workers: BTreeMap<WorkerId, WorkerRecord>,
+    /// The queues of each worker marked waiting (the `waiting_workers` table): see
+    /// [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting).
+    pub(super) waiting: BTreeMap<WorkerId, BTreeSet<String>>,
     /// Paused queues and since when.
     pub(super) paused: BTreeMap<String, DbTime>,
     /// Schedule records by name (the `schedules` table).
@@ -234,6 +237,7 @@ impl MemoryStore {
             keys: BTreeMap::new(),
             history: BTreeMap::new(),
             workers: BTreeMap::new(),
+            waiting: BTreeMap::new(),
             paused: BTreeMap::new(),
             schedules: BTreeMap::new(),
             notifications: Vec::new(),
@@ -342,6 +346,12 @@ impl MemoryStore {
             }
         }
         running
+    }
+
+    /// Whether some worker of `queue` is marked waiting: a client's enqueue without keys
+    /// notifies the queue only then.
+    pub(super) fn waited_on(&self, queue: &str) -> bool {
+        self.waiting.values().any(|queues| queues.contains(queue))
     }
 
     pub(super) fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {

@@ -995,6 +995,10 @@ fn notifications_come_one_per_statement_per_queue() {
         NewTask::new("t", json!(3)).queue("a"),
         NewTask::new("t", json!(4)).queue("a"),
     ];
+    // A worker waits on both queues: the enqueues notify.
+    let mark =
+        DbRequest::SetWaiting { worker: w("w"), queues: vec!["a".into(), "b".into()], waiting: true, stale_ms: 1 };
+    store.apply(&mark, T0);
     store.enqueue_many(batch, T0).unwrap();
     // An enqueue announces the most urgent priority and the earliest run-at it wrote; a release
     // announces neither.
@@ -1020,6 +1024,48 @@ fn notifications_come_one_per_statement_per_queue() {
         claimed.iter().map(|t| Notification::TaskFinished { task: t.id, state: TaskState::Completed }).collect();
     assert_eq!(store.take_notifications(), finished);
     assert_eq!(store.get(claimed[0].id).unwrap().result, Some(json!(claimed[0].id.0)));
+}
+
+/// An enqueue without keys notifies only the queues some worker is marked waiting on (as a
+/// client's own enqueue in PostgreSQL); a keyed one always. Marks of workers the registry has
+/// not seen for the stale threshold (or has stopped, or lacks) go with any other mark or
+/// unmark; a worker's deregistration takes its own.
+#[test]
+fn enqueues_without_keys_notify_only_queues_a_worker_waits_on() {
+    let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]));
+    let ready =
+        |q: &str, run_at: Option<DbTime>| Notification::TaskReady { queue: q.into(), priority: Some(0), run_at };
+    let set = |worker: &str, queues: &[&str], waiting: bool| DbRequest::SetWaiting {
+        worker: w(worker),
+        queues: queues.iter().map(|q| (*q).to_owned()).collect(),
+        waiting,
+        stale_ms: 1_000,
+    };
+    let both = || vec![NewTask::new("t", json!(1)).queue("a"), NewTask::new("t", json!(2)).queue("b")];
+    store.enqueue_many(both(), T0).unwrap();
+    assert!(store.take_notifications().is_empty(), "nobody waits");
+    store.enqueue(NewTask::new("t", json!(3)).queue("a").key("k"), T0).unwrap();
+    assert_eq!(store.take_notifications(), vec![ready("a", None)], "a keyed enqueue notifies always");
+
+    let info = |name: &str| WorkerInfo { worker: w(name), queues: vec!["a".into()], concurrency: 1 };
+    store.apply(&DbRequest::RegisterWorker(info("x")), T0);
+    assert_eq!(store.apply(&set("x", &["a"], true), T0), DbReply::WaitingSet { written: true });
+    assert_eq!(store.apply(&set("x", &["a"], true), at(1)), DbReply::WaitingSet { written: false });
+    store.enqueue_many(both(), at(2)).unwrap();
+    assert_eq!(store.take_notifications(), vec![ready("a", Some(at(2)))]);
+    assert_eq!(store.apply(&set("x", &["a"], false), at(3)), DbReply::WaitingSet { written: false });
+    store.enqueue_many(both(), at(4)).unwrap();
+    assert!(store.take_notifications().is_empty(), "unmarked");
+
+    // x, last seen at T0, is stale at T0 + 1 s: y's mark deletes x's; y's deregistration its own.
+    store.apply(&DbRequest::RegisterWorker(info("y")), at(1_500));
+    store.apply(&set("x", &["a"], true), at(5));
+    store.apply(&set("y", &["b"], true), at(1_500));
+    store.enqueue_many(both(), at(1_501)).unwrap();
+    assert_eq!(store.take_notifications(), vec![ready("b", Some(at(1_501)))], "x's stale mark stayed");
+    store.apply(&DbRequest::DeregisterWorker(w("y")), at(1_502));
+    store.enqueue_many(both(), at(1_503)).unwrap();
+    assert!(store.take_notifications().is_empty(), "a stopped worker's mark stayed");
 }
 
 #[test]

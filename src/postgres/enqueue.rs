@@ -26,6 +26,7 @@ use sqlx::{PgExecutor, Row};
 use crate::config::AppConfig;
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
 use crate::postgres::schema::PgSchema;
+use crate::postgres::sql::{Gated, Stmt};
 use crate::postgres::store::{PgStore, db_time, duration};
 use crate::store::{BatchKeys, DbTime, EnqueueError, KeyMode, NewTask, RunAt, check_new_task, default_queue};
 use crate::task::normalized_flags;
@@ -85,8 +86,11 @@ impl PgStore {
     /// Enqueues tasks in one statement: all or nothing. Returns one id per task, in order.
     /// A dead connection is handled as [`enqueue`](PgStore::enqueue) says (a batch is sent
     /// again after a lost reply only when every task has an idempotency key).
+    ///
+    /// It notifies a queue only while a worker of it waits (migration 0014: workers working
+    /// through a backlog need no wake-up, and commits that notify queue behind each other).
     pub async fn enqueue_many(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, PgEnqueueError> {
-        self.enqueue_replayed(&tasks, Notify::Queues).await
+        self.enqueue_replayed(&tasks, Notify::IfWaiting).await
     }
 
     /// [`enqueue_many`](PgStore::enqueue_many) without the NOTIFY of the tasks' queues, for a
@@ -119,10 +123,24 @@ impl PgStore {
 /// Whether an enqueue statement notifies its tasks' queues.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Notify {
-    /// One NOTIFY per queue, sent at commit (the default).
+    /// One NOTIFY per queue, sent at commit (an enqueue inside the caller's transaction).
     Queues,
+    /// One per queue that a worker is marked waiting on: a statement in its own transaction
+    /// (see [`Gated`]).
+    IfWaiting,
     /// None: the caller announces the tasks after the commit.
     Nobody,
+}
+
+impl Notify {
+    /// The form of `statement` to send: only a statement in its own transaction may read the
+    /// waiting marks (it holds their lock until it commits, and a mark waits for it).
+    fn form(self, statement: &Gated) -> &Stmt {
+        match self {
+            Notify::IfWaiting => &statement.if_waiting,
+            Notify::Queues | Notify::Nobody => &statement.always,
+        }
+    }
 }
 
 /// Enqueues one task with `executor`: a pool, a connection, or the caller's open transaction
@@ -162,7 +180,7 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     notify: Notify,
 ) -> Result<Vec<TaskId>, PgEnqueueError> {
     // The channel prefix; NULL makes a keyless statement notify nobody.
-    let prefix = (notify == Notify::Queues).then(|| schema.queue_channel_prefix());
+    let prefix = (notify != Notify::Nobody).then(|| schema.queue_channel_prefix());
     // The checks that need no clock, in order. The database checks the tasks before the first
     // refused one (without writing), so a problem it finds earlier in the batch still wins.
     let mut queues = Vec::with_capacity(tasks.len());
@@ -195,9 +213,8 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     if write && of_one_kind_due_now(tasks, &queues) {
         let first = &tasks[0];
         if n == 1 {
-            let id: i64 = schema
-                .sql()
-                .enqueue_one_now
+            let id: i64 = notify
+                .form(&schema.sql().enqueue_one_now)
                 .query_scalar()
                 .bind(first.name.as_str())
                 .bind(queues[0])
@@ -208,9 +225,8 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
                 .await?;
             return Ok(vec![TaskId(id)]);
         }
-        let rows = schema
-            .sql()
-            .enqueue_uniform
+        let rows = notify
+            .form(&schema.sql().enqueue_uniform)
             .query()
             .bind(first.name.as_str())
             .bind(queues[0])
@@ -255,9 +271,8 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     if write && !keyed && good_until.iter().all(Option::is_none) && n == 1 {
         // Nothing left to check, one task with a run-at, retry policy or flags: the plain
         // insert of one row.
-        let id: i64 = schema
-            .sql()
-            .enqueue_one
+        let id: i64 = notify
+            .form(&schema.sql().enqueue_one)
             .query_scalar()
             .bind(names[0])
             .bind(queues[0])
@@ -274,9 +289,8 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
     }
     if write && !keyed && good_until.iter().all(Option::is_none) {
         // Nothing left to check: the plain insert.
-        let rows = schema
-            .sql()
-            .enqueue_plain
+        let rows = notify
+            .form(&schema.sql().enqueue_plain)
             .query()
             .bind(names)
             .bind(&queues)
@@ -291,7 +305,8 @@ async fn enqueue_tasks<'e, E: PgExecutor<'e>>(
             .await?;
         return ids_in_task_order(&rows, n);
     }
-    let query = if write && !keyed { schema.sql().enqueue_keyless.query() } else { schema.sql().enqueue.query() };
+    let query =
+        if write && !keyed { notify.form(&schema.sql().enqueue_keyless).query() } else { schema.sql().enqueue.query() };
     let query = query
         .bind(names)
         .bind(args)

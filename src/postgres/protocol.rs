@@ -200,8 +200,25 @@ impl PgStore {
                 Ok(DbReply::Done)
             }
             DbRequest::DeregisterWorker(worker) => {
+                sql.unmark_waiting.query().bind(&worker.0).bind(None::<i64>).execute(&mut *conn).await?;
                 sql.deregister_worker.query().bind(&worker.0).execute(&mut *conn).await?;
                 Ok(DbReply::Done)
+            }
+            DbRequest::SetWaiting { worker, queues, waiting, stale_ms } => {
+                let stale_ms = i64::try_from(*stale_ms).unwrap_or(i64::MAX);
+                let written = if *waiting {
+                    sql.mark_waiting
+                        .query_scalar::<bool>()
+                        .bind(&worker.0)
+                        .bind(queues)
+                        .bind(stale_ms)
+                        .fetch_one(&mut *conn)
+                        .await?
+                } else {
+                    sql.unmark_waiting.query().bind(&worker.0).bind(stale_ms).execute(&mut *conn).await?;
+                    false
+                };
+                Ok(DbReply::WaitingSet { written })
             }
         }
     }

@@ -52,7 +52,7 @@ pub const DEFAULT_SCHEMA: &str = "canter";
 
 /// Every table a schema of this release holds, as [`migrate`] leaves it: live tasks, finished
 /// tasks, their runs, keys, the worker registry, paused queues, schedule records, the claim
-/// and reaper lock rows, registered listeners, workflows with their steps and edges, the
+/// and reaper lock rows, registered listeners, workers marked waiting, workflows with their steps and edges, the
 /// schema's versions and sqlx's migration record. [`HOT_TABLES`](crate::postgres::HOT_TABLES) are those workers vacuum themselves.
 pub const TABLES: &[&str] = &[
     "tasks",
@@ -65,6 +65,7 @@ pub const TABLES: &[&str] = &[
     "claim_locks",
     "reaper_lock",
     "listeners",
+    "waiting_workers",
     "workflows",
     "workflow_steps",
     "workflow_edges",
@@ -869,6 +870,7 @@ mod tests {
         (11, "abcce6ffa284c24334fc2738103a9dafbcfcbcea87e68966e63ad2dde07607baf4c923fe83725b61288a7103597961ff"),
         (12, "5cf623d9187e077fde45d583f4c3e791389320fde33e308642bd1e9203e46aa5e7422a0dcd600b91e3681eff6ed87ac4"),
         (13, "fc38d64e4edac1b93b2bdc2c10ec699890f19d9fa82a10272cc13208da86c5142dca867a26aa0cbb575aa9a11f658010"),
+        (14, "2a1279e7499e7cbc8604a44934c41c8d305830e51fcacde0b742282b998333f3719ff324330235856bab92bdbc961728"),
     ];
 
     fn hex(bytes: &[u8]) -> String {

@@ -530,7 +530,7 @@ notified AS (
     SELECT count(pg_notify($10 || q.queue, {announced})) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
           GROUP BY ins.queue) q
-    WHERE $10 IS NOT NULL
+    WHERE $10 IS NOT NULL AND {waiting:q.queue}
 )
 SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
        NULL::bigint AS good_until_ms
@@ -558,7 +558,7 @@ notified AS (
     SELECT count(pg_notify($9 || q.queue, {announced})) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
           GROUP BY ins.queue) q
-    WHERE $9 IS NOT NULL
+    WHERE $9 IS NOT NULL AND {waiting:q.queue}
 )
 SELECT ins.id FROM inserted ins CROSS JOIN notified";
 
@@ -574,7 +574,7 @@ inserted AS (
 )
 SELECT ins.id
 FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
-      WHERE $5 IS NOT NULL) n,
+      WHERE $5 IS NOT NULL AND {waiting:$2}) n,
      inserted ins";
 
 /// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
@@ -589,7 +589,7 @@ inserted AS (
 )
 SELECT ins.id
 FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
-      WHERE $5 IS NOT NULL) n,
+      WHERE $5 IS NOT NULL AND {waiting:$2}) n,
      inserted ins";
 
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
@@ -602,7 +602,7 @@ WITH inserted AS (
 )
 SELECT ins.id FROM inserted ins
 LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, {announced}) FROM (SELECT ins.priority, ins.run_at) q
-                   WHERE $9 IS NOT NULL) n ON true";
+                   WHERE $9 IS NOT NULL AND {waiting:ins.queue}) n ON true";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
@@ -679,6 +679,12 @@ const REGISTER_LISTENER: &str = "SELECT {s}.register_listener($1)";
 
 /// Deletes the session's registrations as a listener.
 const UNREGISTER_LISTENER: &str = "SELECT {s}.unregister_listener()";
+
+/// Marks a worker waiting on its queues (migration 0014): whether it wrote the mark.
+const MARK_WAITING: &str = "SELECT {s}.mark_waiting($1, $2, $3)";
+
+/// Deletes a worker's waiting mark, and stale marks of others.
+const UNMARK_WAITING: &str = "SELECT {s}.unmark_waiting($1, $2)";
 
 const CANCEL: &str = "\
 WITH gone AS (
@@ -1128,11 +1134,11 @@ pub(crate) struct Statements {
     pub(crate) register_worker: Stmt,
     pub(crate) deregister_worker: Stmt,
     pub(crate) enqueue: Stmt,
-    pub(crate) enqueue_keyless: Stmt,
-    pub(crate) enqueue_plain: Stmt,
-    pub(crate) enqueue_one: Stmt,
-    pub(crate) enqueue_one_now: Stmt,
-    pub(crate) enqueue_uniform: Stmt,
+    pub(crate) enqueue_keyless: Gated,
+    pub(crate) enqueue_plain: Gated,
+    pub(crate) enqueue_one: Gated,
+    pub(crate) enqueue_one_now: Gated,
+    pub(crate) enqueue_uniform: Gated,
     pub(crate) get: Stmt,
     pub(crate) list: Stmt,
     pub(crate) list_newest: Stmt,
@@ -1164,6 +1170,8 @@ pub(crate) struct Statements {
     pub(crate) now: Stmt,
     pub(crate) register_listener: Stmt,
     pub(crate) unregister_listener: Stmt,
+    pub(crate) mark_waiting: Stmt,
+    pub(crate) unmark_waiting: Stmt,
     pub(crate) submit_workflow: Stmt,
     pub(crate) workflow_record: Stmt,
     pub(crate) pause_workflow: Stmt,
@@ -1181,19 +1189,46 @@ pub(crate) struct Statements {
 /// function, so the statement locks `listeners` before it takes its snapshot: a registration
 /// either waited for it or is seen by it.
 fn heard(text: &str) -> String {
+    expand(text, "heard", |channel| format!("EXISTS (SELECT FROM {{s}}.listeners l WHERE l.channel = {channel})"))
+}
+
+/// Expands every `{waiting:EXPR}` of a statement: with `gated`, whether a worker of queue
+/// `EXPR` is marked waiting (migration 0014), written into the statement's own text for the
+/// reason [`heard`] gives; without, `true`.
+fn waiting(text: &str, gated: bool) -> String {
+    expand(text, "waiting", |queue| {
+        if gated {
+            format!("EXISTS (SELECT FROM {{s}}.waiting_workers w WHERE w.queue = {queue})")
+        } else {
+            "true".into()
+        }
+    })
+}
+
+/// Replaces every `{name:ARG}` of `text` by `with(ARG)`.
+fn expand(text: &str, name: &str, with: impl Fn(&str) -> String) -> String {
+    let open = format!("{{{name}:");
     let mut out = String::with_capacity(text.len());
     let mut rest = text;
-    while let Some(at) = rest.find("{heard:") {
+    while let Some(at) = rest.find(&open) {
         out.push_str(&rest[..at]);
-        let after = &rest[at + "{heard:".len()..];
-        let end = after.find('}').expect("a {heard:$N} placeholder is closed");
-        out.push_str("EXISTS (SELECT FROM {s}.listeners l WHERE l.channel = ");
-        out.push_str(&after[..end]);
-        out.push(')');
+        let after = &rest[at + open.len()..];
+        let end = after.find('}').expect("a placeholder is closed");
+        out.push_str(&with(&after[..end]));
         rest = &after[end + 1..];
     }
     out.push_str(rest);
     out
+}
+
+/// An enqueue statement in its two forms: notifying its queues always (inside the caller's
+/// transaction, whose commit it cannot see coming), or only while a worker of them waits.
+#[derive(Debug, Clone)]
+pub(crate) struct Gated {
+    /// Notifies every queue it wrote to.
+    pub(crate) always: Stmt,
+    /// Notifies a queue only while a worker of it is marked waiting.
+    pub(crate) if_waiting: Stmt,
 }
 
 impl Statements {
@@ -1213,9 +1248,10 @@ impl Statements {
                 .replace("{id_chunks_of_expired}", &ID_CHUNKS.replace("{rows}", "expired"))
                 .replace("{id_chunks_of_gone}", &ID_CHUNKS.replace("{rows}", "gone"))
                 .replace("{id_chunks_of_held}", &ID_CHUNKS.replace("{rows}", "held"));
-            let text = heard(&text).replace("{s}", quoted);
+            let text = waiting(&heard(&text), false).replace("{s}", quoted);
             Stmt { text: AssertSqlSafe(Arc::<str>::from(text)).into_sql_str(), persistent }
         };
+        let gated = |template: &str| Gated { always: fill(template), if_waiting: fill(&waiting(template, true)) };
         let record = |live: &str, finished: &str| RECORD.replace("{live}", live).replace("{finished}", finished);
         // Each table's part is ordered and limited on its own (its primary key serves it), so a
         // page of a long history reads a page of rows, not the history.
@@ -1253,11 +1289,11 @@ impl Statements {
             register_worker: fill(REGISTER_WORKER),
             deregister_worker: fill(DEREGISTER_WORKER),
             enqueue: fill(ENQUEUE),
-            enqueue_keyless: fill(ENQUEUE_KEYLESS),
-            enqueue_plain: fill(ENQUEUE_PLAIN),
-            enqueue_one: fill(ENQUEUE_ONE),
-            enqueue_one_now: fill(ENQUEUE_ONE_NOW),
-            enqueue_uniform: fill(ENQUEUE_UNIFORM),
+            enqueue_keyless: gated(ENQUEUE_KEYLESS),
+            enqueue_plain: gated(ENQUEUE_PLAIN),
+            enqueue_one: gated(ENQUEUE_ONE),
+            enqueue_one_now: gated(ENQUEUE_ONE_NOW),
+            enqueue_uniform: gated(ENQUEUE_UNIFORM),
             get: fill(&record("t.id = $1", "f.id = $1")),
             list: fill(&list(false)),
             list_newest: fill(&list(true)),
@@ -1289,6 +1325,8 @@ impl Statements {
             now: fill(NOW),
             register_listener: fill(REGISTER_LISTENER),
             unregister_listener: fill(UNREGISTER_LISTENER),
+            mark_waiting: fill(MARK_WAITING),
+            unmark_waiting: fill(UNMARK_WAITING),
             submit_workflow: fill(SUBMIT_WORKFLOW),
             workflow_record: fill(WORKFLOW_RECORD),
             pause_workflow: fill(PAUSE_WORKFLOW),

@@ -21,9 +21,10 @@ use crate::store::VacuumedTable;
 
 /// The tables Canter vacuums: those whose size follows the work in flight, not history
 /// (`finished_tasks` and `attempts` only grow, and are left to the server and the purge), and
-/// `listeners`, a row in and out per result wait.
+/// `listeners` and `waiting_workers`, a row in and out per result wait and per worker running
+/// out of work.
 pub const HOT_TABLES: &[&str] =
-    &["tasks", "task_keys", "workers", "claim_locks", "queue_states", "reaper_lock", "listeners"];
+    &["tasks", "task_keys", "workers", "claim_locks", "queue_states", "reaper_lock", "listeners", "waiting_workers"];
 
 /// How long what a vacuum left behind keeps the next one away (unless more piles up): the
 /// open snapshot that held those rows has likely ended by then.

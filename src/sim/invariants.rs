@@ -683,7 +683,8 @@ impl Checker {
             DbRequest::Purge { .. }
             | DbRequest::Vacuum { .. }
             | DbRequest::RegisterWorker(_)
-            | DbRequest::DeregisterWorker(_) => {}
+            | DbRequest::DeregisterWorker(_)
+            | DbRequest::SetWaiting { .. } => {}
         }
         before
     }
@@ -1102,6 +1103,7 @@ impl Checker {
                 touched.extend(report.requeued.iter().chain(&report.retried).chain(&report.failed));
             }
             (DbRequest::RegisterWorker(_) | DbRequest::DeregisterWorker(_), DbReply::Done) => {}
+            (DbRequest::SetWaiting { .. }, DbReply::WaitingSet { .. }) => {}
             // The simulated apps keep finished tasks (no retention): a purge deletes nothing
             // the checker relies on.
             (DbRequest::Purge { .. }, DbReply::Purged { .. }) => {}

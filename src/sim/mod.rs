@@ -2671,6 +2671,7 @@ fn describe_request(request: &DbRequest) -> String {
             format!("claimed {} running {}{abandoned}", leases(claimed), leases(running))
         }
         DbRequest::AbandonClaim { token, .. } => format!("token {token}"),
+        DbRequest::SetWaiting { waiting, .. } => if *waiting { "mark" } else { "unmark" }.to_owned(),
         DbRequest::Reap { .. }
         | DbRequest::ReapDead { .. }
         | DbRequest::Purge { .. }
@@ -2729,6 +2730,7 @@ fn describe_reply(reply: &DbReply) -> String {
         DbReply::Purged { tasks } => return format!("purged {tasks}"),
         DbReply::Vacuumed { tables } => return format!("vacuumed {}", tables.len()),
         DbReply::Done => return "done".to_owned(),
+        DbReply::WaitingSet { written } => return if *written { "written" } else { "as it was" }.to_owned(),
     }
     if parts.is_empty() { "nothing".to_owned() } else { parts.join(" ") }
 }

@@ -311,8 +311,28 @@ pub enum DbRequest {
     },
     /// Add or refresh `worker` in the worker registry.
     RegisterWorker(WorkerInfo),
-    /// Mark `worker` stopped in the worker registry.
+    /// Mark `worker` stopped in the worker registry (and no longer waiting, see
+    /// [`DbRequest::SetWaiting`]).
     DeregisterWorker(WorkerId),
+    /// Mark `worker` waiting on `queues`, or (`waiting` false) not. Enqueues a client commits
+    /// in their own statement notify a queue only while some worker of it is marked waiting, so
+    /// a worker marks itself once a claim pass leaves nothing behind, claims once more after
+    /// the mark is written (what committed without a notification meanwhile), and unmarks
+    /// itself while it works through a backlog. A mark waits for the enqueues in flight (and
+    /// holds new ones back) until it is written; a mark already there as asked is left as it
+    /// is, which makes marking again a cheap renewal. Either way, marks of other workers the
+    /// registry has stopped, has not, or has not seen for `stale_ms` are deleted. Replies
+    /// [`DbReply::WaitingSet`].
+    SetWaiting {
+        /// Who waits.
+        worker: WorkerId,
+        /// The queues it serves.
+        queues: Vec<String>,
+        /// Marked (true) or not.
+        waiting: bool,
+        /// Other workers' marks older than this in the registry are stale.
+        stale_ms: u64,
+    },
 }
 
 impl DbRequest {
@@ -360,7 +380,8 @@ impl DbRequest {
             | DbRequest::Purge { .. }
             | DbRequest::Vacuum { .. }
             | DbRequest::RegisterWorker(_)
-            | DbRequest::DeregisterWorker(_) => 0,
+            | DbRequest::DeregisterWorker(_)
+            | DbRequest::SetWaiting { .. } => 0,
         }
     }
 
@@ -381,6 +402,7 @@ impl DbRequest {
             DbRequest::Vacuum { .. } => "vacuum",
             DbRequest::RegisterWorker(_) => "register_worker",
             DbRequest::DeregisterWorker(_) => "deregister_worker",
+            DbRequest::SetWaiting { .. } => "set_waiting",
         }
     }
 }
@@ -466,6 +488,13 @@ pub enum DbReply {
     },
     /// A registry request was applied.
     Done,
+    /// What a [`DbRequest::SetWaiting`] did.
+    WaitingSet {
+        /// Whether it wrote the worker's mark (false: the mark was there as asked, or it was
+        /// an unmark). A written mark asks the worker for one more claim pass: enqueues that
+        /// committed before it notified nobody.
+        written: bool,
+    },
 }
 
 impl DbReply {
@@ -482,6 +511,7 @@ impl DbReply {
             DbReply::Purged { .. } => "purged",
             DbReply::Vacuumed { .. } => "vacuumed",
             DbReply::Done => "done",
+            DbReply::WaitingSet { .. } => "waiting_set",
         }
     }
 

@@ -396,6 +396,7 @@ impl Worker {
             self.want_pass();
         }
         self.take_claimed(tasks, token);
+        self.on_pass_left(took, more);
         if more {
             if took > 0 {
                 self.want_pass();

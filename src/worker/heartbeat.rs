@@ -9,6 +9,7 @@ impl Worker {
     /// the database answers again, not an interval later), and the next one armed.
     pub(super) fn on_heartbeat_timer(&mut self, now: Instant) {
         self.slots.heartbeat.owe();
+        self.renew_waiting();
         self.arm(Timer::Heartbeat, now + self.heartbeat_interval());
     }
 

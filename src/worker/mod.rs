@@ -67,6 +67,7 @@ mod shutdown;
 mod slots;
 mod starts;
 mod timers;
+mod waiting;
 
 use crate::task::{Attempt, DbTime, ErrorCode, Lease, TaskError, TaskId, TaskLease, TaskState, WorkerId};
 pub use claims::{FLOOR_SWEEP_INTERVAL, NOTIFIED_PASS_BURST, NOTIFIED_PASSES_PER_SECOND};
@@ -452,6 +453,9 @@ pub struct Stats {
     pub outcomes_refused: u64,
     /// Completions the database kept refusing, dropped and left to the reaper.
     pub outcomes_dropped: u64,
+    /// Waiting marks written: each time the worker ran out of work to claim and asked to be
+    /// notified of enqueues again (or its mark, deleted as stale, was written again).
+    pub waiting_marks: u64,
 }
 
 impl std::fmt::Display for Stats {
@@ -511,6 +515,10 @@ enum Op {
     Vacuum,
     Register,
     Deregister,
+    /// A waiting mark (`waiting`) or unmark.
+    SetWaiting {
+        waiting: bool,
+    },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -594,8 +602,8 @@ pub struct Worker {
     completions: VecDeque<Queued>,
     /// Hold-ups by other transactions' locks in a row: the backoff of trying again.
     busy_streak: u32,
-    /// A release, an abandon, a record of starts or the registration gave up on a lock: those
-    /// wait for [`Timer::LockRetry`] (claims, starts, heartbeats and finishes go on).
+    /// A release, an abandon, a record of starts, the registration or a waiting mark gave up on
+    /// a lock: those wait for [`Timer::LockRetry`] (claims, starts, heartbeats and finishes go on).
     lock_blocked: bool,
     /// A claim gave up on a lock (a queue's claim lock): claims wait for [`Timer::LockRetry`].
     claims_held: bool,
@@ -616,6 +624,8 @@ pub struct Worker {
     releases: Vec<TaskLease>,
     abandons: Vec<u64>,
     registered: bool,
+    /// This worker's waiting mark in the store.
+    waiting: waiting::WaitingMark,
     deregister_sent: bool,
     /// Tasks shutdown gave up on after its grace period while locks held their writes up (the
     /// reaper's now): the `abandoned` count of its `Drained` event.
@@ -686,6 +696,7 @@ impl Worker {
             releases: Vec::new(),
             abandons: Vec::new(),
             registered: false,
+            waiting: waiting::WaitingMark::default(),
             deregister_sent: false,
             given_up: 0,
             backoff: DbBackoff::new(),
@@ -959,6 +970,7 @@ impl Worker {
             return;
         }
         self.send_register();
+        self.send_waiting();
         if self.slots.heartbeat.is_due() {
             self.send_heartbeat();
         }
@@ -1033,6 +1045,7 @@ impl Worker {
             (Op::Vacuum, DbReply::Vacuumed { tables }) => self.on_vacuumed(tables),
             (Op::Register, DbReply::Done) => self.on_registered(),
             (Op::Deregister, DbReply::Done) => self.stop(self.given_up),
+            (Op::SetWaiting { waiting }, DbReply::WaitingSet { written }) => self.on_waiting_set(waiting, written),
             (op, reply) => {
                 // A store that answers a request with another request's reply breaks its
                 // contract: count it as a refusal and try again later.
@@ -1144,6 +1157,10 @@ impl Worker {
                 self.slots.register.answered();
                 false
             }
+            Op::SetWaiting { waiting } => {
+                self.waiting_failed(waiting);
+                false
+            }
             Op::Deregister => {
                 // Not worth waiting for: the registry marks silent workers dead anyway.
                 self.stop(self.given_up);
@@ -1154,7 +1171,8 @@ impl Worker {
             return;
         }
         if lock {
-            // A release, an abandon, a record of starts or the registration: those wait.
+            // A release, an abandon, a record of starts, the registration or a waiting mark:
+            // those wait.
             self.lock_blocked = true;
             self.hold_up(now);
             return;

@@ -67,4 +67,6 @@ pub(super) struct Slots {
     pub(super) lone: Slot,
     /// The registration in the worker registry.
     pub(super) register: Slot,
+    /// The waiting mark (or unmark, or renewal).
+    pub(super) waiting: Slot,
 }

@@ -1,0 +1,89 @@
+//! The waiting mark: a worker whose claim pass left nothing behind marks itself waiting on its
+//! queues in the store, and unmarks itself while a backlog keeps it claiming, because a client's
+//! enqueue notifies a queue only while some worker of it is marked (a commit that sends a
+//! NOTIFY queues behind every other such commit). From the pass that decides it, through the
+//! request, to the pass after a written mark (what committed before the mark notified nobody).
+
+use super::*;
+
+/// What the store holds of this worker's waiting mark, and what the worker wants it to hold.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct WaitingMark {
+    /// Marked while the worker's passes leave nothing behind; not while a pass took tasks and
+    /// left more (the worker claims again without being told). A pass that left more but took
+    /// nothing (a cap) changes nothing.
+    pub(super) wanted: bool,
+    /// What the store holds, as far as the worker knows: set by a mark's answer, cleared by an
+    /// unmark's (an unmark that never landed only costs notifications).
+    pub(super) marked: bool,
+    /// A renewal is owed (each heartbeat interval while marked): a mark another worker deleted
+    /// as stale (this one was silent that long) is written again.
+    pub(super) renew: bool,
+}
+
+impl Worker {
+    /// Whether this worker marks itself waiting: one that hears notifications.
+    fn marks_waiting(&self) -> bool {
+        self.config.deployment_mode != DeploymentMode::PollingOnly
+    }
+
+    /// A regular pass answered: wait marked if it left nothing behind, unmarked if it took
+    /// tasks and left more.
+    pub(super) fn on_pass_left(&mut self, took: usize, more: bool) {
+        if !more {
+            self.waiting.wanted = true;
+        } else if took > 0 {
+            self.waiting.wanted = false;
+        }
+    }
+
+    /// The heartbeat timer fired: a mark held is renewed.
+    pub(super) fn renew_waiting(&mut self) {
+        self.waiting.renew = self.waiting.marked;
+    }
+
+    /// Sends the mark, unmark or renewal owed, one at a time. Only once registered: another
+    /// worker's mark deletes the marks of workers the registry does not have.
+    pub(super) fn send_waiting(&mut self) {
+        let mark = self.waiting;
+        let owed = mark.wanted != mark.marked || (mark.wanted && mark.renew);
+        if !owed
+            || !self.marks_waiting()
+            || !self.registered
+            || self.phase != Phase::Running
+            || self.slots.waiting.is_out()
+            || self.lock_blocked
+        {
+            return;
+        }
+        self.waiting.renew = false;
+        self.slots.waiting.sending(self.next_op_id());
+        let request = DbRequest::SetWaiting {
+            worker: self.id.clone(),
+            queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
+            waiting: mark.wanted,
+            stale_ms: self.app.recovery.running_stale_threshold_ms,
+        };
+        self.send(request, Op::SetWaiting { waiting: mark.wanted });
+    }
+
+    /// The store holds the mark (`waiting`) or not. A written mark asks for one more pass: an
+    /// enqueue that committed before it notified nobody, and that pass sees it.
+    pub(super) fn on_waiting_set(&mut self, waiting: bool, written: bool) {
+        self.slots.waiting.answered();
+        self.waiting.marked = waiting;
+        if written {
+            self.stats.waiting_marks += 1;
+            self.want_pass();
+        }
+    }
+
+    /// A mark or unmark that failed: sent again once the outage or the lock lets it (its
+    /// `renew` too, which a failed renewal had cleared).
+    pub(super) fn waiting_failed(&mut self, waiting: bool) {
+        self.slots.waiting.answered();
+        if waiting && self.waiting.marked {
+            self.waiting.renew = true;
+        }
+    }
+}
