@@ -150,7 +150,7 @@ async fn force_unlock_hands_a_dead_workers_tasks_to_the_living() {
     let info = WorkerInfo { worker: w("dead"), queues: vec!["default".into()], concurrency: 3 };
     store.execute(&DbRequest::RegisterWorker(info)).await.unwrap();
     let ids = store.enqueue_many((0..4).map(|i| NewTask::new("t", json!(i))).collect()).await.unwrap();
-    next(&mut listener).await;
+    // No worker is marked waiting: the enqueue notified nobody.
     // Two run, one waits claimed; another worker runs the fourth.
     let dead: Vec<TaskLease> = claim(&store, "dead", 3, 2).await.into_iter().map(|(t, _)| t).collect();
     let alive = claim(&store, "alive", 1, 1).await;
@@ -191,7 +191,7 @@ async fn a_paused_queue_is_skipped_by_every_worker_until_resumed() {
     listener.listen(&store.schema().queue_channel("a")).await.unwrap();
     let tasks = (0..12).map(|i| NewTask::new("t", json!(i)).queue(if i < 6 { "a" } else { "b" })).collect();
     store.enqueue_many(tasks).await.unwrap();
-    next(&mut listener).await;
+    // No worker is marked waiting: the enqueue notified nobody.
 
     assert!(store.pause_queue("a").await.unwrap());
     assert!(!store.pause_queue("a").await.unwrap(), "already paused");

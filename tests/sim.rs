@@ -499,7 +499,9 @@ mod scripted {
         app.recovery.claimer_heartbeat_interval_ms = 1_000;
         app.recovery.runner_heartbeat_interval_ms = 1_000;
         let mut s = Script::new(app, WorkerConfig { poll_interval_ms: 5_000, ..worker(1, DeploymentMode::Hybrid) });
+        s.settle(false); // registered, out of work, marked waiting
         let task = s.enqueue(NewTask::new("job", json!(1)));
+        s.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         s.settle(false);
         s.finish(task, task_error());
         let finish = s.op("finish");
@@ -596,8 +598,10 @@ mod scripted {
     fn regression_c_a_stale_start_answer_restarts_a_newer_lease() {
         let mut s =
             Script::new(soft_cap_app(), WorkerConfig { poll_interval_ms: 5_000, ..worker(1, DeploymentMode::Hybrid) });
+        s.settle(false); // registered, out of work, marked waiting
         let first = s.enqueue(NewTask::new("job", json!(1)));
         let second = s.enqueue(NewTask::new("job", json!(2)));
+        s.input(Input::Notified { queue: "default".into(), priority: None, run_at: None });
         s.settle(false); // the first runs, the second waits in the buffer
         s.finish(first, TaskOutcome::Success(json!(1)));
         let start = s.op("start"); // the second's start, left without an answer for now

@@ -798,6 +798,8 @@ fn answer_once(h: &mut Harness, commands: &[Command]) -> Vec<Command> {
             DbRequest::AbandonClaim { .. } | DbRequest::Release { .. } => {
                 DbReply::Released { released: vec![], lost: vec![] }
             }
+            // As a store that has the mark already (a written one asks for one more pass).
+            DbRequest::SetWaiting { .. } => DbReply::WaitingSet { written: false },
             _ => DbReply::Done,
         };
         next.extend(h.reply(op, reply));
@@ -1848,6 +1850,25 @@ fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
     );
 }
 
+/// Fires timers, answering every request as an idle store would, until one of `kind` goes out:
+/// that one, unanswered.
+fn fire_answering_until(h: &mut Harness, kind: &str, within: Duration) -> Option<(OpId, DbRequest)> {
+    let until = h.now + within;
+    while h.worker.poll_timeout().is_some_and(|(at, _)| at <= until) {
+        let mut pending = h.fire().1;
+        while !pending.is_empty() {
+            let found = db_ops(&pending).into_iter().find(|(_, r)| r.kind() == kind).map(|(op, r)| (op, r.clone()));
+            if let Some((op, request)) = found {
+                pending.retain(|c| !matches!(c, Command::Db { op: other, .. } if *other == op));
+                answer_idle(h, pending);
+                return Some((op, request));
+            }
+            pending = answer_once(h, &pending);
+        }
+    }
+    None
+}
+
 /// The waiting marks among `commands`: (op, marked or unmarked).
 fn waiting_marks(commands: &[Command]) -> Vec<(OpId, bool)> {
     db_ops(commands)
@@ -1904,12 +1925,12 @@ fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlo
 
     // Renewed each heartbeat interval; a renewal held up by a lock goes again after the
     // lock retry, and one that finds the mark deleted (written) claims once more.
-    let commands = fire_until_sent(&mut h, "set_waiting", Duration::from_secs(120)).expect("a renewal");
-    let [(renewal, true)] = waiting_marks(&commands)[..] else { panic!("one renewal: {commands:?}") };
-    h.fail(renewal, DbFailure::LockTimeout("waiting_workers".into()));
-    let commands = fire_until_sent(&mut h, "set_waiting", Duration::from_secs(30)).expect("the renewal again");
-    let [(renewal, true)] = waiting_marks(&commands)[..] else { panic!("one renewal: {commands:?}") };
-    one_pass(&h.reply(renewal, DbReply::WaitingSet { written: true }));
+    let renewal = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(120)).expect("a renewal");
+    assert!(matches!(renewal.1, DbRequest::SetWaiting { waiting: true, .. }));
+    h.fail(renewal.0, DbFailure::LockTimeout("waiting_workers".into()));
+    let renewal = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(30)).expect("the renewal again");
+    assert!(matches!(renewal.1, DbRequest::SetWaiting { waiting: true, .. }));
+    one_pass(&h.reply(renewal.0, DbReply::WaitingSet { written: true }));
 
     // A worker that only polls hears no notification: it never marks.
     let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..slots(4) };

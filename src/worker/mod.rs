@@ -18,16 +18,20 @@
 //! that starts a request to the reply or failure that ends it: `claims` (passes, urgent
 //! claims, notifications), `starts` (asked and unasked starts, their records), `completions`
 //! (outcomes written in batches, poison ones split off), `heartbeat`, `maintenance` (reaper,
-//! dead workers, purge, vacuum, registration) and `shutdown`; with `held` (the tasks held and
-//! their stages), `slots` (one request of each kind in flight, or owed), `timers` (named
-//! deadlines and handler timeouts) and `flow` (the buffer's size and order).
+//! dead workers, purge, vacuum, registration), `waiting` (the waiting mark) and `shutdown`;
+//! with `held` (the tasks held and their stages), `slots` (one request of each kind in flight,
+//! or owed), `timers` (named deadlines and handler timeouts) and `flow` (the buffer's size and
+//! order).
 //!
 //! # What it does
 //!
 //! - Claims with one request per pass, sized by [`ClaimPolicy::local_budget`]; claims again at
 //!   once after a pass that left work behind, otherwise when a notification arrives or the poll
 //!   interval passes (by deployment mode). Notifications that arrive while a claim is in
-//!   flight coalesce into one more pass.
+//!   flight coalesce into one more pass. A worker that listens marks itself waiting in the
+//!   store when a pass leaves nothing behind (clients' enqueues notify a queue only while a
+//!   worker of it is marked), claims once more after the mark is written, and unmarks itself
+//!   while a backlog keeps it claiming.
 //! - Claims for its free permits, which start in the claim itself (hard-cap mode) or, where
 //!   the store has nothing to check, at once (soft-cap mode), and for a buffer beyond them
 //!   sized by its rate of work (`flow`): buffered tasks start, most urgent first, as permits

@@ -63,7 +63,11 @@ impl Worker {
             && self.lone.is_empty()
             && self.releases.is_empty()
             && self.abandons.is_empty()
-            && self.ops.values().all(|op| matches!(op, Op::Heartbeat(_) | Op::Reap | Op::ReapDead | Op::Vacuum));
+            // A waiting mark's answer changes nothing now: the deregistration deletes the mark
+            // (and one that lands after it is a stopped worker's, deleted as stale).
+            && self.ops.values().all(|op| {
+                matches!(op, Op::Heartbeat(_) | Op::Reap | Op::ReapDead | Op::Vacuum | Op::SetWaiting { .. })
+            });
         if idle && !self.deregister_sent && !self.db_down {
             self.deregister_sent = true;
             self.send(DbRequest::DeregisterWorker(self.id.clone()), Op::Deregister);

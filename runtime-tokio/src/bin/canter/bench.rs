@@ -7,7 +7,9 @@
 //!
 //! - `enqueue`: `--enqueue-tasks` tasks one by one from one client (`enqueue_one`; with
 //!   `--producers N`, each turn's tasks split among N concurrent producers of one client, on a
-//!   connection each; `--raw-no-notify` takes `pg_notify` out of the raw inserts), then, in
+//!   connection each; `--raw-no-notify` takes `pg_notify` out of the raw inserts; Canter's
+//!   enqueues notify only with `--waiting-worker`, which marks a worker waiting on the queue
+//!   as an idle one is, schema 14), then, in
 //!   fresh schemas, the same number in calls of `--bulk-size` (`enqueue_bulk`), after a
 //!   `CHECKPOINT` (so no commit waits behind the WAL of a schema's creation). The two modes take
 //!   turns, 100 tasks one by one or one bulk call at a time, and each one's time is the sum of
@@ -191,6 +193,10 @@ pub(crate) struct BenchArgs {
     /// The raw baseline enqueues without pg_notify
     #[arg(long)]
     raw_no_notify: bool,
+    /// Canter's enqueue workloads run beside a worker marked waiting for work (as an idle
+    /// worker is), so every enqueue notifies; without, no worker waits and none does
+    #[arg(long)]
+    waiting_worker: bool,
     /// Time Canter's drains by reading the live count instead of by done notifications
     #[arg(long)]
     no_result_waiter: bool,
@@ -431,6 +437,8 @@ struct Options {
     producers: usize,
     /// The raw baseline enqueues without `pg_notify`.
     raw_quiet: bool,
+    /// Canter's enqueues run beside a worker marked waiting, so they notify.
+    waiting_worker: bool,
     /// Canter's drains registered no result waiter (timed by reading the live count).
     no_result_waiter: bool,
     /// A pooler in transaction mode in front of the database (`--workload pgbouncer`).
@@ -523,6 +531,7 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         kill_every: Duration::from_millis(args.kill_every_ms),
         producers: args.producers as usize,
         raw_quiet: args.raw_no_notify,
+        waiting_worker: args.waiting_worker,
         no_result_waiter: args.no_result_waiter,
         pooler_url: args.pooler_url.clone(),
         wakeups,

@@ -13,7 +13,7 @@ use canter_tokio::canter::driver::wakeups::WakeupProvider;
 use canter_tokio::canter::driver::{Registry, WorkerService};
 use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener, submit_workflow_in};
 use canter_tokio::canter::store::DbTime;
-use canter_tokio::canter::store::{NewTask, NewWorkflow};
+use canter_tokio::canter::store::{DbRequest, NewTask, NewWorkflow, WorkerInfo};
 use canter_tokio::canter::task::{Attempt, Lease, TaskError, TaskId, WorkerId};
 use canter_tokio::canter::worker::{TaskOutcome, TaskRun};
 use canter_tokio::canter::workflow::{EdgePolicy, Join};
@@ -100,6 +100,17 @@ pub(super) struct CanterEnqueuer {
     wakeups: Option<Arc<dyn WakeupProvider>>,
 }
 
+/// Registers a worker and marks it waiting on the default queue, as an idle worker is: a
+/// client's enqueue notifies the queue only while one is (schema 14).
+async fn mark_waiting_worker(store: &PgStore) -> Result<(), BenchError> {
+    let worker = WorkerId("bench-waiting-worker".into());
+    let info = WorkerInfo { worker: worker.clone(), queues: vec!["default".into()], concurrency: 1 };
+    store.execute(&DbRequest::RegisterWorker(info)).await.map_err(|e| failed("register a waiting worker", e))?;
+    let mark = DbRequest::SetWaiting { worker, queues: vec!["default".into()], waiting: true, stale_ms: u64::MAX };
+    store.execute(&mark).await.map_err(|e| failed("mark a worker waiting", e))?;
+    Ok(())
+}
+
 /// Enqueues `task` and announces it: by NOTIFY at its commit, or on `wakeups` after it.
 async fn enqueue_announced(
     store: &PgStore,
@@ -130,6 +141,9 @@ impl CanterEnqueuer {
         let store = PgStore::new(connect(&scratch.url, size)?, schema.clone(), options.config.app.clone());
         store.migrate().await.map_err(|e| failed("migrate", e))?;
         store.now().await.map_err(|e| failed("connect", e))?;
+        if options.waiting_worker {
+            mark_waiting_worker(&store).await?;
+        }
         let wakeups = broker.map(|broker| options.wakeups(broker, &schema)).transpose()?;
         if let Some(provider) = &wakeups {
             // Connected before the clock starts.
