@@ -103,6 +103,13 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     eprintln!(
         "sim sweep: {with_broker} passed seeds woke workers through a broker: {broker_wakeups} wake-ups delivered"
     );
+    let with_unnotified = sweep.reports.iter().filter(|r| r.unnotified_enqueues > 0).count();
+    let unnotified: u64 = sweep.reports.iter().map(|r| r.unnotified_enqueues).sum();
+    let debts: u64 = sweep.reports.iter().map(|r| r.wakeup_debts).sum();
+    eprintln!(
+        "sim sweep: {with_unnotified} passed seeds enqueued without notifying (no worker waiting) {unnotified} times; \
+         workers looked at {debts} such tasks they owed a look"
+    );
     eprintln!(
         "sim sweep: {with_workflows} passed seeds had workflows: {workflows} workflows, {completed} completed, {failed} \
          failed, {cancelled} cancelled; {skipped} steps skipped"

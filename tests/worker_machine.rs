@@ -1884,10 +1884,12 @@ fn waiting_marks(commands: &[Command]) -> Vec<(OpId, bool)> {
 }
 
 /// A client's enqueue notifies a queue only while a worker of it is marked waiting: a worker
-/// marks itself once registered and out of work, claims once more after a written mark (what
-/// committed before it notified nobody), unmarks itself while a backlog keeps it claiming
-/// (a pass that took tasks and left more), leaves its mark as it is when a cap stops it, and
-/// renews its mark each heartbeat interval. A worker that does not listen never marks.
+/// marks itself once registered and out of work, claims once more after its mark (what
+/// committed before it notified nobody), also when a retried mark finds the lost try's mark
+/// there, unmarks itself while a backlog keeps it claiming (a pass that took tasks and left
+/// more), leaves its mark as it is when a cap stops it, and renews its mark each heartbeat
+/// interval (a renewal that finds it there asks for nothing; one that writes it again, for a
+/// pass). A worker that does not listen never marks.
 #[test]
 fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlog() {
     let notified = Input::Notified { queue: "default".into(), priority: Some(0), run_at: None };
@@ -1917,14 +1919,22 @@ fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlo
     // A pass a cap stops (took nothing, left more) changes nothing.
     assert!(waiting_marks(&h.reply(pass, claimed(vec![], true))).is_empty());
     assert!(waiting_marks(&h.reply(unmark, DbReply::WaitingSet { written: false })).is_empty());
-    // Out of work again: marked again; a mark that was there as asked asks for no pass.
+    // Out of work again: marked again. The mark's answer is lost (it may commit all the same,
+    // later): its retry finds it there, and still asks for a pass.
     let pass = one_pass(&h.input(notified.clone()));
     let commands = h.reply(pass, claimed(vec![], false));
     let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
-    assert!(claims_with_policies(&h.reply(mark, DbReply::WaitingSet { written: false })).is_empty());
+    h.fail(mark, DbFailure::Unknown("no reply".into()));
+    let retry = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(10)).expect("the mark again");
+    assert!(matches!(retry.1, DbRequest::SetWaiting { waiting: true, .. }));
+    let pass = one_pass(&h.reply(retry.0, DbReply::WaitingSet { written: false }));
+    h.reply(pass, claimed(vec![], false));
 
     // Renewed each heartbeat interval; a renewal held up by a lock goes again after the
     // lock retry, and one that finds the mark deleted (written) claims once more.
+    let renewal = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(120)).expect("a renewal");
+    assert!(matches!(renewal.1, DbRequest::SetWaiting { waiting: true, .. }));
+    assert!(claims_with_policies(&h.reply(renewal.0, DbReply::WaitingSet { written: false })).is_empty());
     let renewal = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(120)).expect("a renewal");
     assert!(matches!(renewal.1, DbRequest::SetWaiting { waiting: true, .. }));
     h.fail(renewal.0, DbFailure::LockTimeout("waiting_workers".into()));

@@ -354,6 +354,14 @@ impl MemoryStore {
         self.waiting.values().any(|queues| queues.contains(queue))
     }
 
+    /// Whether some worker of `queue` is marked waiting (see [`DbRequest::SetWaiting`]).
+    ///
+    /// [`DbRequest::SetWaiting`]: crate::store::DbRequest::SetWaiting
+    #[cfg(feature = "sim")]
+    pub fn is_waited_on(&self, queue: &str) -> bool {
+        self.waited_on(queue)
+    }
+
     pub(super) fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {
         for queue in queues {
             self.notifications.push(Notification::TaskReady { queue, priority: None, run_at: None });

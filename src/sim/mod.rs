@@ -192,6 +192,10 @@ pub struct SimReport {
     pub floored_passes: u64,
     /// Claim passes sent from an announced run-at (woken only by such announcements).
     pub bounded_passes: u64,
+    /// Queues a client's enqueue did not notify because no worker of them was marked waiting.
+    pub unnotified_enqueues: u64,
+    /// Looks at such tasks that workers owed (and took: each was checked, see `wakeup_debts`).
+    pub wakeup_debts: u64,
     /// Whether the run injected any fault besides latency.
     pub faulty: bool,
 }
@@ -508,6 +512,11 @@ pub struct Sim {
     /// Workers whose registration committed late: it may land after their deregistration
     /// and mark them running again (the registry's word until they are pruned).
     late_registrations: std::collections::BTreeSet<WorkerId>,
+    /// Per slot, the tasks a client enqueued without a notification (no worker of their queue
+    /// was marked waiting) that its worker, listening and not taking itself to be marked, owes
+    /// a look: a claim pass applied after the enqueue whose range takes the row in. Such a
+    /// worker must never wait for a wake-up while it owes one (see `check_wakeup_debts`).
+    wakeup_debts: BTreeMap<usize, std::collections::BTreeSet<TaskId>>,
 }
 
 #[derive(Debug, Clone, Copy, Default)]
@@ -524,6 +533,8 @@ struct Stats {
     broker_wakeups: u64,
     floored_passes: u64,
     bounded_passes: u64,
+    unnotified_enqueues: u64,
+    wakeup_debts: u64,
 }
 
 impl Sim {
@@ -589,6 +600,7 @@ impl Sim {
             failed_over: false,
             workers_pruned: false,
             late_registrations: std::collections::BTreeSet::new(),
+            wakeup_debts: BTreeMap::new(),
             options,
         }
     }
@@ -683,6 +695,8 @@ impl Sim {
             broker_wakeups: self.stats.broker_wakeups,
             floored_passes: self.stats.floored_passes,
             bounded_passes: self.stats.bounded_passes,
+            unnotified_enqueues: self.stats.unnotified_enqueues,
+            wakeup_debts: self.stats.wakeup_debts,
             faulty: self.options.faults.any(),
         }
     }
@@ -1161,6 +1175,8 @@ impl Sim {
         // Its sessions end with it, and the server releases its token.
         let id = WorkerId(self.slots[slot].name(slot));
         self.store.release_token(&id);
+        // A new incarnation looks at every row in its first pass.
+        self.wakeup_debts.remove(&slot);
         let s = &mut self.slots[slot];
         s.worker = None;
         s.listening = false;
@@ -1234,6 +1250,78 @@ impl Sim {
         self.drain(slot)
     }
 
+    /// A client's enqueue wrote `ids`: for each queue it did not notify (no worker of it marked
+    /// waiting), every worker of the queue that hears notifications (listening) and does not
+    /// take itself to be marked owes its tasks a look. One that takes itself to be marked while
+    /// the store has no mark of it (a failover to the past lost the mark) is excused: its mark
+    /// is renewed each heartbeat interval.
+    fn owe_looks(&mut self, ids: &[TaskId]) {
+        let mut unnotified: BTreeMap<String, Vec<TaskId>> = BTreeMap::new();
+        for &id in ids {
+            let Some(row) = self.store.task(id) else { continue };
+            if row.state == TaskState::Pending && !self.store.is_waited_on(&row.queue) {
+                unnotified.entry(row.queue.clone()).or_default().push(id);
+            }
+        }
+        self.stats.unnotified_enqueues += unnotified.len() as u64;
+        for (queue, tasks) in unnotified {
+            for slot in 0..self.slots.len() {
+                let s = &self.slots[slot];
+                let owes = s.listening
+                    && s.config.deployment_mode != DeploymentMode::PollingOnly
+                    && s.policy.queues.iter().any(|q| q.name == queue)
+                    && s.worker.as_ref().is_some_and(|w| !w.is_shutting_down() && !w.believes_waiting_marked());
+                if owes {
+                    self.wakeup_debts.entry(slot).or_default().extend(tasks.iter().copied());
+                }
+            }
+        }
+    }
+
+    /// A request of the worker in `slot` applied: a regular claim pass pays the looks it owes
+    /// at the rows its range takes in, and rows that are no longer Pending need no look.
+    fn pay_wakeup_debts(&mut self, slot: usize, request: &DbRequest, reply: &Result<DbReply, DbFailure>) {
+        let Some(debts) = self.wakeup_debts.get_mut(&slot) else { return };
+        let policy = match request {
+            // An urgent claim looks at the announced priorities only.
+            DbRequest::Claim { policy, .. } | DbRequest::FinishAndClaim { policy, .. }
+                if policy.max_priority.is_none() && reply.is_ok() =>
+            {
+                Some(policy)
+            }
+            _ => None,
+        };
+        let before = debts.len();
+        debts.retain(|id| {
+            self.store
+                .task(*id)
+                .is_some_and(|row| row.state == TaskState::Pending && !policy.is_some_and(|p| row.admitted_by(p)))
+        });
+        self.stats.wakeup_debts += (before - debts.len()) as u64;
+    }
+
+    /// A worker that owes a look at a task no notification announced must not wait for a
+    /// wake-up: it would wait until a poll (or, in `EventDrivenOnly` mode, an unrelated wake-up).
+    fn check_wakeup_debts(&mut self, slot: usize) -> Result<(), String> {
+        let s = &self.slots[slot];
+        let Some(worker) = s.worker.as_ref() else { return Ok(()) };
+        let Some(debts) = self.wakeup_debts.get(&slot).filter(|debts| !debts.is_empty()) else { return Ok(()) };
+        if !s.listening || worker.is_shutting_down() {
+            // Deaf, it polls (and claims when it hears again); draining, it claims no more.
+            self.wakeup_debts.remove(&slot);
+            return Ok(());
+        }
+        if worker.awaits_wakeup() {
+            let name = s.name(slot);
+            return Err(format!(
+                "LOST WAKE-UP: {name} waits for a wake-up though no notification announced tasks {} \
+                 and no claim of its since looked at them",
+                ids(debts)
+            ));
+        }
+        Ok(())
+    }
+
     /// Drains the worker in `slot` of commands and events, turning commands into events.
     fn drain(&mut self, slot: usize) -> Result<(), String> {
         loop {
@@ -1265,6 +1353,7 @@ impl Sim {
                 other => self.note(&name, format_args!("event {other:?}")),
             }
         }
+        self.check_wakeup_debts(slot)?;
         let stopped = self.slots[slot].worker.as_ref().is_some_and(Worker::is_stopped);
         if stopped {
             let s = &self.slots[slot];
@@ -1776,7 +1865,8 @@ impl Sim {
             Fate::LostRequest => (Err(DbFailure::Unknown("request lost (injected)".into())), unknown_after),
             Fate::LostReply => {
                 // Applied (or refused) all the same: the reply is what is lost.
-                let _ = self.apply_checked(&worker, op, &request)?;
+                let reply = self.apply_checked(&worker, op, &request)?;
+                self.pay_wakeup_debts(slot, &request, &reply);
                 (Err(DbFailure::Unknown("reply lost (injected)".into())), unknown_after)
             }
             Fate::LateCommit => {
@@ -1786,6 +1876,7 @@ impl Sim {
             }
             Fate::Delivered => {
                 let reply = self.apply_checked(&worker, op, &request)?;
+                self.pay_wakeup_debts(slot, &request, &reply);
                 self.check_applied(slot, &worker, &request, &reply, abandoned)?;
                 let mut latency = self.latency();
                 if matches!(reply, Err(DbFailure::LockTimeout(_))) {
@@ -2321,14 +2412,21 @@ impl Sim {
         }
         let keyed: Vec<NewTask> = batch.iter().filter(|t| t.key.is_some()).cloned().collect();
         let ids = self.store.enqueue_many(batch, now).map_err(|e| format!("enqueue refused: {e}"))?;
+        if keyed.is_empty() && self.options.faults.broker.is_none() {
+            self.owe_looks(&ids);
+        }
         if self.options.faults.broker.is_some() {
-            // The client announces its enqueue on the broker once it committed; the statement
-            // notified nobody, unless a task had a key (a function that always notifies).
+            // The client announces its enqueue on the broker once it committed, each queue with
+            // its most urgent priority (whether a worker waits or not); the statement notified
+            // nobody, unless a task had a key (a function that always notifies).
             let notifications = self.store.take_notifications();
-            for notification in &notifications {
-                if let Notification::TaskReady { queue, priority, .. } = notification {
-                    self.publish_to_broker(queue, *priority);
-                }
+            let mut announced: BTreeMap<String, i16> = BTreeMap::new();
+            for row in ids.iter().filter_map(|id| self.store.task(*id)) {
+                let priority = announced.entry(row.queue.clone()).or_insert(row.priority);
+                *priority = (*priority).min(row.priority);
+            }
+            for (queue, priority) in announced {
+                self.publish_to_broker(&queue, Some(priority));
             }
             let notified = notifications
                 .into_iter()

@@ -801,6 +801,28 @@ impl Worker {
         self.given_up
     }
 
+    /// Whether the worker sends nothing more until a wake-up, a poll or a timer of its own:
+    /// running, no pass wanted or held back (by a cap, which it polls for, a lock, an outage or
+    /// the rate of notified passes), and no request in flight. Such a worker must not owe a
+    /// look at a task a client enqueued without notifying (the simulation checks it).
+    #[cfg(feature = "sim")]
+    pub fn awaits_wakeup(&self) -> bool {
+        self.phase == Phase::Running
+            && !self.more_work
+            && self.ops.is_empty()
+            && !self.cap_blocked
+            && !self.claims_held
+            && !self.lock_blocked
+            && !self.db_down
+            && !self.timers.contains(Timer::NotifiedPass)
+    }
+
+    /// Whether the worker takes itself to be marked waiting in the store.
+    #[cfg(feature = "sim")]
+    pub fn believes_waiting_marked(&self) -> bool {
+        self.waiting.marked
+    }
+
     /// Reports something that happened. Drain the outputs afterwards.
     pub fn handle_input(&mut self, input: Input, now: Instant) {
         self.handle_inputs([input], now);

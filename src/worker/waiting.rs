@@ -67,13 +67,18 @@ impl Worker {
         self.send(request, Op::SetWaiting { waiting: mark.wanted });
     }
 
-    /// The store holds the mark (`waiting`) or not. A written mark asks for one more pass: an
-    /// enqueue that committed before it notified nobody, and that pass sees it.
+    /// The store holds the mark (`waiting`) or not. A mark the worker did not hold before asks
+    /// for one more pass, and so does a renewal that wrote it again: an enqueue that committed
+    /// before it notified nobody, and that pass sees it. (Written or not: a mark whose answer
+    /// was lost may have committed after all, and its retry then finds it there.)
     pub(super) fn on_waiting_set(&mut self, waiting: bool, written: bool) {
         self.slots.waiting.answered();
+        let newly = waiting && !self.waiting.marked;
         self.waiting.marked = waiting;
         if written {
             self.stats.waiting_marks += 1;
+        }
+        if newly || (waiting && written) {
             self.want_pass();
         }
     }
