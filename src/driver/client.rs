@@ -219,7 +219,9 @@ impl<R: Runtime> Client<R> {
         Client::on_store(self.inner.runtime.clone(), store, Some(provider), self.inner.migrate.load(Ordering::Relaxed))
     }
 
-    /// Enqueues `tasks` in one statement, announced by NOTIFY or by the client's provider.
+    /// Enqueues `tasks` in one statement, announced by NOTIFY (only of the queues a worker
+    /// waits on: see [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting)) or by the
+    /// client's provider.
     async fn enqueue_announced(&self, tasks: Vec<NewTask>) -> Result<Vec<TaskId>, ClientError> {
         self.schema_ready().await?;
         let store = &self.inner.store;

@@ -23,9 +23,13 @@
 //!   queues, which the claim leaves out; `schedules`: each schedule's last tick (see
 //!   [`PgStore::check_schedules`]); `claim_locks` and `reaper_lock`: rows whose locks serialize
 //!   capped claims and reapers; `listeners`: the sessions waiting for notifications (see
-//!   [`register_listener`]); every table is in [`TABLES`];
+//!   [`register_listener`]); `waiting_workers`: the workers waiting for work, whose queues
+//!   a client's own enqueue notifies (see
+//!   [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting)); every table is in
+//!   [`TABLES`];
 //! - functions `enqueue`, `claim_tasks` (and the `claim` of earlier releases), `start_tasks`
 //!   and `remove_key` (each one round trip), `register_listener` and `unregister_listener`,
+//!   `mark_waiting` and `unmark_waiting`,
 //!   `db_now()`, the clock statements read (`now()`; tests replace it in their own schemas), and
 //!   `db_clock()`, read where a statement may have waited for locks (`clock_timestamp()`);
 //! - `schema_versions`: each migration's version and the oldest code it accepts (see
