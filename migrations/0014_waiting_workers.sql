@@ -4,14 +4,17 @@
 -- database share, so producers that enqueue one task per transaction commit one at a time (8
 -- producers: 11,000 commits/s with a NOTIFY each, 25,000 without). A worker working through a
 -- backlog needs no notification: it claims again as soon as it has room. So a worker that
--- finds nothing more to claim marks itself waiting on its queues here, a worker that claims
--- and leaves more behind unmarks itself, and a client's own enqueue (its statement in its own
--- transaction) notifies a queue only while a mark of it exists.
+-- finds nothing more to claim marks itself waiting on its queues here, a worker that fills its
+-- room and leaves more behind narrows its mark to tasks more urgent than the backlog it works
+-- through (`below_priority`: an urgent task still overtakes its buffer), and a client's own
+-- enqueue (its statement in its own transaction) notifies a queue only while a mark of it
+-- takes the task in.
 --
 -- Why no wake-up is lost: the enqueue reads `waiting_workers` in its own text, so it holds
 -- ACCESS SHARE on the table from before its snapshot to its commit; `mark_waiting()` takes
 -- ACCESS EXCLUSIVE, which waits for every such statement in flight and holds back new ones
--- until it commits, and the worker claims once more after its mark committed. An enqueue
+-- until it commits, and the worker claims once more after its mark committed. Narrowing a mark
+-- takes no such lock: an enqueue that read the wider mark only notifies for nothing. An enqueue
 -- either committed before the mark (that claim sees its rows) or sees the mark and notifies.
 -- As with `listeners` (0008), an enqueue inside the caller's own transaction always notifies:
 -- it would hold the lock until the caller commits, and stall every mark meanwhile.
@@ -34,6 +37,9 @@ CREATE TABLE waiting_workers (
     queue  text        NOT NULL,
     worker text        NOT NULL,
     since  timestamptz NOT NULL,
+    -- NULL: the worker waits for work, and every enqueue of the queue notifies; a priority:
+    -- it works through a backlog, and only enqueues more urgent (lower) than it notify.
+    below_priority smallint,
     PRIMARY KEY (queue, worker)
 );
 
@@ -53,32 +59,46 @@ $$;
 -- Marks `p_worker` waiting on `p_queues` (replacing its earlier mark) once every statement
 -- that read `waiting_workers` before it has ended, and deletes stale marks of others. Returns
 -- whether it wrote: false when the worker's mark of exactly these queues was there already
--- (then it takes no lock). Waits at most 250 ms for the table: meanwhile enqueues wait behind
--- it, so the worker tries again later instead. SECURITY DEFINER: a worker writes its own mark
--- without rights on the table.
+-- (then it does not hold enqueues back). Markers go one at a time (SHARE UPDATE EXCLUSIVE,
+-- taken before the table is read: two that read it and then both asked for ACCESS EXCLUSIVE
+-- would wait for each other). Waits at most 250 ms for the table: meanwhile enqueues wait
+-- behind it, so the worker tries again later instead. SECURITY DEFINER: a worker writes its own
+-- mark without rights on the table (EXECUTE is granted to the worker role only).
 CREATE FUNCTION mark_waiting(p_worker text, p_queues text[], p_stale_ms bigint) RETURNS boolean
 LANGUAGE plpgsql VOLATILE SECURITY DEFINER
 SET search_path FROM CURRENT
 SET lock_timeout = '250ms'
 AS $$
 BEGIN
-    IF (SELECT coalesce(array_agg(w.queue ORDER BY w.queue), '{}') FROM waiting_workers w WHERE w.worker = p_worker)
-       = (SELECT coalesce(array_agg(DISTINCT q.queue ORDER BY q.queue), '{}') FROM unnest(p_queues) AS q(queue)) THEN
+    LOCK TABLE waiting_workers IN SHARE UPDATE EXCLUSIVE MODE;
+    IF NOT EXISTS (SELECT FROM waiting_workers w WHERE w.worker = p_worker AND w.below_priority IS NOT NULL)
+       AND (SELECT coalesce(array_agg(w.queue ORDER BY w.queue), '{}') FROM waiting_workers w WHERE w.worker = p_worker)
+           = (SELECT coalesce(array_agg(DISTINCT q.queue ORDER BY q.queue), '{}') FROM unnest(p_queues) AS q(queue)) THEN
         RETURN false;
     END IF;
     LOCK TABLE waiting_workers IN ACCESS EXCLUSIVE MODE;
     DELETE FROM waiting_workers w WHERE w.worker = p_worker OR stale_waiting_worker(w.worker, p_stale_ms);
     INSERT INTO waiting_workers (queue, worker, since)
-    SELECT DISTINCT q.queue, p_worker, clock_timestamp() FROM unnest(p_queues) AS q(queue);
+    SELECT q.queue, p_worker, clock_timestamp() FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q;
     RETURN true;
 END;
 $$;
 
--- Deletes `p_worker`'s mark and stale marks of others. No lock: an enqueue that still sees
--- them only notifies for nobody.
-CREATE FUNCTION unmark_waiting(p_worker text, p_stale_ms bigint) RETURNS void
+-- Deletes `p_worker`'s mark and stale marks of others, then (with `p_below`) marks it on
+-- `p_queues` for enqueues more urgent than `p_below` only. No lock: an enqueue that still
+-- sees the wider mark only notifies for nothing (and one that misses the narrow one costs an
+-- urgent task its overtaking, not its claim: the worker claims through its backlog anyway).
+CREATE FUNCTION unmark_waiting(p_worker text, p_queues text[], p_below smallint, p_stale_ms bigint)
+RETURNS void
 LANGUAGE sql VOLATILE SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
     DELETE FROM waiting_workers w WHERE w.worker = p_worker OR stale_waiting_worker(w.worker, p_stale_ms);
+    INSERT INTO waiting_workers (queue, worker, since, below_priority)
+    SELECT q.queue, p_worker, clock_timestamp(), p_below FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q
+    WHERE p_below IS NOT NULL;
 $$;
+
+-- Workers only: any other role could delete every mark, or hold enqueues back.
+REVOKE EXECUTE ON FUNCTION mark_waiting(text, text[], bigint), unmark_waiting(text, text[], smallint, bigint)
+    FROM PUBLIC;

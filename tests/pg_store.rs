@@ -203,6 +203,7 @@ async fn notifications_come_once_per_statement_per_queue_and_per_finish() {
         worker: WorkerId("w".into()),
         queues: vec!["a".into(), "b".into()],
         waiting: true,
+        urgent_below: None,
         stale_ms: 300_000,
     };
     store.execute(&mark).await.unwrap();
@@ -347,6 +348,7 @@ fn set_waiting(worker: &str, waiting: bool) -> DbRequest {
         worker: WorkerId(worker.into()),
         queues: vec!["default".into()],
         waiting,
+        urgent_below: None,
         stale_ms: 300_000,
     }
 }
@@ -403,6 +405,25 @@ async fn client_enqueues_notify_a_queue_only_while_a_worker_of_it_waits() {
         assert_eq!(next(&mut listener).await.0, channel);
     }
     assert!(nothing_heard(&mut listener).await);
+    // Busy with a backlog of priority 0: only more urgent tasks notify.
+    let busy = DbRequest::SetWaiting {
+        worker: WorkerId("w".into()),
+        queues: vec!["default".into()],
+        waiting: false,
+        urgent_below: Some(0),
+        stale_ms: 300_000,
+    };
+    assert!(!written(store.execute(&busy).await.unwrap()));
+    every_form(store.clone()).await;
+    assert!(nothing_heard(&mut listener).await, "a task as urgent as the backlog notified");
+    store.enqueue(t(11).priority(-1)).await.unwrap();
+    store.enqueue_many(vec![t(12), t(13).priority(-1)]).await.unwrap();
+    for _ in 0..2 {
+        let (heard, payload) = next(&mut listener).await;
+        assert_eq!(heard, channel);
+        assert!(payload.starts_with("-1 "), "{payload}");
+    }
+    assert!(nothing_heard(&mut listener).await);
     assert!(!written(store.execute(&set_waiting("w", false)).await.unwrap()));
     store.enqueue(t(10)).await.unwrap();
     assert!(nothing_heard(&mut listener).await, "an enqueue notified after the unmark");
@@ -416,6 +437,27 @@ async fn client_enqueues_notify_a_queue_only_while_a_worker_of_it_waits() {
     assert_eq!(count().await.unwrap(), 1, "the ghost's mark stayed");
     store.execute(&DbRequest::DeregisterWorker(WorkerId("w".into()))).await.unwrap();
     assert_eq!(count().await.unwrap(), 0, "a stopped worker's mark stayed");
+}
+
+/// Workers running out of work together mark themselves one after another: none times out on
+/// another's read of the table (two markers that each read it and then asked for the exclusive
+/// lock would wait for each other until one gave up).
+#[tokio::test]
+async fn workers_marking_at_once_all_get_their_marks() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 10).await;
+    for i in 0..8 {
+        register(&store, &format!("w{i}")).await;
+    }
+    let marks: Vec<_> = (0..8)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move { store.execute(&set_waiting(&format!("w{i}"), true)).await })
+        })
+        .collect();
+    for mark in marks {
+        assert!(written(mark.await.unwrap().unwrap()));
+    }
 }
 
 /// The race a mark closes: an enqueue that read no mark must commit before the mark does (so

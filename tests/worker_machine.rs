@@ -1883,21 +1883,32 @@ fn waiting_marks(commands: &[Command]) -> Vec<(OpId, bool)> {
         .collect()
 }
 
-/// A client's enqueue notifies a queue only while a worker of it is marked waiting: a worker
-/// marks itself once registered and out of work, claims once more after its mark (what
+/// A client's enqueue notifies a queue only while a worker's mark of it takes the task in: a
+/// worker marks itself once registered and out of work, claims once more after its mark (what
 /// committed before it notified nobody), also when a retried mark finds the lost try's mark
-/// there, unmarks itself while a backlog keeps it claiming (a pass that took tasks and left
-/// more), leaves its mark as it is when a cap stops it, and renews its mark each heartbeat
-/// interval (a renewal that finds it there asks for nothing; one that writes it again, for a
-/// pass). A worker that does not listen never marks.
+/// there, keeps its mark when a cap cuts a pass short (its other queues may wait for work),
+/// renews its mark each heartbeat interval (a renewal that finds it there asks for nothing; one
+/// that writes it again, for a pass), polls while a mark it wants keeps failing, and narrows
+/// its mark to tasks more urgent than its backlog when a pass fills its room and leaves more.
+/// A worker that does not listen never marks.
 #[test]
-fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlog() {
+fn a_worker_out_of_work_marks_itself_waiting_and_narrows_its_mark_through_a_backlog() {
     let notified = Input::Notified { queue: "default".into(), priority: Some(0), run_at: None };
-    let one_pass = |commands: &[Command]| {
-        let passes = claims_with_policies(commands);
+    // The only pass among `commands`, and how many tasks it may take.
+    let pass_and_budget = |commands: &[Command]| {
+        let passes: Vec<(OpId, u32)> = db_ops(commands)
+            .into_iter()
+            .filter_map(|(op, r)| match r {
+                DbRequest::Claim { policy, my_running, my_claimed, .. } => {
+                    Some((op, policy.local_budget(*my_running, *my_claimed)))
+                }
+                _ => None,
+            })
+            .collect();
         assert_eq!(passes.len(), 1, "one pass: {commands:?}");
-        passes[0].0
+        passes[0]
     };
+    let one_pass = |commands: &[Command]| pass_and_budget(commands).0;
     let (mut h, first) = Harness::new(app(), slots(4));
     let register = db_ops(&first)
         .into_iter()
@@ -1907,28 +1918,22 @@ fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlo
     assert!(waiting_marks(&h.reply(one_pass(&first), claimed(vec![], false))).is_empty());
     let commands = h.reply(register, DbReply::Done);
     let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
-    let pass = one_pass(&h.reply(mark, DbReply::WaitingSet { written: true }));
-    // Marked already: nothing more to send when that pass finds nothing either.
-    assert!(waiting_marks(&h.reply(pass, claimed(vec![], false))).is_empty());
-
-    // A backlog: a pass that takes tasks and leaves more unmarks.
-    let pass = one_pass(&h.input(notified.clone()));
-    let commands = h.reply(pass, claimed(vec![task(1, true)], true));
-    let [(unmark, false)] = waiting_marks(&commands)[..] else { panic!("one unmark: {commands:?}") };
-    let pass = one_pass(&commands);
-    // A pass a cap stops (took nothing, left more) changes nothing.
-    assert!(waiting_marks(&h.reply(pass, claimed(vec![], true))).is_empty());
-    assert!(waiting_marks(&h.reply(unmark, DbReply::WaitingSet { written: false })).is_empty());
-    // Out of work again: marked again. The mark's answer is lost (it may commit all the same,
-    // later): its retry finds it there, and still asks for a pass.
-    let pass = one_pass(&h.input(notified.clone()));
-    let commands = h.reply(pass, claimed(vec![], false));
-    let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
+    // Its answer is lost (it may commit all the same, later): the retry finds the mark there
+    // ("as it was") and still asks for a pass, since the worker did not hold the mark before.
     h.fail(mark, DbFailure::Unknown("no reply".into()));
     let retry = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(10)).expect("the mark again");
     assert!(matches!(retry.1, DbRequest::SetWaiting { waiting: true, .. }));
     let pass = one_pass(&h.reply(retry.0, DbReply::WaitingSet { written: false }));
-    h.reply(pass, claimed(vec![], false));
+    // Marked now: nothing more to send when that pass finds nothing either.
+    assert!(waiting_marks(&h.reply(pass, claimed(vec![], false))).is_empty());
+
+    // A pass a cap cut short (less than its room, more left) and one a cap stopped (nothing
+    // taken) change nothing.
+    let (pass, budget) = pass_and_budget(&h.input(notified.clone()));
+    assert!(budget > 1);
+    let commands = h.reply(pass, claimed(vec![task(1, true)], true));
+    assert!(waiting_marks(&commands).is_empty());
+    assert!(waiting_marks(&h.reply(one_pass(&commands), claimed(vec![], true))).is_empty());
 
     // Renewed each heartbeat interval; a renewal held up by a lock goes again after the
     // lock retry, and one that finds the mark deleted (written) claims once more.
@@ -1940,7 +1945,45 @@ fn a_worker_out_of_work_marks_itself_waiting_and_unmarks_itself_through_a_backlo
     h.fail(renewal.0, DbFailure::LockTimeout("waiting_workers".into()));
     let renewal = fire_answering_until(&mut h, "set_waiting", Duration::from_secs(30)).expect("the renewal again");
     assert!(matches!(renewal.1, DbRequest::SetWaiting { waiting: true, .. }));
-    one_pass(&h.reply(renewal.0, DbReply::WaitingSet { written: true }));
+    let pass = one_pass(&h.reply(renewal.0, DbReply::WaitingSet { written: true }));
+    h.reply(pass, claimed(vec![], false));
+
+    // A backlog: a pass that fills its room and leaves more narrows the mark to tasks more
+    // urgent than the least urgent it took.
+    let (pass, budget) = pass_and_budget(&h.input(notified.clone()));
+    let tasks: Vec<ClaimedTask> =
+        (10..10 + i64::from(budget)).map(|i| with_priority(i, false, (i % 3) as i16)).collect();
+    let commands = h.reply(pass, claimed(tasks, true));
+    let narrowed: Vec<(OpId, Option<i16>)> = db_ops(&commands)
+        .into_iter()
+        .filter_map(|(op, r)| match r {
+            DbRequest::SetWaiting { waiting: false, urgent_below, .. } => Some((op, *urgent_below)),
+            _ => None,
+        })
+        .collect();
+    let [(_, Some(2))] = narrowed[..] else { panic!("one narrowed mark below 2: {commands:?}") };
+
+    // An event-driven worker whose mark keeps failing (a lock) polls meanwhile: no enqueue
+    // notifies it.
+    let config = WorkerConfig { deployment_mode: DeploymentMode::EventDrivenOnly, ..slots(4) };
+    let (mut h, first) = Harness::new(app(), config);
+    h.input(Input::Listener { connected: true });
+    h.reply(find(&first, "register_worker"), DbReply::Done);
+    let commands = h.reply(find(&first, "claim"), claimed(vec![], false));
+    let [(mark, true)] = waiting_marks(&commands)[..] else { panic!("one mark: {commands:?}") };
+    // The pass the listener asked for finds nothing either.
+    h.reply(one_pass(&commands), claimed(vec![], false));
+    h.fail(mark, DbFailure::LockTimeout("waiting_workers".into()));
+    let mut polled = false;
+    let until = h.now + Duration::from_millis(WorkerConfig::default().poll_interval_ms) * 2;
+    while !polled && h.worker.poll_timeout().is_some_and(|(at, _)| at <= until) {
+        let commands = h.fire().1;
+        polled = has(&commands, "claim");
+        if let Some(&(op, _)) = waiting_marks(&commands).first() {
+            h.fail(op, DbFailure::LockTimeout("waiting_workers".into()));
+        }
+    }
+    assert!(polled, "no pass while the mark kept failing");
 
     // A worker that only polls hears no notification: it never marks.
     let config = WorkerConfig { deployment_mode: DeploymentMode::PollingOnly, ..slots(4) };

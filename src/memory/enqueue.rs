@@ -98,7 +98,7 @@ impl MemoryStore {
         for (queue, (priority, run_at)) in ready {
             // PostgreSQL's statements for batches without keys notify only queues some worker
             // is marked waiting on; `enqueue()` always notifies.
-            if keyless && !self.waited_on(&queue) {
+            if keyless && !self.waited_on(&queue, priority) {
                 continue;
             }
             let run_at = keyless.then_some(run_at);

@@ -13,7 +13,9 @@ use crate::store::{
 };
 use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskEvent, TaskId, TaskLease, TaskState, WorkerId};
 
-use super::store::{LOCK_TIMEOUT_MESSAGE, MemoryStore, READABLE_JSON_DEPTH, StoredTask, json_depth, minus_ms};
+use super::store::{
+    LOCK_TIMEOUT_MESSAGE, MemoryStore, READABLE_JSON_DEPTH, StoredTask, WaitingMark, json_depth, minus_ms,
+};
 
 impl MemoryStore {
     /// Runs one request as PostgreSQL would answer it: a value PostgreSQL refuses (text with
@@ -164,9 +166,12 @@ impl MemoryStore {
                 self.waiting.remove(worker);
                 DbReply::Done
             }
-            DbRequest::SetWaiting { worker, queues, waiting, stale_ms } => {
+            DbRequest::SetWaiting { worker, queues, waiting, urgent_below, stale_ms } => {
                 let queues: BTreeSet<String> = queues.iter().cloned().collect();
-                let written = *waiting && self.waiting.get(worker) != Some(&queues);
+                // As PostgreSQL's rows: a mark of no queue is no mark.
+                let held =
+                    self.waiting.get(worker).cloned().unwrap_or(WaitingMark { queues: BTreeSet::new(), below: None });
+                let written = *waiting && (held.below.is_some() || held.queues != queues);
                 if written || !*waiting {
                     self.waiting.remove(worker);
                     let stale = |other: &WorkerId| {
@@ -179,8 +184,9 @@ impl MemoryStore {
                         self.waiting.remove(&other);
                     }
                 }
-                if written {
-                    self.waiting.insert(worker.clone(), queues);
+                let below = if *waiting { None } else { *urgent_below };
+                if !queues.is_empty() && (written || below.is_some()) {
+                    self.waiting.insert(worker.clone(), WaitingMark { queues, below });
                 }
                 DbReply::WaitingSet { written }
             }

@@ -149,6 +149,14 @@ impl StoredTask {
     }
 }
 
+/// A worker's waiting mark: its queues, and while it works through a backlog the priority
+/// only tasks more urgent than which it is told of (`None`: every task).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct WaitingMark {
+    pub(super) queues: BTreeSet<String>,
+    pub(super) below: Option<i16>,
+}
+
 /// Which task a key names (the `task_keys` table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct KeyHold {
@@ -169,9 +177,9 @@ pub struct MemoryStore {
     pub(super) keys: BTreeMap<String, KeyHold>,
     pub(super) history: BTreeMap<TaskId, Vec<AttemptRecord>>,
     pub(super) workers: BTreeMap<WorkerId, WorkerRecord>,
-    /// The queues of each worker marked waiting (the `waiting_workers` table): see
+    /// Each marked worker's mark (the `waiting_workers` table): see
     /// [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting).
-    pub(super) waiting: BTreeMap<WorkerId, BTreeSet<String>>,
+    pub(super) waiting: BTreeMap<WorkerId, WaitingMark>,
     /// Paused queues and since when.
     pub(super) paused: BTreeMap<String, DbTime>,
     /// Schedule records by name (the `schedules` table).
@@ -348,18 +356,19 @@ impl MemoryStore {
         running
     }
 
-    /// Whether some worker of `queue` is marked waiting: a client's enqueue without keys
-    /// notifies the queue only then.
-    pub(super) fn waited_on(&self, queue: &str) -> bool {
-        self.waiting.values().any(|queues| queues.contains(queue))
+    /// Whether some worker's mark of `queue` takes in a task of `priority`: a client's
+    /// enqueue without keys notifies the queue only then.
+    pub(super) fn waited_on(&self, queue: &str, priority: i16) -> bool {
+        self.waiting.values().any(|mark| mark.queues.contains(queue) && mark.below.is_none_or(|below| priority < below))
     }
 
-    /// Whether some worker of `queue` is marked waiting (see [`DbRequest::SetWaiting`]).
+    /// Whether some worker's mark of `queue` takes in a task of `priority` (see
+    /// [`DbRequest::SetWaiting`]).
     ///
     /// [`DbRequest::SetWaiting`]: crate::store::DbRequest::SetWaiting
     #[cfg(feature = "sim")]
-    pub fn is_waited_on(&self, queue: &str) -> bool {
-        self.waited_on(queue)
+    pub fn is_waited_on(&self, queue: &str, priority: i16) -> bool {
+        self.waited_on(queue, priority)
     }
 
     pub(super) fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {

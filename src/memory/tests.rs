@@ -996,8 +996,13 @@ fn notifications_come_one_per_statement_per_queue() {
         NewTask::new("t", json!(4)).queue("a"),
     ];
     // A worker waits on both queues: the enqueues notify.
-    let mark =
-        DbRequest::SetWaiting { worker: w("w"), queues: vec!["a".into(), "b".into()], waiting: true, stale_ms: 1 };
+    let mark = DbRequest::SetWaiting {
+        worker: w("w"),
+        queues: vec!["a".into(), "b".into()],
+        waiting: true,
+        urgent_below: None,
+        stale_ms: 1,
+    };
     store.apply(&mark, T0);
     store.enqueue_many(batch, T0).unwrap();
     // An enqueue announces the most urgent priority and the earliest run-at it wrote; a release
@@ -1039,6 +1044,7 @@ fn enqueues_without_keys_notify_only_queues_a_worker_waits_on() {
         worker: w(worker),
         queues: queues.iter().map(|q| (*q).to_owned()).collect(),
         waiting,
+        urgent_below: None,
         stale_ms: 1_000,
     };
     let both = || vec![NewTask::new("t", json!(1)).queue("a"), NewTask::new("t", json!(2)).queue("b")];
@@ -1053,7 +1059,21 @@ fn enqueues_without_keys_notify_only_queues_a_worker_waits_on() {
     assert_eq!(store.apply(&set("x", &["a"], true), at(1)), DbReply::WaitingSet { written: false });
     store.enqueue_many(both(), at(2)).unwrap();
     assert_eq!(store.take_notifications(), vec![ready("a", Some(at(2)))]);
-    assert_eq!(store.apply(&set("x", &["a"], false), at(3)), DbReply::WaitingSet { written: false });
+    // Busy: narrowed to tasks more urgent than its backlog (priority 0 here).
+    let busy = DbRequest::SetWaiting {
+        worker: w("x"),
+        queues: vec!["a".into()],
+        waiting: false,
+        urgent_below: Some(0),
+        stale_ms: 1_000,
+    };
+    assert_eq!(store.apply(&busy, at(3)), DbReply::WaitingSet { written: false });
+    store.enqueue_many(both(), at(4)).unwrap();
+    assert!(store.take_notifications().is_empty(), "a task as urgent as the backlog notified");
+    store.enqueue(NewTask::new("t", json!(9)).queue("a").priority(-1), at(4)).unwrap();
+    let urgent = Notification::TaskReady { queue: "a".into(), priority: Some(-1), run_at: Some(at(4)) };
+    assert_eq!(store.take_notifications(), vec![urgent], "a more urgent task did not notify");
+    assert_eq!(store.apply(&set("x", &["a"], false), at(4)), DbReply::WaitingSet { written: false });
     store.enqueue_many(both(), at(4)).unwrap();
     assert!(store.take_notifications().is_empty(), "unmarked");
 

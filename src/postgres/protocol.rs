@@ -16,6 +16,9 @@ use crate::task::{Attempt, ErrorCode, Lease, TaskError, TaskId, WorkerId};
 
 use crate::postgres::store::*;
 
+/// The longest stale threshold a waiting mark's request is taken with: a hundred years.
+const STALE_MS_MAX: i64 = 3_153_600_000_000;
+
 impl PgStore {
     /// Runs one request of the worker machine and returns its reply, with the semantics
     /// [`DbRequest`] documents. See the module docs for how failures map.
@@ -200,12 +203,15 @@ impl PgStore {
                 Ok(DbReply::Done)
             }
             DbRequest::DeregisterWorker(worker) => {
-                sql.unmark_waiting.query().bind(&worker.0).bind(None::<i64>).execute(&mut *conn).await?;
+                let none: &[String] = &[];
+                let unmark = sql.unmark_waiting.query().bind(&worker.0).bind(none).bind(None::<i16>).bind(None::<i64>);
+                unmark.execute(&mut *conn).await?;
                 sql.deregister_worker.query().bind(&worker.0).execute(&mut *conn).await?;
                 Ok(DbReply::Done)
             }
-            DbRequest::SetWaiting { worker, queues, waiting, stale_ms } => {
-                let stale_ms = i64::try_from(*stale_ms).unwrap_or(i64::MAX);
+            DbRequest::SetWaiting { worker, queues, waiting, urgent_below, stale_ms } => {
+                // An interval of more than a century would overflow; no registry keeps one.
+                let stale_ms = i64::try_from(*stale_ms).unwrap_or(i64::MAX).min(STALE_MS_MAX);
                 let written = if *waiting {
                     sql.mark_waiting
                         .query_scalar::<bool>()
@@ -215,7 +221,8 @@ impl PgStore {
                         .fetch_one(&mut *conn)
                         .await?
                 } else {
-                    sql.unmark_waiting.query().bind(&worker.0).bind(stale_ms).execute(&mut *conn).await?;
+                    let unmark = sql.unmark_waiting.query().bind(&worker.0).bind(queues).bind(urgent_below);
+                    unmark.bind(stale_ms).execute(&mut *conn).await?;
                     false
                 };
                 Ok(DbReply::WaitingSet { written })

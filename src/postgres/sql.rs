@@ -530,7 +530,7 @@ notified AS (
     SELECT count(pg_notify($10 || q.queue, {announced})) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
           GROUP BY ins.queue) q
-    WHERE $10 IS NOT NULL AND {waiting:q.queue}
+    WHERE $10 IS NOT NULL AND {waiting:q.queue,q.priority}
 )
 SELECT n.ord, n.id, NULL::text AS problem, NULL::bigint AS detail_id, NULL::bigint AS run_at_ms,
        NULL::bigint AS good_until_ms
@@ -558,7 +558,7 @@ notified AS (
     SELECT count(pg_notify($9 || q.queue, {announced})) AS n
     FROM (SELECT ins.queue, min(ins.priority) AS priority, min(ins.run_at) AS run_at FROM inserted ins
           GROUP BY ins.queue) q
-    WHERE $9 IS NOT NULL AND {waiting:q.queue}
+    WHERE $9 IS NOT NULL AND {waiting:q.queue,q.priority}
 )
 SELECT ins.id FROM inserted ins CROSS JOIN notified";
 
@@ -574,7 +574,7 @@ inserted AS (
 )
 SELECT ins.id
 FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
-      WHERE $5 IS NOT NULL AND {waiting:$2}) n,
+      WHERE $5 IS NOT NULL AND {waiting:$2,$3}) n,
      inserted ins";
 
 /// [`ENQUEUE_UNIFORM`] for one task (due now, no retry policy or flags of its own: the usual
@@ -589,7 +589,7 @@ inserted AS (
 )
 SELECT ins.id
 FROM (SELECT count(pg_notify($5 || $2, {announced})) AS n FROM (SELECT $3 AS priority, c.now AS run_at FROM c) q
-      WHERE $5 IS NOT NULL AND {waiting:$2}) n,
+      WHERE $5 IS NOT NULL AND {waiting:$2,$3}) n,
      inserted ins";
 
 /// [`ENQUEUE_PLAIN`] for one task, with scalar parameters: no arrays to build, bind and expand.
@@ -602,7 +602,7 @@ WITH inserted AS (
 )
 SELECT ins.id FROM inserted ins
 LEFT JOIN LATERAL (SELECT pg_notify($9 || ins.queue, {announced}) FROM (SELECT ins.priority, ins.run_at) q
-                   WHERE $9 IS NOT NULL AND {waiting:ins.queue}) n ON true";
+                   WHERE $9 IS NOT NULL AND {waiting:ins.queue,ins.priority}) n ON true";
 
 /// The columns of a [`TaskRecord`](crate::store::TaskRecord), live rows first. A row shows its
 /// key while `task_keys` names it: a Claimed or Running holder whose key a keyed enqueue gave
@@ -684,7 +684,7 @@ const UNREGISTER_LISTENER: &str = "SELECT {s}.unregister_listener()";
 const MARK_WAITING: &str = "SELECT {s}.mark_waiting($1, $2, $3)";
 
 /// Deletes a worker's waiting mark, and stale marks of others.
-const UNMARK_WAITING: &str = "SELECT {s}.unmark_waiting($1, $2)";
+const UNMARK_WAITING: &str = "SELECT {s}.unmark_waiting($1, $2, $3, $4)";
 
 const CANCEL: &str = "\
 WITH gone AS (
@@ -1192,13 +1192,18 @@ fn heard(text: &str) -> String {
     expand(text, "heard", |channel| format!("EXISTS (SELECT FROM {{s}}.listeners l WHERE l.channel = {channel})"))
 }
 
-/// Expands every `{waiting:EXPR}` of a statement: with `gated`, whether a worker of queue
-/// `EXPR` is marked waiting (migration 0014), written into the statement's own text for the
-/// reason [`heard`] gives; without, `true`.
+/// Expands every `{waiting:QUEUE,PRIORITY}` of a statement: with `gated`, whether a worker of
+/// queue `QUEUE` is marked waiting for a task of priority `PRIORITY` (migration 0014: any task
+/// while it waits for work, one more urgent than its backlog while it works through one),
+/// written into the statement's own text for the reason [`heard`] gives; without, `true`.
 fn waiting(text: &str, gated: bool) -> String {
-    expand(text, "waiting", |queue| {
+    expand(text, "waiting", |args| {
+        let (queue, priority) = args.split_once(',').expect("a {waiting:QUEUE,PRIORITY} placeholder");
         if gated {
-            format!("EXISTS (SELECT FROM {{s}}.waiting_workers w WHERE w.queue = {queue})")
+            format!(
+                "EXISTS (SELECT FROM {{s}}.waiting_workers w WHERE w.queue = {queue} \
+                 AND (w.below_priority IS NULL OR {priority} < w.below_priority))"
+            )
         } else {
             "true".into()
         }

@@ -1256,13 +1256,22 @@ impl Sim {
     /// the store has no mark of it (a failover to the past lost the mark) is excused: its mark
     /// is renewed each heartbeat interval.
     fn owe_looks(&mut self, ids: &[TaskId]) {
-        let mut unnotified: BTreeMap<String, Vec<TaskId>> = BTreeMap::new();
+        // Per queue, the most urgent priority written (what the statement's gate reads) and
+        // the tasks.
+        let mut written: BTreeMap<String, (i16, Vec<TaskId>)> = BTreeMap::new();
         for &id in ids {
             let Some(row) = self.store.task(id) else { continue };
-            if row.state == TaskState::Pending && !self.store.is_waited_on(&row.queue) {
-                unnotified.entry(row.queue.clone()).or_default().push(id);
+            let (priority, tasks) = written.entry(row.queue.clone()).or_insert((row.priority, Vec::new()));
+            *priority = (*priority).min(row.priority);
+            if row.state == TaskState::Pending {
+                tasks.push(id);
             }
         }
+        let unnotified: Vec<(String, Vec<TaskId>)> = written
+            .into_iter()
+            .filter(|(queue, (priority, _))| !self.store.is_waited_on(queue, *priority))
+            .map(|(queue, (_, tasks))| (queue, tasks))
+            .collect();
         self.stats.unnotified_enqueues += unnotified.len() as u64;
         for (queue, tasks) in unnotified {
             for slot in 0..self.slots.len() {
@@ -2414,6 +2423,11 @@ impl Sim {
         let ids = self.store.enqueue_many(batch, now).map_err(|e| format!("enqueue refused: {e}"))?;
         if keyed.is_empty() && self.options.faults.broker.is_none() {
             self.owe_looks(&ids);
+            // A worker waiting already must not owe a look.
+            let owing: Vec<usize> = self.wakeup_debts.keys().copied().collect();
+            for slot in owing {
+                self.check_wakeup_debts(slot)?;
+            }
         }
         if self.options.faults.broker.is_some() {
             // The client announces its enqueue on the broker once it committed, each queue with

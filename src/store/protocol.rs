@@ -314,14 +314,16 @@ pub enum DbRequest {
     /// Mark `worker` stopped in the worker registry (and no longer waiting, see
     /// [`DbRequest::SetWaiting`]).
     DeregisterWorker(WorkerId),
-    /// Mark `worker` waiting on `queues`, or (`waiting` false) not. Enqueues a client commits
-    /// in their own statement notify a queue only while some worker of it is marked waiting, so
-    /// a worker marks itself once a claim pass leaves nothing behind, claims once more after
-    /// the mark is written (what committed without a notification meanwhile), and unmarks
-    /// itself while it works through a backlog. A mark waits for the enqueues in flight (and
-    /// holds new ones back) until it is written; a mark already there as asked is left as it
-    /// is, which makes marking again a cheap renewal. Either way, marks of other workers the
-    /// registry has stopped, has not, or has not seen for `stale_ms` are deleted. Replies
+    /// Mark `worker` waiting on `queues`, or (`waiting` false) not, or only for tasks more
+    /// urgent than `urgent_below`. Enqueues a client commits in their own statement notify a
+    /// queue only while some worker's mark of it takes their most urgent task in, so a worker
+    /// marks itself once a claim pass leaves nothing behind, claims once more after the mark
+    /// (what committed without a notification meanwhile), and narrows its mark to tasks more
+    /// urgent than its backlog while it works through one (an urgent task still overtakes its
+    /// buffer). A mark waits for the enqueues in flight (and holds new ones back) until it is
+    /// written; a mark already there as asked is left as it is, which makes marking again a
+    /// cheap renewal. A written mark, and any unmark, deletes the marks of other workers the
+    /// registry has stopped, has not, or has not seen for `stale_ms`. Replies
     /// [`DbReply::WaitingSet`].
     SetWaiting {
         /// Who waits.
@@ -330,6 +332,10 @@ pub enum DbRequest {
         queues: Vec<String>,
         /// Marked (true) or not.
         waiting: bool,
+        /// Not waiting: still notified of tasks more urgent (lower) than this, the least
+        /// urgent priority of the backlog it works through; `None`: of nothing.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        urgent_below: Option<i16>,
         /// Other workers' marks older than this in the registry are stale.
         stale_ms: u64,
     },

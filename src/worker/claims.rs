@@ -373,7 +373,9 @@ impl Worker {
 
     pub(super) fn on_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
         self.slots.claim.answered();
+        let budget = self.claim_out.0;
         self.claim_out = (0, 0);
+        self.on_pass_left(&tasks, budget, more);
         let took = tasks.len();
         self.working_rank = tasks.iter().map(|t| (self.queue_priority(&t.queue), t.priority)).max();
         if more {
@@ -396,7 +398,6 @@ impl Worker {
             self.want_pass();
         }
         self.take_claimed(tasks, token);
-        self.on_pass_left(took, more);
         if more {
             if took > 0 {
                 self.want_pass();

@@ -852,9 +852,11 @@ impl Worker {
             Input::Notified { queue, priority, run_at } => self.on_notified(&queue, priority, run_at),
             Input::Listener { connected } => {
                 if connected && !self.listening {
-                    // Notifications sent while the listener was down are gone: catch up.
+                    // Notifications sent while the listener was down are gone: catch up (and a
+                    // failover that cut the session may have taken the waiting mark).
                     self.want_pass();
                     self.cap_blocked = false;
+                    self.renew_waiting();
                 }
                 if !connected && self.listening {
                     self.deaf_since = Some(now);

@@ -1,18 +1,22 @@
 //! The waiting mark: a worker whose claim pass left nothing behind marks itself waiting on its
-//! queues in the store, and unmarks itself while a backlog keeps it claiming, because a client's
-//! enqueue notifies a queue only while some worker of it is marked (a commit that sends a
-//! NOTIFY queues behind every other such commit). From the pass that decides it, through the
-//! request, to the pass after a written mark (what committed before the mark notified nobody).
+//! queues in the store, and narrows its mark to tasks more urgent than its backlog while the
+//! backlog keeps it claiming, because a client's enqueue notifies a queue only while some
+//! worker's mark of it takes the enqueued task in (a commit that sends a NOTIFY queues behind
+//! every other such commit). From the pass that decides it, through the request, to the pass
+//! after a new mark (what committed before the mark notified nobody).
 
 use super::*;
 
 /// What the store holds of this worker's waiting mark, and what the worker wants it to hold.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct WaitingMark {
-    /// Marked while the worker's passes leave nothing behind; not while a pass took tasks and
-    /// left more (the worker claims again without being told). A pass that left more but took
-    /// nothing (a cap) changes nothing.
+    /// Marked while the worker's passes leave nothing behind; not after a pass that filled its
+    /// room and left more (the worker claims again without being told). A pass a cap cut
+    /// short changes nothing: the worker's other queues may be idle.
     pub(super) wanted: bool,
+    /// While not wanted: the least urgent priority of the backlog, which enqueues more urgent
+    /// than it are still announced for (to overtake the buffer with an urgent claim).
+    pub(super) urgent_below: Option<i16>,
     /// What the store holds, as far as the worker knows: set by a mark's answer, cleared by an
     /// unmark's (an unmark that never landed only costs notifications).
     pub(super) marked: bool,
@@ -27,17 +31,20 @@ impl Worker {
         self.config.deployment_mode != DeploymentMode::PollingOnly
     }
 
-    /// A regular pass answered: wait marked if it left nothing behind, unmarked if it took
-    /// tasks and left more.
-    pub(super) fn on_pass_left(&mut self, took: usize, more: bool) {
+    /// A regular pass answered, having taken `tasks` of its `budget`: wait marked if it left
+    /// nothing behind; narrowed to tasks more urgent than the least urgent it took if it
+    /// filled its room and left more.
+    pub(super) fn on_pass_left(&mut self, tasks: &[ClaimedTask], budget: u32, more: bool) {
         if !more {
             self.waiting.wanted = true;
-        } else if took > 0 {
+        } else if !tasks.is_empty() && tasks.len() >= budget as usize {
             self.waiting.wanted = false;
+            self.waiting.urgent_below = tasks.iter().map(|t| t.priority).max();
         }
     }
 
-    /// The heartbeat timer fired: a mark held is renewed.
+    /// The heartbeat timer fired, or the listener came back (after a failover the store may
+    /// have lost the mark): a mark held is renewed.
     pub(super) fn renew_waiting(&mut self) {
         self.waiting.renew = self.waiting.marked;
     }
@@ -62,6 +69,7 @@ impl Worker {
             worker: self.id.clone(),
             queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
             waiting: mark.wanted,
+            urgent_below: if mark.wanted { None } else { mark.urgent_below },
             stale_ms: self.app.recovery.running_stale_threshold_ms,
         };
         self.send(request, Op::SetWaiting { waiting: mark.wanted });
@@ -83,12 +91,19 @@ impl Worker {
         }
     }
 
-    /// A mark or unmark that failed: sent again once the outage or the lock lets it (its
-    /// `renew` too, which a failed renewal had cleared).
+    /// A mark or unmark that failed: sent again once the outage or the lock lets it (a
+    /// renewal too, which sending had cleared). Until a new mark is held the worker polls: no
+    /// enqueue notifies it meanwhile. An unmark that failed may have committed (its answer
+    /// lost): the worker takes itself to be unmarked, so its next mark is sent, and followed by
+    /// a pass, whatever the store holds.
     pub(super) fn waiting_failed(&mut self, waiting: bool) {
         self.slots.waiting.answered();
-        if waiting && self.waiting.marked {
+        if !waiting {
+            self.waiting.marked = false;
+        } else if self.waiting.marked {
             self.waiting.renew = true;
+        } else {
+            self.poll_while_blocked();
         }
     }
 }

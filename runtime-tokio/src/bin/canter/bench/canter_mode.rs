@@ -106,7 +106,13 @@ async fn mark_waiting_worker(store: &PgStore) -> Result<(), BenchError> {
     let worker = WorkerId("bench-waiting-worker".into());
     let info = WorkerInfo { worker: worker.clone(), queues: vec!["default".into()], concurrency: 1 };
     store.execute(&DbRequest::RegisterWorker(info)).await.map_err(|e| failed("register a waiting worker", e))?;
-    let mark = DbRequest::SetWaiting { worker, queues: vec!["default".into()], waiting: true, stale_ms: u64::MAX };
+    let mark = DbRequest::SetWaiting {
+        worker,
+        queues: vec!["default".into()],
+        waiting: true,
+        urgent_below: None,
+        stale_ms: u64::MAX,
+    };
     store.execute(&mark).await.map_err(|e| failed("mark a worker waiting", e))?;
     Ok(())
 }
