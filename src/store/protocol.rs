@@ -497,8 +497,8 @@ pub enum DbReply {
     /// What a [`DbRequest::SetWaiting`] did.
     WaitingSet {
         /// Whether it wrote the worker's mark (false: the mark was there as asked, or it was
-        /// an unmark). A written mark asks the worker for one more claim pass: enqueues that
-        /// committed before it notified nobody.
+        /// an unmark or a narrowing). The worker claims once more after a mark it did not hold
+        /// before, and after a written one: enqueues that committed before it notified nobody.
         written: bool,
     },
 }

@@ -30,8 +30,8 @@
 //!   interval passes (by deployment mode). Notifications that arrive while a claim is in
 //!   flight coalesce into one more pass. A worker that listens marks itself waiting in the
 //!   store when a pass leaves nothing behind (clients' enqueues notify a queue only while a
-//!   worker of it is marked), claims once more after the mark is written, and unmarks itself
-//!   while a backlog keeps it claiming.
+//!   worker's mark takes the task in), claims once more after a new mark, and narrows its mark
+//!   to tasks more urgent than its backlog while the backlog fills its passes.
 //! - Claims for its free permits, which start in the claim itself (hard-cap mode) or, where
 //!   the store has nothing to check, at once (soft-cap mode), and for a buffer beyond them
 //!   sized by its rate of work (`flow`): buffered tasks start, most urgent first, as permits
