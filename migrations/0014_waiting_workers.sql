@@ -20,7 +20,7 @@
 -- it would hold the lock until the caller commits, and stall every mark meanwhile.
 --
 -- A mark is deleted by its worker (busy again, or stopped) and by any mark or unmark of
--- another worker once the registry last saw its worker longer ago than the caller's stale
+-- another worker once the registry last saw its worker longer ago than the worker's own stale
 -- threshold (or has it stopped, or not at all); until then its queues are notified as before,
 -- which is only the cost of today. A worker renews its mark now and then: a renewal that finds
 -- it deleted (the worker was silent that long, and alive) writes it again and says so.
@@ -40,6 +40,9 @@ CREATE TABLE waiting_workers (
     -- NULL: the worker waits for work, and every enqueue of the queue notifies; a priority:
     -- it works through a backlog, and only enqueues more urgent (lower) than it notify.
     below_priority smallint,
+    -- The marking worker's own stale threshold (its `running_stale_threshold_ms`): others
+    -- delete the mark once the registry has not seen the worker for that long.
+    stale_after_ms bigint      NOT NULL,
     PRIMARY KEY (queue, worker)
 );
 
@@ -57,7 +60,9 @@ AS $$
 $$;
 
 -- Marks `p_worker` waiting on `p_queues` (replacing its earlier mark) once every statement
--- that read `waiting_workers` before it has ended, and deletes stale marks of others. Returns
+-- that read `waiting_workers` before it has ended, and deletes stale marks of others (each by
+-- the threshold its worker marked with; `p_stale_ms` is this worker's own, kept with its
+-- mark). Returns
 -- whether it wrote: false when the worker's mark of exactly these queues was there already
 -- (then it does not hold enqueues back). Markers go one at a time (SHARE UPDATE EXCLUSIVE,
 -- taken before the table is read: two that read it and then both asked for ACCESS EXCLUSIVE
@@ -77,14 +82,16 @@ BEGIN
         RETURN false;
     END IF;
     LOCK TABLE waiting_workers IN ACCESS EXCLUSIVE MODE;
-    DELETE FROM waiting_workers w WHERE w.worker = p_worker OR stale_waiting_worker(w.worker, p_stale_ms);
-    INSERT INTO waiting_workers (queue, worker, since)
-    SELECT q.queue, p_worker, clock_timestamp() FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q;
+    DELETE FROM waiting_workers w WHERE w.worker = p_worker OR stale_waiting_worker(w.worker, w.stale_after_ms);
+    INSERT INTO waiting_workers (queue, worker, since, stale_after_ms)
+    SELECT q.queue, p_worker, clock_timestamp(), p_stale_ms
+    FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q;
     RETURN true;
 END;
 $$;
 
--- Deletes `p_worker`'s mark and stale marks of others, then (with `p_below`) marks it on
+-- Deletes `p_worker`'s mark and (with `p_stale_ms`, this worker's own threshold) stale marks
+-- of others, then (with `p_below`) marks it on
 -- `p_queues` for enqueues more urgent than `p_below` only. No lock: an enqueue that still
 -- sees the wider mark only notifies for nothing (and one that misses the narrow one costs an
 -- urgent task its overtaking, not its claim: the worker claims through its backlog anyway).
@@ -93,10 +100,12 @@ RETURNS void
 LANGUAGE sql VOLATILE SECURITY DEFINER
 SET search_path FROM CURRENT
 AS $$
-    DELETE FROM waiting_workers w WHERE w.worker = p_worker OR stale_waiting_worker(w.worker, p_stale_ms);
-    INSERT INTO waiting_workers (queue, worker, since, below_priority)
-    SELECT q.queue, p_worker, clock_timestamp(), p_below FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q
-    WHERE p_below IS NOT NULL;
+    DELETE FROM waiting_workers w
+    WHERE w.worker = p_worker OR (p_stale_ms IS NOT NULL AND stale_waiting_worker(w.worker, w.stale_after_ms));
+    INSERT INTO waiting_workers (queue, worker, since, below_priority, stale_after_ms)
+    SELECT q.queue, p_worker, clock_timestamp(), p_below, p_stale_ms
+    FROM (SELECT DISTINCT u.queue FROM unnest(p_queues) AS u(queue)) q
+    WHERE p_below IS NOT NULL AND p_stale_ms IS NOT NULL;
 $$;
 
 -- Workers only: any other role could delete every mark, or hold enqueues back.

@@ -169,24 +169,33 @@ impl MemoryStore {
             DbRequest::SetWaiting { worker, queues, waiting, urgent_below, stale_ms } => {
                 let queues: BTreeSet<String> = queues.iter().cloned().collect();
                 // As PostgreSQL's rows: a mark of no queue is no mark.
-                let held =
-                    self.waiting.get(worker).cloned().unwrap_or(WaitingMark { queues: BTreeSet::new(), below: None });
+                let held = self.waiting.get(worker).cloned().unwrap_or(WaitingMark {
+                    queues: BTreeSet::new(),
+                    below: None,
+                    stale_after_ms: *stale_ms,
+                });
                 let written = *waiting && (held.below.is_some() || held.queues != queues);
                 if written || !*waiting {
                     self.waiting.remove(worker);
-                    let stale = |other: &WorkerId| {
+                    // Each by the threshold its worker marked with.
+                    let stale = |other: &WorkerId, mark: &WaitingMark| {
                         !self.workers.get(other).is_some_and(|record| {
-                            !record.stopped && record.last_seen.0 >= now.0.saturating_sub_unsigned(*stale_ms)
+                            !record.stopped && record.last_seen.0 >= now.0.saturating_sub_unsigned(mark.stale_after_ms)
                         })
                     };
-                    let stale: Vec<WorkerId> = self.waiting.keys().filter(|other| stale(other)).cloned().collect();
+                    let stale: Vec<WorkerId> = self
+                        .waiting
+                        .iter()
+                        .filter(|(other, mark)| stale(other, mark))
+                        .map(|(w, _)| w.clone())
+                        .collect();
                     for other in stale {
                         self.waiting.remove(&other);
                     }
                 }
                 let below = if *waiting { None } else { *urgent_below };
                 if !queues.is_empty() && (written || below.is_some()) {
-                    self.waiting.insert(worker.clone(), WaitingMark { queues, below });
+                    self.waiting.insert(worker.clone(), WaitingMark { queues, below, stale_after_ms: *stale_ms });
                 }
                 DbReply::WaitingSet { written }
             }

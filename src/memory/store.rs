@@ -155,6 +155,9 @@ impl StoredTask {
 pub(super) struct WaitingMark {
     pub(super) queues: BTreeSet<String>,
     pub(super) below: Option<i16>,
+    /// The worker's own stale threshold: others delete the mark once the registry has not
+    /// seen the worker for that long.
+    pub(super) stale_after_ms: u64,
 }
 
 /// Which task a key names (the `task_keys` table).

@@ -1033,8 +1033,8 @@ fn notifications_come_one_per_statement_per_queue() {
 
 /// An enqueue without keys notifies only the queues some worker is marked waiting on (as a
 /// client's own enqueue in PostgreSQL); a keyed one always. Marks of workers the registry has
-/// not seen for the stale threshold (or has stopped, or lacks) go with any other mark or
-/// unmark; a worker's deregistration takes its own.
+/// not seen for their own stale thresholds (or has stopped, or lacks) go with any other mark
+/// or unmark; a worker's deregistration takes its own.
 #[test]
 fn enqueues_without_keys_notify_only_queues_a_worker_waits_on() {
     let mut store = MemoryStore::new(custom(vec![CustomQueue::new("a"), CustomQueue::new("b")]));
@@ -1086,6 +1086,26 @@ fn enqueues_without_keys_notify_only_queues_a_worker_waits_on() {
     store.apply(&DbRequest::DeregisterWorker(w("y")), at(1_502));
     store.enqueue_many(both(), at(1_503)).unwrap();
     assert!(store.take_notifications().is_empty(), "a stopped worker's mark stayed");
+
+    // Each mark is judged by its own worker's threshold: a worker with a short one leaves the
+    // mark of a worker with a long one, silent for longer than the short one.
+    store.apply(&DbRequest::RegisterWorker(info("z")), at(2_000));
+    let long = DbRequest::SetWaiting {
+        worker: w("z"),
+        queues: vec!["a".into()],
+        waiting: true,
+        urgent_below: None,
+        stale_ms: 100_000,
+    };
+    store.apply(&long, at(2_000));
+    store.apply(&DbRequest::RegisterWorker(info("v")), at(5_000));
+    store.apply(&set("v", &["b"], true), at(5_000));
+    store.enqueue_many(both(), at(5_001)).unwrap();
+    assert_eq!(
+        store.take_notifications(),
+        vec![ready("a", Some(at(5_001))), ready("b", Some(at(5_001)))],
+        "a mark went by another worker's threshold"
+    );
 }
 
 #[test]

@@ -323,7 +323,7 @@ pub enum DbRequest {
     /// buffer). A mark waits for the enqueues in flight (and holds new ones back) until it is
     /// written; a mark already there as asked is left as it is, which makes marking again a
     /// cheap renewal. A written mark, and any unmark, deletes the marks of other workers the
-    /// registry has stopped, has not, or has not seen for `stale_ms`. Replies
+    /// registry has stopped, has not, or has not seen for their own stale thresholds. Replies
     /// [`DbReply::WaitingSet`].
     SetWaiting {
         /// Who waits.
@@ -336,7 +336,9 @@ pub enum DbRequest {
         /// urgent priority of the backlog it works through; `None`: of nothing.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         urgent_below: Option<i16>,
-        /// Other workers' marks older than this in the registry are stale.
+        /// This worker's own stale threshold (its `running_stale_threshold_ms`), kept with its
+        /// mark: another worker's mark or unmark deletes the mark once the registry has not
+        /// seen this worker for that long (or has it stopped, or does not have it).
         stale_ms: u64,
     },
 }
