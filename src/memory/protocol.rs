@@ -168,13 +168,10 @@ impl MemoryStore {
             }
             DbRequest::SetWaiting { worker, queues, waiting, urgent_below, stale_ms } => {
                 let queues: BTreeSet<String> = queues.iter().cloned().collect();
-                // As PostgreSQL's rows: a mark of no queue is no mark.
-                let held = self.waiting.get(worker).cloned().unwrap_or(WaitingMark {
-                    queues: BTreeSet::new(),
-                    below: None,
-                    stale_after_ms: *stale_ms,
-                });
-                let written = *waiting && (held.below.is_some() || held.queues != queues);
+                // Held as asked already (as PostgreSQL's rows: a mark of no queue is no mark).
+                let held =
+                    self.waiting.get(worker).map_or(queues.is_empty(), |m| m.below.is_none() && m.queues == queues);
+                let written = *waiting && !held;
                 if written || !*waiting {
                     self.waiting.remove(worker);
                     // Each by the threshold its worker marked with.

@@ -360,18 +360,10 @@ impl MemoryStore {
     }
 
     /// Whether some worker's mark of `queue` takes in a task of `priority`: a client's
-    /// enqueue without keys notifies the queue only then.
-    pub(super) fn waited_on(&self, queue: &str, priority: i16) -> bool {
+    /// enqueue without keys notifies the queue only then (see
+    /// [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting)).
+    pub(crate) fn waited_on(&self, queue: &str, priority: i16) -> bool {
         self.waiting.values().any(|mark| mark.queues.contains(queue) && mark.below.is_none_or(|below| priority < below))
-    }
-
-    /// Whether some worker's mark of `queue` takes in a task of `priority` (see
-    /// [`DbRequest::SetWaiting`]).
-    ///
-    /// [`DbRequest::SetWaiting`]: crate::store::DbRequest::SetWaiting
-    #[cfg(feature = "sim")]
-    pub fn is_waited_on(&self, queue: &str, priority: i16) -> bool {
-        self.waited_on(queue, priority)
     }
 
     pub(super) fn notify_ready(&mut self, queues: impl IntoIterator<Item = String>) {

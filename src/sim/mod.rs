@@ -1269,7 +1269,7 @@ impl Sim {
         }
         let unnotified: Vec<(String, Vec<TaskId>)> = written
             .into_iter()
-            .filter(|(queue, (priority, _))| !self.store.is_waited_on(queue, *priority))
+            .filter(|(queue, (priority, _))| !self.store.waited_on(queue, *priority))
             .map(|(queue, (_, tasks))| (queue, tasks))
             .collect();
         self.stats.unnotified_enqueues += unnotified.len() as u64;

@@ -38,17 +38,20 @@ impl Worker {
         }
     }
 
+    /// The queues this worker serves, in its policy's order (as the registry and marks name
+    /// them).
+    pub(super) fn queue_names(&self) -> Vec<String> {
+        self.policy.queues.iter().map(|q| q.name.clone()).collect()
+    }
+
     /// Registers the worker (its queues and concurrency) until the registry has it.
     pub(super) fn send_register(&mut self) {
         if self.registered || self.slots.register.is_out() || self.lock_blocked {
             return;
         }
         self.slots.register.sending(self.next_op_id());
-        let info = WorkerInfo {
-            worker: self.id.clone(),
-            queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
-            concurrency: self.config.concurrency,
-        };
+        let info =
+            WorkerInfo { worker: self.id.clone(), queues: self.queue_names(), concurrency: self.config.concurrency };
         self.send(DbRequest::RegisterWorker(info), Op::Register);
     }
 

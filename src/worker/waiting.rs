@@ -67,7 +67,7 @@ impl Worker {
         self.slots.waiting.sending(self.next_op_id());
         let request = DbRequest::SetWaiting {
             worker: self.id.clone(),
-            queues: self.policy.queues.iter().map(|q| q.name.clone()).collect(),
+            queues: self.queue_names(),
             waiting: mark.wanted,
             urgent_below: if mark.wanted { None } else { mark.urgent_below },
             stale_ms: self.app.recovery.running_stale_threshold_ms,
