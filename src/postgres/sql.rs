@@ -73,13 +73,22 @@ WITH input AS (
 -- Running, or Claimed by a worker that started it without a start request (the run counts
 -- as an attempt here).
 held AS (
-    SELECT t.id, t.lease, t.good_until, t.state, t.attempts, t.started_at FROM {s}.tasks t
+    SELECT t.id, t.lease, t.good_until, t.state, t.attempts, t.started_at, t.name, t.queue, t.priority,
+           t.args AS held_args, t.claimed_by, t.claim_token, t.claimed_at, t.heartbeat_at, t.retries,
+           t.run_at AS held_run_at, t.enqueued_at, t.retry, t.key, t.flags
+    FROM {s}.tasks t
     WHERE t.id = ANY ($2::bigint[]) AND t.state <> 'PENDING' AND t.claimed_by = $1
     ORDER BY t.id
     FOR UPDATE
 ),
+-- Each held row with what its run came to. The writes below name rows by `t.id = ANY (ARRAY(
+-- SELECT ... FROM chosen))` and take the rest from here, never joining `tasks` with a CTE:
+-- with statistics of a few live rows (an empty queue's, or a vacuum's under a held xmin)
+-- the planner walks the whole primary key for such a join, dead entries and all.
 chosen AS (
-    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error, i.args,
+    SELECT DISTINCT ON (i.id) i.id, i.ord, i.result, i.error, i.args, h.lease, h.good_until, h.name, h.queue,
+           h.priority, h.held_args, h.claimed_by, h.claim_token, h.claimed_at, h.heartbeat_at, h.retries,
+           h.held_run_at, h.enqueued_at, h.retry, h.key, h.flags,
            h.attempts + CASE WHEN h.state = 'CLAIMED' THEN 1 ELSE 0 END AS attempts,
            CASE WHEN h.state = 'CLAIMED' THEN {s}.db_now() ELSE h.started_at END AS started_at,
            {s}.db_now() + i.delay_ms * interval '1 millisecond' AS run_at,
@@ -92,28 +101,30 @@ chosen AS (
     ORDER BY i.id, i.ord
 ),
 moved AS (
-    DELETE FROM {s}.tasks t USING chosen c
-    WHERE t.id = c.id AND c.state <> 'PENDING'
-    RETURNING t.*, c.state AS new_state, c.result AS new_result, c.error AS new_error, c.attempts AS new_attempts,
-              c.started_at AS new_started_at, c.args AS new_args
+    DELETE FROM {s}.tasks t
+    WHERE t.id = ANY (ARRAY(SELECT c.id FROM chosen c WHERE c.state <> 'PENDING'))
+    RETURNING t.id
 ),
+-- The rows `held` locked, so the ones `moved` deletes, as they were.
 finished AS (
     INSERT INTO {s}.finished_tasks ({finished_columns})
-    SELECT m.id, m.name, m.queue, m.priority,
-           CASE WHEN m.new_state = 'COMPLETED' THEN m.args ELSE coalesce(m.new_args, m.args) END,
-           m.new_state, m.lease, m.claimed_by, m.claim_token, m.claimed_at,
-           m.heartbeat_at, m.new_started_at, m.new_attempts, m.retries, m.run_at, m.enqueued_at, m.good_until, m.retry,
-           m.key, m.flags,
-           CASE WHEN m.new_state = 'COMPLETED' THEN NULL ELSE m.new_error END,
-           CASE WHEN m.new_state = 'COMPLETED' THEN m.new_result END,
+    SELECT c.id, c.name, c.queue, c.priority,
+           CASE WHEN c.state = 'COMPLETED' THEN c.held_args ELSE coalesce(c.args, c.held_args) END,
+           c.state, c.lease, c.claimed_by, c.claim_token, c.claimed_at,
+           c.heartbeat_at, c.started_at, c.attempts, c.retries, c.held_run_at, c.enqueued_at, c.good_until, c.retry,
+           c.key, c.flags,
+           CASE WHEN c.state = 'COMPLETED' THEN NULL ELSE c.error END,
+           CASE WHEN c.state = 'COMPLETED' THEN c.result END,
            {s}.db_now()
-    FROM moved m
+    FROM chosen c WHERE c.state <> 'PENDING'
 ),
+-- Takes its values from `chosen`, so it joins; a finish without retries (nearly all) does
+-- not run the join at all.
 retried AS (
     UPDATE {s}.tasks t SET {unclaim}, retries = t.retries + 1, run_at = c.run_at, error = c.error,
         attempts = c.attempts, started_at = c.started_at, args = coalesce(c.args, t.args)
     FROM chosen c
-    WHERE t.id = c.id AND c.state = 'PENDING'
+    WHERE t.id = c.id AND c.state = 'PENDING' AND EXISTS (SELECT FROM chosen r WHERE r.state = 'PENDING')
     RETURNING t.queue
 ),
 -- Only a run the task outlives gets an attempts row; a terminal task's last run is its
@@ -175,9 +186,8 @@ held AS (
 started AS (
     UPDATE {s}.tasks t SET state = 'RUNNING', attempts = t.attempts + 1, started_at = {s}.db_now(),
         heartbeat_at = {s}.db_now(), claim_expires_at = NULL
-    FROM (SELECT DISTINCT h.id FROM held h JOIN input i ON i.id = h.id AND i.lease = h.lease
-          WHERE h.state = 'CLAIMED') c
-    WHERE t.id = c.id
+    WHERE t.id = ANY (ARRAY(SELECT h.id FROM held h JOIN input i ON i.id = h.id AND i.lease = h.lease
+                            WHERE h.state = 'CLAIMED'))
     RETURNING t.id, t.attempts
 )
 SELECT i.id, coalesce(s.attempts, CASE WHEN h.state = 'RUNNING' THEN h.attempts END) AS attempt
@@ -227,8 +237,7 @@ late AS (
 ),
 handed_back AS (
     UPDATE {s}.tasks t SET {unclaim}, {unstart}
-    FROM late l
-    WHERE t.id = l.id
+    WHERE t.id = ANY (ARRAY(SELECT l.id FROM late l))
     RETURNING t.id, t.queue
 ),
 late_notified AS (
@@ -243,17 +252,16 @@ held_running AS (
 renewed AS (
     UPDATE {s}.tasks t
     SET claim_expires_at = {s}.db_now() + $6 * interval '1 millisecond', heartbeat_at = {s}.db_now()
-    FROM held_claimed h
-    WHERE t.id = h.id AND h.state = 'CLAIMED' AND h.renewable
-      AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)
+    WHERE t.id = ANY (ARRAY(SELECT h.id FROM held_claimed h
+                            WHERE h.state = 'CLAIMED' AND h.renewable
+                              AND EXISTS (SELECT 1 FROM claimed_in c WHERE c.id = h.id AND c.lease = h.lease)))
 ),
 beaten AS (
     UPDATE {s}.tasks t SET heartbeat_at = {s}.db_now()
-    FROM (SELECT h.id FROM held_running h JOIN running_in r ON r.id = h.id AND r.lease = h.lease
-          UNION
-          SELECT h.id FROM held_claimed h JOIN claimed_in c ON c.id = h.id AND c.lease = h.lease
-          WHERE h.state = 'RUNNING') b
-    WHERE t.id = b.id
+    WHERE t.id = ANY (ARRAY(SELECT h.id FROM held_running h JOIN running_in r ON r.id = h.id AND r.lease = h.lease
+                            UNION
+                            SELECT h.id FROM held_claimed h JOIN claimed_in c ON c.id = h.id AND c.lease = h.lease
+                            WHERE h.state = 'RUNNING'))
 ),
 -- The registry's row is not waited for either: one another transaction holds (an operator's
 -- release of workers) is seen at the next beat. A row that is gone (pruned) comes back.
@@ -302,8 +310,7 @@ chosen AS (
 ),
 released AS (
     UPDATE {s}.tasks t SET {unclaim}
-    FROM chosen c
-    WHERE t.id = c.id
+    WHERE t.id = ANY (ARRAY(SELECT c.id FROM chosen c))
     RETURNING t.queue
 ),
 notified AS (
