@@ -99,7 +99,11 @@ fn summarize(start: u64, count: u64, sweep: &Sweep) {
     eprintln!("sim sweep: {with_floors} passed seeds sent {floored} claim passes with a priority floor");
     let with_bounds = sweep.reports.iter().filter(|r| r.bounded_passes > 0).count();
     let bounded: u64 = sweep.reports.iter().map(|r| r.bounded_passes).sum();
-    eprintln!("sim sweep: {with_bounds} passed seeds sent {bounded} claim passes from an announced run-at");
+    let looks: u64 = sweep.reports.iter().map(|r| r.looks).sum();
+    eprintln!(
+        "sim sweep: {with_bounds} passed seeds sent {bounded} claim passes from an announced run-at, and {looks} \
+         looks at every row beside them"
+    );
     eprintln!(
         "sim sweep: {with_broker} passed seeds woke workers through a broker: {broker_wakeups} wake-ups delivered"
     );

@@ -1829,25 +1829,52 @@ fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
 
     // However busy the queue (each pass pushes the poll back), every row is looked at once a
     // poll interval: what waits below the bounds unannounced (a row another transaction held
-    // as a pass went by, a dropped wake-up) is not left for long.
+    // as a pass went by, a dropped wake-up) is not left for long. A small claim beside the
+    // bounded pass looks, in claim order from the first row, so that under a held xmin its
+    // walk of dead index entries holds up no pass.
     let full_at = h.now;
     let mut run_at = 10_000;
-    let bounds: Vec<bool> = (0..60)
-        .map(|_| {
-            h.now += Duration::from_millis(100);
-            run_at += 100;
-            let (op, bound) = the_pass(&h.input(notified(0, Some(run_at))));
-            h.reply(op, claimed(vec![], false));
-            bound.is_some()
-        })
-        .collect();
+    let mut looks = Vec::new();
+    for n in 0..60 {
+        h.now += Duration::from_millis(100);
+        run_at += 100;
+        let commands = h.input(notified(0, Some(run_at)));
+        let claims = claims_with_policies(&commands);
+        let (op, pass) = claims.first().expect("a pass");
+        let op = *op;
+        assert!(pass.min_run_at.is_some(), "pass {n} is bounded: {commands:?}");
+        if let Some((look, policy)) = claims.get(1) {
+            assert_eq!((policy.min_priority, policy.min_run_at, policy.max_priority), (None, None, None));
+            looks.push((n, *look));
+        }
+        h.reply(op, claimed(vec![], false));
+    }
     let interval = Duration::from_millis(WorkerConfig::default().poll_interval_ms);
-    let full: Vec<usize> = (0..60).filter(|&n| !bounds[n]).collect();
-    assert_eq!(
-        full,
-        vec![interval.as_millis() as usize / 100 - 1],
-        "one full pass after {interval:?}, from {full_at:?}"
-    );
+    let at: Vec<usize> = looks.iter().map(|(n, _)| *n).collect();
+    assert_eq!(at, vec![interval.as_millis() as usize / 100 - 1], "one look after {interval:?}, from {full_at:?}");
+    // A look that takes all it may and finds more: another looks on at once, beside the
+    // passes, until one finds no more.
+    let (_, mut look) = looks[0];
+    for n in 0..3 {
+        let full: Vec<_> = (0..8).map(|i| task(100 + 10 * n + i, false)).collect();
+        let again = claims_with_policies(&h.reply(look, claimed(full, true)));
+        assert_eq!(again.len(), 1, "another look: {again:?}");
+        assert_eq!((again[0].1.min_run_at, again[0].1.max_priority), (None, None));
+        // A look (the urgent claim's) may take its budget beside what the worker holds, no
+        // more; this worker's passes have no such cap.
+        assert!(again[0].1.max_claim_per_worker > 0, "a look, not a pass: {again:?}");
+        look = again[0].0;
+    }
+    assert!(claims_with_policies(&h.reply(look, claimed(vec![task(200, false)], false))).is_empty());
+    // One that left rows it could not take: the next pass looks at every row.
+    h.now += interval;
+    let commands = h.input(notified(0, Some(run_at + 1)));
+    let claims = claims_with_policies(&commands);
+    assert_eq!(claims.len(), 2, "a pass and a look: {commands:?}");
+    h.reply(claims[0].0, claimed(vec![], false));
+    let (op, bound) = the_pass(&h.reply(claims[1].0, claimed(vec![task(300, false)], true)));
+    assert_eq!(bound, None, "after a look that left rows it could not take");
+    h.reply(op, claimed(vec![], false));
 }
 
 /// Fires timers, answering every request as an idle store would, until one of `kind` goes out:

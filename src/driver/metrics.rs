@@ -139,7 +139,7 @@ impl Collector for WorkerMetrics {
         let h = &self.snapshot.health;
         let info = encoder.encode_descriptor("worker", "This worker's id.", None, MetricType::Info)?;
         { info }.encode_info(&[("worker", self.worker.as_str()), ("version", env!("CARGO_PKG_VERSION"))])?;
-        let counters: [(&str, &str, u64); 18] = [
+        let counters: [(&str, &str, u64); 19] = [
             ("worker_tasks_claimed", "Tasks claimed.", s.claimed),
             ("worker_tasks_started", "Handlers started.", s.started),
             ("worker_tasks_completed", "Tasks completed (written).", s.completed),
@@ -188,6 +188,11 @@ impl Collector for WorkerMetrics {
                 "worker_waiting_marks",
                 "Times this worker ran out of work and marked itself waiting, so that enqueues notify it.",
                 s.waiting_marks,
+            ),
+            (
+                "worker_looks",
+                "Small claims that looked at every row beside passes bounded by announced run-ats.",
+                s.looks,
             ),
             (
                 "worker_hook_events_dropped",

@@ -192,6 +192,8 @@ pub struct SimReport {
     pub floored_passes: u64,
     /// Claim passes sent from an announced run-at (woken only by such announcements).
     pub bounded_passes: u64,
+    /// Looks at every row sent beside such passes (once a poll interval).
+    pub looks: u64,
     /// Queues a client's enqueue did not notify because no worker of them was marked waiting.
     pub unnotified_enqueues: u64,
     /// Looks at such tasks that workers owed (and took: each was checked, see `wakeup_debts`).
@@ -533,6 +535,8 @@ struct Stats {
     broker_wakeups: u64,
     floored_passes: u64,
     bounded_passes: u64,
+    /// Of workers that are gone; [`Sim::report`] adds the live ones'.
+    looks: u64,
     unnotified_enqueues: u64,
     wakeup_debts: u64,
 }
@@ -695,6 +699,8 @@ impl Sim {
             broker_wakeups: self.stats.broker_wakeups,
             floored_passes: self.stats.floored_passes,
             bounded_passes: self.stats.bounded_passes,
+            looks: self.stats.looks
+                + self.slots.iter().filter_map(|s| s.worker.as_ref()).map(|w| w.stats().looks).sum::<u64>(),
             unnotified_enqueues: self.stats.unnotified_enqueues,
             wakeup_debts: self.stats.wakeup_debts,
             faulty: self.options.faults.any(),
@@ -1178,6 +1184,7 @@ impl Sim {
         // A new incarnation looks at every row in its first pass.
         self.wakeup_debts.remove(&slot);
         let s = &mut self.slots[slot];
+        self.stats.looks += s.worker.as_ref().map_or(0, |w| w.stats().looks);
         s.worker = None;
         s.listening = false;
         s.broker_listening = false;

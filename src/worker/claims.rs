@@ -143,20 +143,20 @@ impl Worker {
         // at that key, past the entries of rows claimed before).
         let bound = match std::mem::replace(&mut self.pass_bound, PassBound::Covered) {
             PassBound::Covered => PassBound::Everything,
+            bound => bound,
+        };
+        let looked_at =
+            self.full_pass_at.is_some_and(|at| now < at + Duration::from_millis(self.config.poll_interval_ms));
+        if bound == PassBound::Everything {
+            self.full_pass_at = Some(now);
+        } else if !looked_at {
             // Rows can wait below the bound with nothing to announce them (a row another
             // transaction held as a pass went by, a wake-up dropped on a full channel, a lapsed
             // claim more urgent than the announcements): every row is looked at at least once a
-            // poll interval, however busy the queue (each pass pushes the poll back).
-            PassBound::From { .. }
-                if self
-                    .full_pass_at
-                    .is_none_or(|at| now >= at + Duration::from_millis(self.config.poll_interval_ms)) =>
-            {
-                PassBound::Everything
-            }
-            bound => bound,
-        };
-        if bound == PassBound::Everything {
+            // poll interval, however busy the queue (each pass pushes the poll back). A small
+            // claim beside this pass looks (`claim_urgent`): under a held xmin its walk of the
+            // dead index entries then holds up no pass.
+            self.look_due = true;
             self.full_pass_at = Some(now);
         }
         self.bound_out = bound;
@@ -198,7 +198,11 @@ impl Worker {
     pub(super) fn claim_urgent(&mut self) {
         // Called after the regular pass had its chance: if none is in flight, none could go
         // (the buffer is full, or passes are held back), and none comes before a slot frees.
-        if self.urgent_due == 0 || self.urgent_out.is_some() || self.phase != Phase::Running || self.claims_held {
+        if (self.urgent_due == 0 && !self.look_due)
+            || self.urgent_out.is_some()
+            || self.phase != Phase::Running
+            || self.claims_held
+        {
             return;
         }
         let hard = self.policy.hard_cap_mode();
@@ -210,17 +214,27 @@ impl Worker {
             // What the pass in flight brings counts against the worker's most live claims.
             room = room.min(self.policy.max_claim_per_worker.saturating_sub(claimed + out_budget));
         }
-        // As many as were announced: the claim takes the most urgent first.
-        let budget = URGENT_CLAIM_MAX.min(self.urgent_due).min(room);
+        // As many as were announced: the claim takes the most urgent first. A look takes what
+        // comes first in claim order, the announced urgent tasks included.
+        let wanted = if self.look_due { URGENT_CLAIM_MAX } else { self.urgent_due };
+        let budget = URGENT_CLAIM_MAX.min(wanted).min(room);
         if budget == 0 {
             // Due still: asked once the pass in flight is back. Passes take the room first
             // (`max_claim_per_worker` may leave none beside one): the next takes these in
             // claim order, without a floor.
-            self.floor_lifted = true;
+            if self.urgent_due > 0 {
+                self.floor_lifted = true;
+            }
+            if std::mem::take(&mut self.look_due) {
+                // No room beside the passes: the next one looks at every row itself.
+                self.pass_bound = self.pass_bound.widen(PassBound::Everything);
+            }
             return;
         }
         self.urgent_due = 0;
         self.sweep_out = std::mem::take(&mut self.sweep_due);
+        self.look_out = std::mem::take(&mut self.look_due);
+        self.stats.looks += u64::from(self.look_out);
         let start_now = self.config.concurrency.saturating_sub(running + claimed + out_start).min(budget);
         // The store sees this worker's held tasks only: it may take `budget`, no more.
         let mut policy = (*self.policy).clone();
@@ -233,8 +247,9 @@ impl Worker {
         let cap = claimed + budget;
         policy.max_claim_per_worker =
             if policy.max_claim_per_worker > 0 { policy.max_claim_per_worker.min(cap) } else { cap };
-        // Only tasks as urgent as those announced: a few rows, not the ones the pass holds.
-        policy.max_priority = Some(self.urgent_bound);
+        // Only tasks as urgent as those announced: a few rows, not the ones the pass holds. A
+        // look takes any.
+        policy.max_priority = if self.look_out { None } else { Some(self.urgent_bound) };
         self.urgent_out = Some((budget, start_now));
         let token = self.next_op;
         let request = DbRequest::Claim {
@@ -326,11 +341,22 @@ impl Worker {
     /// The answer of an urgent claim: what it took joins the buffer.
     pub(super) fn on_urgent_claimed(&mut self, tasks: Vec<ClaimedTask>, more: bool, token: u64) {
         // What it took joins the buffer, most urgent first; the regular passes go on.
-        self.urgent_out = None;
+        let budget = self.urgent_out.take().map_or(0, |(budget, _)| budget);
         if std::mem::take(&mut self.sweep_out) && more {
             // More waits below the floor than a small claim takes (a bulk enqueue of urgent
             // tasks announces itself once): the next pass takes it in claim order.
             self.floor_lifted = true;
+        }
+        if std::mem::take(&mut self.look_out) && more {
+            if tasks.len() as u32 >= budget {
+                // More than a look takes: another looks on at once, beside the passes (an
+                // unbounded pass would walk what the look walks, and hold up the passes).
+                self.look_due = true;
+            } else {
+                // Left rows it could not take (held by others, or a cap): the next pass looks
+                // at every row and deals with them as with any.
+                self.want_pass();
+            }
         }
         self.take_claimed(tasks, token);
     }
@@ -561,6 +587,9 @@ impl Worker {
             // Its tasks wait for the next pass, which must not pass over them.
             self.floor_lifted = true;
             self.pass_bound = PassBound::Everything;
+            if std::mem::take(&mut self.look_out) {
+                self.more_work = true;
+            }
         } else {
             self.slots.claim.answered();
             self.claim_out = (0, 0);

@@ -460,6 +460,9 @@ pub struct Stats {
     /// Waiting marks written: each time the worker ran out of work to claim and asked to be
     /// notified of enqueues again (or its mark, deleted as stale, was written again).
     pub waiting_marks: u64,
+    /// Looks at every row sent beside claim passes bounded by announcements: small claims, in
+    /// claim order from the first row, at least once a poll interval.
+    pub looks: u64,
 }
 
 impl std::fmt::Display for Stats {
@@ -576,12 +579,17 @@ pub struct Worker {
     sweep_due: bool,
     /// The urgent claim in flight is a sweep below the floor.
     sweep_out: bool,
+    /// The next urgent claim looks at every row, in claim order (once a poll interval while
+    /// passes are bounded by announcements).
+    look_due: bool,
+    /// The urgent claim in flight is such a look.
+    look_out: bool,
     /// How far back the next regular pass looks, from what asked for it since the last pass
     /// was sent.
     pass_bound: PassBound,
     /// How far back the regular pass in flight looks: what it leaves behind is in that range.
     bound_out: PassBound,
-    /// When the last regular pass that looked at every row was sent.
+    /// When the last regular pass that looked at every row, or the last look, was sent.
     full_pass_at: Option<Instant>,
     timers: Timers,
     commands: VecDeque<Command>,
@@ -677,6 +685,8 @@ impl Worker {
             full_pass_at: None,
             sweep_due: false,
             sweep_out: false,
+            look_due: false,
+            look_out: false,
             timers: Timers::default(),
             commands: VecDeque::new(),
             events: VecDeque::new(),
