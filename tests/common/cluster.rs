@@ -29,9 +29,32 @@ pub fn sh(command: &[String]) -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// Whether nothing listens on `port` of 127.0.0.1 now.
+fn port_is_free(port: u16) -> bool {
+    std::net::TcpListener::bind(("127.0.0.1", port)).is_ok()
+}
+
 impl Cluster {
-    /// Creates (afresh) and starts a cluster called `name` on `port`.
+    /// Creates (afresh) and starts a cluster called `name` on `port`, or on the next port
+    /// after it that nothing listens on (a range of test ports can hold another service's,
+    /// RabbitMQ's 5672 say); a cluster that does not start is tried once more on another.
     pub fn start(name: &str, port: u16) -> Cluster {
+        let mut port = port;
+        let mut failures = Vec::new();
+        for _ in 0..3 {
+            while !port_is_free(port) {
+                port = port.wrapping_add(1).max(1024);
+            }
+            match Cluster::try_start(name, port) {
+                Ok(cluster) => return cluster,
+                Err(why) => failures.push(format!("port {port}: {why}")),
+            }
+            port = port.wrapping_add(1).max(1024);
+        }
+        panic!("the cluster did not start: {}", failures.join("; "))
+    }
+
+    fn try_start(name: &str, port: u16) -> Result<Cluster, String> {
         let is_root = Command::new("id").arg("-u").output().is_ok_and(|o| o.stdout.starts_with(b"0"));
         let strings = |parts: &[&str]| parts.iter().map(|s| s.to_string()).collect::<Vec<_>>();
         let cluster = if is_root {
@@ -44,7 +67,9 @@ impl Cluster {
             let _ = sh(&strings(&["pg_dropcluster", "--stop", &version, name]));
             let created =
                 sh(&strings(&["pg_createcluster", &version, name, "-p", &port.to_string(), "--", "--auth=trust"]));
-            assert!(created, "pg_createcluster failed");
+            if !created {
+                return Err("pg_createcluster failed".to_owned());
+            }
             let ctl = |action: &str| strings(&["pg_ctlcluster", "--skip-systemctl-redirect", &version, name, action]);
             Cluster {
                 url: format!("postgres://postgres@127.0.0.1:{port}/postgres"),
@@ -64,10 +89,9 @@ impl Cluster {
                 .map(|p| p.display().to_string() + "/")
                 .unwrap_or_default();
             let data = dir.display().to_string();
-            assert!(
-                sh(&strings(&[&format!("{bin}initdb"), "-D", &data, "-U", "postgres", "--auth=trust"])),
-                "initdb failed"
-            );
+            if !sh(&strings(&[&format!("{bin}initdb"), "-D", &data, "-U", "postgres", "--auth=trust"])) {
+                return Err("initdb failed".to_owned());
+            }
             let pg_ctl = |action: &str| {
                 strings(&[&format!("{bin}pg_ctl"), "-D", &data, "-w", "-o", &format!("-p {port} -k {data}"), action])
             };
@@ -79,8 +103,16 @@ impl Cluster {
                 remove_on_drop: true,
             }
         };
-        assert!(sh(&cluster.start), "the cluster did not start");
-        cluster
+        let started = Command::new(&cluster.start[0]).args(&cluster.start[1..]).output();
+        match started {
+            Ok(out) if out.status.success() => Ok(cluster),
+            Ok(out) => Err(format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout).trim(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            )),
+            Err(e) => Err(format!("{}: {e}", cluster.start[0])),
+        }
     }
 }
 
