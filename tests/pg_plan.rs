@@ -17,8 +17,9 @@ use std::time::{Duration, Instant};
 use canter::budget::ClaimPolicy;
 use canter::config::{AppConfig, WorkerConfig};
 use canter::postgres::PgStore;
-use canter::store::{Completion, DbReply, DbRequest, FinishOutcome, NewTask};
+use canter::store::{Completion, DbReply, DbRequest, FinishOutcome, NewTask, NewWorkflow};
 use canter::task::{TaskLease, WorkerId};
+use canter::workflow::{EdgePolicy, Join};
 use pg::TestDb;
 use serde_json::{Value, json};
 use sqlx::{Acquire, AssertSqlSafe};
@@ -215,13 +216,19 @@ fn summary(times: &mut [Duration]) -> String {
 /// Index entries of `tasks_pkey` read so far, once every session that read them has ended
 /// (a backend reports its counts when it exits; the caller closes its pools first).
 async fn pkey_entries_read(db: &TestDb, since: Option<i64>) -> i64 {
+    entries_read(db, "tasks_pkey", since).await
+}
+
+/// The entries of index `index` of the test's schema that index scans have read, as the
+/// statistics have them once the backends that read them flushed theirs (their pools closed).
+async fn entries_read(db: &TestDb, index: &str, since: Option<i64>) -> i64 {
     let pool = db.pool(1).await;
     let sql = "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes \
-               WHERE schemaname = $1 AND indexrelname = 'tasks_pkey'";
+               WHERE schemaname = $1 AND indexrelname = $2";
     let mut last = -1;
     // Until two reads a moment apart agree (and, after a finish, differ from `since`).
     for _ in 0..100 {
-        let read: i64 = sqlx::query_scalar(sql).bind(db.schema.name()).fetch_one(&pool).await.unwrap();
+        let read: i64 = sqlx::query_scalar(sql).bind(db.schema.name()).bind(index).fetch_one(&pool).await.unwrap();
         if read == last && since.is_none_or(|s| read != s) {
             pool.close().await;
             return read;
@@ -250,16 +257,6 @@ async fn writes_to_held_rows_read_only_their_own_key_entries_under_a_held_xmin()
     let tasks = (0..DEAD).map(|i| NewTask::new("report", json!({"n": i}))).collect();
     store.enqueue_many(tasks).await.unwrap();
     let worker = WorkerId("w".into());
-    let complete = |tasks: &[canter::store::ClaimedTask]| {
-        tasks
-            .iter()
-            .map(|t| Completion {
-                task: TaskLease { task: t.id, lease: t.lease },
-                outcome: FinishOutcome::Completed(json!(null)),
-                args: None,
-            })
-            .collect::<Vec<_>>()
-    };
     for token in 0.. {
         let DbReply::Claimed { tasks, .. } = store.execute(&pg::claim_by_w(token, &policy, 1_000)).await.unwrap()
         else {
@@ -268,7 +265,7 @@ async fn writes_to_held_rows_read_only_their_own_key_entries_under_a_held_xmin()
         if tasks.is_empty() {
             break;
         }
-        store.execute(&DbRequest::Finish { worker: worker.clone(), completions: complete(&tasks) }).await.unwrap();
+        store.execute(&DbRequest::Finish { worker: worker.clone(), completions: completed(&tasks) }).await.unwrap();
     }
     // What the worker's own vacuum does under the hold: nothing removed, statistics of the
     // live rows (none).
@@ -305,7 +302,7 @@ async fn writes_to_held_rows_read_only_their_own_key_entries_under_a_held_xmin()
     store.execute(&beat).await.unwrap();
     store.execute(&DbRequest::Release { worker: worker.clone(), tasks: leases[12..].to_vec() }).await.unwrap();
     let reply = store
-        .execute(&DbRequest::Finish { worker: worker.clone(), completions: complete(&tasks[..12]) })
+        .execute(&DbRequest::Finish { worker: worker.clone(), completions: completed(&tasks[..12]) })
         .await
         .unwrap();
     let DbReply::Finished { applied, lost } = reply else { panic!("{reply:?}") };
@@ -317,4 +314,67 @@ async fn writes_to_held_rows_read_only_their_own_key_entries_under_a_held_xmin()
     // versions); walking the key reads its 5,000 dead entries.
     assert!(read < 1_000, "the writes read {read} entries of tasks_pkey");
     sqlx::raw_sql("ROLLBACK").execute(&mut holder).await.unwrap();
+}
+
+/// Every task of `tasks` completed.
+fn completed(tasks: &[canter::store::ClaimedTask]) -> Vec<Completion> {
+    tasks
+        .iter()
+        .map(|t| Completion {
+            task: TaskLease { task: t.id, lease: t.lease },
+            outcome: FinishOutcome::Completed(json!(null)),
+            args: None,
+        })
+        .collect()
+}
+
+/// Claims up to 1,000 tasks as worker `w` (claim `token`) and completes them: how many.
+async fn claim_and_complete(store: &PgStore, policy: &Arc<ClaimPolicy>, token: u64) -> usize {
+    let DbReply::Claimed { tasks, .. } = store.execute(&pg::claim_by_w(token, policy, 1_000)).await.unwrap() else {
+        panic!()
+    };
+    if tasks.is_empty() {
+        return 0;
+    }
+    let finish = DbRequest::Finish { worker: WorkerId("w".into()), completions: completed(&tasks) };
+    let reply = store.execute(&finish).await.unwrap();
+    let DbReply::Finished { applied, lost } = reply else { panic!("{reply:?}") };
+    assert_eq!((applied.len(), lost.len()), (tasks.len(), 0));
+    applied.len()
+}
+
+/// The finish of a step settles its children in the same statement: it must read the
+/// finished steps' own edges, never walk the edges' index. Merged with a batch of finished
+/// steps, the planner walked it from its start to the batch's highest id: every finish of a
+/// fan-out's children read all of the root's edges.
+#[tokio::test]
+async fn settling_a_finish_reads_only_the_finished_steps_own_edges() {
+    const CHILDREN: usize = 5_000;
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let mut workflow = NewWorkflow::new("fan-out");
+    let root = workflow.step(NewTask::new("report", json!({"n": -1})), Join::All);
+    for i in 0..CHILDREN {
+        let child = workflow.step(NewTask::new("report", json!({"n": i})), Join::All);
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+    }
+    store.submit_workflow(&workflow).await.unwrap();
+    let config = WorkerConfig { concurrency: 1_000, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    // The root: its finish reads its edges and promotes the children.
+    assert_eq!(claim_and_complete(&store, &policy, 0).await, 1);
+    let mut finished = 0;
+    for token in 1.. {
+        match claim_and_complete(&store, &policy, token).await {
+            0 => break,
+            n => finished += n,
+        }
+    }
+    assert_eq!(finished, CHILDREN);
+    store.pool().close().await;
+    let read = entries_read(&db, "workflow_edges_pkey", Some(0)).await;
+    eprintln!("the finishes of a root and its {CHILDREN} children read {read} entries of workflow_edges_pkey");
+    // The root's finish reads its 5,000 edges, the children have none: a walk of the index
+    // reads the root's again for each finish of a batch of children.
+    assert!(read < 2 * CHILDREN as i64, "the finishes read {read} entries of the edges' index");
 }
