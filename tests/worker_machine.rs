@@ -1765,9 +1765,9 @@ fn an_urgent_claim_with_no_room_lifts_the_floor() {
 /// urgent as the most urgent announced or less, due at the earliest announced run-at or later
 /// (`min_priority`, `min_run_at`): with the xmin held, its index walk then starts past the
 /// entries of rows claimed before. Announcements heard while a pass is in flight bound the next
-/// one. Anything else since the last pass (a notification without a run-at, a poll, a pass
-/// that took tasks and left more) makes the next pass look at every row; a pass that left more
-/// but took nothing passes its own bound on.
+/// one. Anything else since the last pass (a notification without a run-at, a poll) makes the
+/// next pass look at every row; a pass that left more, whether it took tasks or none, passes
+/// its own bound on.
 #[test]
 fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
     let notified = |priority: i16, run_at: Option<i64>| Input::Notified {
@@ -1796,9 +1796,9 @@ fn passes_woken_by_announced_run_ats_claim_from_the_earliest() {
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(1, true)], false)));
     assert_eq!(bound, Some((1, 4_500)), "the most urgent and the earliest announced since the last pass was sent");
 
-    // It took a task and left more: the rest may lie anywhere.
+    // It took a task and left more: what it left is in its range, where the next pass goes on.
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![task(2, true)], true)));
-    assert_eq!(bound, None, "after a pass that left more");
+    assert_eq!(bound, Some((1, 4_500)), "after a pass that took tasks and left more");
     // That pass carried a priority floor; having run short, one without follows.
     let (op, bound) = the_pass(&h.reply(op, claimed(vec![], false)));
     assert_eq!(bound, None, "a pass that follows a floored one");

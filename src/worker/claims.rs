@@ -426,7 +426,10 @@ impl Worker {
         self.take_claimed(tasks, token);
         if more {
             if took > 0 {
-                self.want_pass();
+                // Another pass, over the range kept above: what this one left is there (an
+                // unbounded pass would walk, under a held xmin, every dead entry before it).
+                self.more_work = true;
+                self.notified_pass = false;
             } else {
                 self.cap_blocked = true;
                 self.poll_while_blocked();
