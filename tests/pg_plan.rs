@@ -378,3 +378,58 @@ async fn settling_a_finish_reads_only_the_finished_steps_own_edges() {
     // reads the root's again for each finish of a batch of children.
     assert!(read < 2 * CHILDREN as i64, "the finishes read {read} entries of the edges' index");
 }
+
+/// Updates of table `table` of the test's schema, and how many of them were HOT (the new
+/// version on the old one's page, no new index entries), once the statistics have them.
+async fn updates(db: &TestDb, table: &str) -> (i64, i64) {
+    let pool = db.pool(1).await;
+    let sql = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2";
+    let mut last = (-1, -1);
+    // Until two reads a moment apart agree on a count other than none.
+    for _ in 0..100 {
+        let read: (i64, i64) = sqlx::query_as(sql).bind(db.schema.name()).bind(table).fetch_one(&pool).await.unwrap();
+        if read == last && read.0 > 0 {
+            pool.close().await;
+            return read;
+        }
+        last = read;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    panic!("the table statistics never settled");
+}
+
+/// A step of several parents takes their outcomes one finish at a time, each rewriting its
+/// counts in `workflow_steps`. Submitted together, steps fill their pages: each rewrite was a
+/// new version on another page, with new entries in both the table's indexes. The table keeps
+/// room on its pages (schema 16), so each is a HOT update.
+#[tokio::test]
+async fn a_steps_counts_change_in_place() {
+    const DIAMONDS: usize = 200;
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    for _ in 0..DIAMONDS {
+        let mut workflow = NewWorkflow::new("diamond");
+        let top = workflow.step(NewTask::new("report", json!("top")), Join::All);
+        // The left branches are claimed before the right ones: the join counts them apart.
+        let left = workflow.step(NewTask::new("report", json!("left")), Join::All);
+        let right = workflow.step(NewTask::new("report", json!("right")).priority(1), Join::All);
+        let join = workflow.step(NewTask::new("report", json!("join")), Join::All);
+        for (parent, child) in [(top, left), (top, right), (left, join), (right, join)] {
+            workflow.edge(parent, child, EdgePolicy::RequireSuccess);
+        }
+        store.submit_workflow(&workflow).await.unwrap();
+    }
+    let config = WorkerConfig { concurrency: DIAMONDS as u32, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    // The tops, the left branches (each join counts one parent), the right ones (each join is
+    // promoted), the joins.
+    for token in 0..4 {
+        assert_eq!(claim_and_complete(&store, &policy, token).await, DIAMONDS);
+    }
+    assert_eq!(claim_and_complete(&store, &policy, 4).await, 0);
+    store.pool().close().await;
+    let (updated, hot) = updates(&db, "workflow_steps").await;
+    eprintln!("{updated} updates of workflow_steps, {hot} of them HOT");
+    assert_eq!(updated, DIAMONDS as i64, "one count update per join");
+    assert_eq!(hot, updated, "every count update stays on its page");
+}

@@ -872,6 +872,7 @@ mod tests {
         (13, "fc38d64e4edac1b93b2bdc2c10ec699890f19d9fa82a10272cc13208da86c5142dca867a26aa0cbb575aa9a11f658010"),
         (14, "efa26828399fa8486832113bfa74ed5a129a5c3b57a9fabe68eae92194774d7fc2fab9148e67ea35db5ad7bf22bb8bb2"),
         (15, "7b5f67fbf527109d4129ca333968d9f16ac6be57e33bda2f1f4a663febbc83fa65116749103b6438bb3ebf13277e2311"),
+        (16, "2bd1d008484f1f1d398f1655f6cbd2c0a289abb6a3d1e0a6f59877bee8be6ea0aa78c0e97e66040ea4ebceff70d42ff2"),
     ];
 
     fn hex(bytes: &[u8]) -> String {
