@@ -17,7 +17,9 @@
 //! - `drain`: `--tasks` no-op tasks committed in one transaction while one idle worker process
 //!   (`canter worker --concurrency C`, a child of this process) waits; timed from the commit
 //!   until the last task is finished (results kept), checked by a count; the worker's peak RSS
-//!   (`VmHWM`) and CPU time are read before it is stopped. The transaction ends with `ANALYZE`
+//!   (`VmHWM`) and CPU time are read before it is stopped, and the WAL the server wrote from
+//!   start to end (`wal_bytes`; per task in the table: steadier than the time, for comparing
+//!   what two versions write). The transaction ends with `ANALYZE`
 //!   of the live table, as autovacuum would soon do (a server may run without it), and a
 //!   `CHECKPOINT` comes before it, so no run pays for the previous one's dirty pages. Its end
 //!   is the done notification of the last task (the bench registers as a result waiter), or
@@ -590,6 +592,9 @@ struct Sample {
     /// Dashboards open during the run: how many, the overviews they read, and the mean time
     /// of a read in ms.
     dashboards: Option<(u32, u64, f64)>,
+    /// WAL the server wrote from the drain's start to its end, in bytes: what its writes
+    /// cost, steadier from run to run than its time on a machine whose speed drifts.
+    wal_bytes: Option<i64>,
 }
 
 impl Sample {
@@ -609,6 +614,7 @@ impl Sample {
             commit_ms: None,
             windows: None,
             dashboards: None,
+            wal_bytes: None,
         }
     }
 
@@ -649,6 +655,9 @@ impl Sample {
         }
         if let Some(commit) = self.commit_ms {
             line["commit_ms"] = json!(round(commit, 3));
+        }
+        if let Some(wal) = self.wal_bytes {
+            line["wal_bytes"] = json!(wal);
         }
         if let Some((dashboards, reads, read_ms)) = self.dashboards {
             line["dashboards"] = json!(dashboards);
@@ -854,6 +863,16 @@ fn connect_as(url: &str, size: u32, name: &str) -> Result<PgPool, BenchError> {
 /// superuser or `pg_checkpoint`; skipped otherwise).
 async fn checkpoint(pool: &PgPool) {
     let _ = sqlx::raw_sql("CHECKPOINT").execute(pool).await;
+}
+
+/// The server's WAL insert position in bytes (none on a standby, or where it cannot be read).
+async fn wal_position(pool: &PgPool) -> Option<i64> {
+    sqlx::query_scalar("SELECT pg_wal_lsn_diff(pg_current_wal_lsn(), '0/0')::bigint").fetch_one(pool).await.ok()
+}
+
+/// The WAL written since `start` (a [`wal_position`]).
+async fn wal_since(pool: &PgPool, start: Option<i64>) -> Option<i64> {
+    Some(wal_position(pool).await? - start?)
 }
 
 /// Runs the benchmark with the command line's arguments.
@@ -1142,12 +1161,21 @@ fn table(samples: &[Sample], options: &Options) -> String {
         let rss = med("drain", Mode::Canter, &|s: &Sample| s.peak_rss_mib);
         row("drain", "peak RSS MiB", rss, None, 1, format!("≤ 64 MiB: {}", verdict(rss.map(|r| r <= 64.0))));
     }
+    let wal = |s: &Sample| s.wal_bytes.map(|b| b as f64 / s.tasks.max(1) as f64);
+    let wal_row = |row: &mut dyn FnMut(&str, &str, Option<f64>, Option<f64>, usize, String), workload: &str| {
+        let (c, r) = (med(workload, Mode::Canter, &wal), med(workload, Mode::Raw, &wal));
+        if c.is_some() || r.is_some() {
+            row(workload, "WAL B/task", c, r, 0, String::new());
+        }
+    };
+    wal_row(&mut row, "drain");
     for workload in ["fan_out", "fan_in", "diamonds"] {
         let (c, r) = (med(workload, Mode::Canter, &rate), med(workload, Mode::Raw, &rate));
         if c.is_some() || r.is_some() {
             let ok = ratio_at_least(c, drain.0, 0.8);
             row(workload, "tasks/s", c, r, 0, format!("≥ 0.8 × canter's drain: {}", verdict(ok)));
         }
+        wal_row(&mut row, workload);
     }
     for (i, name) in ["step p50 ms", "step p90 ms", "step p99 ms", "step max ms"].iter().enumerate() {
         let pick = move |s: &Sample| s.latency.map(|l| l[i]);

@@ -24,6 +24,7 @@ use tokio::time::Instant;
 
 use super::{
     BenchError, Broker, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args,
+    wal_position, wal_since,
 };
 use crate::errln;
 use canter_tokio::TokioRuntime;
@@ -490,6 +491,7 @@ async fn drain(
         enqueue_noops_in(&mut tx, options, store, n).await?;
     }
     analyze_and_commit(tx, store).await?;
+    let wal_start = wal_position(pool).await;
     let start = Instant::now();
 
     // Generous: a slow machine makes slow numbers, not a failed run.
@@ -499,6 +501,7 @@ async fn drain(
         None => drained_as_counted(store, &mut worker, start, limit).await?,
     };
     let seconds = (end - start).as_secs_f64();
+    let wal = wal_since(pool, wal_start).await;
     let peak = worker.peak_rss_mib();
     let cpu = worker.cpu_seconds().zip(cpu_before).map(|(after, before)| after - before);
     worker.stop().await;
@@ -532,6 +535,7 @@ async fn drain(
     sample.claims = Some(claims as u64);
     sample.worker_cpu_s = cpu;
     sample.workers = Some(options.workers);
+    sample.wal_bytes = wal;
     Ok(sample)
 }
 

@@ -13,7 +13,10 @@ use sqlx::postgres::PgListener;
 use sqlx::{PgConnection, PgPool, Postgres, Row};
 use tokio::time::Instant;
 
-use super::{BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args};
+use super::{
+    BenchError, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args,
+    wal_position, wal_since,
+};
 
 const CREATE: &str = "\
 CREATE SCHEMA {s};
@@ -285,6 +288,7 @@ async fn drain(
     let analyze = format!("ANALYZE {}.jobs", scratch.quoted());
     sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
     tx.commit().await.map_err(|e| failed("commit", e))?;
+    let wal_start = wal_position(pool).await;
     let start = Instant::now();
 
     let claims = Arc::new(AtomicU64::new(0));
@@ -309,6 +313,7 @@ async fn drain(
         end = end.max(last.unwrap_or(start));
     }
     let seconds = (end - start).as_secs_f64();
+    let wal = wal_since(pool, wal_start).await;
 
     let check = format!(
         "SELECT count(*) FILTER (WHERE state = 'done'), count(*) FILTER (WHERE state <> 'done') FROM {}.jobs",
@@ -324,6 +329,7 @@ async fn drain(
     }
     let workload = if history > 0 { "history" } else { "drain" };
     let mut sample = Sample::new(workload, scratch.mode, n, seconds);
+    sample.wal_bytes = wal;
     sample.workers = Some(options.workers);
     sample.history = (history > 0).then_some(history);
     sample.claims = Some(claims.load(Ordering::Relaxed));
@@ -523,6 +529,7 @@ async fn graph_drain(
     let analyze = format!("ANALYZE {s}.jobs, {s}.deps");
     sqlx::raw_sql(sqlx::AssertSqlSafe(analyze)).execute(&mut *tx).await.map_err(|e| failed("analyze", e))?;
     tx.commit().await.map_err(|e| failed("commit", e))?;
+    let wal_start = wal_position(pool).await;
     let start = Instant::now();
 
     let left = Arc::new(AtomicU64::new(n as u64));
@@ -557,6 +564,7 @@ async fn graph_drain(
         end = end.max(last.unwrap_or(start));
     }
     let seconds = (end - start).as_secs_f64();
+    let wal = wal_since(pool, wal_start).await;
 
     let check =
         format!("SELECT count(*) FILTER (WHERE state = 'done'), count(*) FILTER (WHERE state <> 'done') FROM {s}.jobs");
@@ -569,6 +577,7 @@ async fn graph_drain(
         )));
     }
     let mut sample = Sample::new(workload.name(), scratch.mode, n, seconds);
+    sample.wal_bytes = wal;
     if workload == Workload::Chain {
         let gaps = format!(
             "SELECT extract(epoch FROM c.started_at - p.finished_at)::float8 * 1000 FROM {s}.deps d \
