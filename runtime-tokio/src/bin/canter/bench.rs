@@ -1162,20 +1162,21 @@ fn table(samples: &[Sample], options: &Options) -> String {
         row("drain", "peak RSS MiB", rss, None, 1, format!("≤ 64 MiB: {}", verdict(rss.map(|r| r <= 64.0))));
     }
     let wal = |s: &Sample| s.wal_bytes.map(|b| b as f64 / s.tasks.max(1) as f64);
-    let wal_row = |row: &mut dyn FnMut(&str, &str, Option<f64>, Option<f64>, usize, String), workload: &str| {
-        let (c, r) = (med(workload, Mode::Canter, &wal), med(workload, Mode::Raw, &wal));
-        if c.is_some() || r.is_some() {
-            row(workload, "WAL B/task", c, r, 0, String::new());
-        }
-    };
-    wal_row(&mut row, "drain");
+    let wal_of = |workload: &str| (med(workload, Mode::Canter, &wal), med(workload, Mode::Raw, &wal));
+    let (c, r) = wal_of("drain");
+    if c.is_some() || r.is_some() {
+        row("drain", "WAL B/task", c, r, 0, String::new());
+    }
     for workload in ["fan_out", "fan_in", "diamonds"] {
         let (c, r) = (med(workload, Mode::Canter, &rate), med(workload, Mode::Raw, &rate));
         if c.is_some() || r.is_some() {
             let ok = ratio_at_least(c, drain.0, 0.8);
             row(workload, "tasks/s", c, r, 0, format!("≥ 0.8 × canter's drain: {}", verdict(ok)));
         }
-        wal_row(&mut row, workload);
+        let (c, r) = wal_of(workload);
+        if c.is_some() || r.is_some() {
+            row(workload, "WAL B/task", c, r, 0, String::new());
+        }
     }
     for (i, name) in ["step p50 ms", "step p90 ms", "step p99 ms", "step max ms"].iter().enumerate() {
         let pick = move |s: &Sample| s.latency.map(|l| l[i]);
