@@ -219,24 +219,34 @@ async fn pkey_entries_read(db: &TestDb, since: Option<i64>) -> i64 {
     entries_read(db, "tasks_pkey", since).await
 }
 
-/// The entries of index `index` of the test's schema that index scans have read, as the
-/// statistics have them once the backends that read them flushed theirs (their pools closed).
-async fn entries_read(db: &TestDb, index: &str, since: Option<i64>) -> i64 {
+/// What `sql` reads of the statistics of the test's schema (`$1` the schema, `$2` the table or
+/// index `object`) once two reads a moment apart agree and `ready` takes it: a backend reports
+/// its counts when it exits (the caller closes its pools first), a moment later.
+async fn settled<T>(db: &TestDb, sql: &'static str, object: &str, ready: impl Fn(&T) -> bool) -> T
+where
+    T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + PartialEq + Send + Unpin,
+{
     let pool = db.pool(1).await;
-    let sql = "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes \
-               WHERE schemaname = $1 AND indexrelname = $2";
-    let mut last = -1;
-    // Until two reads a moment apart agree (and, after a finish, differ from `since`).
+    let mut last = None;
     for _ in 0..100 {
-        let read: i64 = sqlx::query_scalar(sql).bind(db.schema.name()).bind(index).fetch_one(&pool).await.unwrap();
-        if read == last && since.is_none_or(|s| read != s) {
+        let read: T = sqlx::query_as(sql).bind(db.schema.name()).bind(object).fetch_one(&pool).await.unwrap();
+        if last.as_ref() == Some(&read) && ready(&read) {
             pool.close().await;
             return read;
         }
-        last = read;
+        last = Some(read);
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-    panic!("the index statistics never settled");
+    panic!("the statistics of {object} never settled");
+}
+
+/// The entries of index `index` of the test's schema that index scans have read (after a
+/// finish, a count other than `since`).
+async fn entries_read(db: &TestDb, index: &str, since: Option<i64>) -> i64 {
+    let sql = "SELECT coalesce(sum(idx_tup_read), 0)::bigint FROM pg_stat_user_indexes \
+               WHERE schemaname = $1 AND indexrelname = $2";
+    let (read,): (i64,) = settled(db, sql, index, |&(read,): &(i64,)| since.is_none_or(|s| read != s)).await;
+    read
 }
 
 /// While a snapshot holds the xmin, every task finished leaves its dead entry in the primary
@@ -380,22 +390,10 @@ async fn settling_a_finish_reads_only_the_finished_steps_own_edges() {
 }
 
 /// Updates of table `table` of the test's schema, and how many of them were HOT (the new
-/// version on the old one's page, no new index entries), once the statistics have them.
+/// version on the old one's page, no new index entries).
 async fn updates(db: &TestDb, table: &str) -> (i64, i64) {
-    let pool = db.pool(1).await;
     let sql = "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE schemaname = $1 AND relname = $2";
-    let mut last = (-1, -1);
-    // Until two reads a moment apart agree on a count other than none.
-    for _ in 0..100 {
-        let read: (i64, i64) = sqlx::query_as(sql).bind(db.schema.name()).bind(table).fetch_one(&pool).await.unwrap();
-        if read == last && read.0 > 0 {
-            pool.close().await;
-            return read;
-        }
-        last = read;
-        tokio::time::sleep(Duration::from_millis(300)).await;
-    }
-    panic!("the table statistics never settled");
+    settled(db, sql, table, |read: &(i64, i64)| read.0 > 0).await
 }
 
 /// A step of several parents takes their outcomes one finish at a time, each rewriting its
