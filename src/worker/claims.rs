@@ -93,11 +93,16 @@ impl PassBound {
 }
 
 impl Worker {
-    /// A claim pass is wanted for a reason other than a notification.
+    /// A claim pass is wanted for a reason other than a notification: it looks at every row.
     pub(super) fn want_pass(&mut self) {
+        self.want_pass_over_range();
+        self.pass_bound = PassBound::Everything;
+    }
+
+    /// Another claim pass over the range the next one already has (what a pass left is there).
+    fn want_pass_over_range(&mut self) {
         self.more_work = true;
         self.notified_pass = false;
-        self.pass_bound = PassBound::Everything;
     }
 
     pub(super) fn claim(&mut self, now: Instant) {
@@ -426,10 +431,9 @@ impl Worker {
         self.take_claimed(tasks, token);
         if more {
             if took > 0 {
-                // Another pass, over the range kept above: what this one left is there (an
-                // unbounded pass would walk, under a held xmin, every dead entry before it).
-                self.more_work = true;
-                self.notified_pass = false;
+                // Over the range kept above: an unbounded pass would walk, under a held xmin,
+                // every dead entry before it.
+                self.want_pass_over_range();
             } else {
                 self.cap_blocked = true;
                 self.poll_while_blocked();
