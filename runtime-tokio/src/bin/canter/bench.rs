@@ -29,7 +29,10 @@
 //!   tasks enqueued one at a time every `--interval-ms`; enqueue commit to handler start;
 //! - `latency-under-load`: `--tasks` no-op tasks committed at once to a worker in this process,
 //!   and a task of priority −1 every `--interval-ms` until they are done: the drain's rate,
-//!   and each urgent task's enqueue commit to handler start (no raw baseline);
+//!   each urgent task's enqueue commit to handler start (no raw baseline), and the time the
+//!   database's sessions and this process's threads waited for a core per time on one (from
+//!   `/proc/<pid>/task/*/schedstat`, where the server runs on this machine): a drain that keeps
+//!   every core busy delays each wake-up on the urgent path;
 //! - `history`: the drain again with `--history-tasks` finished tasks already stored;
 //! - `drain_pgbouncer` (`--workload pgbouncer`, after the plain drain; no raw baseline): the
 //!   drain with its workers through `--pooler-url`, a PgBouncer in transaction mode in front of
@@ -595,6 +598,9 @@ struct Sample {
     /// WAL the server wrote from the drain's start to its end, in bytes: what its writes
     /// cost, steadier from run to run than its time on a machine whose speed drifts.
     wal_bytes: Option<i64>,
+    /// Time waited for a core per time on one during the run, of the database's sessions and
+    /// of this process's threads (see [`core_wait_ratio`]), where the server runs here.
+    core_wait: Option<[f64; 2]>,
 }
 
 impl Sample {
@@ -615,6 +621,7 @@ impl Sample {
             windows: None,
             dashboards: None,
             wal_bytes: None,
+            core_wait: None,
         }
     }
 
@@ -658,6 +665,10 @@ impl Sample {
         }
         if let Some(wal) = self.wal_bytes {
             line["wal_bytes"] = json!(wal);
+        }
+        if let Some([sessions, this]) = self.core_wait {
+            line["sessions_core_wait"] = json!(round(sessions, 3));
+            line["bench_core_wait"] = json!(round(this, 3));
         }
         if let Some((dashboards, reads, read_ms)) = self.dashboards {
             line["dashboards"] = json!(dashboards);
@@ -873,6 +884,50 @@ async fn wal_position(pool: &PgPool) -> Option<i64> {
 /// The WAL written since `start` (a [`wal_position`]).
 async fn wal_since(pool: &PgPool, start: Option<i64>) -> Option<i64> {
     Some(wal_position(pool).await? - start?)
+}
+
+/// Nanoseconds each thread of some processes spent on a core and waiting in the run queue for
+/// one, by thread id (`/proc/<pid>/task/<tid>/schedstat`; empty where `/proc` lacks it).
+type CoreTimes = BTreeMap<u32, (u64, u64)>;
+
+/// The [`CoreTimes`] of the threads of `pids`.
+fn core_times(pids: &[u32]) -> CoreTimes {
+    let mut times = CoreTimes::new();
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { continue };
+        for task in tasks.flatten() {
+            let Some(tid) = task.file_name().to_str().and_then(|t| t.parse().ok()) else { continue };
+            let Ok(text) = std::fs::read_to_string(task.path().join("schedstat")) else { continue };
+            let mut fields = text.split_whitespace().map(str::parse::<u64>);
+            if let (Some(Ok(ran)), Some(Ok(waited))) = (fields.next(), fields.next()) {
+                times.insert(tid, (ran, waited));
+            }
+        }
+    }
+    times
+}
+
+/// The pids of this database's client sessions, where the server runs on this machine (each
+/// checked to be a `postgres` process here); empty otherwise.
+async fn session_pids(pool: &PgPool) -> Vec<u32> {
+    let sql = "SELECT pid FROM pg_stat_activity WHERE datname = current_database() AND backend_type = 'client backend'";
+    let pids: Vec<i32> = sqlx::query_scalar(sql).fetch_all(pool).await.unwrap_or_default();
+    pids.into_iter()
+        .filter_map(|pid| u32::try_from(pid).ok())
+        .filter(|pid| std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "postgres"))
+        .collect()
+}
+
+/// Milliseconds waited for a core per millisecond on one, from `before` to `after` (threads
+/// born in between count from their start), or `None` with nothing measured.
+fn core_wait_ratio(before: &CoreTimes, after: &CoreTimes) -> Option<f64> {
+    let (mut ran, mut waited) = (0u64, 0u64);
+    for (tid, (r, w)) in after {
+        let (r0, w0) = before.get(tid).copied().unwrap_or((0, 0));
+        ran += r.saturating_sub(r0);
+        waited += w.saturating_sub(w0);
+    }
+    (ran > 0).then(|| waited as f64 / ran as f64)
 }
 
 /// Runs the benchmark with the command line's arguments.
@@ -1261,6 +1316,12 @@ fn table(samples: &[Sample], options: &Options) -> String {
             let target = if i == 2 { format!("≤ 5 ms: {}", verdict(c.map(|c| c <= 5.0))) } else { String::new() };
             row("under load", &format!("urgent {name}"), c, None, 3, target);
         }
+        for (i, whose) in ["db", "bench"].iter().enumerate() {
+            let wait = med("latency_under_load", Mode::Canter, &|s: &Sample| s.core_wait.map(|w| w[i]));
+            if wait.is_some() {
+                row("under load", &format!("{whose} core wait/run"), wait, None, 2, String::new());
+            }
+        }
     }
     let history = (med("history", Mode::Canter, &rate), med("history", Mode::Raw, &rate));
     if history.0.is_some() || history.1.is_some() {
@@ -1415,6 +1476,21 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
         assert_eq!(median(vec![]), None);
+    }
+
+    #[test]
+    fn core_wait_counts_threads_born_during_the_run() {
+        let before = CoreTimes::from([(1, (1_000, 500)), (2, (2_000, 0))]);
+        // Thread 1 ran 1,000 ns more and waited 1,500 more; 2 did nothing; 3 was born and ran
+        // 2,000 ns, waiting 500.
+        let after = CoreTimes::from([(1, (2_000, 2_000)), (2, (2_000, 0)), (3, (2_000, 500))]);
+        assert_eq!(core_wait_ratio(&before, &after), Some(2_000.0 / 3_000.0));
+        assert_eq!(core_wait_ratio(&before, &before), None);
+        // This process has threads, and each has its times where /proc has them.
+        let own = core_times(&[std::process::id()]);
+        if std::path::Path::new("/proc/self/task").exists() {
+            assert!(!own.is_empty());
+        }
     }
 
     #[test]

@@ -23,8 +23,8 @@ use sqlx::postgres::PgListener;
 use tokio::time::Instant;
 
 use super::{
-    BenchError, Broker, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, failed, steady, task_args,
-    wal_position, wal_since,
+    BenchError, Broker, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, core_times, core_wait_ratio,
+    failed, session_pids, steady, task_args, wal_position, wal_since,
 };
 use crate::errln;
 use canter_tokio::TokioRuntime;
@@ -756,6 +756,8 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         let mut tx = pool.begin().await.map_err(|e| failed("begin", e))?;
         enqueue_noops_in(&mut tx, options, store, n).await?;
         analyze_and_commit(tx, store).await?;
+        let own = [std::process::id()];
+        let cores_before = (core_times(&session_pids(pool).await), core_times(&own));
         let start = Instant::now();
         let limit = Duration::from_secs(600).max(Duration::from_millis(10 * n as u64));
         let mut paced = Paced::new(options.interval, most_probes);
@@ -778,7 +780,10 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
                 () = tokio::time::sleep(Duration::from_millis(1)) => {}
             }
         };
+        let sessions = core_wait_ratio(&cores_before.0, &core_times(&session_pids(pool).await));
+        let this = core_wait_ratio(&cores_before.1, &core_times(&own));
         let mut sample = paced.sample(scratch.mode, &stamps).await?;
+        sample.core_wait = sessions.zip(this).map(|(s, t)| [s, t]);
         sample.workload = "latency_under_load";
         sample.tasks = n;
         sample.seconds = seconds;
