@@ -71,7 +71,8 @@ WITH input AS (
          WITH ORDINALITY AS i(id, lease, kind, result, error, delay_ms, args, ord)
 ),
 -- Running, or Claimed by a worker that started it without a start request (the run counts
--- as an attempt here).
+-- as an attempt here). The lock also keeps this CTE materialized: inlined into `chosen`'s
+-- join, its plan took a drain from 30,000 to 3,500 tasks/s.
 held AS (
     SELECT t.id, t.lease, t.good_until, t.state, t.attempts, t.started_at, t.name, t.queue, t.priority,
            t.args AS held_args, t.claimed_by, t.claim_token, t.claimed_at, t.heartbeat_at, t.retries,
