@@ -666,9 +666,9 @@ impl Sample {
         if let Some(wal) = self.wal_bytes {
             line["wal_bytes"] = json!(wal);
         }
-        if let Some([sessions, this]) = self.core_wait {
-            line["sessions_core_wait"] = json!(round(sessions, 3));
-            line["bench_core_wait"] = json!(round(this, 3));
+        if let Some([db, bench]) = self.core_wait {
+            line["db_core_wait"] = json!(round(db, 3));
+            line["bench_core_wait"] = json!(round(bench, 3));
         }
         if let Some((dashboards, reads, read_ms)) = self.dashboards {
             line["dashboards"] = json!(dashboards);

@@ -780,10 +780,10 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
                 () = tokio::time::sleep(Duration::from_millis(1)) => {}
             }
         };
-        let sessions = core_wait_ratio(&cores_before.0, &core_times(&session_pids(pool).await));
-        let this = core_wait_ratio(&cores_before.1, &core_times(&own));
+        let db = core_wait_ratio(&cores_before.0, &core_times(&session_pids(pool).await));
+        let bench = core_wait_ratio(&cores_before.1, &core_times(&own));
         let mut sample = paced.sample(scratch.mode, &stamps).await?;
-        sample.core_wait = sessions.zip(this).map(|(s, t)| [s, t]);
+        sample.core_wait = db.zip(bench).map(|(db, bench)| [db, bench]);
         sample.workload = "latency_under_load";
         sample.tasks = n;
         sample.seconds = seconds;
