@@ -389,6 +389,44 @@ async fn settling_a_finish_reads_only_the_finished_steps_own_edges() {
     assert!(read < 2 * CHILDREN as i64, "the finishes read {read} entries of the edges' index");
 }
 
+/// A finish settles the child of a `sole` edge straight from the edge, without counting its
+/// join (schema 17): an edge must be `sole` exactly when its child has that one parent and
+/// needs it. Marked on a child of several parents, the child would run after its first parent.
+#[tokio::test]
+async fn only_a_child_of_one_needed_parent_has_a_sole_edge() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let mut workflow = NewWorkflow::new("shapes");
+    let task = |n: i32| NewTask::new("report", json!({ "n": n }));
+    let root = workflow.step(task(0), Join::All);
+    let other = workflow.step(task(1), Join::All);
+    let all = workflow.step(task(2), Join::All);
+    let any = workflow.step(task(3), Join::Any);
+    let one = workflow.step(task(4), Join::Quorum(1));
+    let recovery = workflow.step(task(5), Join::All);
+    let both = workflow.step(task(6), Join::All);
+    let either = workflow.step(task(7), Join::Any);
+    let one_of_two = workflow.step(task(8), Join::Quorum(1));
+    for child in [all, any, one] {
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+    }
+    workflow.edge(root, recovery, EdgePolicy::AllowFailed);
+    for child in [both, either, one_of_two] {
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+        workflow.edge(other, child, EdgePolicy::RequireSuccess);
+    }
+    store.submit_workflow(&workflow).await.unwrap();
+    let pool = db.pool(1).await;
+    let sql = format!(
+        "SELECT s.step, bool_and(e.sole) FROM {schema}.workflow_edges e \
+         JOIN {schema}.workflow_steps s ON s.task_id = e.child GROUP BY s.step ORDER BY s.step",
+        schema = db.schema.quoted()
+    );
+    let sole: Vec<(i32, bool)> = sqlx::query_as(AssertSqlSafe(sql)).fetch_all(&pool).await.unwrap();
+    let expected = [(2, true), (3, true), (4, true), (5, true), (6, false), (7, false), (8, false)];
+    assert_eq!(sole, expected, "(step, its edges sole)");
+}
+
 /// Updates of table `table` of the test's schema, and how many of them were HOT (the new
 /// version on the old one's page, no new index entries), once there are `at_least`.
 async fn updates(db: &TestDb, table: &str, at_least: i64) -> (i64, i64) {

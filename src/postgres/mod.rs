@@ -27,8 +27,10 @@
 //!   a client's own enqueue notifies (see
 //!   [`DbRequest::SetWaiting`](crate::store::DbRequest::SetWaiting)); `workflows`,
 //!   `workflow_steps` (each step's join and its parents' outcomes so far; fillfactor 70, so
-//!   those counts change in place) and `workflow_edges`, settled by `workflow_settle()` in the
-//!   statement that finishes a step (a trigger on `finished_tasks`); every table is in
+//!   those counts change in place) and `workflow_edges` (`sole` where the child has that
+//!   parent alone and needs it: a finish satisfying it decides the child without counting),
+//!   settled by `workflow_settle()` in the statement that finishes a step (a trigger on
+//!   `finished_tasks`); every table is in
 //!   [`TABLES`];
 //! - functions `enqueue`, `claim_tasks` (and the `claim` of earlier releases), `start_tasks`
 //!   and `remove_key` (each one round trip), `register_listener` and `unregister_listener`,

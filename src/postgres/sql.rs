@@ -755,8 +755,8 @@ steps AS (
     SELECT n.id, w.id, n.ord - 1, n.parents, n.required, n.sink FROM numbered n CROSS JOIN workflow w
 ),
 edges AS (
-    INSERT INTO {s}.workflow_edges (parent, child, allow_failed)
-    SELECT p.id, c.id, e.allow_failed
+    INSERT INTO {s}.workflow_edges (parent, child, allow_failed, sole)
+    SELECT p.id, c.id, e.allow_failed, c.parents = 1 AND c.required = 1
     FROM unnest($13::integer[], $14::integer[], $15::boolean[]) AS e(parent, child, allow_failed)
     JOIN numbered p ON p.ord = e.parent + 1
     JOIN numbered c ON c.ord = e.child + 1
