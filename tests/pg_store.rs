@@ -773,3 +773,37 @@ async fn closing_the_pool_does_not_wait_for_the_connections_a_store_keeps() {
     let after = store.enqueue(NewTask::new("t", json!(3))).await;
     assert!(matches!(after, Err(PgEnqueueError::Database(sqlx::Error::PoolClosed))), "{after:?}");
 }
+
+#[tokio::test]
+async fn an_urgent_claim_does_not_wait_for_a_connection_while_other_requests_hold_them_all() {
+    let db = TestDb::new().await;
+    // A pool of one: the store keeps no connection of its own between statements.
+    let store = db.store(AppConfig::default(), 1).await;
+    let producer = db.store(AppConfig::default(), 1).await;
+    let mut policy = ClaimPolicy::from_config(store.app(), &WorkerConfig::default());
+    let claim = |policy: &ClaimPolicy, token| DbRequest::Claim {
+        worker: WorkerId("w".into()),
+        token,
+        policy: Arc::new(policy.clone()),
+        my_running: 0,
+        my_claimed: 0,
+        start_now: 0,
+        lease_ms: 60_000,
+    };
+    let regular = claim(&policy, 1);
+    policy.max_priority = Some(-1);
+    // The first urgent claim takes a connection and keeps it for the next ones.
+    assert!(matches!(store.execute(&claim(&policy, 2)).await, Ok(DbReply::Claimed { .. })));
+
+    // A draining worker's claims, finishes and reaper hold every other connection.
+    let held = store.pool().acquire().await.unwrap();
+    let id = producer.enqueue(NewTask::new("t", json!(1)).priority(-1)).await.unwrap();
+    let waited = tokio::time::timeout(Duration::from_millis(300), store.execute(&regular)).await;
+    assert!(waited.is_err(), "a regular claim waits for a connection: {waited:?}");
+    let urgent = tokio::time::timeout(Duration::from_secs(10), store.execute(&claim(&policy, 3))).await;
+    match urgent {
+        Ok(Ok(DbReply::Claimed { tasks, .. })) => assert_eq!(tasks.iter().map(|t| t.id).collect::<Vec<_>>(), [id]),
+        other => panic!("the urgent claim waited or failed: {other:?}"),
+    }
+    drop(held);
+}

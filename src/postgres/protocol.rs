@@ -28,7 +28,11 @@ impl PgStore {
         // machine resolves with its fencing.
         // VACUUM refuses to run in a transaction; a purge runs each batch in its own.
         let own_transaction = !matches!(request, DbRequest::Vacuum { .. } | DbRequest::Purge { .. });
-        let reply: Result<DbReply, RequestError> = replayed!(@transaction own_transaction, self, Replay::IfNotApplied, |conn| async {
+        let lane = match request {
+            DbRequest::Claim { policy, .. } if policy.max_priority.is_some() => Lane::Urgent,
+            _ => Lane::Shared,
+        };
+        let reply: Result<DbReply, RequestError> = replayed!(@lane lane, @transaction own_transaction, self, Replay::IfNotApplied, |conn| async {
             self.run(conn, request).await.map_err(RequestError::Sent)
         });
         reply.map_err(|error| match error {

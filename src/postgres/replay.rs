@@ -112,12 +112,16 @@ macro_rules! replayed {
     };
     // `$own_transaction`: through a pooler in transaction mode, in a transaction of its own (a
     // statement that cannot run in one, such as VACUUM, passes false).
-    (@transaction $own_transaction:expr, $store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
+    (@transaction $own_transaction:expr, $store:expr, $replay:expr, |$conn:ident| $statement:expr) => {
+        $crate::postgres::replay::replayed!(@lane $crate::postgres::store::Lane::Shared, @transaction $own_transaction, $store, $replay, |$conn| $statement)
+    };
+    // `$lane`: which connections it may take (see `Lane`).
+    (@lane $lane:expr, @transaction $own_transaction:expr, $store:expr, $replay:expr, |$conn:ident| $statement:expr) => {{
         let store: &$crate::postgres::PgStore = $store;
         let own_transaction = $own_transaction && store.schema().is_transaction_pooled();
         let mut tries = $crate::postgres::replay::Tries::new(store, $replay);
         loop {
-            let mut held = match store.connection().await {
+            let mut held = match store.connection($lane).await {
                 Ok(held) => held,
                 Err(error) => break Err(error.into()),
             };
@@ -214,7 +218,7 @@ impl Tries {
 /// Closes a connection whose session is gone instead of handing it back to the pool.
 fn close_dead(conn: StoreConnection) {
     match conn {
-        StoreConnection::Kept(conn) => drop(conn),
+        StoreConnection::Kept(conn) | StoreConnection::Urgent(conn) => drop(conn),
         StoreConnection::Pooled(conn) => drop(conn.detach()),
     }
 }

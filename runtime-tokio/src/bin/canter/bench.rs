@@ -32,7 +32,9 @@
 //!   each urgent task's enqueue commit to handler start (no raw baseline), and the time the
 //!   database's sessions and this process's threads waited for a core per time on one (from
 //!   `/proc/<pid>/task/*/schedstat`, where the server runs on this machine): a drain that keeps
-//!   every core busy delays each wake-up on the urgent path;
+//!   every core busy delays each wake-up on the urgent path. With `--task-wait-ms` each no-op
+//!   first awaits a timer, as a handler waiting on I/O would, and the drain leaves the cores
+//!   room (`--concurrency` sets how much);
 //! - `history`: the drain again with `--history-tasks` finished tasks already stored;
 //! - `drain_pgbouncer` (`--workload pgbouncer`, after the plain drain; no raw baseline): the
 //!   drain with its workers through `--pooler-url`, a PgBouncer in transaction mode in front of
@@ -198,6 +200,10 @@ pub(crate) struct BenchArgs {
     /// The raw baseline enqueues without pg_notify
     #[arg(long)]
     raw_no_notify: bool,
+    /// Milliseconds each no-op of latency-under-load's drain awaits a timer, as a handler
+    /// waiting on I/O would (0: none, the drain as fast as the cores allow)
+    #[arg(long, value_name = "MS", default_value_t = 0, value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    task_wait_ms: u64,
     /// Canter's enqueue workloads run beside a worker marked waiting for work (as an idle
     /// worker is), so every enqueue notifies; without, no worker waits and none does
     #[arg(long)]
@@ -442,6 +448,8 @@ struct Options {
     producers: usize,
     /// The raw baseline enqueues without `pg_notify`.
     raw_quiet: bool,
+    /// What each no-op of latency-under-load's drain awaits (zero: nothing).
+    task_wait: Duration,
     /// Canter's enqueues run beside a worker marked waiting, so they notify.
     waiting_worker: bool,
     /// Canter's drains registered no result waiter (timed by reading the live count).
@@ -536,6 +544,7 @@ fn options(database: &Database, args: BenchArgs) -> Result<Options, BenchError> 
         kill_every: Duration::from_millis(args.kill_every_ms),
         producers: args.producers as usize,
         raw_quiet: args.raw_no_notify,
+        task_wait: Duration::from_millis(args.task_wait_ms),
         waiting_worker: args.waiting_worker,
         no_result_waiter: args.no_result_waiter,
         pooler_url: args.pooler_url.clone(),
@@ -601,6 +610,8 @@ struct Sample {
     /// Time waited for a core per time on one during the run, of the database's sessions and
     /// of this process's threads (see [`core_wait_ratio`]), where the server runs here.
     core_wait: Option<[f64; 2]>,
+    /// What each drained no-op awaited, in ms (`--task-wait-ms`), when it awaited anything.
+    task_wait_ms: Option<u64>,
 }
 
 impl Sample {
@@ -622,6 +633,7 @@ impl Sample {
             dashboards: None,
             wal_bytes: None,
             core_wait: None,
+            task_wait_ms: None,
         }
     }
 
@@ -669,6 +681,9 @@ impl Sample {
         if let Some([db, bench]) = self.core_wait {
             line["db_core_wait"] = json!(round(db, 3));
             line["bench_core_wait"] = json!(round(bench, 3));
+        }
+        if let Some(wait) = self.task_wait_ms {
+            line["task_wait_ms"] = json!(wait);
         }
         if let Some((dashboards, reads, read_ms)) = self.dashboards {
             line["dashboards"] = json!(dashboards);

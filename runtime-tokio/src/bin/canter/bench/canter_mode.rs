@@ -741,10 +741,14 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
     let mut registry = Registry::new();
     register_stamp(&mut registry, &stamps)?;
     let count = drained.clone();
+    let wait = options.task_wait;
     registry
         .register("noop", move |_: Value, _| {
             let count = count.clone();
             async move {
+                if !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
                 count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Ok::<_, TaskError>(Value::Null)
             }
@@ -785,6 +789,7 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         let mut sample = paced.sample(scratch.mode, &stamps).await?;
         sample.core_wait = db.zip(bench).map(|(db, bench)| [db, bench]);
         sample.workload = "latency_under_load";
+        sample.task_wait_ms = u64::try_from(options.task_wait.as_millis()).ok().filter(|&ms| ms > 0);
         sample.tasks = n;
         sample.seconds = seconds;
         Ok(sample)
