@@ -777,9 +777,9 @@ async fn closing_the_pool_does_not_wait_for_the_connections_a_store_keeps() {
 #[tokio::test]
 async fn an_urgent_claim_does_not_wait_for_a_connection_while_other_requests_hold_them_all() {
     let db = TestDb::new().await;
-    // A pool of one: the store keeps no connection of its own between statements.
-    let store = db.store(AppConfig::default(), 1).await;
-    let producer = db.store(AppConfig::default(), 1).await;
+    // A pool of two: the store keeps one connection of its own between statements.
+    let store = db.store(AppConfig::default(), 2).await;
+    let other = db.store(AppConfig::default(), 1).await;
     let mut policy = ClaimPolicy::from_config(store.app(), &WorkerConfig::default());
     let claim = |policy: &ClaimPolicy, token| DbRequest::Claim {
         worker: WorkerId("w".into()),
@@ -795,15 +795,41 @@ async fn an_urgent_claim_does_not_wait_for_a_connection_while_other_requests_hol
     // The first urgent claim takes a connection and keeps it for the next ones.
     assert!(matches!(store.execute(&claim(&policy, 2)).await, Ok(DbReply::Claimed { .. })));
 
-    // A draining worker's claims, finishes and reaper hold every other connection.
-    let held = store.pool().acquire().await.unwrap();
-    let id = producer.enqueue(NewTask::new("t", json!(1)).priority(-1)).await.unwrap();
+    // A draining worker's requests hold every other connection: one waits for a row lock
+    // (on the connection the store kept, if it kept one), the pool's are taken.
+    let locked = other.enqueue(NewTask::new("t", json!(0))).await.unwrap();
+    let holder_pool = db.pool(1).await;
+    let mut holder = holder_pool.begin().await.unwrap();
+    let lock = format!("SELECT 1 FROM {}.tasks WHERE id = $1 FOR UPDATE", store.schema().quoted());
+    sqlx::query(sqlx::AssertSqlSafe(lock)).bind(locked.0).execute(&mut *holder).await.unwrap();
+    let waiting = tokio::spawn({
+        let store = store.clone();
+        async move { store.cancel(locked).await }
+    });
+    let observer = db.pool(1).await;
+    let sessions = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND application_name = $1";
+    for _ in 0..500 {
+        let n: i64 = sqlx::query_scalar(sessions).bind(db.schema.name()).fetch_one(&observer).await.unwrap();
+        if n > 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut held = Vec::new();
+    while let Ok(conn) = tokio::time::timeout(Duration::from_millis(300), store.pool().acquire()).await {
+        held.push(conn.unwrap());
+    }
+    let id = other.enqueue(NewTask::new("t", json!(1)).priority(-1)).await.unwrap();
     let waited = tokio::time::timeout(Duration::from_millis(300), store.execute(&regular)).await;
     assert!(waited.is_err(), "a regular claim waits for a connection: {waited:?}");
-    let urgent = tokio::time::timeout(Duration::from_secs(10), store.execute(&claim(&policy, 3))).await;
+    // Well within the lock wait's 5 s, so the waiting request holds its connection all along.
+    let urgent = tokio::time::timeout(Duration::from_secs(2), store.execute(&claim(&policy, 3))).await;
     match urgent {
         Ok(Ok(DbReply::Claimed { tasks, .. })) => assert_eq!(tasks.iter().map(|t| t.id).collect::<Vec<_>>(), [id]),
         other => panic!("the urgent claim waited or failed: {other:?}"),
     }
+    holder.rollback().await.unwrap();
     drop(held);
+    waiting.await.unwrap().expect("the cancel, once the row is free");
+    observer.close().await;
 }

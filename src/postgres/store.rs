@@ -91,8 +91,8 @@ pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx:
 ///
 /// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s. Clones
 /// share the connections the store keeps between statements (up to one less than the pool's
-/// size, detached from it): sqlx tests a connection with a round trip every time it goes back
-/// to its pool. The pool may open others in place of detached ones, so a store holds about as
+/// size, detached from it, and one more for a worker's urgent claims alone): sqlx tests a
+/// connection with a round trip every time it goes back to its pool. The pool may open others in place of detached ones, so a store holds about as
 /// many connections as it has concurrent callers, and fewer than twice its pool's size.
 #[derive(Debug, Clone)]
 pub struct PgStore {
@@ -151,7 +151,8 @@ pub(crate) enum Lane {
     /// behind a draining worker's large claims and finishes, which take every other one (with
     /// a pool of 4, a probe during a drain at a sixth of its top speed waited up to 11 ms for
     /// one). The first such claim, or one after the kept connection sat unused for
-    /// [`KeptConnections::MAX_IDLE`], takes a shared one and keeps it.
+    /// [`KeptConnections::MAX_IDLE`], takes a shared one and keeps it. A store on a pool of one
+    /// has no such connection: its urgent claims share the one session.
     Urgent,
 }
 
@@ -244,7 +245,14 @@ impl PgStore {
     /// How many connections the store may hold at once: the pool's, the kept ones and the
     /// urgent claims' one.
     pub(crate) fn max_connections(&self) -> u32 {
-        self.pool.options().get_max_connections().saturating_add(self.kept.cap as u32).saturating_add(1)
+        let urgent = u32::from(self.keeps_urgent_connection());
+        self.pool.options().get_max_connections().saturating_add(self.kept.cap as u32).saturating_add(urgent)
+    }
+
+    /// Whether urgent claims get a connection of their own ([`Lane::Urgent`]): not from a pool of
+    /// one, which stays one session (a caller may set session state on it).
+    fn keeps_urgent_connection(&self) -> bool {
+        self.kept.cap > 0
     }
 
     /// A connection for a statement: the last one kept, else one from the pool. Hand it back
@@ -255,7 +263,7 @@ impl PgStore {
             self.urgent_slot().take();
             return Err(sqlx::Error::PoolClosed);
         }
-        if lane == Lane::Urgent {
+        if lane == Lane::Urgent && self.keeps_urgent_connection() {
             let kept = self.urgent_slot().take();
             if let Some((conn, since)) = kept
                 && since.elapsed() < KeptConnections::MAX_IDLE
