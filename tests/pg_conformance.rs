@@ -90,6 +90,9 @@ struct Pair {
     pool: PgPool,
     listener: PgListener,
     marker: String,
+    /// Where the marker is sent from: not `pool`, whose short lock_timeout would give up on
+    /// the cluster-wide lock a commit with notifications takes (held by other tests' commits).
+    marker_pool: PgPool,
     now: DbTime,
     step: usize,
     label: String,
@@ -134,6 +137,7 @@ impl Pair {
             pool,
             listener,
             marker,
+            marker_pool: db.pool(1).await,
             now: T0,
             step: 0,
             label: label.into(),
@@ -432,7 +436,7 @@ impl Pair {
                 other => panic!("{at}: a notification this suite does not know: {other:?}"),
             }
         }
-        sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.pool).await.unwrap();
+        sqlx::query("SELECT pg_notify($1, '')").bind(&self.marker).execute(&self.marker_pool).await.unwrap();
         let (mut pg_ready, mut pg_done, mut pg_revoked) = (Vec::new(), Vec::new(), Vec::new());
         loop {
             let note = tokio::time::timeout(Duration::from_secs(10), self.listener.recv())

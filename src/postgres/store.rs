@@ -92,8 +92,9 @@ pub fn with_session_settings(options: sqlx::postgres::PgConnectOptions) -> sqlx:
 /// Cheap to clone: a pool handle, the schema and the app configuration behind `Arc`s. Clones
 /// share the connections the store keeps between statements (up to one less than the pool's
 /// size, detached from it, and one more for a worker's urgent claims alone): sqlx tests a
-/// connection with a round trip every time it goes back to its pool. The pool may open others in place of detached ones, so a store holds about as
-/// many connections as it has concurrent callers, and fewer than twice its pool's size.
+/// connection with a round trip every time it goes back to its pool. The pool may open others
+/// in place of detached ones, so a store holds about as many connections as it has concurrent
+/// callers, and at most twice its pool's size.
 #[derive(Debug, Clone)]
 pub struct PgStore {
     pub(super) pool: PgPool,
