@@ -103,8 +103,8 @@ pub struct PgStore {
     pub(super) schema: PgSchema,
     pub(super) app: Arc<AppConfig>,
     pub(super) kept: Arc<KeptConnections>,
-    /// The connection kept for urgent claims alone (see [`Lane::Urgent`]).
-    pub(super) urgent: Arc<Mutex<Option<(PgConnection, Instant)>>>,
+    /// The connection kept for urgent claims alone (see [`Lane::Urgent`]): at most one.
+    pub(super) urgent: Arc<KeptConnections>,
     pub(crate) vacuum: Arc<super::vacuum::VacuumMemory>,
 }
 
@@ -120,7 +120,7 @@ pub struct PgStore {
 /// 9, keeping 3 (as before) gave 4,166 tasks/s and keeping 8 11,455/s, raw SQL 12,894/s
 /// (`canter bench --workload enqueue --producers 8`). Detached connections no longer count in
 /// the pool, which may open others in their place: a store holds about as many connections as
-/// it has concurrent callers, and fewer than twice its pool's size.
+/// it has concurrent callers, and at most twice its pool's size (with the urgent claims' one).
 #[derive(Debug)]
 pub(crate) struct KeptConnections {
     idle: Mutex<Vec<(PgConnection, Instant)>>,
@@ -131,14 +131,45 @@ impl KeptConnections {
     /// How long a kept connection may sit unused before it is closed.
     const MAX_IDLE: Duration = Duration::from_secs(30);
 
-    fn new(pool: &PgPool) -> KeptConnections {
-        // A pool of one stays one session (a caller may set session state on it).
-        let cap = (pool.options().get_max_connections() as usize).saturating_sub(1);
+    /// The shared connections of `pool` and the urgent claims' one. A pool of one stays one
+    /// session (a caller may set session state on it): it keeps neither.
+    fn for_pool(pool: &PgPool) -> (KeptConnections, KeptConnections) {
+        let shared = (pool.options().get_max_connections() as usize).saturating_sub(1);
+        (KeptConnections::with_cap(shared), KeptConnections::with_cap(shared.min(1)))
+    }
+
+    fn with_cap(cap: usize) -> KeptConnections {
         KeptConnections { idle: Mutex::new(Vec::with_capacity(cap)), cap }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<(PgConnection, Instant)>> {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The last connection kept, unless it sat unused too long (the server may have closed it:
+    /// such ones are closed here).
+    fn take(&self) -> Option<PgConnection> {
+        loop {
+            let (conn, since) = self.lock().pop()?;
+            if since.elapsed() < KeptConnections::MAX_IDLE {
+                return Some(conn);
+            }
+        }
+    }
+
+    /// Keeps `conn` (detaching it from its pool) unless enough are kept.
+    // Connection bookkeeping of the I/O adapter, not the core's time (which is the database's).
+    #[allow(clippy::disallowed_methods)]
+    fn keep(&self, conn: StoreConnection) {
+        let mut idle = self.lock();
+        if idle.len() >= self.cap {
+            return;
+        }
+        let conn = match conn {
+            StoreConnection::Kept(conn) | StoreConnection::Urgent(conn) => conn,
+            StoreConnection::Pooled(conn) => conn.detach(),
+        };
+        idle.push((conn, Instant::now()));
     }
 }
 
@@ -189,13 +220,13 @@ impl PgStore {
     /// A store on `pool` in `schema`, checking enqueues against `app`. It does not touch the
     /// database; run [`migrate`](PgStore::migrate) once at startup.
     pub fn new(pool: PgPool, schema: PgSchema, app: AppConfig) -> Self {
-        let kept = Arc::new(KeptConnections::new(&pool));
+        let (kept, urgent) = KeptConnections::for_pool(&pool);
         PgStore {
             pool,
             schema,
             app: Arc::new(app),
-            kept,
-            urgent: Arc::default(),
+            kept: Arc::new(kept),
+            urgent: Arc::new(urgent),
             vacuum: Arc::default(),
             session_pool: None,
         }
@@ -246,14 +277,8 @@ impl PgStore {
     /// How many connections the store may hold at once: the pool's, the kept ones and the
     /// urgent claims' one.
     pub(crate) fn max_connections(&self) -> u32 {
-        let urgent = u32::from(self.keeps_urgent_connection());
-        self.pool.options().get_max_connections().saturating_add(self.kept.cap as u32).saturating_add(urgent)
-    }
-
-    /// Whether urgent claims get a connection of their own ([`Lane::Urgent`]): not from a pool of
-    /// one, which stays one session (a caller may set session state on it).
-    fn keeps_urgent_connection(&self) -> bool {
-        self.kept.cap > 0
+        let kept = (self.kept.cap + self.urgent.cap) as u32;
+        self.pool.options().get_max_connections().saturating_add(kept)
     }
 
     /// A connection for a statement: the last one kept, else one from the pool. Hand it back
@@ -261,14 +286,11 @@ impl PgStore {
     pub(crate) async fn connection(&self, lane: Lane) -> Result<StoreConnection, sqlx::Error> {
         if self.pool.is_closed() {
             self.kept.lock().clear();
-            self.urgent_slot().take();
+            self.urgent.lock().clear();
             return Err(sqlx::Error::PoolClosed);
         }
-        if lane == Lane::Urgent && self.keeps_urgent_connection() {
-            let kept = self.urgent_slot().take();
-            if let Some((conn, since)) = kept
-                && since.elapsed() < KeptConnections::MAX_IDLE
-            {
+        if lane == Lane::Urgent && self.urgent.cap > 0 {
+            if let Some(conn) = self.urgent.take() {
                 return Ok(StoreConnection::Urgent(conn));
             }
             // None yet, or too long unused: a shared one becomes the urgent claims' own.
@@ -277,42 +299,22 @@ impl PgStore {
                 StoreConnection::Pooled(conn) => Ok(StoreConnection::Urgent(conn.detach())),
             };
         }
-        loop {
-            let kept = self.kept.lock().pop();
-            match kept {
-                Some((conn, since)) if since.elapsed() < KeptConnections::MAX_IDLE => {
-                    return Ok(StoreConnection::Kept(conn));
-                }
-                // Too long unused: the server may have closed it.
-                Some((stale, _)) => drop(stale),
-                None => return self.pool.acquire().await.map(StoreConnection::Pooled),
-            }
+        match self.kept.take() {
+            Some(conn) => Ok(StoreConnection::Kept(conn)),
+            None => self.pool.acquire().await.map(StoreConnection::Pooled),
         }
     }
 
-    /// Keeps `conn` for the next statement, or lets it go when enough are kept.
-    // Connection bookkeeping of the I/O adapter, not the core's time (which is the database's).
-    #[allow(clippy::disallowed_methods)]
+    /// Keeps `conn` for the next statement (the urgent claims' one for the next of those), or
+    /// lets it go when enough are kept or the pool is closed.
     pub(crate) fn keep(&self, conn: StoreConnection) {
-        if let StoreConnection::Urgent(conn) = conn {
-            if !self.pool.is_closed() {
-                *self.urgent_slot() = Some((conn, Instant::now()));
-            }
+        if self.pool.is_closed() {
             return;
         }
-        let mut kept = self.kept.lock();
-        if kept.len() >= self.kept.cap || self.pool.is_closed() {
-            return;
+        match conn {
+            StoreConnection::Urgent(_) => self.urgent.keep(conn),
+            StoreConnection::Kept(_) | StoreConnection::Pooled(_) => self.kept.keep(conn),
         }
-        let conn = match conn {
-            StoreConnection::Kept(conn) | StoreConnection::Urgent(conn) => conn,
-            StoreConnection::Pooled(conn) => conn.detach(),
-        };
-        kept.push((conn, Instant::now()));
-    }
-
-    fn urgent_slot(&self) -> std::sync::MutexGuard<'_, Option<(PgConnection, Instant)>> {
-        self.urgent.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The connection pool.
