@@ -469,3 +469,65 @@ async fn a_steps_counts_change_in_place() {
     assert_eq!(updated, DIAMONDS as i64, "one count update per join");
     assert_eq!(hot, updated, "every count update stays on its page");
 }
+
+/// A fan-out's children are claimed straight from WAITING once their parent completed (schema
+/// 18): the completion opens one gate row per queue instead of writing a Pending version of
+/// each child, and the claim that takes the gate's last rows deletes it. A parent of fewer
+/// than 8 such children (the default of `canter.gate_min_children`) promotes them as before.
+#[tokio::test]
+async fn a_wide_fan_outs_children_wait_behind_a_gate_the_claim_opens() {
+    const CHILDREN: usize = 100;
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let mut workflow = NewWorkflow::new("fan-outs");
+    let task = |n: i32| NewTask::new("report", json!({ "n": n }));
+    let wide = workflow.step(task(-1), Join::All);
+    let narrow = workflow.step(task(-2), Join::All);
+    for i in 0..CHILDREN {
+        let child = workflow.step(task(i as i32), Join::All);
+        workflow.edge(wide, child, EdgePolicy::RequireSuccess);
+    }
+    for i in 0..3 {
+        let child = workflow.step(task(1_000 + i), Join::All);
+        workflow.edge(narrow, child, EdgePolicy::RequireSuccess);
+    }
+    let ids = store.submit_workflow(&workflow).await.unwrap().tasks;
+    let pool = db.pool(1).await;
+    let schema = db.schema.quoted();
+    let by_state = format!(
+        "SELECT t.state, t.gate IS NOT NULL AS gated, count(*) FROM {schema}.tasks t \
+         WHERE t.id <> ALL ($1) GROUP BY 1, 2 ORDER BY 1, 2"
+    );
+    let roots = vec![ids[0].0, ids[1].0];
+    let states = |pool| {
+        let sql = by_state.clone();
+        let roots = roots.clone();
+        async move {
+            sqlx::query_as::<_, (String, bool, i64)>(AssertSqlSafe(sql)).bind(roots).fetch_all(pool).await.unwrap()
+        }
+    };
+    assert_eq!(
+        states(&pool).await,
+        [("WAITING".to_owned(), false, 3), ("WAITING".to_owned(), true, CHILDREN as i64)],
+        "(state, gated, rows) of the children at submit"
+    );
+    let config = WorkerConfig { concurrency: 1_000, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    assert_eq!(claim_and_complete(&store, &policy, 0).await, 2, "the two roots");
+    // The wide root's children are not written: they wait behind its open gate.
+    assert_eq!(
+        states(&pool).await,
+        [("PENDING".to_owned(), false, 3), ("WAITING".to_owned(), true, CHILDREN as i64)],
+        "(state, gated, rows) of the children once their parents completed"
+    );
+    let seen = format!("SELECT t.state, count(*) FROM {schema}.seen_tasks t GROUP BY 1");
+    let seen: Vec<(String, i64)> = sqlx::query_as(AssertSqlSafe(seen)).fetch_all(&pool).await.unwrap();
+    assert_eq!(seen, [("PENDING".to_owned(), CHILDREN as i64 + 3)], "what readers see");
+    let gates = format!("SELECT count(*) FILTER (WHERE opened_at IS NOT NULL), count(*) FROM {schema}.task_gates");
+    let open: (i64, i64) = sqlx::query_as(AssertSqlSafe(gates.clone())).fetch_one(&pool).await.unwrap();
+    assert_eq!(open, (1, 1), "(open gates, gates)");
+    assert_eq!(claim_and_complete(&store, &policy, 1).await, CHILDREN + 3);
+    let open: (i64, i64) = sqlx::query_as(AssertSqlSafe(gates)).fetch_one(&pool).await.unwrap();
+    assert_eq!(open, (0, 0), "the claim that emptied the gate deleted it");
+    assert_eq!(claim_and_complete(&store, &policy, 2).await, 0);
+}

@@ -452,16 +452,21 @@ async fn the_readme_grants_are_enough_for_each_role() {
         let record = client.wait(ids[0], Duration::from_secs(30)).await.unwrap();
         assert_eq!(record.state, TaskState::Completed, "{mode:?}");
     }
-    // A workflow submitted by the client runs on the worker's grants (the promotion of its
-    // second step is the owner's function's), and the operator pauses, cancels, retries and
-    // resumes another.
-    let mut chain = canter_tokio::canter::store::NewWorkflow::new("chain");
-    let first = chain.step(NewTask::new("echo", json!(1)), canter_tokio::canter::workflow::Join::All);
-    let second = chain.step(NewTask::new("echo", json!(2)), canter_tokio::canter::workflow::Join::All);
-    chain.edge(first, second, canter_tokio::canter::workflow::EdgePolicy::RequireSuccess);
-    let submitted = client.store().submit_workflow(&chain).await.expect("the client submits a workflow");
-    let record = client.wait(submitted.tasks[1], Duration::from_secs(30)).await.unwrap();
-    assert_eq!(record.state, TaskState::Completed, "the second step ran");
+    // A workflow submitted by the client runs on the worker's grants (the settling of its
+    // children is the owner's function's; the claim takes them from behind their parent's
+    // gate, schema 18, as 8 children of one parent are gated), and the operator pauses,
+    // cancels, retries and resumes another.
+    let mut fan_out = canter_tokio::canter::store::NewWorkflow::new("fan-out");
+    let first = fan_out.step(NewTask::new("echo", json!(1)), canter_tokio::canter::workflow::Join::All);
+    for i in 0..8 {
+        let child = fan_out.step(NewTask::new("echo", json!(i)), canter_tokio::canter::workflow::Join::All);
+        fan_out.edge(first, child, canter_tokio::canter::workflow::EdgePolicy::RequireSuccess);
+    }
+    let submitted = client.store().submit_workflow(&fan_out).await.expect("the client submits a workflow");
+    for &child in &submitted.tasks[1..] {
+        let record = client.wait(child, Duration::from_secs(30)).await.unwrap();
+        assert_eq!(record.state, TaskState::Completed, "the children ran");
+    }
     let later = {
         let mut later = canter_tokio::canter::store::NewWorkflow::new("later");
         later.step(NewTask::new("noop", json!({})).run_at(canter_tokio::RunAt::DelayMs(3_600_000)), Default::default());

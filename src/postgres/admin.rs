@@ -75,13 +75,16 @@ impl PgStore {
         let sql = self.schema().sql();
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let done: Option<(i64, String, Option<String>)> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
-                .cancel
-                .query_as()
-                .bind(id.0)
-                .bind(&error)
-                .bind(self.schema().done_channel())
-                .fetch_optional(conn))?;
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
+                sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+                sql.cancel
+                    .query_as()
+                    .bind(id.0)
+                    .bind(&error)
+                    .bind(self.schema().done_channel())
+                    .fetch_optional(&mut *conn)
+                    .await
+            })?;
         if let Some((_, state, holder)) = done {
             return Ok(Cancelled::of(parse_state(&state)?, holder.map(WorkerId)));
         }
@@ -135,17 +138,20 @@ impl PgStore {
         };
         let sql = self.schema().sql();
         let row: Option<(String, i64, Option<i64>, bool)> =
-            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
-                .reschedule
-                .query_as()
-                .bind(id.0)
-                .bind(change.run_at.is_some())
-                .bind(delay)
-                .bind(at)
-                .bind(change.priority)
-                .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX))) // checked above
-                .bind(self.schema().queue_channel_prefix())
-                .fetch_optional(conn))?;
+            replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
+                sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+                sql.reschedule
+                    .query_as()
+                    .bind(id.0)
+                    .bind(change.run_at.is_some())
+                    .bind(delay)
+                    .bind(at)
+                    .bind(change.priority)
+                    .bind(change.retries.map(|n| i32::try_from(n).unwrap_or(i32::MAX))) // checked above
+                    .bind(self.schema().queue_channel_prefix())
+                    .fetch_optional(&mut *conn)
+                    .await
+            })?;
         match row {
             Some((_, _, _, true)) => Ok(()),
             Some((state, run_at, good_until, false)) => match parse_state(&state)? {
@@ -169,15 +175,18 @@ impl PgStore {
         result: Option<Value>,
     ) -> Result<(), PgAdminError> {
         let sql = self.schema().sql();
-        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| sql
-            .finish_by_hand
-            .query_scalar()
-            .bind(id.0)
-            .bind(state.as_str())
-            .bind(&error)
-            .bind(&result)
-            .bind(self.schema().done_channel())
-            .fetch_optional(conn))?;
+        let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
+            sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+            sql.finish_by_hand
+                .query_scalar()
+                .bind(id.0)
+                .bind(state.as_str())
+                .bind(&error)
+                .bind(&result)
+                .bind(self.schema().done_channel())
+                .fetch_optional(&mut *conn)
+                .await
+        })?;
         if done.is_some() {
             return Ok(());
         }

@@ -30,8 +30,10 @@
 //!   those counts change in place) and `workflow_edges` (`sole` where the child has that
 //!   parent alone and needs it: a finish satisfying it decides the child without counting),
 //!   settled by `workflow_settle()` in the statement that finishes a step (a trigger on
-//!   `finished_tasks`); every table is in
-//!   [`TABLES`];
+//!   `finished_tasks`); `task_gates`: per parent of a wide fan-out and queue, a gate its
+//!   completion opens, behind which the claim takes the children straight from WAITING (their
+//!   `gate` column names the parent; the view `seen_tasks` shows them Pending to readers);
+//!   every table is in [`TABLES`];
 //! - functions `enqueue`, `claim_tasks` (and the `claim` of earlier releases), `start_tasks`
 //!   and `remove_key` (each one round trip), `register_listener` and `unregister_listener`,
 //!   `mark_waiting` and `unmark_waiting`,

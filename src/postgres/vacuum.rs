@@ -23,8 +23,17 @@ use crate::store::VacuumedTable;
 /// (`finished_tasks` and `attempts` only grow, and are left to the server and the purge), and
 /// `listeners` and `waiting_workers`, a row in and out per result wait and per worker running
 /// out of work.
-pub const HOT_TABLES: &[&str] =
-    &["tasks", "task_keys", "workers", "claim_locks", "queue_states", "reaper_lock", "listeners", "waiting_workers"];
+pub const HOT_TABLES: &[&str] = &[
+    "tasks",
+    "task_keys",
+    "workers",
+    "claim_locks",
+    "queue_states",
+    "reaper_lock",
+    "listeners",
+    "waiting_workers",
+    "task_gates",
+];
 
 /// How long what a vacuum left behind keeps the next one away (unless more piles up): the
 /// open snapshot that held those rows has likely ended by then.

@@ -185,14 +185,17 @@ impl PgStore {
         if status != WorkflowStatus::Cancelled {
             let sql = self.schema().sql();
             let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, CANCELLED_WITH_WORKFLOW))?;
-            let _: i64 = replayed!(self, Replay::Safe, |conn| sql
-                .cancel_workflow
-                .query_scalar()
-                .bind(id.0)
-                .bind(&error)
-                .bind(self.schema().done_channel())
-                .bind(self.schema().abort_channel())
-                .fetch_one(conn))?;
+            let _: i64 = replayed!(self, Replay::Safe, |conn| async {
+                sql.promote_opened_steps.query().bind(id.0).execute(&mut *conn).await?;
+                sql.cancel_workflow
+                    .query_scalar()
+                    .bind(id.0)
+                    .bind(&error)
+                    .bind(self.schema().done_channel())
+                    .bind(self.schema().abort_channel())
+                    .fetch_one(&mut *conn)
+                    .await
+            })?;
         }
         self.status_now(id).await
     }

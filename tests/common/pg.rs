@@ -205,8 +205,14 @@ impl Drop for TestDb {
 
 /// Pins the database clock of every statement `pool` runs at `now` (the pool must have one
 /// connection: the setting is per session). Only schemas made by [`TestDb::new`] read it.
+///
+/// The session also gates every child it can (`canter.gate_min_children` 1, migration 0018),
+/// so that the scripts of a few steps compared with the memory store take the gated path.
 pub async fn pin_clock<'e>(executor: impl sqlx::PgExecutor<'e>, schema: &PgSchema, now: DbTime) {
-    let sql = format!("SELECT set_config('canter.now', {}.at_ms($1)::text, false)", schema.quoted());
+    let sql = format!(
+        "SELECT set_config('canter.now', {}.at_ms($1)::text, false), set_config('canter.gate_min_children', '1', false)",
+        schema.quoted()
+    );
     sqlx::query(sqlx::AssertSqlSafe(sql)).bind(now.0).execute(executor).await.expect("pin the clock");
 }
 
