@@ -23,7 +23,9 @@
 --
 -- Which children are gated is the submit's choice (`canter.gate_min_children`, in
 -- `SUBMIT_WORKFLOW`): a gate costs about what promoting three children does, so a parent of
--- fewer than 8 such children in a queue promotes them as before.
+-- fewer than 8 such children in a queue promotes them as before; and a gate's children share
+-- one priority (the gate's, by which claims choose gates) and carry no flags (any worker of
+-- the queue may take them).
 --
 -- Online-safe with one exception, below: new columns without defaults (no rewrite), a new
 -- table and view, functions replaced with the same signatures. Binaries of schema 13 and later
@@ -303,6 +305,138 @@ BEGIN
           GROUP BY x.channel) q;
 END;
 $$;
+-- Promotes the steps of workflow `p_workflow` that wait behind open gates, as their gates'
+-- opening would have (PENDING, due then), and deletes those gates: no row is left behind
+-- them (a claim that held one took it). Run before a cancel and a retry of the workflow,
+-- which act on Pending steps as such.
+CREATE FUNCTION promote_opened_steps(p_workflow bigint) RETURNS void
+LANGUAGE sql VOLATILE
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+AS $$
+    UPDATE tasks t SET state = 'PENDING', run_at = greatest(t.run_at, g.opened_at), gate = NULL
+    FROM task_gates g
+    WHERE t.id = ANY (ARRAY(SELECT s.task_id FROM workflow_steps s WHERE s.workflow_id = p_workflow))
+      AND t.state = 'WAITING' AND g.gate = t.gate AND g.queue = t.queue AND g.opened_at IS NOT NULL;
+    DELETE FROM task_gates g
+    WHERE g.gate = ANY (ARRAY(SELECT s.task_id FROM workflow_steps s WHERE s.workflow_id = p_workflow))
+      AND g.opened_at IS NOT NULL;
+$$;
+
+-- As 0011's, but the steps behind the workflow's open gates are promoted first, and a reset
+-- step rejoins its parent's gate while that gate is shut.
+-- Retries workflow `p_workflow`: its steps that finished without completing (failed,
+-- cancelled, expired, skipped) and, with `p_downstream`, every finished step below them go back
+-- to WAITING (retries spent reset; attempts, history and last error kept; the run a finished row
+-- held becomes an attempts row, as a requeue's); they and their children count their parents again;
+-- the workflow is no longer cancelled and no sink of it failed; then their joins decide, unless
+-- the workflow is still paused (its resume decides them): a workflow whose steps had all
+-- finished, or that was cancelled, is not. Refused whole, with `purged` > 0, when rows
+-- of its steps were purged: their outcomes are gone. `known` is false for an unknown workflow.
+CREATE OR REPLACE FUNCTION workflow_retry(p_workflow bigint, p_downstream boolean,
+                               OUT known boolean, OUT purged integer, OUT reset integer)
+LANGUAGE plpgsql VOLATILE
+SET search_path FROM CURRENT
+SET enable_seqscan = off
+AS $$
+DECLARE
+    v_reset  bigint[];
+    v_decide bigint[];
+    v_over   boolean;
+BEGIN
+    -- The workflow's row first: a concurrent retry, cancel or pause of it waits for this one.
+    PERFORM FROM workflows w WHERE w.id = p_workflow FOR UPDATE;
+    known := FOUND;
+    purged := 0;
+    reset := 0;
+    IF NOT known THEN
+        RETURN;
+    END IF;
+    SELECT count(*) INTO purged
+    FROM workflow_steps s
+    WHERE s.workflow_id = p_workflow
+      AND NOT EXISTS (SELECT FROM tasks t WHERE t.id = s.task_id)
+      AND NOT EXISTS (SELECT FROM finished_tasks f WHERE f.id = s.task_id);
+    IF purged > 0 THEN
+        RETURN;
+    END IF;
+    -- Its steps behind open gates are Pending to the retry, as their promotion left them in
+    -- schema 17: a reset parent that fails again must not skip them.
+    PERFORM promote_opened_steps(p_workflow);
+    -- A workflow whose steps all finished is no longer paused (nothing is left to hold), though
+    -- its row may say so: a retry reopens it running.
+    v_over := NOT EXISTS (SELECT FROM workflow_steps s JOIN tasks t ON t.id = s.task_id
+                          WHERE s.workflow_id = p_workflow);
+
+    WITH RECURSIVE failed AS (
+        SELECT f.id
+        FROM workflow_steps s JOIN finished_tasks f ON f.id = s.task_id
+        WHERE s.workflow_id = p_workflow AND f.state <> 'COMPLETED'
+    ),
+    below (id) AS (
+        SELECT e.child FROM workflow_edges e WHERE p_downstream AND e.parent IN (SELECT x.id FROM failed x)
+        UNION
+        SELECT e.child FROM below b JOIN workflow_edges e ON e.parent = b.id
+    )
+    SELECT coalesce(array_agg(r.id ORDER BY r.id), '{}') INTO v_reset
+    FROM (SELECT x.id FROM failed x
+          UNION
+          SELECT b.id FROM below b WHERE EXISTS (SELECT FROM finished_tasks f WHERE f.id = b.id)) r;
+    reset := cardinality(v_reset);
+
+    SELECT coalesce(array_agg(DISTINCT x.id ORDER BY x.id), '{}') INTO v_decide
+    FROM (SELECT unnest(v_reset) AS id
+          UNION
+          SELECT e.child FROM workflow_edges e WHERE e.parent = ANY (v_reset)) x;
+
+    WITH gone AS (
+        DELETE FROM finished_tasks f WHERE f.id = ANY (v_reset) RETURNING f.*
+    ),
+    history AS (
+        INSERT INTO attempts (task_id, attempt, worker, outcome, error, finished_at)
+        SELECT g.id, g.attempts, g.claimed_by, g.state, g.error, g.finished_at FROM gone g
+        WHERE g.state IN ('COMPLETED', 'FAILED')
+          AND g.attempts > coalesce((SELECT max(a.attempt) FROM attempts a WHERE a.task_id = g.id), 0)
+    )
+    -- A step whose gate has not opened yet (its parent is still to finish: the step was
+    -- cancelled alone) waits behind it again; the parent's completion, which opens the gate,
+    -- promotes none of its gated children one by one.
+    INSERT INTO tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
+                       claim_expires_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at,
+                       good_until, retry, key, flags, error, gate)
+    OVERRIDING SYSTEM VALUE
+    SELECT g.id, g.name, g.queue, g.priority, g.args, 'WAITING', g.lease, NULL, NULL, g.claimed_at, NULL, NULL,
+           g.started_at, g.attempts, 0, g.run_at, g.enqueued_at, g.good_until, g.retry, g.key, g.flags, g.error,
+           (SELECT e.parent FROM workflow_edges e JOIN task_gates x ON x.gate = e.parent AND x.queue = g.queue
+            WHERE e.child = g.id AND e.gated AND x.opened_at IS NULL)
+    FROM gone g;
+
+    -- The reset steps and their children count their parents again: the finished ones (a
+    -- promoted or skipped step's counts were left as they were when it left WAITING). Locked
+    -- in id order, as the finish trigger locks them.
+    WITH locked AS (
+        SELECT s.task_id FROM workflow_steps s WHERE s.task_id = ANY (v_decide) ORDER BY s.task_id FOR UPDATE
+    ),
+    recounted AS (
+        SELECT l.task_id,
+               count(f.id) FILTER (WHERE f.state = 'COMPLETED' OR e.allow_failed) AS satisfied,
+               count(f.id) FILTER (WHERE NOT (f.state = 'COMPLETED' OR e.allow_failed)) AS unsatisfied
+        FROM locked l
+        LEFT JOIN workflow_edges e ON e.child = l.task_id
+        LEFT JOIN finished_tasks f ON f.id = e.parent
+        GROUP BY l.task_id
+    )
+    UPDATE workflow_steps s SET satisfied = r.satisfied, unsatisfied = r.unsatisfied
+    FROM recounted r
+    WHERE s.task_id = r.task_id;
+
+    UPDATE workflows w
+    SET cancelled = false, sink_failed = false, paused = w.paused AND NOT w.cancelled AND NOT v_over
+    WHERE w.id = p_workflow;
+    PERFORM workflow_settle('{}', '{}', v_decide);
+END;
+$$;
+
 -- Whether a claim under these bounds may take a WAITING row behind a gate that opened at
 -- `p_opened_at`: the Pending rows' filters, its run-at the gate's opening. One SQL expression
 -- without settings, so the planner inlines it where it is called.
@@ -368,6 +502,9 @@ DECLARE
     v_drained       bigint[] := '{}';
     v_drained_queue text[] := '{}';
     v_emptied       bigint[];
+    -- Every gate the claim visited, with when it opened: the run-at of the rows it takes.
+    v_seen_gates    bigint[] := '{}';
+    v_seen_opened   timestamptz[] := '{}';
 BEGIN
     -- Paused queues (`queue_states`) leave the pass before anything else: one probe of a tiny
     -- table, and the queue list is rebuilt only when one of its queues is paused.
@@ -412,22 +549,27 @@ BEGIN
         v_got_pending := 0;
         v_got_gated := 0;
         v_gated_seen := 0;
-        -- The queue's open gates, most urgent first: a pass visits at most as many as it wants
-        -- rows (an open gate holds rows until the claim that empties it deletes it).
-        -- (ARRAY() in the index's order: an aggregate's ORDER BY sets up a sort at each call,
-        -- 45 µs of a small claim's 0.6 ms.)
+        -- The queue's open gates within the pass's bounds (a gate's rows share its priority:
+        -- the submit gates no other), most urgent first. It visits 16 at most: each may lock as
+        -- many rows as the pass wants, which it merges in claim order. (ARRAY() in the index's
+        -- order: an aggregate's ORDER BY set up a sort at each call, 45 µs of a small claim's
+        -- 0.6 ms.)
         v_open := ARRAY(SELECT g.gate FROM task_gates g
                         WHERE g.queue = v_queue AND g.opened_at IS NOT NULL
+                          AND (g.priority, g.opened_at) >= (coalesce(p_min_priority, -32768), v_min_run_at)
+                          AND g.priority <= coalesce(p_max_priority, 32767)
                         ORDER BY g.priority, g.opened_at, g.gate
-                        LIMIT greatest(v_want, 1) + 1);
-        v_open_more := cardinality(v_open) > greatest(v_want, 1);
-        v_open := v_open[1:greatest(v_want, 1)];
+                        LIMIT 17);
+        v_open_more := cardinality(v_open) > 16;
+        v_open := v_open[1:16];
         v_opened_at := '{}';
         IF cardinality(v_open) > 0 THEN
             v_opened_at := ARRAY(SELECT g.opened_at FROM unnest(v_open) WITH ORDINALITY AS o(gate, ord)
                                  -- Deleted since (emptied by another claim): NULL, in its place.
                                  LEFT JOIN task_gates g ON g.gate = o.gate AND g.queue = v_queue
                                  ORDER BY o.ord);
+            v_seen_gates := v_seen_gates || v_open;
+            v_seen_opened := v_seen_opened || v_opened_at;
         END IF;
         IF v_want > 0 THEN
             -- Queues are distinct, so rows of earlier queues (in `v_ids`) cannot turn up here.
@@ -598,7 +740,9 @@ BEGIN
                                                    p_forbidden, p_min_priority, p_max_priority)
                             LIMIT 1
                         ) x
-                        WHERE g.queue = v_queue AND g.opened_at IS NOT NULL AND g.gate <> ALL (v_open));
+                        WHERE g.queue = v_queue AND g.opened_at IS NOT NULL AND g.gate <> ALL (v_open)
+                          AND (g.priority, g.opened_at) >= (coalesce(p_min_priority, -32768), v_min_run_at)
+                          AND g.priority <= coalesce(p_max_priority, 32767));
                 END IF;
             END IF;
         END IF;
@@ -633,8 +777,10 @@ BEGIN
                                         ELSE v_now + p_lease_ms * interval '1 millisecond' END,
                 -- A row behind a gate becomes due when its gate opened, as a promotion makes it.
                 run_at = CASE WHEN t.state = 'WAITING'
-                              THEN greatest(t.run_at, (SELECT g.opened_at FROM task_gates g
-                                                       WHERE g.gate = t.gate AND g.queue = t.queue))
+                              THEN greatest(t.run_at, (SELECT o.opened_at
+                                                       FROM unnest(v_seen_gates, v_seen_opened) AS o(gate, opened_at)
+                                                       WHERE o.gate = t.gate
+                                                       LIMIT 1))
                               ELSE t.run_at END,
                 gate = NULL
             WHERE t.id = ANY (v_ids)

@@ -531,3 +531,81 @@ async fn a_wide_fan_outs_children_wait_behind_a_gate_the_claim_opens() {
     assert_eq!(open, (0, 0), "the claim that emptied the gate deleted it");
     assert_eq!(claim_and_complete(&store, &policy, 2).await, 0);
 }
+
+/// A gated step cancelled alone before its parent finished, then put back by a retry of its
+/// workflow, waits behind its parent's gate again. Found in review: the retry wrote it back
+/// without its gate, and the parent's completion, which opens the gate and so promotes none
+/// of its gated children one by one, left it WAITING for good.
+#[tokio::test]
+async fn a_gated_step_cancelled_and_retried_before_its_parent_completes_still_runs() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let mut workflow = NewWorkflow::new("fan-out");
+    let root = workflow.step(NewTask::new("report", json!(-1)), Join::All);
+    for i in 0..8 {
+        let child = workflow.step(NewTask::new("report", json!(i)), Join::All);
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+    }
+    let submitted = store.submit_workflow(&workflow).await.unwrap();
+    store.admin(&canter::store::AdminRequest::Cancel { task: submitted.tasks[1] }).await.unwrap();
+    store.retry_workflow(submitted.workflow, false).await.unwrap();
+    let config = WorkerConfig { concurrency: 100, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    assert_eq!(claim_and_complete(&store, &policy, 0).await, 1, "the root");
+    assert_eq!(claim_and_complete(&store, &policy, 1).await, 8, "every child, the retried one too");
+    assert_eq!(claim_and_complete(&store, &policy, 2).await, 0);
+}
+
+/// Claims what `policy` lets it as worker `w` (claim `token`) and finishes it all with
+/// `outcome`: the ids.
+async fn claim_and_finish(
+    store: &PgStore,
+    policy: &Arc<ClaimPolicy>,
+    token: u64,
+    outcome: FinishOutcome,
+) -> Vec<canter::task::TaskId> {
+    let DbReply::Claimed { tasks, .. } = store.execute(&pg::claim_by_w(token, policy, 100)).await.unwrap() else {
+        panic!()
+    };
+    let completions = tasks
+        .iter()
+        .map(|t| Completion { task: TaskLease { task: t.id, lease: t.lease }, outcome: outcome.clone(), args: None })
+        .collect();
+    let reply = store.execute(&DbRequest::Finish { worker: WorkerId("w".into()), completions }).await.unwrap();
+    assert!(matches!(reply, DbReply::Finished { .. }), "{reply:?}");
+    tasks.iter().map(|t| t.id).collect()
+}
+
+/// A retry downstream of a step whose gate opened leaves the gate's unclaimed children Pending,
+/// as their promotion did before gates (and as the memory store does): the step, reset and
+/// failing again, no longer skips them. Found in review: they waited behind the open gate, so
+/// the rerun's failure skipped them.
+#[tokio::test]
+async fn a_retry_downstream_of_an_opened_gate_leaves_its_children_pending() {
+    let db = TestDb::new().await;
+    let store = db.store(AppConfig::default(), 2).await;
+    let mut workflow = NewWorkflow::new("recovery fan-out");
+    // More urgent than the children, so that one-task claims take them first.
+    let failing = workflow.step(NewTask::new("report", json!("failing")).priority(-1), Join::All);
+    let recovery = workflow.step(NewTask::new("report", json!("recovery")).priority(-1), Join::All);
+    workflow.edge(failing, recovery, EdgePolicy::AllowFailed);
+    for i in 0..8 {
+        let child = workflow.step(NewTask::new("report", json!(i)), Join::All);
+        workflow.edge(recovery, child, EdgePolicy::RequireSuccess);
+    }
+    let submitted = store.submit_workflow(&workflow).await.unwrap();
+    let config = WorkerConfig { concurrency: 100, max_claim_batch: 1, ..WorkerConfig::default() };
+    let one = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    let config = WorkerConfig { concurrency: 100, ..WorkerConfig::default() };
+    let all = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    let failed = || FinishOutcome::Failed(canter::task::TaskError::new(canter::task::ErrorCode::TaskError, "no"));
+    let done = || FinishOutcome::Completed(json!(null));
+    assert_eq!(claim_and_finish(&store, &one, 0, failed()).await, [submitted.tasks[0]]);
+    // The recovery step completes: its children's gate opens; none of them is claimed yet.
+    assert_eq!(claim_and_finish(&store, &one, 1, done()).await, [submitted.tasks[1]]);
+    store.retry_workflow(submitted.workflow, true).await.unwrap();
+    // The failing step fails again, then the recovery step: its children were Pending already.
+    assert_eq!(claim_and_finish(&store, &one, 2, failed()).await, [submitted.tasks[0]]);
+    assert_eq!(claim_and_finish(&store, &one, 3, failed()).await, [submitted.tasks[1]]);
+    assert_eq!(claim_and_finish(&store, &all, 4, done()).await.len(), 8, "the children run");
+}

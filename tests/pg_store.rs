@@ -75,9 +75,10 @@ async fn migrate_is_idempotent_and_safe_when_many_run_at_once() {
         .await
         .unwrap();
     assert_eq!(
-        tables, 16,
+        tables, 17,
         "tasks, finished_tasks, task_keys, attempts, workers, queue_states, schedules, claim_locks, reaper_lock, \
-         _sqlx_migrations, schema_versions, listeners, waiting_workers, workflows, workflow_steps, workflow_edges"
+         _sqlx_migrations, schema_versions, listeners, waiting_workers, workflows, workflow_steps, workflow_edges, \
+         task_gates"
     );
     // The public list names exactly these, and the vacuumed ones are among them.
     let mut named: Vec<String> = sqlx::query_scalar("SELECT tablename::text FROM pg_tables WHERE schemaname = $1")

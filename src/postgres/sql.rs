@@ -711,18 +711,9 @@ WHERE x.gate = p.gate AND x.queue = p.queue
                   WHERE t.gate = p.gate AND hashtext(t.queue) = hashtext(p.queue) AND t.queue = p.queue
                     AND t.state = 'WAITING' AND t.id <> $1)";
 
-/// [`PROMOTE_OPENED`] for every step of workflow `$1`, before its cancel: then no row is left
-/// behind its open gates (a claim that held one took it), which are deleted.
-const PROMOTE_OPENED_STEPS: &str = "\
-WITH promoted AS (
-    UPDATE {s}.tasks t SET state = 'PENDING', run_at = greatest(t.run_at, g.opened_at), gate = NULL
-    FROM {s}.task_gates g
-    WHERE t.id = ANY (ARRAY(SELECT s.task_id FROM {s}.workflow_steps s WHERE s.workflow_id = $1))
-      AND t.state = 'WAITING' AND g.gate = t.gate AND g.queue = t.queue AND g.opened_at IS NOT NULL
-)
-DELETE FROM {s}.task_gates x
-WHERE x.gate = ANY (ARRAY(SELECT s.task_id FROM {s}.workflow_steps s WHERE s.workflow_id = $1))
-  AND x.opened_at IS NOT NULL";
+/// [`PROMOTE_OPENED`] for every step of workflow `$1`, before its cancel (the function of
+/// migration 0018, which its retry runs too).
+const PROMOTE_OPENED_STEPS: &str = "SELECT {s}.promote_opened_steps($1)";
 
 const CANCEL: &str = "\
 WITH gone AS (
@@ -745,8 +736,9 @@ SELECT g.id, g.state, g.claimed_by FROM gone g CROSS JOIN notified";
 /// each step's task id in step order with the workflow's id, or the refusal.
 ///
 /// A step gated on its parent (migration 0018: its one parent's completion readies it, it has
-/// no delay, run-at or good-until, and the parent has at least `canter.gate_min_children`
-/// (a session setting, 8 when unset) such children in its queue) is written with the
+/// no delay, run-at, good-until or flags, and the parent has at least
+/// `canter.gate_min_children` (a session setting, 8 when unset) such children in its queue,
+/// all of one priority) is written with the
 /// parent's id as its `gate`, beside one `task_gates` row per parent and queue. A gate costs
 /// about what promoting three children does (a row written at submit, at the opening and at
 /// the end, and the claims' visits: 12,500 diamonds of 4 steps, two children a gate, drained
@@ -757,7 +749,8 @@ WITH items AS (
     SELECT i.ord, i.name, i.queue, i.priority, i.args, i.retry, {s}.at_ms(i.good_until) AS good_until,
            {s}.due_at(i.delay, i.at, {s}.db_now()) AS run_at, string_to_array(i.flags, ',') AS flags,
            i.parents, i.required, i.sink,
-           i.delay IS NULL AND i.at IS NULL AND i.good_until IS NULL AND i.parents = 1 AND i.required = 1 AS gateable
+           i.delay IS NULL AND i.at IS NULL AND i.good_until IS NULL AND i.flags IS NULL AND i.parents = 1
+               AND i.required = 1 AS gateable
     FROM unnest($1::text[], $3::text[], $4::smallint[], $2::jsonb[], $5::bigint[], $6::bigint[], $7::bigint[],
                 $8::jsonb[], $9::text[], $10::integer[], $11::integer[], $12::boolean[])
          WITH ORDINALITY AS i(name, queue, priority, args, delay, at, good_until, retry, flags, parents, required,
@@ -780,8 +773,9 @@ numbered AS (
     FROM (SELECT it.* FROM items it WHERE NOT EXISTS (SELECT FROM refused) ORDER BY it.ord OFFSET 0) x
 ),
 -- Each edge with its ends' ids; `gated` when it is its child's one edge, does not allow
--- failure, the child can be claimed as soon as the parent completes, and enough of the
--- parent's children in the child's queue are so.
+-- failure, the child can be claimed by any worker of its queue as soon as the parent
+-- completes (no delay, run-at, good-until or flags), and enough of the parent's children in
+-- the child's queue are so, all of one priority (the gate's: claims order gates by it).
 edges_by_id AS (
     SELECT p.id AS parent, c.id AS child, e.allow_failed, c.parents = 1 AND c.required = 1 AS sole,
            c.gateable AND NOT e.allow_failed AS gateable, c.queue, c.priority
@@ -791,9 +785,10 @@ edges_by_id AS (
 ),
 linked AS (
     SELECT e.parent, e.child, e.allow_failed, e.sole, e.queue, e.priority,
-           e.gateable AND count(*) FILTER (WHERE e.gateable) OVER (PARTITION BY e.parent, e.queue)
-               >= coalesce(nullif(current_setting('canter.gate_min_children', true), '')::integer, 8) AS gated
+           e.gateable AND count(*) OVER w >= coalesce(nullif(current_setting('canter.gate_min_children', true), '')::integer, 8)
+               AND min(e.priority) OVER w = max(e.priority) OVER w AS gated
     FROM edges_by_id e
+    WINDOW w AS (PARTITION BY e.parent, e.queue, e.gateable)
 ),
 inserted AS (
     INSERT INTO {s}.tasks (id, name, queue, priority, args, state, run_at, enqueued_at, good_until, retry, flags, gate)
