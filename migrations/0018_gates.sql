@@ -360,9 +360,6 @@ BEGIN
     IF purged > 0 THEN
         RETURN;
     END IF;
-    -- Its steps behind open gates are Pending to the retry, as their promotion left them in
-    -- schema 17: a reset parent that fails again must not skip them.
-    PERFORM promote_opened_steps(p_workflow);
     -- A workflow whose steps all finished is no longer paused (nothing is left to hold), though
     -- its row may say so: a retry reopens it running.
     v_over := NOT EXISTS (SELECT FROM workflow_steps s JOIN tasks t ON t.id = s.task_id
@@ -383,6 +380,11 @@ BEGIN
           UNION
           SELECT b.id FROM below b WHERE EXISTS (SELECT FROM finished_tasks f WHERE f.id = b.id)) r;
     reset := cardinality(v_reset);
+    -- Its steps behind open gates are Pending to the retry, as their promotion left them in
+    -- schema 17: a reset parent that fails again must not skip them. After the reset steps are
+    -- chosen: a parent that completed since, opening its gate, is among them, and its gate is
+    -- seen here.
+    PERFORM promote_opened_steps(p_workflow);
 
     SELECT coalesce(array_agg(DISTINCT x.id ORDER BY x.id), '{}') INTO v_decide
     FROM (SELECT unnest(v_reset) AS id
@@ -400,7 +402,9 @@ BEGIN
     )
     -- A step whose gate has not opened yet (its parent is still to finish: the step was
     -- cancelled alone) waits behind it again; the parent's completion, which opens the gate,
-    -- promotes none of its gated children one by one.
+    -- promotes none of its gated children one by one. The gate's row is locked: a claim that
+    -- empties the gate meanwhile (this row is not visible to it yet) skips it rather than
+    -- deleting it, and a completion opening it waits for this retry.
     INSERT INTO tasks (id, name, queue, priority, args, state, lease, claimed_by, claim_token, claimed_at,
                        claim_expires_at, heartbeat_at, started_at, attempts, retries, run_at, enqueued_at,
                        good_until, retry, key, flags, error, gate)
@@ -408,7 +412,8 @@ BEGIN
     SELECT g.id, g.name, g.queue, g.priority, g.args, 'WAITING', g.lease, NULL, NULL, g.claimed_at, NULL, NULL,
            g.started_at, g.attempts, 0, g.run_at, g.enqueued_at, g.good_until, g.retry, g.key, g.flags, g.error,
            (SELECT e.parent FROM workflow_edges e JOIN task_gates x ON x.gate = e.parent AND x.queue = g.queue
-            WHERE e.child = g.id AND e.gated AND x.opened_at IS NULL)
+            WHERE e.child = g.id AND e.gated AND x.opened_at IS NULL
+            FOR SHARE OF x)
     FROM gone g;
 
     -- The reset steps and their children count their parents again: the finished ones (a
@@ -779,7 +784,7 @@ BEGIN
                 run_at = CASE WHEN t.state = 'WAITING'
                               THEN greatest(t.run_at, (SELECT o.opened_at
                                                        FROM unnest(v_seen_gates, v_seen_opened) AS o(gate, opened_at)
-                                                       WHERE o.gate = t.gate
+                                                       WHERE o.gate = t.gate AND o.opened_at IS NOT NULL
                                                        LIMIT 1))
                               ELSE t.run_at END,
                 gate = NULL

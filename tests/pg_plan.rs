@@ -609,3 +609,49 @@ async fn a_retry_downstream_of_an_opened_gate_leaves_its_children_pending() {
     assert_eq!(claim_and_finish(&store, &one, 3, failed()).await, [submitted.tasks[1]]);
     assert_eq!(claim_and_finish(&store, &all, 4, done()).await.len(), 8, "the children run");
 }
+
+/// A retry that writes a step back behind its parent's shut gate holds the gate's row until it
+/// commits: the parent's completion waits to open it. Found in review: the completion opened
+/// it at once, a claim emptied it of the rows it could see (the retried row was not visible
+/// yet) and deleted it, and the retried step was left WAITING behind a gate that was gone.
+#[tokio::test]
+async fn a_gate_a_retry_rejoins_outlives_a_claim_that_empties_it_meanwhile() {
+    let db = TestDb::new().await;
+    let store = Arc::new(db.store(AppConfig::default(), 3).await);
+    let mut workflow = NewWorkflow::new("fan-out");
+    let root = workflow.step(NewTask::new("report", json!(-1)), Join::All);
+    for i in 0..8 {
+        let child = workflow.step(NewTask::new("report", json!(i)), Join::All);
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+    }
+    let submitted = store.submit_workflow(&workflow).await.unwrap();
+    store.admin(&canter::store::AdminRequest::Cancel { task: submitted.tasks[1] }).await.unwrap();
+    let config = WorkerConfig { concurrency: 100, ..WorkerConfig::default() };
+    let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
+    let DbReply::Claimed { tasks: roots, .. } = store.execute(&pg::claim_by_w(0, &policy, 1)).await.unwrap() else {
+        panic!()
+    };
+    assert_eq!(roots.len(), 1, "the root");
+    // The retry writes the cancelled step back behind the root's shut gate, and stays open.
+    let mut retrying = db.pool(1).await.acquire().await.unwrap().detach();
+    sqlx::raw_sql("BEGIN").execute(&mut retrying).await.unwrap();
+    let retry = format!("SELECT known FROM {}.workflow_retry($1, false)", db.schema.quoted());
+    let known: bool =
+        sqlx::query_scalar(AssertSqlSafe(retry)).bind(submitted.workflow.0).fetch_one(&mut retrying).await.unwrap();
+    assert!(known);
+    // The root completes meanwhile (it waits for the retry to open the gate), and a claim takes
+    // what it can see.
+    let finishing = {
+        let store = Arc::clone(&store);
+        let finish = DbRequest::Finish { worker: WorkerId("w".into()), completions: completed(&roots) };
+        tokio::spawn(async move { store.execute(&finish).await.unwrap() })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut claimed = claim_and_complete(&store, &policy, 1).await;
+    sqlx::raw_sql("COMMIT").execute(&mut retrying).await.unwrap();
+    finishing.await.unwrap();
+    for token in 2..5 {
+        claimed += claim_and_complete(&store, &policy, token).await;
+    }
+    assert_eq!(claimed, 8, "every child ran, the retried one too");
+}
