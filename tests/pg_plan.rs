@@ -328,29 +328,52 @@ async fn writes_to_held_rows_read_only_their_own_key_entries_under_a_held_xmin()
 
 /// Every task of `tasks` completed.
 fn completed(tasks: &[canter::store::ClaimedTask]) -> Vec<Completion> {
+    finished(tasks, &FinishOutcome::Completed(json!(null)))
+}
+
+/// Each of `tasks` finished with `outcome`.
+fn finished(tasks: &[canter::store::ClaimedTask], outcome: &FinishOutcome) -> Vec<Completion> {
     tasks
         .iter()
-        .map(|t| Completion {
-            task: TaskLease { task: t.id, lease: t.lease },
-            outcome: FinishOutcome::Completed(json!(null)),
-            args: None,
-        })
+        .map(|t| Completion { task: TaskLease { task: t.id, lease: t.lease }, outcome: outcome.clone(), args: None })
         .collect()
 }
 
-/// Claims up to 1,000 tasks as worker `w` (claim `token`) and completes them: how many.
-async fn claim_and_complete(store: &PgStore, policy: &Arc<ClaimPolicy>, token: u64) -> usize {
+/// Claims what `policy` lets it (up to 1,000 tasks) as worker `w` (claim `token`) and finishes
+/// it all with `outcome`: the ids.
+async fn claim_and_finish(
+    store: &PgStore,
+    policy: &Arc<ClaimPolicy>,
+    token: u64,
+    outcome: FinishOutcome,
+) -> Vec<canter::task::TaskId> {
     let DbReply::Claimed { tasks, .. } = store.execute(&pg::claim_by_w(token, policy, 1_000)).await.unwrap() else {
         panic!()
     };
     if tasks.is_empty() {
-        return 0;
+        return Vec::new();
     }
-    let finish = DbRequest::Finish { worker: WorkerId("w".into()), completions: completed(&tasks) };
+    let finish = DbRequest::Finish { worker: WorkerId("w".into()), completions: finished(&tasks, &outcome) };
     let reply = store.execute(&finish).await.unwrap();
     let DbReply::Finished { applied, lost } = reply else { panic!("{reply:?}") };
     assert_eq!((applied.len(), lost.len()), (tasks.len(), 0));
-    applied.len()
+    tasks.iter().map(|t| t.id).collect()
+}
+
+/// Claims up to 1,000 tasks as worker `w` (claim `token`) and completes them: how many.
+async fn claim_and_complete(store: &PgStore, policy: &Arc<ClaimPolicy>, token: u64) -> usize {
+    claim_and_finish(store, policy, token, FinishOutcome::Completed(json!(null))).await.len()
+}
+
+/// A workflow of a root and `children` steps that need it.
+fn fan_out(children: usize) -> NewWorkflow {
+    let mut workflow = NewWorkflow::new("fan-out");
+    let root = workflow.step(NewTask::new("report", json!({"n": -1})), Join::All);
+    for i in 0..children {
+        let child = workflow.step(NewTask::new("report", json!({ "n": i })), Join::All);
+        workflow.edge(root, child, EdgePolicy::RequireSuccess);
+    }
+    workflow
 }
 
 /// The finish of a step settles its children in the same statement: it must read the
@@ -362,13 +385,7 @@ async fn settling_a_finish_reads_only_the_finished_steps_own_edges() {
     const CHILDREN: usize = 5_000;
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 2).await;
-    let mut workflow = NewWorkflow::new("fan-out");
-    let root = workflow.step(NewTask::new("report", json!({"n": -1})), Join::All);
-    for i in 0..CHILDREN {
-        let child = workflow.step(NewTask::new("report", json!({"n": i})), Join::All);
-        workflow.edge(root, child, EdgePolicy::RequireSuccess);
-    }
-    store.submit_workflow(&workflow).await.unwrap();
+    store.submit_workflow(&fan_out(CHILDREN)).await.unwrap();
     let config = WorkerConfig { concurrency: 1_000, ..WorkerConfig::default() };
     let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));
     // The root: its finish reads its edges and promotes the children.
@@ -540,13 +557,7 @@ async fn a_wide_fan_outs_children_wait_behind_a_gate_the_claim_opens() {
 async fn a_gated_step_cancelled_and_retried_before_its_parent_completes_still_runs() {
     let db = TestDb::new().await;
     let store = db.store(AppConfig::default(), 2).await;
-    let mut workflow = NewWorkflow::new("fan-out");
-    let root = workflow.step(NewTask::new("report", json!(-1)), Join::All);
-    for i in 0..8 {
-        let child = workflow.step(NewTask::new("report", json!(i)), Join::All);
-        workflow.edge(root, child, EdgePolicy::RequireSuccess);
-    }
-    let submitted = store.submit_workflow(&workflow).await.unwrap();
+    let submitted = store.submit_workflow(&fan_out(8)).await.unwrap();
     store.admin(&canter::store::AdminRequest::Cancel { task: submitted.tasks[1] }).await.unwrap();
     store.retry_workflow(submitted.workflow, false).await.unwrap();
     let config = WorkerConfig { concurrency: 100, ..WorkerConfig::default() };
@@ -554,26 +565,6 @@ async fn a_gated_step_cancelled_and_retried_before_its_parent_completes_still_ru
     assert_eq!(claim_and_complete(&store, &policy, 0).await, 1, "the root");
     assert_eq!(claim_and_complete(&store, &policy, 1).await, 8, "every child, the retried one too");
     assert_eq!(claim_and_complete(&store, &policy, 2).await, 0);
-}
-
-/// Claims what `policy` lets it as worker `w` (claim `token`) and finishes it all with
-/// `outcome`: the ids.
-async fn claim_and_finish(
-    store: &PgStore,
-    policy: &Arc<ClaimPolicy>,
-    token: u64,
-    outcome: FinishOutcome,
-) -> Vec<canter::task::TaskId> {
-    let DbReply::Claimed { tasks, .. } = store.execute(&pg::claim_by_w(token, policy, 100)).await.unwrap() else {
-        panic!()
-    };
-    let completions = tasks
-        .iter()
-        .map(|t| Completion { task: TaskLease { task: t.id, lease: t.lease }, outcome: outcome.clone(), args: None })
-        .collect();
-    let reply = store.execute(&DbRequest::Finish { worker: WorkerId("w".into()), completions }).await.unwrap();
-    assert!(matches!(reply, DbReply::Finished { .. }), "{reply:?}");
-    tasks.iter().map(|t| t.id).collect()
 }
 
 /// A retry downstream of a step whose gate opened leaves the gate's unclaimed children Pending,
@@ -618,13 +609,7 @@ async fn a_retry_downstream_of_an_opened_gate_leaves_its_children_pending() {
 async fn a_gate_a_retry_rejoins_outlives_a_claim_that_empties_it_meanwhile() {
     let db = TestDb::new().await;
     let store = Arc::new(db.store(AppConfig::default(), 3).await);
-    let mut workflow = NewWorkflow::new("fan-out");
-    let root = workflow.step(NewTask::new("report", json!(-1)), Join::All);
-    for i in 0..8 {
-        let child = workflow.step(NewTask::new("report", json!(i)), Join::All);
-        workflow.edge(root, child, EdgePolicy::RequireSuccess);
-    }
-    let submitted = store.submit_workflow(&workflow).await.unwrap();
+    let submitted = store.submit_workflow(&fan_out(8)).await.unwrap();
     store.admin(&canter::store::AdminRequest::Cancel { task: submitted.tasks[1] }).await.unwrap();
     let config = WorkerConfig { concurrency: 100, ..WorkerConfig::default() };
     let policy = Arc::new(ClaimPolicy::from_config(store.app(), &config));

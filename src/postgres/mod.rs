@@ -10,8 +10,9 @@
 //! All objects live in one schema (default [`DEFAULT_SCHEMA`], see [`PgSchema`]), created by
 //! [`migrate`] from the embedded [`MIGRATOR`]:
 //!
-//! - `tasks`: live tasks only (Pending, Claimed, Running), with partial indexes that match the
-//!   claim exactly (`(hashtext(queue), priority, run_at, id) WHERE state = 'PENDING'`, and
+//! - `tasks`: live tasks only (Waiting workflow steps, Pending, Claimed, Running), with partial
+//!   indexes that match the claim exactly (`(hashtext(queue), priority, run_at, id) WHERE state
+//!   = 'PENDING'`, Waiting rows behind gates by `(gate, hashtext(queue), priority, id)`, and
 //!   in-flight rows by `(queue, state, claim_expires_at)`), fillfactor 70 and aggressive
 //!   autovacuum, and workers' own vacuum where the server does not keep up (see
 //!   [`DbRequest::Vacuum`](crate::store::DbRequest::Vacuum));

@@ -738,8 +738,8 @@ SELECT g.id, g.state, g.claimed_by FROM gone g CROSS JOIN notified";
 /// A step gated on its parent (migration 0018: its one parent's completion readies it, it has
 /// no delay, run-at, good-until or flags, and the parent has at least
 /// `canter.gate_min_children` (a session setting, 8 when unset) such children in its queue,
-/// all of one priority) is written with the
-/// parent's id as its `gate`, beside one `task_gates` row per parent and queue. A gate costs
+/// all of one priority) is written with the parent's id as its `gate`, beside one
+/// `task_gates` row per parent and queue. A gate costs
 /// about what promoting three children does (a row written at submit, at the opening and at
 /// the end, and the claims' visits: 12,500 diamonds of 4 steps, two children a gate, drained
 /// 8% slower gated), so a parent of a few children promotes them. Ids are drawn in step
