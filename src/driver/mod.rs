@@ -172,7 +172,7 @@ where
         while let Some(command) = worker.poll_command() {
             match command {
                 Command::Db { op, request } => {
-                    let (kind, items) = (request.kind(), request.items());
+                    let (kind, items) = (request_label(&request), request.items());
                     let reply = store.execute(request);
                     let sent = runtime.now();
                     let timeout = sleep_after(&*runtime, sent, options.request_timeout);
@@ -343,6 +343,12 @@ pub fn read_config_unchecked(path: &std::path::Path) -> Result<crate::config::Co
     let text = std::fs::read_to_string(path)
         .map_err(|e| crate::config::LoadError::Io { path: path.to_path_buf(), message: e.to_string() })?;
     crate::config::Config::parse_file_text(path, &text)
+}
+
+/// What the counters and traces call a request: its kind, with urgent claims apart from the
+/// passes (one row or a few, where a pass may bring thousands), so their round trip shows.
+fn request_label(request: &DbRequest) -> &'static str {
+    if request.is_urgent_claim() { "urgent_claim" } else { request.kind() }
 }
 
 /// A sleep until `from + wait`. A wait past the clock's range (`Duration::MAX`, a huge

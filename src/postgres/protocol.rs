@@ -28,10 +28,7 @@ impl PgStore {
         // machine resolves with its fencing.
         // VACUUM refuses to run in a transaction; a purge runs each batch in its own.
         let own_transaction = !matches!(request, DbRequest::Vacuum { .. } | DbRequest::Purge { .. });
-        let lane = match request {
-            DbRequest::Claim { policy, .. } if policy.max_priority.is_some() => Lane::Urgent,
-            _ => Lane::Shared,
-        };
+        let lane = if request.is_urgent_claim() { Lane::Urgent } else { Lane::Shared };
         let reply: Result<DbReply, RequestError> = replayed!(@lane lane, @transaction own_transaction, self, Replay::IfNotApplied, |conn| async {
             self.run(conn, request).await.map_err(RequestError::Sent)
         });

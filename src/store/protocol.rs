@@ -393,6 +393,12 @@ impl DbRequest {
         }
     }
 
+    /// Whether this is a claim of announced urgent tasks alone (its policy bounds the
+    /// priority): the small claim that overtakes a buffer, sent on a connection of its own.
+    pub fn is_urgent_claim(&self) -> bool {
+        matches!(self, DbRequest::Claim { policy, .. } if policy.max_priority.is_some())
+    }
+
     /// A short name for logs and traces.
     pub fn kind(&self) -> &'static str {
         match self {

@@ -77,6 +77,7 @@ use std::time::Duration;
 
 use canter_tokio::canter::config::Config;
 use canter_tokio::canter::driver::wakeups::{NatsWakeups, RabbitMqWakeups, WakeupProvider};
+use canter_tokio::canter::driver::{REQUEST_SECONDS_BUCKETS, RequestStats};
 use canter_tokio::canter::postgres::PgSchema;
 use serde_json::{Value, json};
 use sqlx::PgPool;
@@ -612,6 +613,9 @@ struct Sample {
     core_wait: Option<[f64; 2]>,
     /// What each drained no-op awaited, in ms (`--task-wait-ms`), when it awaited anything.
     task_wait_ms: Option<u64>,
+    /// The worker's urgent claims during the run, from its counters: how many, their mean
+    /// round trip in ms, and the share of them that took over 5 ms.
+    urgent_claims: Option<(u64, f64, f64)>,
 }
 
 impl Sample {
@@ -634,6 +638,7 @@ impl Sample {
             wal_bytes: None,
             core_wait: None,
             task_wait_ms: None,
+            urgent_claims: None,
         }
     }
 
@@ -684,6 +689,11 @@ impl Sample {
         }
         if let Some(wait) = self.task_wait_ms {
             line["task_wait_ms"] = json!(wait);
+        }
+        if let Some((count, mean_ms, over_5ms)) = self.urgent_claims {
+            line["urgent_claims"] = json!(count);
+            line["urgent_claim_mean_ms"] = json!(round(mean_ms, 3));
+            line["urgent_claims_over_5ms"] = json!(round(over_5ms, 3));
         }
         if let Some((dashboards, reads, read_ms)) = self.dashboards {
             line["dashboards"] = json!(dashboards);
@@ -935,6 +945,16 @@ async fn session_pids(pool: &PgPool) -> Vec<u32> {
 
 /// Milliseconds waited for a core per millisecond on one, from `before` to `after` (threads
 /// born in between count from their start), or `None` with nothing measured.
+/// How many urgent claims `requests` (a worker's counters) holds, their mean round trip in
+/// ms, and the share of them over 5 ms (a bound of the counters' buckets); `None` without any.
+fn urgent_claims(requests: &BTreeMap<&'static str, RequestStats>) -> Option<(u64, f64, f64)> {
+    let urgent = requests.get("urgent_claim").filter(|r| r.count > 0)?;
+    let within = REQUEST_SECONDS_BUCKETS.iter().position(|&bound| bound == 0.005)?;
+    let fast: u64 = urgent.seconds_buckets[..=within].iter().sum();
+    let count = urgent.count as f64;
+    Some((urgent.count, urgent.seconds_sum * 1e3 / count, (urgent.count - fast) as f64 / count))
+}
+
 fn core_wait_ratio(before: &CoreTimes, after: &CoreTimes) -> Option<f64> {
     let (mut ran, mut waited) = (0u64, 0u64);
     for (tid, (r, w)) in after {
@@ -1337,6 +1357,12 @@ fn table(samples: &[Sample], options: &Options) -> String {
                 row("under load", &format!("{whose} core wait/run"), wait, None, 2, String::new());
             }
         }
+        let mean = med("latency_under_load", Mode::Canter, &|s: &Sample| s.urgent_claims.map(|u| u.1));
+        if mean.is_some() {
+            row("under load", "urgent claim mean ms", mean, None, 3, String::new());
+            let over = med("latency_under_load", Mode::Canter, &|s: &Sample| s.urgent_claims.map(|u| u.2 * 100.0));
+            row("under load", "urgent claims > 5 ms %", over, None, 1, String::new());
+        }
     }
     let history = (med("history", Mode::Canter, &rate), med("history", Mode::Raw, &rate));
     if history.0.is_some() || history.1.is_some() {
@@ -1491,6 +1517,19 @@ mod tests {
         assert_eq!(median(vec![3.0, 1.0, 2.0]), Some(2.0));
         assert_eq!(median(vec![4.0, 1.0, 2.0, 3.0]), Some(2.5));
         assert_eq!(median(vec![]), None);
+    }
+
+    #[test]
+    fn urgent_claims_read_the_counters_buckets() {
+        let counters = canter_tokio::canter::driver::Counters::new();
+        assert_eq!(urgent_claims(&counters.requests()), None);
+        counters.record_request("claim", Duration::from_millis(40), 2_000, true);
+        for ms in [1, 2, 3, 7] {
+            counters.record_request("urgent_claim", Duration::from_millis(ms), 1, true);
+        }
+        let (count, mean_ms, over_5ms) = urgent_claims(&counters.requests()).expect("four urgent claims");
+        assert_eq!((count, over_5ms), (4, 0.25), "one of four took over 5 ms");
+        assert!((mean_ms - 3.25).abs() < 1e-9, "{mean_ms}");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use canter_tokio::canter::config::AppConfig;
 use canter_tokio::canter::driver::Handlers;
 use canter_tokio::canter::driver::isolation::{IsolatedTasks, Isolation, IsolationOptions, ProcessPool};
 use canter_tokio::canter::driver::wakeups::WakeupProvider;
-use canter_tokio::canter::driver::{Registry, WorkerService};
+use canter_tokio::canter::driver::{Counters, Registry, WorkerService};
 use canter_tokio::canter::postgres::{PgSchema, PgStore, enqueue_many_in, register_listener, submit_workflow_in};
 use canter_tokio::canter::store::DbTime;
 use canter_tokio::canter::store::{DbRequest, NewTask, NewWorkflow, WorkerInfo};
@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use super::{
     BenchError, Broker, Options, Paced, Sample, Scratch, Workload, checkpoint, connect, core_times, core_wait_ratio,
-    failed, session_pids, steady, task_args, wal_position, wal_since,
+    failed, session_pids, steady, task_args, urgent_claims, wal_position, wal_since,
 };
 use crate::errln;
 use canter_tokio::TokioRuntime;
@@ -611,6 +611,7 @@ struct Stamp {
 /// clock starts.
 struct InProcessWorker {
     runtime: tokio::runtime::Runtime,
+    counters: Arc<Counters>,
     stop: futures::channel::oneshot::Sender<()>,
     serve: tokio::task::JoinHandle<Result<(), sqlx::Error>>,
 }
@@ -640,6 +641,7 @@ impl InProcessWorker {
         service.migrate = false;
         service.wakeups = wakeups;
         service.isolation = isolation;
+        let counters = service.counters.clone();
         let url = super::named_url(&scratch.url);
         let serve = runtime.spawn(async move {
             let pool = canter_tokio::connect(&url, config.pool_size())?;
@@ -650,7 +652,7 @@ impl InProcessWorker {
             pool.close().await;
             Ok::<_, sqlx::Error>(())
         });
-        let worker = InProcessWorker { runtime, stop, serve };
+        let worker = InProcessWorker { runtime, counters, stop, serve };
         let schema = store.schema();
         let sql = format!("SELECT count(*) FROM {}.workers WHERE stopped_at IS NULL", schema.quoted());
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -788,6 +790,7 @@ async fn latency_under_load(options: &Options, scratch: &Scratch, store: &PgStor
         let bench = core_wait_ratio(&cores_before.1, &core_times(&own));
         let mut sample = paced.sample(scratch.mode, &stamps).await?;
         sample.core_wait = db.zip(bench).map(|(db, bench)| [db, bench]);
+        sample.urgent_claims = urgent_claims(&worker.counters.requests());
         sample.workload = "latency_under_load";
         sample.task_wait_ms = u64::try_from(options.task_wait.as_millis()).ok().filter(|&ms| ms > 0);
         sample.tasks = n;
