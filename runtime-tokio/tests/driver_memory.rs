@@ -99,13 +99,18 @@ struct Cluster {
 }
 
 fn cluster(workers: usize, config: WorkerConfig) -> Cluster {
+    cluster_with(app(), workers, config, DriverOptions::default())
+}
+
+/// `workers` workers of `app` and `config` over one memory store, each driven with `options`.
+fn cluster_with(app: AppConfig, workers: usize, config: WorkerConfig, options: DriverOptions) -> Cluster {
     let runtime = Arc::new(TokioRuntime);
     let clock = runtime.clone();
-    let backend = MemoryBackend::new(MemoryStore::new(app()), DbTime(1_700_000_000_000), move || clock.now());
+    let backend = MemoryBackend::new(MemoryStore::new(app.clone()), DbTime(1_700_000_000_000), move || clock.now());
     let events = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut cluster = Cluster { backend: backend.clone(), shutdowns: Vec::new(), workers: Vec::new(), events };
     for i in 0..workers {
-        let worker = Worker::new(WorkerId(format!("w{i}")), app(), config.clone(), runtime.now()).unwrap();
+        let worker = Worker::new(WorkerId(format!("w{i}")), app.clone(), config.clone(), runtime.now()).unwrap();
         let (shutdown_tx, shutdown_rx) = futures::channel::mpsc::unbounded();
         let inputs = futures::stream::select(backend.subscribe(), shutdown_rx);
         let events = cluster.events.clone();
@@ -116,7 +121,7 @@ fn cluster(workers: usize, config: WorkerConfig) -> Cluster {
             backend.clone(),
             registry().bind(runtime.clone()),
             inputs,
-            DriverOptions::default(),
+            options.clone(),
             Some(observer),
         ));
         cluster.shutdowns.push(shutdown_tx);
@@ -320,50 +325,37 @@ async fn an_ended_input_stream_shuts_the_worker_down_without_spinning() {
 /// counters (the metrics' `kind` label) keep its round trip apart from the passes'.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn urgent_claims_are_counted_apart_from_the_passes() {
-    let runtime = Arc::new(TokioRuntime);
-    let clock = runtime.clone();
     let app = AppConfig { prefetch_buffer: 8, claim_lease_ms: Some(60_000), ..app() };
-    let backend = MemoryBackend::new(MemoryStore::new(app.clone()), DbTime(1_700_000_000_000), move || clock.now());
+    let config = WorkerConfig { concurrency: 1, ..WorkerConfig::default() };
+    let counters = Arc::new(driver::Counters::new());
+    let options = DriverOptions { counters: Some(counters.clone()), ..DriverOptions::default() };
+    let cluster = cluster_with(app, 1, config, options);
     // A backlog the one handler works through slowly, most of it buffered.
-    let backlog = backend.with_store(|store, now| {
+    let backlog = cluster.backend.with_store(|store, now| {
         let tasks = (0..10).map(|_| NewTask::new("sleep", json!({"ms": 100}))).collect();
         store.enqueue_many(tasks, now).unwrap()
     });
-    let config = WorkerConfig { concurrency: 1, ..WorkerConfig::default() };
-    let worker = Worker::new(WorkerId("w0".into()), app, config, runtime.now()).unwrap();
-    let (announce, announced) = futures::channel::mpsc::unbounded();
-    let inputs = futures::stream::select(backend.subscribe(), announced);
-    let counters = Arc::new(driver::Counters::new());
-    let options = DriverOptions { counters: Some(counters.clone()), ..DriverOptions::default() };
-    let handle = tokio::spawn(driver::run(
-        worker,
-        runtime.clone(),
-        backend.clone(),
-        registry().bind(runtime.clone()),
-        inputs,
-        options,
-        None,
-    ));
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while counters.snapshot().stats.claimed < 2 {
         assert!(tokio::time::Instant::now() < deadline, "the backlog was not claimed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let urgent = backend.with_store(|store, now| {
+    let urgent = cluster.backend.with_store(|store, now| {
         store.enqueue_many(vec![NewTask::new("double", json!({"n": 21})).priority(-1)], now).unwrap()[0]
     });
-    announce.unbounded_send(Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None }).unwrap();
-    while !backend.with_store(|store, _| store.get(urgent).unwrap().state.is_terminal()) {
+    let announced = Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None };
+    cluster.shutdowns[0].unbounded_send(announced).unwrap();
+    while !cluster.backend.with_store(|store, _| store.get(urgent).unwrap().state.is_terminal()) {
         assert!(tokio::time::Instant::now() < deadline, "the urgent task did not run");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let pending = backend
+    let pending = cluster
+        .backend
         .with_store(|store, _| backlog.iter().filter(|id| !store.get(**id).unwrap().state.is_terminal()).count());
     assert!(pending > 0, "the urgent task ran after the whole backlog, not beside it");
     let requests = counters.requests();
     let urgent_claims = requests.get("urgent_claim").map_or(0, |r| r.count);
     assert!(urgent_claims >= 1, "no urgent claim counted apart: {:?}", requests.keys().collect::<Vec<_>>());
     assert!(requests.get("claim").is_some_and(|r| r.count >= 1), "the passes are counted as claims");
-    announce.unbounded_send(Input::Shutdown).unwrap();
-    tokio::time::timeout(Duration::from_secs(10), handle).await.expect("drained").unwrap();
+    cluster.shutdown().await;
 }
