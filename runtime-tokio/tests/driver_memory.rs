@@ -321,18 +321,20 @@ async fn an_ended_input_stream_shuts_the_worker_down_without_spinning() {
     assert!(sleeps < 100, "the driver spun: {sleeps} timers in about 300 ms");
 }
 
-/// An announced urgent task is claimed by a small claim of its own beside the buffer, and the
-/// counters (the metrics' `kind` label) keep its round trip apart from the passes'.
+/// An announced urgent task is claimed by a small claim of its own beside the buffer, starts
+/// before the tasks buffered ahead of it, and the counters (the metrics' `kind` label) keep
+/// that claim apart from the passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn urgent_claims_are_counted_apart_from_the_passes() {
-    let app = AppConfig { prefetch_buffer: 8, claim_lease_ms: Some(60_000), ..app() };
+    let app = AppConfig { prefetch_buffer: 16, claim_lease_ms: Some(60_000), ..app() };
     let config = WorkerConfig { concurrency: 1, ..WorkerConfig::default() };
     let counters = Arc::new(driver::Counters::new());
     let options = DriverOptions { counters: Some(counters.clone()), ..DriverOptions::default() };
     let cluster = cluster_with(app, 1, config, options);
-    // A backlog the one handler works through slowly, most of it buffered.
+    // Two slow tasks the first pass takes whole, one to run and one to buffer: it leaves no
+    // floor behind, so no sweep below one goes out.
     let backlog = cluster.backend.with_store(|store, now| {
-        let tasks = (0..10).map(|_| NewTask::new("sleep", json!({"ms": 100}))).collect();
+        let tasks = (0..2).map(|_| NewTask::new("sleep", json!({"ms": 300}))).collect();
         store.enqueue_many(tasks, now).unwrap()
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -345,17 +347,25 @@ async fn urgent_claims_are_counted_apart_from_the_passes() {
     });
     let announced = Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None };
     cluster.shutdowns[0].unbounded_send(announced).unwrap();
-    while !cluster.backend.with_store(|store, _| store.get(urgent).unwrap().state.is_terminal()) {
-        assert!(tokio::time::Instant::now() < deadline, "the urgent task did not run");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    let pending = cluster
-        .backend
-        .with_store(|store, _| backlog.iter().filter(|id| !store.get(**id).unwrap().state.is_terminal()).count());
-    assert!(pending > 0, "the urgent task ran after the whole backlog, not beside it");
+    cluster.wait_terminal(&[urgent, backlog[0], backlog[1]], Duration::from_secs(10)).await;
+    let started: Vec<TaskId> = cluster
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter_map(|e| match e {
+            Event::Started { task, .. } => Some(*task),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(started, vec![backlog[0], urgent, backlog[1]], "the urgent task overtook the buffered one");
     let requests = counters.requests();
-    let urgent_claims = requests.get("urgent_claim").map_or(0, |r| r.count);
-    assert!(urgent_claims >= 1, "no urgent claim counted apart: {:?}", requests.keys().collect::<Vec<_>>());
-    assert!(requests.get("claim").is_some_and(|r| r.count >= 1), "the passes are counted as claims");
+    assert_eq!(
+        requests.get("urgent_claim").map(|r| (r.count, r.tasks_sum)),
+        Some((1, 1)),
+        "one urgent claim, of the one urgent task, counted apart: {:?}",
+        requests.keys().collect::<Vec<_>>()
+    );
+    assert_eq!(requests.get("claim").map(|r| r.tasks_sum), Some(2), "the pass is counted as a claim");
     cluster.shutdown().await;
 }

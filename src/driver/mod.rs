@@ -345,8 +345,9 @@ pub fn read_config_unchecked(path: &std::path::Path) -> Result<crate::config::Co
     crate::config::Config::parse_file_text(path, &text)
 }
 
-/// What the counters and traces call a request: its kind, with urgent claims apart from the
-/// passes (one row or a few, where a pass may bring thousands), so their round trip shows.
+/// What the counters and traces call a request: its kind, with the claims bounded by priority
+/// ([`DbRequest::is_urgent_claim`]) apart from the passes (a few rows, where a pass may bring
+/// thousands), so their round trip shows.
 fn request_label(request: &DbRequest) -> &'static str {
     if request.is_urgent_claim() { "urgent_claim" } else { request.kind() }
 }

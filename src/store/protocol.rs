@@ -393,8 +393,9 @@ impl DbRequest {
         }
     }
 
-    /// Whether this is a claim of announced urgent tasks alone (its policy bounds the
-    /// priority): the small claim that overtakes a buffer, sent on a connection of its own.
+    /// Whether this is a claim bounded by priority: the small claim beside the passes for
+    /// announced tasks more urgent than the buffer, or for what waits below a pass's floor. It
+    /// goes on a connection of its own.
     pub fn is_urgent_claim(&self) -> bool {
         matches!(self, DbRequest::Claim { policy, .. } if policy.max_priority.is_some())
     }
