@@ -342,11 +342,10 @@ async fn urgent_claims_are_counted_apart_from_the_passes() {
         assert!(tokio::time::Instant::now() < deadline, "the backlog was not claimed");
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // The enqueue announces its priority (the memory store's notification).
     let urgent = cluster.backend.with_store(|store, now| {
         store.enqueue_many(vec![NewTask::new("double", json!({"n": 21})).priority(-1)], now).unwrap()[0]
     });
-    let announced = Input::Notified { queue: "default".into(), priority: Some(-1), run_at: None };
-    cluster.shutdowns[0].unbounded_send(announced).unwrap();
     cluster.wait_terminal(&[urgent, backlog[0], backlog[1]], Duration::from_secs(10)).await;
     let started: Vec<TaskId> = cluster
         .events
@@ -360,10 +359,11 @@ async fn urgent_claims_are_counted_apart_from_the_passes() {
         .collect();
     assert_eq!(started, vec![backlog[0], urgent, backlog[1]], "the urgent task overtook the buffered one");
     let requests = counters.requests();
-    assert_eq!(
-        requests.get("urgent_claim").map(|r| (r.count, r.tasks_sum)),
-        Some((1, 1)),
-        "one urgent claim, of the one urgent task, counted apart: {:?}",
+    // The urgent task is the one task the urgent claims took.
+    let urgent_claims = requests.get("urgent_claim").map(|r| (r.count, r.tasks_sum));
+    assert!(
+        urgent_claims.is_some_and(|(count, tasks)| count >= 1 && tasks == 1),
+        "the urgent task's claim counted apart: {urgent_claims:?} of {:?}",
         requests.keys().collect::<Vec<_>>()
     );
     assert_eq!(requests.get("claim").map(|r| r.tasks_sum), Some(2), "the pass is counted as a claim");
