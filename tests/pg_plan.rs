@@ -631,7 +631,18 @@ async fn a_gate_a_retry_rejoins_outlives_a_claim_that_empties_it_meanwhile() {
         let finish = DbRequest::Finish { worker: WorkerId("w".into()), completions: completed(&roots) };
         tokio::spawn(async move { store.execute(&finish).await.unwrap() })
     };
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until the finish waits on the retry's lock (its statement names this test's schema).
+    let waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND position($1 in query) > 0";
+    let observer = db.pool(1).await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let n: i64 = sqlx::query_scalar(waiting).bind(db.schema.quoted()).fetch_one(&observer).await.unwrap();
+        if n > 0 {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "the root's finish never waited for the retry");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     let mut claimed = claim_and_complete(&store, &policy, 1).await;
     sqlx::raw_sql("COMMIT").execute(&mut retrying).await.unwrap();
     finishing.await.unwrap();

@@ -4,6 +4,7 @@
 use serde_json::Value;
 
 use crate::postgres::replay::{Replay, replay_error_with_unknown_outcome, replayed};
+use crate::postgres::sql::Statements;
 use crate::postgres::store::{PgStore, db_time, duration, error_json, parse_state};
 use crate::store::RunAt;
 use crate::store::{
@@ -30,6 +31,12 @@ pub enum PgAdminError {
 }
 
 replay_error_with_unknown_outcome!(PgAdminError);
+
+/// Promotes task `id` if it waits behind an open gate (migration 0018), so that the statement
+/// after it on `conn` acts on the row as the Pending one readers see.
+async fn promote_opened(sql: &Statements, conn: &mut sqlx::PgConnection, id: TaskId) -> Result<(), sqlx::Error> {
+    sql.promote_opened.query().bind(id.0).execute(conn).await.map(|_| ())
+}
 
 impl PgStore {
     /// Applies an operator's action (see [`AdminRequest`] for what each does and replies),
@@ -76,7 +83,7 @@ impl PgStore {
         let error = error_json(&TaskError::new(ErrorCode::TaskCancelled, TASK_CANCELLED_MESSAGE))?;
         let done: Option<(i64, String, Option<String>)> =
             replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
-                sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+                promote_opened(sql, conn, id).await?;
                 sql.cancel
                     .query_as()
                     .bind(id.0)
@@ -139,7 +146,7 @@ impl PgStore {
         let sql = self.schema().sql();
         let row: Option<(String, i64, Option<i64>, bool)> =
             replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
-                sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+                promote_opened(sql, conn, id).await?;
                 sql.reschedule
                     .query_as()
                     .bind(id.0)
@@ -176,7 +183,7 @@ impl PgStore {
     ) -> Result<(), PgAdminError> {
         let sql = self.schema().sql();
         let done: Option<i64> = replayed!(self, Replay::IfNotApplied, PgAdminError, |conn| async {
-            sql.promote_opened.query().bind(id.0).execute(&mut *conn).await?;
+            promote_opened(sql, conn, id).await?;
             sql.finish_by_hand
                 .query_scalar()
                 .bind(id.0)
